@@ -1,0 +1,322 @@
+"""Public entry points of the FP4 numerics: `quantize`, `dequantize`, `fake_quantize`.
+
+Each takes ``backend="auto" | "reference" | "triton"``: "reference" is the pure-torch definition
+(`kernels.reference`), "triton" the fused kernels (`kernels.triton_kernels`, bit-identical to the reference),
+"auto" picks Triton when x is on CUDA and Triton imports, else the reference. Triton on CPU runs only under
+``TRITON_INTERPRET=1`` (that is how the tests exercise it).
+
+Layouts (x of shape ``[..., D]``, B = 16 for NVFP4, 32 for MXFP4; D must be a multiple of B)::
+
+    codes  uint8 [..., D/2]   two E2M1 codes per byte, element 2i in the low nibble
+    scales uint8 [..., D/B]   raw E4M3FN bits (NVFP4) or E8M0 bits (MXFP4)
+    hints  uint8 [..., D/8]   LSB of each code, value 8j+b -> bit b of byte j
+    global_scale  float32 0-d tensor (NVFP4 only)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from . import reference as ref
+from .constants import BACKENDS, BLOCK_SIZES, FORMATS, HINTS_PER_BYTE, MXFP4_SCALE_RULES, STE_MODES
+from .errors import BackendError, DTypeError, FormatError, ShapeError
+from .packing import unpack_codes, unpack_hints
+
+__all__ = ["QuantizedFP4", "quantize", "dequantize", "fake_quantize", "compute_global_scale", "resolve_backend"]
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class QuantizedFP4:
+    """Result of `quantize`: the packed FP4 tensor of an input of shape ``[..., D]``.
+
+    codes_u8:     uint8 [..., D/2]  (two E2M1 codes per byte, element 2i low nibble)
+    scales_u8:    uint8 [..., D/B]  (E4M3FN bits for NVFP4, E8M0 bits for MXFP4)
+    hints_packed: uint8 [..., D/8] or None (when quantized with ``emit_hints=False``)
+    global_scale: float32 0-d tensor for NVFP4, None for MXFP4
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    hints: torch.Tensor | None
+    global_scale: torch.Tensor | None
+    fmt: str
+
+    @property
+    def shape(self) -> torch.Size:
+        """Shape of the unquantized tensor."""
+        return torch.Size((*self.codes.shape[:-1], self.codes.shape[-1] * 2))
+
+    @property
+    def block_size(self) -> int:
+        return BLOCK_SIZES[self.fmt]
+
+    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return dequantize(self, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# argument checks
+# ---------------------------------------------------------------------------------------------------------
+def _check_fmt(fmt: str) -> int:
+    if fmt not in FORMATS:
+        raise FormatError(f"fmt must be one of {FORMATS}; got {fmt!r}")
+    return BLOCK_SIZES[fmt]
+
+
+def _check_x(x: torch.Tensor, fmt: str, name: str = "x") -> int:
+    if not isinstance(x, torch.Tensor):
+        raise DTypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise DTypeError(f"{name} must be one of {FLOAT_DTYPES}; got {x.dtype}")
+    block = _check_fmt(fmt)
+    if x.dim() == 0 or x.shape[-1] % block != 0:
+        raise ShapeError(
+            f"{name} must have a last dimension that is a multiple of the {fmt} block size {block}; "
+            f"got shape {tuple(x.shape)}"
+        )
+    return block
+
+
+def _check_rule(scale_rule: str) -> None:
+    if scale_rule not in MXFP4_SCALE_RULES:
+        raise FormatError(f"scale_rule must be one of {MXFP4_SCALE_RULES}; got {scale_rule!r}")
+
+
+def _as_u8(t: torch.Tensor, name: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise DTypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    if t.dtype == torch.uint8:
+        return t
+    if t.dtype.itemsize == 1 and t.dtype not in (torch.bool,):
+        return t.view(torch.uint8)  # e.g. torch.float8_e4m3fn / float8_e8m0fnu / int8 holding raw bits
+    raise DTypeError(f"{name} must be uint8 (raw bits) or a 1-byte dtype; got {t.dtype}")
+
+
+def _check_aux(t: torch.Tensor, name: str, x_shape: torch.Size, per: int) -> torch.Tensor:
+    t = _as_u8(t, name)
+    want = (*x_shape[:-1], x_shape[-1] // per)
+    if tuple(t.shape) != want:
+        raise ShapeError(f"{name} must have shape {want} for x of shape {tuple(x_shape)}; got {tuple(t.shape)}")
+    return t
+
+
+def _global_scale(global_scale, fmt: str, device: torch.device, x: torch.Tensor | None) -> torch.Tensor | None:
+    """The fp32 0-d global scale on `device` (NVFP4), or None (MXFP4)."""
+    if fmt == "mxfp4":
+        if global_scale is None:
+            return None
+        gv = float(global_scale) if not isinstance(global_scale, torch.Tensor) else None
+        if gv == 1.0 or (gv is None and global_scale.numel() == 1 and float(global_scale) == 1.0):
+            return None
+        raise FormatError(f"mxfp4 takes no global scale (None or 1.0); got {global_scale!r}")
+    if global_scale is None:
+        if x is None:
+            raise FormatError("nvfp4 needs the global_scale that the codes/scales were made with; got None")
+        return ref.global_scale_ref(x)
+    if isinstance(global_scale, torch.Tensor):
+        if global_scale.numel() != 1 or not global_scale.dtype.is_floating_point:
+            raise ShapeError(
+                f"global_scale must be a floating tensor with one element; got dtype {global_scale.dtype}, "
+                f"shape {tuple(global_scale.shape)}"
+            )
+        return global_scale.detach().reshape(()).to(device=device, dtype=torch.float32)
+    gv = float(global_scale)
+    if not (gv > 0.0 and gv < float("inf")):
+        raise FormatError(f"global_scale must be a positive finite number; got {global_scale!r}")
+    return torch.tensor(gv, dtype=torch.float32, device=device)
+
+
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """The backend that will run for tensors on `device`: "reference" or "triton"."""
+    if backend not in BACKENDS:
+        raise BackendError(f"backend must be one of {BACKENDS}; got {backend!r}")
+    if backend == "reference":
+        return "reference"
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and _triton_importable() else "reference"
+    if not _triton_importable():
+        raise BackendError("backend='triton' needs the triton package, which is not importable here")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise BackendError(
+            f"backend='triton' needs a CUDA tensor or TRITON_INTERPRET=1 in the environment; got device {device}"
+        )
+    return "triton"
+
+
+def _triton():
+    from . import triton_kernels
+
+    return triton_kernels
+
+
+def compute_global_scale(x: torch.Tensor) -> torch.Tensor:
+    """Dynamic NVFP4 global scale of x (fp32 0-d): max(amax/2688, 2^-118) over finite values, 1.0 if amax == 0."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
+        raise DTypeError(f"x must be a tensor of one of {FLOAT_DTYPES}; got {getattr(x, 'dtype', type(x))}")
+    return ref.global_scale_ref(x)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# quantize / dequantize
+# ---------------------------------------------------------------------------------------------------------
+def quantize(
+    x: torch.Tensor,
+    fmt: str = "nvfp4",
+    global_scale: torch.Tensor | float | None = None,
+    backend: str = "auto",
+    *,
+    scale_rule: str = "floor",
+    emit_hints: bool = True,
+) -> QuantizedFP4:
+    """Quantize x [..., D] (bf16/fp16/fp32) to FP4: codes, block scales, hint bits (and NVFP4 global scale).
+
+    global_scale (NVFP4): the per-site fp32 scale g; None computes it from x (max(amax/2688, 2^-118) over
+    finite values, 1.0 when amax == 0). MXFP4 takes none. scale_rule (MXFP4): "floor" (OCP) or "rceil".
+    """
+    block = _check_x(x, fmt)
+    _check_rule(scale_rule)
+    g = _global_scale(global_scale, fmt, x.device, x)
+    be = resolve_backend(backend, x.device)
+    lead, d = x.shape[:-1], x.shape[-1]
+    xb = x.reshape(-1, block)  # [NB, B]
+    if be == "triton":
+        codes, scales, hints = _triton().quantize_blocks_triton(xb, fmt, g, scale_rule, emit_hints)
+    else:
+        codes, scales, hints = ref.quantize_blocks_ref(xb, fmt, g, scale_rule, emit_hints)
+    return QuantizedFP4(
+        codes=codes.reshape(*lead, d // 2),
+        scales=scales.reshape(*lead, d // block),
+        hints=None if hints is None else hints.reshape(*lead, d // HINTS_PER_BYTE),
+        global_scale=g,
+        fmt=fmt,
+    )
+
+
+def dequantize(
+    q: QuantizedFP4 | torch.Tensor,
+    scales: torch.Tensor | None = None,
+    *,
+    fmt: str | None = None,
+    global_scale: torch.Tensor | float | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Dequantize to ``dtype``: ``sign * (E2M1[code] * s) * g`` in fp32, then cast.
+
+    Either ``dequantize(q)`` with a `QuantizedFP4`, or ``dequantize(codes, scales, fmt=..., global_scale=...)``
+    with packed codes [..., D/2] and scale bytes [..., D/B]. The reference runs on every backend (dequantize
+    is not a hot path of the trainer)."""
+    if isinstance(q, QuantizedFP4):
+        codes, scales, fmt, g = q.codes, q.scales, q.fmt, q.global_scale
+    else:
+        if scales is None or fmt is None:
+            raise FormatError("dequantize(codes, scales, fmt=...) needs scales and fmt when codes is a tensor")
+        codes = _as_u8(q, "codes")
+        g = None
+    block = _check_fmt(fmt)
+    if dtype not in FLOAT_DTYPES:
+        raise DTypeError(f"dtype must be one of {FLOAT_DTYPES}; got {dtype}")
+    resolve_backend(backend, codes.device)
+    if codes.dim() == 0:
+        raise ShapeError(f"codes must have at least one dimension; got shape {tuple(codes.shape)}")
+    shape = torch.Size((*codes.shape[:-1], codes.shape[-1] * 2))
+    if shape[-1] % block != 0:
+        raise ShapeError(f"codes of shape {tuple(codes.shape)} hold {shape[-1]} values per row, "
+                         f"not a multiple of the {fmt} block size {block}")
+    scales = _check_aux(scales, "scales", shape, block)
+    if g is None:
+        g = _global_scale(global_scale, fmt, codes.device, None)
+    out = ref.dequantize_blocks_ref(unpack_codes(codes).reshape(-1, block), scales.reshape(-1), fmt, g, dtype)
+    return out.reshape(shape)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# fake quantize (autograd: straight-through)
+# ---------------------------------------------------------------------------------------------------------
+class _FakeQuantizeFn(torch.autograd.Function):
+    """Forward: FP4 fake quantization (RTN or hint-guided). Backward: straight-through; with ste="clip" the
+    gradient is zeroed where |x * r| > 6 (computed from the same scales as the forward)."""
+
+    @staticmethod
+    def forward(ctx, x, g, scales_u8, hints_u8, fmt, backend, scale_rule, ste):
+        block = BLOCK_SIZES[fmt]
+        xb = x.reshape(-1, block)  # [NB, B]
+        sb = None if scales_u8 is None else scales_u8.reshape(-1)  # [NB]
+        if backend == "triton":
+            hb = None if hints_u8 is None else hints_u8.reshape(-1, block // HINTS_PER_BYTE)
+            out, sb_used = _triton().fake_quantize_blocks_triton(xb, fmt, g, sb, hb, scale_rule, ste == "clip")
+        else:
+            hb = None if hints_u8 is None else unpack_hints(hints_u8.reshape(-1, block // HINTS_PER_BYTE))
+            if sb is None:
+                sb = ref.scales_ref(xb.float(), fmt, g, scale_rule)
+            out = ref.fake_quantize_blocks_ref(xb, fmt, g, sb, hb, scale_rule)
+            sb_used = sb
+        ctx.ste, ctx.fmt, ctx.backend = ste, fmt, backend
+        if ste == "clip":
+            ctx.save_for_backward(x, g, sb_used)
+        return out.reshape(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if ctx.ste == "identity":
+            return grad_out, None, None, None, None, None, None, None
+        x, g, sb = ctx.saved_tensors
+        block = BLOCK_SIZES[ctx.fmt]
+        xb = x.reshape(-1, block)
+        gb = grad_out.contiguous().reshape(-1, block)
+        if ctx.backend == "triton":
+            grad = _triton().fake_quantize_bwd_blocks_triton(gb, xb, ctx.fmt, g, sb)
+        else:
+            grad = ref.fake_quantize_bwd_blocks_ref(gb, xb, ctx.fmt, g, sb)
+        return grad.reshape(x.shape), None, None, None, None, None, None, None
+
+
+def fake_quantize(
+    x: torch.Tensor,
+    fmt: str = "nvfp4",
+    global_scale: torch.Tensor | float | None = None,
+    scales: torch.Tensor | None = None,
+    hints: torch.Tensor | None = None,
+    backend: str = "auto",
+    *,
+    scale_rule: str = "floor",
+    ste: str = "identity",
+) -> torch.Tensor:
+    """FP4 fake quantization of x [..., D] (bf16/fp16/fp32), output in x.dtype, differentiable.
+
+    - ``scales=None, hints=None``: round to nearest (ties to even) with scales computed from x (NVFP4 global
+      scale from x when ``global_scale`` is None);
+    - ``scales`` given: round to nearest with the rollout's scales (NVFP4 then needs its ``global_scale``);
+    - ``scales`` and ``hints`` given: hint-guided rounding (see NUMERICS.md).
+
+    Backward: straight-through. ``ste="identity"`` (default) passes the gradient unchanged; ``ste="clip"``
+    zeroes it where |x * r| > 6 (values beyond the FP4 range).
+    """
+    block = _check_x(x, fmt)
+    _check_rule(scale_rule)
+    if ste not in STE_MODES:
+        raise FormatError(f"ste must be one of {STE_MODES}; got {ste!r}")
+    if hints is not None and scales is None:
+        raise FormatError("hint-guided fake quantization needs the rollout's scales with the hints; got scales=None")
+    if scales is not None and fmt == "nvfp4" and global_scale is None:
+        raise FormatError("nvfp4 with the rollout's scales needs the rollout's global_scale; got None")
+    g = _global_scale(global_scale, fmt, x.device, x)
+    if scales is not None:
+        scales = _check_aux(scales, "scales", x.shape, block).to(x.device)
+    if hints is not None:
+        hints = _check_aux(hints, "hints", x.shape, HINTS_PER_BYTE).to(x.device)
+    be = resolve_backend(backend, x.device)
+    return _FakeQuantizeFn.apply(x.contiguous(), g, scales, hints, fmt, be, scale_rule, ste)
