@@ -1,7 +1,9 @@
 """Triton kernels of the FP4 numerics, bit-identical to `kernels.reference` (imported lazily by `kernels.api`).
 
 Three kernels, each over a flat view of the input as NB blocks of B values (B = 16 NVFP4, 32 MXFP4; rows are
-whole numbers of blocks, so block k is simply elements [kB, (k+1)B) and every program owns BN whole blocks):
+whole numbers of blocks, so block k is simply elements [kB, (k+1)B) and every program owns BN whole blocks).
+A program's tile is [BN, G, 8] with G = B/8: the last axis of 8 values is one hint byte and one 32-bit word of
+packed codes, so packing is an in-thread reduction and the 8 values are one 16-byte load for 16-bit inputs:
 
 - `_quantize_kernel`:   x [NB, B] -> codes [NB, B/2], scale bytes [NB], hint bytes [NB, B/8]
 - `_fake_quant_kernel`: x [NB, B] (+ scale bytes, hint bytes) -> out [NB, B] in x.dtype (RTN or hint-guided)
@@ -89,10 +91,10 @@ def _mx_exponent(amax, RCEIL: tl.constexpr):
 
 @triton.jit
 def _own_scale(x, g_ptr, IS_NV: tl.constexpr, RCEIL: tl.constexpr):
-    """Scale byte (int32) per block of fp32 blocks x [BN, B]; amax over finite |x| (NaN/Inf ignored)."""
+    """Scale byte (int32) per block of fp32 blocks x [BN, G, 8]; amax over finite |x| (NaN/Inf ignored)."""
     ax = tl.abs(x)
     afin = tl.where(ax < float("inf"), ax, 0.0)  # NaN < inf is False
-    amax = tl.max(afin, axis=1)  # [BN]
+    amax = tl.max(tl.max(afin, axis=2), axis=1)  # [BN]
     if IS_NV:
         sbyte = _e4m3_scale_byte(amax, tl.load(g_ptr))
     else:
@@ -143,44 +145,49 @@ def _to_bf16_rne(val):
 @triton.jit
 def _quantize_kernel(
     x_ptr, codes_ptr, scales_ptr, hints_ptr, g_ptr, NB,
-    B: tl.constexpr, BN: tl.constexpr, IS_NV: tl.constexpr, RCEIL: tl.constexpr, EMIT_HINTS: tl.constexpr,
+    G: tl.constexpr, BN: tl.constexpr, IS_NV: tl.constexpr, RCEIL: tl.constexpr, EMIT_HINTS: tl.constexpr,
 ):
+    # Tile [BN, G, 8]: BN blocks of G groups of 8 values (B = 8G). One group of 8 values gives one hint byte
+    # and one 32-bit word of codes (value i of the group in nibble i: little-endian, so element 2i is the low
+    # nibble of byte i), so packing is a reduction over the last axis, which stays inside a thread.
     pid = tl.program_id(0)
     blk = pid.to(tl.int64) * BN + tl.arange(0, BN)  # [BN]
     bmask = blk < NB
-    col = tl.arange(0, B)
-    x = tl.load(x_ptr + blk[:, None] * B + col[None, :], mask=bmask[:, None], other=0.0).to(tl.float32)  # [BN, B]
+    grp = tl.arange(0, G)
+    lane = tl.arange(0, 8)
+    gidx = blk[:, None] * G + grp[None, :]  # [BN, G] group index
+    offs = gidx[:, :, None] * 8 + lane[None, None, :]  # [BN, G, 8]
+    x = tl.load(x_ptr + offs, mask=bmask[:, None, None], other=0.0).to(tl.float32)
     sbyte = _own_scale(x, g_ptr, IS_NV, RCEIL)  # [BN]
     _, r, _ = _scale_factor(sbyte, g_ptr, IS_NV)
-    v = x * r[:, None]
+    v = x * r[:, None, None]
     mag = _rne_magnitude(v)
     neg = (x.to(tl.int32, bitcast=True) < 0) & (x == x)
-    code = mag | (neg.to(tl.int32) << 3)  # [BN, B]
-    lo, hi = tl.split(tl.reshape(code, (BN, B // 2, 2)))
-    packed = (lo | (hi << 4)).to(tl.uint8)  # [BN, B/2]
-    ccol = tl.arange(0, B // 2)
-    tl.store(codes_ptr + blk[:, None] * (B // 2) + ccol[None, :], packed, mask=bmask[:, None])
+    code = (mag | (neg.to(tl.int32) << 3)).to(tl.uint32)  # [BN, G, 8]
+    word = tl.sum(code << (lane[None, None, :] * 4).to(tl.uint32), axis=2)  # [BN, G]; disjoint bits: sum == or
+    gmask = bmask[:, None]
+    tl.store(codes_ptr + gidx, word.to(tl.int32, bitcast=True), mask=gmask)
     tl.store(scales_ptr + blk, sbyte.to(tl.uint8), mask=bmask)
     if EMIT_HINTS:
-        bit = tl.reshape(code & 1, (BN, B // 8, 8))
-        w = 1 << tl.arange(0, 8)
-        hbyte = tl.sum(bit * w[None, None, :], axis=2).to(tl.uint8)  # [BN, B/8]
-        hcol = tl.arange(0, B // 8)
-        tl.store(hints_ptr + blk[:, None] * (B // 8) + hcol[None, :], hbyte, mask=bmask[:, None])
+        hbyte = tl.sum((code & 1) << lane[None, None, :].to(tl.uint32), axis=2)  # [BN, G]
+        tl.store(hints_ptr + gidx, hbyte.to(tl.uint8), mask=gmask)
 
 
 @triton.jit
 def _fake_quant_kernel(
     x_ptr, out_ptr, scales_ptr, hints_ptr, g_ptr, scales_out_ptr, NB,
-    B: tl.constexpr, BN: tl.constexpr, IS_NV: tl.constexpr, RCEIL: tl.constexpr,
+    G: tl.constexpr, BN: tl.constexpr, IS_NV: tl.constexpr, RCEIL: tl.constexpr,
     HAS_SCALES: tl.constexpr, HAS_HINTS: tl.constexpr, STORE_SCALES: tl.constexpr, OUT_BF16: tl.constexpr,
 ):
     pid = tl.program_id(0)
     blk = pid.to(tl.int64) * BN + tl.arange(0, BN)  # [BN]
     bmask = blk < NB
-    col = tl.arange(0, B)
-    offs = blk[:, None] * B + col[None, :]  # [BN, B]
-    x_in = tl.load(x_ptr + offs, mask=bmask[:, None], other=0.0)
+    grp = tl.arange(0, G)
+    lane = tl.arange(0, 8)
+    gidx = blk[:, None] * G + grp[None, :]  # [BN, G]
+    offs = gidx[:, :, None] * 8 + lane[None, None, :]  # [BN, G, 8]
+    mask3 = bmask[:, None, None]
+    x_in = tl.load(x_ptr + offs, mask=mask3, other=0.0)
     x = x_in.to(tl.float32)
     if HAS_SCALES:
         sbyte = tl.load(scales_ptr + blk, mask=bmask, other=0).to(tl.int32)
@@ -189,42 +196,43 @@ def _fake_quant_kernel(
         if STORE_SCALES:
             tl.store(scales_out_ptr + blk, sbyte.to(tl.uint8), mask=bmask)
     s, r, g = _scale_factor(sbyte, g_ptr, IS_NV)
-    v = x * r[:, None]
+    v = x * r[:, None, None]
     if HAS_HINTS:
-        # hint bit of value i: bit (i % 8) of byte i // 8 (8 lanes share one byte; it is one transaction)
-        hbyte = tl.load(hints_ptr + (offs >> 3), mask=bmask[:, None], other=0).to(tl.int32)
-        hint = (hbyte >> (col[None, :] & 7)) & 1
+        hbyte = tl.load(hints_ptr + gidx, mask=bmask[:, None], other=0).to(tl.int32)  # [BN, G]
+        hint = (hbyte[:, :, None] >> lane[None, None, :]) & 1  # [BN, G, 8]
         a = tl.minimum(tl.abs(v), 6.0)
         k = (a >= 0.5).to(tl.int32) + (a >= 1.0).to(tl.int32) + (a >= 1.5).to(tl.int32)
         k += (a >= 2.0).to(tl.int32) + (a >= 3.0).to(tl.int32) + (a >= 4.0).to(tl.int32)
         mag = tl.where((k & 1) == hint, k, k + 1)
     else:
         mag = _rne_magnitude(v)
-    out = (_e2m1_value(mag) * s[:, None]) * g
+    out = (_e2m1_value(mag) * s[:, None, None]) * g
     out = _flip_sign(out, x.to(tl.int32, bitcast=True) < 0)
     out = tl.where(x != x, x, out)  # NaN propagates
     if OUT_BF16:
-        tl.store(out_ptr + offs, _to_bf16_rne(out), mask=bmask[:, None])
+        tl.store(out_ptr + offs, _to_bf16_rne(out), mask=mask3)
     else:
-        tl.store(out_ptr + offs, out.to(x_in.dtype), mask=bmask[:, None])
+        tl.store(out_ptr + offs, out.to(x_in.dtype), mask=mask3)
 
 
 @triton.jit
 def _fake_quant_bwd_kernel(
-    grad_ptr, x_ptr, scales_ptr, g_ptr, out_ptr, NB, B: tl.constexpr, BN: tl.constexpr, IS_NV: tl.constexpr,
+    grad_ptr, x_ptr, scales_ptr, g_ptr, out_ptr, NB, G: tl.constexpr, BN: tl.constexpr, IS_NV: tl.constexpr,
 ):
     pid = tl.program_id(0)
     blk = pid.to(tl.int64) * BN + tl.arange(0, BN)
     bmask = blk < NB
-    col = tl.arange(0, B)
-    offs = blk[:, None] * B + col[None, :]
-    grad = tl.load(grad_ptr + offs, mask=bmask[:, None], other=0.0)
-    x = tl.load(x_ptr + offs, mask=bmask[:, None], other=0.0).to(tl.float32)
+    grp = tl.arange(0, G)
+    lane = tl.arange(0, 8)
+    offs = (blk[:, None] * G + grp[None, :])[:, :, None] * 8 + lane[None, None, :]  # [BN, G, 8]
+    mask3 = bmask[:, None, None]
+    grad = tl.load(grad_ptr + offs, mask=mask3, other=0.0)
+    x = tl.load(x_ptr + offs, mask=mask3, other=0.0).to(tl.float32)
     sbyte = tl.load(scales_ptr + blk, mask=bmask, other=0).to(tl.int32)
     _, r, _ = _scale_factor(sbyte, g_ptr, IS_NV)
-    v = x * r[:, None]
+    v = x * r[:, None, None]
     out = tl.where(tl.abs(v) > 6.0, tl.zeros_like(grad), grad)
-    tl.store(out_ptr + offs, out, mask=bmask[:, None])
+    tl.store(out_ptr + offs, out, mask=mask3)
 
 
 def _g_arg(g: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -252,8 +260,8 @@ def quantize_blocks_triton(
     if nb:
         bn, warps = _cfg("quantize", config)
         _quantize_kernel[(triton.cdiv(nb, bn),)](
-            xb, codes, scales, hints if emit_hints else codes, _g_arg(g, dev), nb,
-            B=b, BN=bn, IS_NV=fmt == "nvfp4", RCEIL=scale_rule == "rceil", EMIT_HINTS=emit_hints,
+            xb, codes.view(torch.int32), scales, hints if emit_hints else codes, _g_arg(g, dev), nb,
+            G=b // 8, BN=bn, IS_NV=fmt == "nvfp4", RCEIL=scale_rule == "rceil", EMIT_HINTS=emit_hints,
             num_warps=warps,
         )
     return codes, scales, hints
@@ -282,7 +290,7 @@ def fake_quantize_blocks_triton(
             hints_packed.contiguous() if hints_packed is not None else dummy,
             _g_arg(g, dev),
             scales_out if store_scales else dummy,
-            nb, B=b, BN=bn, IS_NV=fmt == "nvfp4", RCEIL=scale_rule == "rceil",
+            nb, G=b // 8, BN=bn, IS_NV=fmt == "nvfp4", RCEIL=scale_rule == "rceil",
             HAS_SCALES=has_scales, HAS_HINTS=hints_packed is not None, STORE_SCALES=store_scales,
             OUT_BF16=xb.dtype == torch.bfloat16, num_warps=warps,
         )
@@ -302,6 +310,6 @@ def fake_quantize_bwd_blocks_triton(
         bn, warps = _cfg("fake_quant_bwd", config)
         _fake_quant_bwd_kernel[(triton.cdiv(nb, bn),)](
             grad_b, xb, scales_u8.contiguous(), _g_arg(g, xb.device), out, nb,
-            B=b, BN=bn, IS_NV=fmt == "nvfp4", num_warps=warps,
+            G=b // 8, BN=bn, IS_NV=fmt == "nvfp4", num_warps=warps,
         )
     return out
