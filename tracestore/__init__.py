@@ -1,1 +1,48 @@
-"""tracestore."""
+"""tracestore: store, stream and replay FP4 rollout quantization hints (TRACE) on local disk or S3.
+
+Quick start::
+
+    import tracestore as ts
+    store = ts.create_store("/tmp/hints", [ts.Site("layer20.moe_in", 2048)])
+    with store.writer() as w:
+        w.write("traj-0", 0, hints={...}, scales={...}, token_ids=ids, logprobs=lps)
+    batch = store.reader().read("traj-0", 0, 128, fmt="torch")
+
+The on-disk format is specified in ``schemas/FORMAT.md``.
+"""
+
+from ._format import FORMAT_VERSION, SUPPORTED_FORMAT_VERSIONS
+from .backend import Backend, ByteRange, ObjectInfo, open_backend
+from .errors import (
+    BackendError,
+    DTypeError,
+    HintNotFoundError,
+    IntegrityError,
+    InvalidIdError,
+    ObjectNotFoundError,
+    OverlapError,
+    SchemaVersionError,
+    ShapeError,
+    SnapshotError,
+    StoreExistsError,
+    StoreNotFoundError,
+    TraceStoreError,
+    UnknownSiteError,
+)
+from .maintenance import GcReport, VerifyReport, collect_garbage, info, verify
+from .reader import CommittedRecord, Reader, Stream, TraceBatch, TrajectoryInfo, read_record
+from .store import Site, Snapshot, Store, create_store, open_store
+from .writer import Writer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FORMAT_VERSION", "SUPPORTED_FORMAT_VERSIONS",
+    "Site", "Store", "Snapshot", "create_store", "open_store",
+    "Writer", "Reader", "Stream", "TraceBatch", "TrajectoryInfo", "CommittedRecord", "read_record",
+    "verify", "collect_garbage", "info", "VerifyReport", "GcReport",
+    "Backend", "ByteRange", "ObjectInfo", "open_backend",
+    "TraceStoreError", "SchemaVersionError", "IntegrityError", "HintNotFoundError", "OverlapError",
+    "InvalidIdError", "ShapeError", "DTypeError", "UnknownSiteError", "StoreExistsError", "StoreNotFoundError",
+    "SnapshotError", "BackendError", "ObjectNotFoundError",
+]

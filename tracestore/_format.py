@@ -1,0 +1,90 @@
+"""Format constants and id validation (one place; ``schemas/FORMAT.md`` is the normative description)."""
+
+from __future__ import annotations
+
+import re
+
+from schemas import FORMAT_VERSION, SUPPORTED_FORMAT_VERSIONS
+
+from .errors import InvalidIdError
+
+__all__ = ["FORMAT_VERSION", "SUPPORTED_FORMAT_VERSIONS"]  # re-exported: written / readable versions
+#: ``format`` field of the manifest
+FORMAT_NAME = "tracestore"
+
+MANIFEST_KEY = "tracestore.json"
+LOG_PREFIX = "log/"
+DATA_PREFIX = "data/"
+#: log entry keys: ``log/<seq, 12 zero-padded decimal digits>.arrow`` so that lexical order is log order
+LOG_DIGITS = 12
+LOG_SUFFIX = ".arrow"
+#: temporary objects written by the local backend before an atomic rename/link; never part of the format
+PARTIAL_SUFFIX = ".partial"
+
+#: schema-metadata keys of a log entry (Arrow IPC file)
+ENTRY_META_KEY = b"tracestore.entry"
+ENTRY_CRC_KEY = b"tracestore.crc32c"
+
+#: ids: trajectory ids, writer ids, site names, MoE layer names
+ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}"
+_ID_RE = re.compile(ID_PATTERN)
+#: site / layer names also become zarr node names (``hints.<site>``): no ':' to stay portable
+NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}"
+_NAME_RE = re.compile(NAME_PATTERN)
+
+FP4_FORMATS = {"nvfp4": 16, "mxfp4": 32}
+SITE_KINDS = ("activation", "weight", "kv", "other")
+
+DEFAULT_CHUNK_ROWS = 1024
+DEFAULT_SHARD_BYTES = 16 << 20
+DEFAULT_GC_GRACE_S = 3600.0
+
+
+def log_key(seq: int) -> str:
+    return f"{LOG_PREFIX}{seq:0{LOG_DIGITS}d}{LOG_SUFFIX}"
+
+
+def parse_log_key(key: str) -> int | None:
+    """``log/000000000042.arrow`` -> 42; anything else (``.partial`` files, strays) -> None."""
+    if not key.startswith(LOG_PREFIX) or not key.endswith(LOG_SUFFIX):
+        return None
+    body = key[len(LOG_PREFIX) : -len(LOG_SUFFIX)]
+    if len(body) != LOG_DIGITS or not body.isdigit():
+        return None
+    return int(body)
+
+
+def _describe(value: object) -> str:
+    text = repr(value)
+    if len(text) <= 80:
+        return text
+    size = f" ({len(value)} chars)" if isinstance(value, str) else ""
+    return f"{text[:60]}...{size}"
+
+
+def check_id(value: object, what: str = "trajectory id") -> str:
+    """Validate a trajectory/writer id: ``[A-Za-z0-9][A-Za-z0-9._:-]{0,199}`` and no ``..``.
+
+    Raises:
+        InvalidIdError: anything else (not a str, empty, too long, ``/``, ``..``, NUL, whitespace ...).
+    """
+    if not isinstance(value, str):
+        raise InvalidIdError(f"{what} must be a str, got {type(value).__name__} {_describe(value)}")
+    if not _ID_RE.fullmatch(value) or ".." in value:
+        raise InvalidIdError(
+            f"invalid {what} {_describe(value)}: allowed are 1-200 characters of [A-Za-z0-9._:-], "
+            f"starting with a letter or digit, without '..'"
+        )
+    return value
+
+
+def check_name(value: object, what: str = "site name") -> str:
+    """Validate a site or MoE layer name: ``[A-Za-z0-9][A-Za-z0-9._-]{0,99}`` and no ``..``."""
+    if not isinstance(value, str):
+        raise InvalidIdError(f"{what} must be a str, got {type(value).__name__} {_describe(value)}")
+    if not _NAME_RE.fullmatch(value) or ".." in value:
+        raise InvalidIdError(
+            f"invalid {what} {_describe(value)}: allowed are 1-100 characters of [A-Za-z0-9._-], "
+            f"starting with a letter or digit, without '..'"
+        )
+    return value

@@ -1,0 +1,243 @@
+"""Local-directory backend (the embedded default)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+from ._format import PARTIAL_SUFFIX
+from .backend import Backend, ByteRange, Data, ObjectInfo, _check_key
+from .errors import BackendError, ObjectNotFoundError
+
+
+_IOV_MAX = 512
+
+
+def _write_all(fd: int, data: Data) -> None:
+    """Write bytes or a gather list of buffers to ``fd`` with ``os.writev`` (no user-space concatenation)."""
+    parts = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
+    views = [memoryview(p).cast("B") if isinstance(p, memoryview) else memoryview(p) for p in parts]
+    views = [v for v in views if len(v)]
+    while views:
+        batch = views[:_IOV_MAX]
+        n = os.writev(fd, batch)
+        # drop fully written buffers, trim a partially written one
+        k = 0
+        while k < len(batch) and n >= len(batch[k]):
+            n -= len(batch[k])
+            k += 1
+        views = views[k:]
+        if n:
+            views[0] = views[0][n:]
+
+
+class LocalBackend(Backend):
+    """Objects are files below ``root``; atomic writes go through ``.<name>.<uuid>.partial`` files.
+
+    ``put`` renames the finished partial file over the target (``os.replace``); ``put_if_absent`` hard-links
+    it to the target (``os.link`` fails with EEXIST if the target exists), then removes the partial file. A
+    process killed in between leaves only a ``.partial`` file, which readers ignore and ``gc`` removes.
+    Durability against power loss is not promised unless ``fsync=True`` (SIGKILL of a writer is covered
+    either way: finished writes live in the page cache).
+    """
+
+    def __init__(self, root: str | os.PathLike, *, fsync: bool = False):
+        self.root = Path(os.path.abspath(os.path.expanduser(os.fspath(root))))
+        self.url = str(self.root)
+        self.fsync = bool(fsync)
+        self._dirs: set[str] = set()
+
+    def _path(self, key: str) -> str:
+        _check_key(key)
+        return os.path.join(self.url, key)
+
+    def _wrap(self, e: OSError, key: str) -> BackendError:
+        if isinstance(e, FileNotFoundError):
+            return ObjectNotFoundError(f"object {key!r} not found in {self.url}")
+        return BackendError(f"I/O error on {key!r} in {self.url}: {e}")
+
+    def get(self, key: str) -> bytes:
+        try:
+            with open(self._path(key), "rb") as f:
+                return f.read()
+        except OSError as e:
+            raise self._wrap(e, key) from e
+
+    def get_range(self, key: str, start: int, stop: int) -> bytes:
+        try:
+            with open(self._path(key), "rb") as f:
+                f.seek(start)
+                return f.read(max(0, stop - start))
+        except OSError as e:
+            raise self._wrap(e, key) from e
+
+    def get_ranges(self, ranges: Sequence[ByteRange]) -> list[bytes]:
+        out: list[bytes] = []
+        handle = None
+        current = None
+        try:
+            for r in ranges:
+                if r.key != current:
+                    if handle is not None:
+                        handle.close()
+                    current = r.key
+                    handle = open(self._path(r.key), "rb")
+                handle.seek(r.start)
+                out.append(handle.read(max(0, r.stop - r.start)))
+        except OSError as e:
+            raise self._wrap(e, current or "") from e
+        finally:
+            if handle is not None:
+                handle.close()
+        return out
+
+    def readinto_ranges(self, requests) -> list[int]:
+        counts: list[int] = []
+        fd = -1
+        current = None
+        try:
+            for r, bufs in requests:
+                if r.key != current:
+                    if fd >= 0:
+                        os.close(fd)
+                        fd = -1
+                    current = r.key
+                    fd = os.open(self._path(r.key), os.O_RDONLY)
+                views = [memoryview(b).cast("B") for b in bufs]
+                total, offset = 0, r.start
+                while views:
+                    n = os.preadv(fd, views[:_IOV_MAX], offset)
+                    if n <= 0:
+                        break
+                    total += n
+                    offset += n
+                    k = 0
+                    while k < len(views) and n >= len(views[k]):
+                        n -= len(views[k])
+                        k += 1
+                    views = views[k:]
+                    if n:
+                        views[0] = views[0][n:]
+                counts.append(total)
+        except OSError as e:
+            raise self._wrap(e, current or "") from e
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        return counts
+
+    def _mkdirs(self, directory: str) -> None:
+        if directory not in self._dirs:
+            os.makedirs(directory, exist_ok=True)
+            self._dirs.add(directory)
+
+    def _write_partial(self, path: str, data: Data) -> str:
+        directory, name = os.path.split(path)
+        self._mkdirs(directory)
+        tmp = os.path.join(directory, f".{name}.{uuid.uuid4().hex}{PARTIAL_SUFFIX}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _write_all(fd, data)
+            if self.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        return tmp
+
+    def put(self, key: str, data: Data) -> None:
+        path = self._path(key)
+        try:
+            tmp = self._write_partial(path, data)
+            os.replace(tmp, path)
+        except OSError as e:
+            raise self._wrap(e, key) from e
+
+    def put_many(self, items, *, atomic: bool = True) -> None:
+        """Write many objects; ``atomic=False`` writes fresh objects in place (``O_EXCL``, no rename), for
+        objects nobody reads before something else (a log entry) references them."""
+        if atomic:
+            for key, data in items.items():
+                self.put(key, data)
+            return
+        for key, data in items.items():
+            path = self._path(key)
+            try:
+                self._mkdirs(os.path.dirname(path))
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                try:
+                    _write_all(fd, data)
+                    if self.fsync:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                raise self._wrap(e, key) from e
+
+    def put_if_absent(self, key: str, data: Data) -> bool:
+        path = self._path(key)
+        try:
+            tmp = self._write_partial(path, data)
+        except OSError as e:
+            raise self._wrap(e, key) from e
+        try:
+            os.link(tmp, path)
+            return True
+        except FileExistsError:
+            return False
+        except OSError as e:
+            if e.errno in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
+                raise BackendError(
+                    f"{self.url}: the filesystem does not support hard links, which the local backend needs "
+                    f"for atomic create-if-absent: {e}"
+                ) from e
+            raise self._wrap(e, key) from e
+        finally:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+    def exists(self, key: str) -> bool:
+        return os.path.isfile(self._path(key))
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        base = self.root
+        out: list[ObjectInfo] = []
+        # walk only the subtree that can hold the prefix
+        start = base / prefix.rsplit("/", 1)[0] if "/" in prefix else base
+        if not start.is_dir():
+            return out
+        for dirpath, _dirnames, filenames in os.walk(start):
+            for name in filenames:
+                full = os.path.join(dirpath, name)
+                key = os.path.relpath(full, base).replace(os.sep, "/")
+                if not key.startswith(prefix):
+                    continue
+                try:
+                    st = os.stat(full)
+                except FileNotFoundError:
+                    continue
+                out.append(ObjectInfo(key, st.st_size, st.st_mtime))
+        out.sort(key=lambda o: o.key)
+        return out
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            raise self._wrap(e, key) from e
+        # prune empty directories up to the root
+        parent = os.path.dirname(path)
+        while parent != self.url and parent.startswith(self.url):
+            try:
+                os.rmdir(parent)
+            except OSError:
+                break
+            self._dirs.discard(parent)
+            parent = os.path.dirname(parent)

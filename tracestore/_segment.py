@@ -1,0 +1,343 @@
+"""Segments: the Zarr v3 groups that hold the payload, encoded and decoded without going through zarr-python.
+
+One segment is one Zarr v3 group written once by one writer flush. Each array in it has exactly ``rows`` rows,
+one ``sharding_indexed`` codec, inner chunks of ``[chunk_rows, col_chunk]`` (or ``[chunk_rows]`` /
+``[chunk_rows, L, K]``) encoded ``bytes`` + ``crc32c`` (raw little-endian values followed by the crc32c of those
+bytes, 4 bytes little-endian) and a shard index encoded ``bytes`` + ``crc32c`` at the end of the shard.
+
+tracestore writes every shard in one piece with its inner chunks in C order of the chunk grid and no gaps, so
+the byte offset of chunk ``(i, j)`` inside its shard is ``(i_local * n_col + j) * (chunk_nbytes + 4)``: readers
+fetch exactly the chunks they need with range requests and never read the shard index (``verify`` checks that
+the index says the same). Plain zarr-python reads the same bytes through the index.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import crc32c as _crc32c
+import numpy as np
+
+from .backend import ByteRange
+from .errors import IntegrityError
+
+_MISSING = np.uint64(2**64 - 1)
+_CRC = 4  # bytes of a crc32c checksum
+
+
+def crc32c(data) -> int:
+    return _crc32c.crc32c(data)
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """What a segment array holds per row: ``name``, numpy ``dtype`` and trailing ``row_shape``.
+
+    Site arrays group all sites of one (width, block size): ``members`` names the sites along axis 1, the
+    row shape is ``(len(members), bytes)`` and inner chunks are ``[chunk_rows, 1, col_chunk]`` (one site, a
+    ``col_chunk``-byte slice of it; 0 = all bytes). Other arrays (``members == ()``) have one inner chunk per
+    ``chunk_rows`` rows.
+    """
+
+    name: str
+    dtype: np.dtype
+    row_shape: tuple[int, ...]
+    members: tuple[str, ...] = ()
+    col_chunk: int = 0
+
+    @property
+    def row_nbytes(self) -> int:
+        return int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
+
+    @property
+    def grouped(self) -> bool:
+        return bool(self.members)
+
+
+@dataclass(frozen=True)
+class ArrayLayout:
+    """The concrete Zarr layout of one array of one segment.
+
+    Inner chunks are addressed ``(i, f)``: row chunk ``i`` and flat index ``f`` over the chunk grid of the
+    trailing dimensions (site arrays: ``f = site_index * n_col + column_chunk``; others: ``f = 0``).
+    """
+
+    spec: ArraySpec
+    rows: int
+    chunk_rows: int
+    shard_rows: int
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def width(self) -> int:
+        """Bytes per site row of a site array (0 for other arrays)."""
+        return self.spec.row_shape[1] if self.spec.grouped else 0
+
+    @property
+    def col_chunk(self) -> int:
+        return (self.spec.col_chunk or self.width) if self.spec.grouped else 0
+
+    @property
+    def n_col(self) -> int:
+        return self.width // self.col_chunk if self.spec.grouped else 1
+
+    @property
+    def inner_shape(self) -> tuple[int, ...]:
+        return (1, self.col_chunk) if self.spec.grouped else self.spec.row_shape
+
+    @property
+    def inner_grid(self) -> tuple[int, ...]:
+        return (len(self.spec.members), self.n_col) if self.spec.grouped else (1,) * len(self.spec.row_shape)
+
+    @property
+    def n_inner(self) -> int:
+        return int(np.prod(self.inner_grid, dtype=np.int64))
+
+    @property
+    def chunk_shape(self) -> tuple[int, ...]:
+        return (self.chunk_rows, *self.inner_shape)
+
+    @property
+    def chunk_nbytes(self) -> int:
+        return int(np.prod(self.chunk_shape, dtype=np.int64)) * self.spec.dtype.itemsize
+
+    @property
+    def stored_chunk_nbytes(self) -> int:
+        return self.chunk_nbytes + _CRC
+
+    @property
+    def chunks_per_shard(self) -> int:
+        return self.shard_rows // self.chunk_rows
+
+    @property
+    def n_shards(self) -> int:
+        return math.ceil(self.rows / self.shard_rows)
+
+    def shard_key(self, shard: int) -> str:
+        # chunk_key_encoding "v2" with separator ".": one directory per array, shards named "<i>[.0[.0]]"
+        return f"{self.name}/{shard}" + ".0" * len(self.spec.row_shape)
+
+    def zarr_metadata(self) -> dict:
+        dt = self.spec.dtype
+        inner_bytes: dict = {"name": "bytes"}
+        if dt.itemsize > 1:
+            inner_bytes["configuration"] = {"endian": "little"}
+        attrs = {"tracestore": {"sites": list(self.spec.members)}} if self.spec.grouped else {}
+        return {
+            "zarr_format": 3,
+            "node_type": "array",
+            "shape": [self.rows, *self.spec.row_shape],
+            "data_type": dt.name,
+            "chunk_grid": {
+                "name": "regular",
+                "configuration": {"chunk_shape": [self.shard_rows, *self.spec.row_shape]},
+            },
+            "chunk_key_encoding": {"name": "v2", "configuration": {"separator": "."}},
+            "fill_value": 0,
+            "codecs": [
+                {
+                    "name": "sharding_indexed",
+                    "configuration": {
+                        "chunk_shape": list(self.chunk_shape),
+                        "codecs": [inner_bytes, {"name": "crc32c"}],
+                        "index_codecs": [
+                            {"name": "bytes", "configuration": {"endian": "little"}},
+                            {"name": "crc32c"},
+                        ],
+                        "index_location": "end",
+                    },
+                }
+            ],
+            "attributes": attrs,
+            "storage_transformers": [],
+        }
+
+    # ------------------------------------------------------------------ writing
+    def _chunk(self, sources: Sequence[np.ndarray], i: int, f: int, r_end: int):
+        """Bytes of inner chunk ``(i, f)``: a memoryview into ``sources`` where contiguous, else a padded copy."""
+        cr = self.chunk_rows
+        a, b = i * cr, min((i + 1) * cr, r_end)
+        if self.spec.grouped:
+            s, j = divmod(f, self.n_col)
+            block = sources[s][a:b, j * self.col_chunk : (j + 1) * self.col_chunk]
+        else:
+            block = sources[0][a:b]
+        if b - a < cr:  # the array's last inner chunk: pad with the fill value 0
+            padded = np.zeros((cr, *block.shape[1:]), dtype=self.spec.dtype)
+            padded[: b - a] = block
+            block = padded
+        elif not block.flags.c_contiguous:
+            block = np.ascontiguousarray(block)
+        return memoryview(block).cast("B")
+
+    def _index(self, n_present: int) -> bytes:
+        n = n_present * self.n_inner
+        index = np.full((self.chunks_per_shard * self.n_inner, 2), _MISSING, dtype="<u8")
+        index[:n, 0] = np.arange(n, dtype=np.uint64) * np.uint64(self.stored_chunk_nbytes)
+        index[:n, 1] = self.stored_chunk_nbytes
+        ib = index.tobytes()
+        return ib + struct.pack("<I", crc32c(ib))
+
+    def encode_parts(self, sources: Sequence[np.ndarray]) -> dict[str, list]:
+        """Encode the array -> ``{shard key: gather list}``; ``[chunk, crc, chunk, crc, ..., index + crc]``.
+
+        ``sources``: site arrays: one ``[rows, bytes]`` uint8 array per member site; others: ``[data]`` with
+        ``data`` of shape ``[rows, *row_shape]``. Chunks reference the sources without copying where they are
+        contiguous (site arrays without column chunking, all other arrays).
+        """
+        want = (self.rows, self.width) if self.spec.grouped else (self.rows, *self.spec.row_shape)
+        assert len(sources) == (len(self.spec.members) if self.spec.grouped else 1)
+        assert all(x.shape == want and x.dtype == self.spec.dtype for x in sources), (want, self.spec)
+        out: dict[str, list] = {}
+        for s in range(self.n_shards):
+            r0 = s * self.shard_rows
+            r1 = min(r0 + self.shard_rows, self.rows)
+            n_present = math.ceil((r1 - r0) / self.chunk_rows)
+            parts: list = []
+            i0 = r0 // self.chunk_rows
+            for i in range(i0, i0 + n_present):
+                for f in range(self.n_inner):
+                    chunk = self._chunk(sources, i, f, r1)
+                    parts.append(chunk)
+                    parts.append(struct.pack("<I", crc32c(chunk)))
+            parts.append(self._index(n_present))
+            out[self.shard_key(s)] = parts
+        return out
+
+    def encode(self, sources: Sequence[np.ndarray]) -> dict[str, bytes]:
+        return {k: b"".join(v) for k, v in self.encode_parts(sources).items()}
+
+    def expected_index(self, shard: int) -> tuple[int, bytes]:
+        """(shard size in bytes, index bytes incl. crc) that tracestore writes for ``shard`` (for ``verify``)."""
+        r0 = shard * self.shard_rows
+        r1 = min(r0 + self.shard_rows, self.rows)
+        n_present = math.ceil((r1 - r0) / self.chunk_rows)
+        ib = self._index(n_present)
+        return n_present * self.n_inner * self.stored_chunk_nbytes + len(ib), ib
+
+    # ------------------------------------------------------------------ reading
+    def plan(self, prefix: str, r0: int, r1: int, flats: Sequence[tuple[int, int]] | None = None
+             ) -> list[tuple[ByteRange, list]]:
+        """Byte ranges covering rows ``[r0, r1)`` and the inner-chunk index ranges ``flats`` (default all).
+
+        Returns ``[(ByteRange, [(i, f), ...]), ...]``: each range holds consecutive stored chunks in that order.
+        """
+        n_inner = self.n_inner
+        flats = [(0, n_inner)] if flats is None else list(flats)
+        full = flats == [(0, n_inner)]
+        cps, scb = self.chunks_per_shard, self.stored_chunk_nbytes
+        out = []
+        i_first, i_last = r0 // self.chunk_rows, (r1 - 1) // self.chunk_rows
+        i = i_first
+        while i <= i_last:
+            s = i // cps
+            i_end = min(i_last, (s + 1) * cps - 1)
+            key = f"{prefix}/{self.shard_key(s)}"
+            if full:
+                start = (i - s * cps) * n_inner * scb
+                stop = (i_end - s * cps + 1) * n_inner * scb
+                chunks = [(ii, f) for ii in range(i, i_end + 1) for f in range(n_inner)]
+                out.append((ByteRange(key, start, stop), chunks))
+            else:
+                for ii in range(i, i_end + 1):
+                    base = (ii - s * cps) * n_inner
+                    for f0, f1 in flats:
+                        out.append((ByteRange(key, (base + f0) * scb, (base + f1) * scb),
+                                    [(ii, f) for f in range(f0, f1)]))
+            i = i_end + 1
+        return out
+
+
+class ReadTargets:
+    """Buffers for one planned range read. A chunk's bytes land straight in its output array where the
+    chunk's rows lie wholly inside the request and it covers the output's full width (no copy); otherwise in
+    a scratch buffer that :meth:`finish` copies from.
+
+    ``outs``: site arrays: ``{site_index: (out [n, b1-b0], b0, b1)}``; others: ``{0: (out [n, ...], 0, 0)}``.
+    """
+
+    __slots__ = ("chunks", "slots", "crcs", "buffers")
+
+    def __init__(self, lay: ArrayLayout, chunks, outs: Mapping, r0: int, r1: int):
+        cr, cb = lay.chunk_rows, lay.chunk_nbytes
+        self.chunks = chunks
+        self.crcs = np.empty(len(chunks), dtype="<u4")
+        crc_bytes = memoryview(self.crcs).cast("B")
+        self.slots: list = []
+        self.buffers: list = []
+        for k, (i, f) in enumerate(chunks):
+            lo, hi = i * cr, (i + 1) * cr
+            if lay.spec.grouped:
+                s, _j = divmod(f, lay.n_col)
+                out, b0, b1 = outs[s]
+                direct = lay.n_col == 1 and b0 == 0 and b1 == lay.width
+            else:
+                out = outs[0][0]
+                direct = True
+            if direct and lo >= r0 and hi <= r1 and out.flags.c_contiguous:
+                target = memoryview(out[lo - r0 : hi - r0]).cast("B")
+                self.slots.append(None)
+            else:
+                target = memoryview(np.empty(cb, dtype=np.uint8))
+                self.slots.append(target)
+            self.buffers.append(target)
+            self.buffers.append(crc_bytes[k * _CRC : (k + 1) * _CRC])
+
+    def finish(self, lay: ArrayLayout, nread: int, outs: Mapping, r0: int, r1: int, describe) -> None:
+        """Check every chunk's crc32c, then copy the scratch chunks' requested rows/columns into the outputs.
+
+        Raises:
+            IntegrityError: short read or crc mismatch; the message comes from ``describe((i, f))``.
+        """
+        expect = lay.stored_chunk_nbytes * len(self.chunks)
+        if nread != expect:
+            raise IntegrityError(f"short read: expected {expect} bytes, got {nread} ({describe(self.chunks[0])})")
+        for k, ij in enumerate(self.chunks):
+            if crc32c(self.buffers[2 * k]) != int(self.crcs[k]):
+                raise IntegrityError(f"crc32c mismatch: {describe(ij)}")
+        cr = lay.chunk_rows
+        for (i, f), scratch in zip(self.chunks, self.slots):
+            if scratch is None:
+                continue
+            lo, hi = max(r0, i * cr), min(r1, (i + 1) * cr)
+            if lay.spec.grouped:
+                s, j = divmod(f, lay.n_col)
+                out, b0, b1 = outs[s]
+                cc = lay.col_chunk
+                data = np.frombuffer(scratch, dtype=lay.spec.dtype).reshape(cr, cc)
+                clo, chi = max(b0, j * cc), min(b1, (j + 1) * cc)
+                out[lo - r0 : hi - r0, clo - b0 : chi - b0] = data[lo - i * cr : hi - i * cr, clo - j * cc : chi - j * cc]
+            else:
+                data = np.frombuffer(scratch, dtype=lay.spec.dtype).reshape(lay.chunk_shape)
+                outs[0][0][lo - r0 : hi - r0] = data[lo - i * cr : hi - i * cr]
+
+
+def choose_chunk_rows(rows: int, target: int) -> int:
+    """Inner chunk rows for a segment of ``rows`` rows: the fewest chunks of at most ``target`` rows, sized
+    evenly so that the padded tail of the last chunk is smaller than the number of chunks."""
+    n = max(1, math.ceil(rows / target))
+    return math.ceil(rows / n)
+
+
+def layout(spec: ArraySpec, rows: int, chunk_rows: int, shard_bytes: int) -> ArrayLayout:
+    """Shards hold a whole number of inner-chunk rows and at most ``shard_bytes`` (at least one chunk row)."""
+    n_chunks = math.ceil(rows / chunk_rows)
+    per_shard = max(1, shard_bytes // max(1, chunk_rows * spec.row_nbytes))
+    return ArrayLayout(spec, rows, chunk_rows, chunk_rows * min(per_shard, n_chunks))
+
+
+def group_metadata(attributes: Mapping) -> bytes:
+    return json.dumps(
+        {"zarr_format": 3, "node_type": "group", "attributes": dict(attributes)}, separators=(",", ":")
+    ).encode()
+
+
+def array_metadata(lay: ArrayLayout) -> bytes:
+    return json.dumps(lay.zarr_metadata(), separators=(",", ":")).encode()

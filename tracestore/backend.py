@@ -1,0 +1,186 @@
+"""The storage-backend interface: a small key/value object store with one atomic primitive.
+
+Modelled on zarr-python's ``zarr.abc.store.Store``: the interface lives here, the implementations are private
+modules (``_local``, ``_memory``, ``_fsspec``) and all of them pass one shared test suite. Keys are relative,
+``/``-separated object names below the store root (``log/000000000007.arrow``); they never start with ``/`` and
+never contain ``..`` (tracestore builds them only from validated ids).
+
+What the store needs from a backend:
+
+* ``put`` — whole-object write; readers never observe a partial object (local: ``.<name>.<uuid>.partial``
+  then ``os.replace``; object stores: a single PUT).
+* ``put_if_absent`` — atomic create-if-absent, the only synchronisation primitive of the commit protocol
+  (local: ``os.link`` of a finished ``.partial`` file, which fails if the target exists; S3: ``PUT`` with
+  ``If-None-Match: *``).
+* ``get`` / ``get_range`` / ``get_ranges`` — whole object or byte ranges ``[start, stop)``.
+* ``list`` — a fresh listing (caches bypassed), ``exists``, ``delete``.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from .errors import BackendError
+
+__all__ = ["Backend", "ByteRange", "ObjectInfo", "open_backend", "join_parts"]
+
+#: what ``put`` accepts: one bytes-like object, or a list of them to be concatenated
+Data = bytes | bytearray | memoryview | Sequence[bytes | bytearray | memoryview]
+
+
+def join_parts(data: Data) -> bytes:
+    """Concatenate a gather list (or return a single bytes-like object as bytes)."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return bytes(data)
+    return b"".join(data)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ByteRange:
+    """Bytes ``[start, stop)`` of object ``key``."""
+
+    key: str
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """One listed object: key relative to the root, size in bytes, modification time (unix seconds)."""
+
+    key: str
+    size: int
+    mtime: float
+
+
+class Backend(abc.ABC):
+    """Abstract object store rooted at :attr:`url`.
+
+    Capabilities are flags (zarr style): :attr:`supports_put_if_absent` (required for writers),
+    :attr:`supports_listing` (required for ``gc``/``verify``/``info``).
+    """
+
+    url: str
+    supports_put_if_absent: bool = True
+    supports_listing: bool = True
+
+    @abc.abstractmethod
+    def get(self, key: str) -> bytes:
+        """Whole object. Raises ObjectNotFoundError if absent, BackendError on I/O failure."""
+
+    @abc.abstractmethod
+    def get_range(self, key: str, start: int, stop: int) -> bytes:
+        """Bytes ``[start, stop)``; shorter if the object is shorter. Raises ObjectNotFoundError if absent."""
+
+    def get_ranges(self, ranges: Sequence[ByteRange]) -> list[bytes]:
+        """Many ranges (possibly of many objects), in order. Backends override this to fetch concurrently."""
+        return [self.get_range(r.key, r.start, r.stop) for r in ranges]
+
+    def readinto_ranges(self, requests: Sequence[tuple[ByteRange, Sequence[memoryview]]]) -> list[int]:
+        """Scatter-read: fill each request's buffers, in order, from its byte range (the buffers' sizes add up to
+        the range's length). Returns the number of bytes read per request (less than the range if the object is
+        shorter). Local files read straight into the buffers (``preadv``); other backends copy."""
+        datas = self.get_ranges([r for r, _ in requests])
+        counts = []
+        for (_, bufs), data in zip(requests, datas):
+            view, pos = memoryview(data), 0
+            for b in bufs:
+                n = min(len(b), len(view) - pos)
+                if n > 0:
+                    b[:n] = view[pos : pos + n]
+                pos += max(n, 0)
+            counts.append(min(len(data), sum(len(b) for b in bufs)))
+        return counts
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Many whole objects; ``None`` for absent ones."""
+        from .errors import ObjectNotFoundError
+
+        out: list[bytes | None] = []
+        for key in keys:
+            try:
+                out.append(self.get(key))
+            except ObjectNotFoundError:
+                out.append(None)
+        return out
+
+    @abc.abstractmethod
+    def put(self, key: str, data: Data) -> None:
+        """Create or replace an object atomically (no reader sees a partial object).
+
+        ``data`` is bytes-like or a sequence of bytes-like parts that are concatenated (gather write)."""
+
+    def put_many(self, items: Mapping[str, Data], *, atomic: bool = True) -> None:
+        """Write many objects (no ordering guarantee between them). Backends override to write concurrently.
+
+        ``atomic=False`` allows a backend to skip its atomic-rename step for objects that are new (never
+        existed) and that no reader opens before a later commit references them (segment data)."""
+        for key, data in items.items():
+            self.put(key, data)
+
+    @abc.abstractmethod
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Create the object atomically iff it does not exist. True if created, False if it already existed."""
+
+    @abc.abstractmethod
+    def exists(self, key: str) -> bool:
+        """Whether the object exists, asked of the storage itself (no listing cache)."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """All objects whose key starts with ``prefix`` (a fresh listing), sorted by key."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Delete an object; absent objects are ignored."""
+
+    def delete_many(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            self.delete(key)
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources (thread pools, sessions)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+
+def _check_key(key: str) -> None:
+    # internal invariant: keys are built from validated ids only
+    assert key and not key.startswith("/") and ".." not in key.split("/"), key
+
+
+def open_backend(url: str, storage_options: Mapping | None = None) -> Backend:
+    """Open the backend for ``url``.
+
+    * a plain path or ``file://`` URL -> local directory backend,
+    * ``memory://name`` -> process-local in-memory backend (tests, examples),
+    * any other fsspec URL (``s3://bucket/prefix`` ...) -> the fsspec backend; writers need a filesystem that
+      can create-if-absent atomically (S3 through s3fs: conditional PUT).
+
+    Raises:
+        BackendError: the URL's protocol cannot be opened (fsspec implementation missing, bad options).
+    """
+    options = dict(storage_options or {})
+    if "://" not in url or url.startswith("file://"):
+        from ._local import LocalBackend
+
+        return LocalBackend(url[len("file://") :] if url.startswith("file://") else url, **options)
+    if url.startswith("memory://"):
+        from ._memory import MemoryBackend
+
+        return MemoryBackend(url)
+    from ._fsspec import FsspecBackend
+
+    try:
+        import fsspec.core
+
+        fs, root = fsspec.core.url_to_fs(url, **options)
+    except (ImportError, ValueError, TypeError, OSError) as e:
+        raise BackendError(f"cannot open a filesystem for {url!r}: {e}") from e
+    return FsspecBackend(fs, root, url)

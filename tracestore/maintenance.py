@@ -1,0 +1,299 @@
+"""Store maintenance: ``info`` (summary and byte accounting), ``verify`` (re-read and check everything) and
+``collect_garbage`` (remove data no committed log entry references). The CLI calls these.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ._format import DATA_PREFIX, LOG_PREFIX, MANIFEST_KEY, PARTIAL_SUFFIX, parse_log_key
+from ._log import LogEntry
+from ._segment import array_metadata, layout
+from .errors import IntegrityError, ObjectNotFoundError, SchemaVersionError, TraceStoreError
+
+__all__ = ["info", "verify", "collect_garbage", "VerifyReport", "GcReport"]
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[int, int, str], None]  # (done, total, what)
+
+
+def _segment_of(key: str) -> str | None:
+    """``data/<writer>/<segment>/...`` -> ``data/<writer>/<segment>``; None for keys outside that shape."""
+    parts = key.split("/")
+    if len(parts) < 4 or parts[0] + "/" != DATA_PREFIX:
+        return None
+    return "/".join(parts[:3])
+
+
+def _all_entries(store, errors: list[str] | None = None) -> list[LogEntry]:
+    head = store.head()
+    if errors is None:
+        return store.read_entries(0, head)
+    out = []
+    for seq in range(head):
+        try:
+            out.append(store.read_entry(seq))
+        except (IntegrityError, SchemaVersionError, ObjectNotFoundError) as e:
+            errors.append(f"log entry {seq}: {e}")
+    return out
+
+
+def info(store) -> dict:
+    """A JSON-able summary: declaration, log and trajectory counts, and stored bytes by category.
+
+    ``bytes``: ``payload`` (hint + scale shards), ``trace`` (token ids, log-probs, experts shards),
+    ``zarr_metadata`` (zarr.json objects), ``log`` (log entries), ``manifest``, ``orphan`` (data of no committed
+    entry), ``partial`` (unfinished temporary files), ``total``. ``payload_logical_bytes`` = committed tokens x
+    hint+scale bytes per token; ``overhead`` = everything stored except orphans and trace, over that.
+    """
+    objects = store.backend.list("")
+    entries = _all_entries(store)
+    referenced = {e.segment.path for e in entries}
+    cats = dict.fromkeys(("payload", "trace", "zarr_metadata", "log", "manifest", "orphan", "partial", "other"), 0)
+    for o in objects:
+        name = o.key.rsplit("/", 1)[-1]
+        seg = _segment_of(o.key)
+        if name.endswith(PARTIAL_SUFFIX):
+            cats["partial"] += o.size
+        elif o.key == MANIFEST_KEY:
+            cats["manifest"] += o.size
+        elif o.key.startswith(LOG_PREFIX):
+            cats["log" if parse_log_key(o.key) is not None else "other"] += o.size
+        elif seg is not None and seg not in referenced:
+            cats["orphan"] += o.size
+        elif seg is not None and name == "zarr.json":
+            cats["zarr_metadata"] += o.size
+        elif seg is not None:
+            array = o.key.split("/")[3]
+            cats["payload" if array.startswith(("hints.", "scales.")) else "trace"] += o.size
+        else:
+            cats["other"] += o.size
+    cats["total"] = sum(o.size for o in objects)
+    tokens = sum(int((e.token_stop - e.token_start).sum()) for e in entries)
+    trajs = {t for e in entries for t in e.traj_ids}
+    logical = tokens * store.payload_bytes_per_token
+    stored_useful = cats["total"] - cats["orphan"] - cats["partial"] - cats["other"]
+    return {
+        "url": store.url,
+        "format_version": store.format_version,
+        "store_id": store.store_id,
+        "sites": [s.to_dict() for s in store.sites.values()],
+        "model": store.model,
+        "moe_layers": list(store.moe_layers),
+        "top_k": store.top_k,
+        "num_experts": store.num_experts,
+        "layout": {"chunk_rows": store.chunk_rows, "shard_bytes": store.shard_bytes,
+                   "feature_chunk": store.feature_chunk},
+        "log_entries": len(entries),
+        "records": sum(len(e) for e in entries),
+        "segments": len(referenced),
+        "trajectories": len(trajs),
+        "tokens": tokens,
+        "writers": sorted({e.writer_id for e in entries}),
+        "objects": len(objects),
+        "bytes": cats,
+        "payload_bytes_per_token": store.payload_bytes_per_token,
+        "trace_bytes_per_token": store.trace_bytes_per_token,
+        "payload_logical_bytes": logical,
+        "bytes_per_token": (stored_useful / tokens) if tokens else None,
+        "overhead": ((stored_useful - cats["trace"]) / logical - 1.0) if logical else None,
+    }
+
+
+@dataclass
+class VerifyReport:
+    """Outcome of :func:`verify`; ``ok`` iff ``errors`` is empty."""
+
+    entries: int = 0
+    records: int = 0
+    segments: int = 0
+    objects: int = 0
+    chunks: int = 0
+    bytes: int = 0
+    errors: list[str] = field(default_factory=list)
+    orphan_segments: list[str] = field(default_factory=list)
+    partial_objects: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def to_dict(self) -> dict:
+        return {"ok": self.ok, "entries": self.entries, "records": self.records, "segments": self.segments,
+                "objects": self.objects, "chunks": self.chunks, "bytes": self.bytes, "errors": list(self.errors),
+                "orphan_segments": list(self.orphan_segments), "partial_objects": list(self.partial_objects)}
+
+
+def _verify_segment(store, entry: LogEntry, report: VerifyReport) -> None:
+    seg = entry.segment
+    where = f"segment {store.url}/{seg.path} (log entry {entry.seq})"
+    try:
+        group = json.loads(store.backend.get(f"{seg.path}/zarr.json"))
+        attrs = group["attributes"]["tracestore"]
+        if group.get("zarr_format") != 3 or group.get("node_type") != "group" or attrs["rows"] != seg.rows:
+            report.errors.append(f"{where}: group zarr.json does not match the log entry")
+    except (ObjectNotFoundError, ValueError, KeyError, TypeError) as e:
+        report.errors.append(f"{where}: bad group zarr.json: {e}")
+    trajs = sorted(set(entry.traj_ids))
+    for name, spec in store.array_specs.items():
+        lay = layout(spec, seg.rows, seg.chunk_rows, seg.shard_bytes)
+        prefix = f"{seg.path}/{name}"
+        try:
+            if store.backend.get(f"{prefix}/zarr.json") != array_metadata(lay):
+                report.errors.append(f"{where}: {name}/zarr.json differs from the layout the log entry implies")
+        except ObjectNotFoundError:
+            report.errors.append(f"{where}: {name}/zarr.json is missing")
+        report.objects += 1
+        for s in range(lay.n_shards):
+            key = f"{seg.path}/{lay.shard_key(s)}"
+            try:
+                data = store.backend.get(key)
+            except ObjectNotFoundError:
+                report.errors.append(f"object {store.url}/{key} is missing ({where}, trajectories {trajs[:5]})")
+                continue
+            report.objects += 1
+            report.bytes += len(data)
+            size, index = lay.expected_index(s)
+            if len(data) != size:
+                report.errors.append(f"object {store.url}/{key}: {len(data)} bytes, expected {size} ({where})")
+                continue
+            if data[size - len(index):] != index:
+                report.errors.append(f"object {store.url}/{key}: shard index differs from the expected one ({where})")
+            n_chunks = (size - len(index)) // lay.stored_chunk_nbytes
+            arr = np.frombuffer(data, np.uint8, count=n_chunks * lay.stored_chunk_nbytes).reshape(
+                n_chunks, lay.stored_chunk_nbytes)
+            from ._segment import crc32c
+
+            stored = arr[:, lay.chunk_nbytes:].copy().view("<u4").reshape(-1)
+            for k in range(n_chunks):
+                report.chunks += 1
+                if crc32c(arr[k, : lay.chunk_nbytes]) != int(stored[k]):
+                    i = s * lay.chunks_per_shard + k // lay.n_inner
+                    rows = (i * lay.chunk_rows, (i + 1) * lay.chunk_rows)
+                    hit = [f"{t}[{a}:{b})" for t, a, b, ro in zip(entry.traj_ids, entry.token_start.tolist(),
+                                                               entry.token_stop.tolist(), entry.row_offset.tolist())
+                           if ro < rows[1] and ro + (b - a) > rows[0]]
+                    report.errors.append(f"crc32c mismatch: object {store.url}/{key} chunk ({i}, {k % lay.n_inner}) "
+                                         f"(rows {rows[0]}..{rows[1]}, trajectories {hit[:5]}, {where})")
+
+
+def verify(store, *, progress: Progress | None = None) -> VerifyReport:
+    """Re-read every committed object and check it: log entries (crc, version, density), no overlapping token
+    ranges, zarr metadata, shard sizes and indexes, every chunk's crc32c. Lists orphaned segments and partial
+    files (not errors). Never raises for bad data: problems go into ``report.errors``."""
+    report = VerifyReport()
+    entries = _all_entries(store, report.errors)
+    report.entries = len(entries)
+    report.records = sum(len(e) for e in entries)
+    ranges: dict[str, list[tuple[int, int, int]]] = {}
+    for e in entries:
+        for t, a, b in zip(e.traj_ids, e.token_start.tolist(), e.token_stop.tolist()):
+            ranges.setdefault(t, []).append((a, b, e.seq))
+    for t, rs in ranges.items():
+        rs.sort()
+        for (a0, b0, q0), (a1, b1, q1) in zip(rs, rs[1:]):
+            if a1 < b0:
+                report.errors.append(f"trajectory {t!r}: [{a0}, {b0}) (entry {q0}) overlaps [{a1}, {b1}) (entry {q1})")
+    seen: set[str] = set()
+    for k, e in enumerate(entries):
+        if progress is not None:
+            progress(k, len(entries), e.segment.path)
+        if e.segment.path in seen:
+            report.errors.append(f"segment {e.segment.path} is referenced by more than one log entry")
+            continue
+        seen.add(e.segment.path)
+        report.segments += 1
+        _verify_segment(store, e, report)
+    if progress is not None:
+        progress(len(entries), len(entries), "done")
+    try:
+        objects = store.backend.list("")
+    except TraceStoreError as e:
+        report.errors.append(f"listing failed: {e}")
+        objects = []
+    orphans = set()
+    for o in objects:
+        if o.key.endswith(PARTIAL_SUFFIX):
+            report.partial_objects.append(o.key)
+            continue
+        seg = _segment_of(o.key)
+        if seg is not None and seg not in seen:
+            orphans.add(seg)
+    report.orphan_segments = sorted(orphans)
+    return report
+
+
+@dataclass
+class GcReport:
+    """Outcome of :func:`collect_garbage`."""
+
+    dry_run: bool
+    deleted_segments: list[str] = field(default_factory=list)
+    deleted_objects: int = 0
+    deleted_bytes: int = 0
+    young_segments: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"dry_run": self.dry_run, "deleted_segments": list(self.deleted_segments),
+                "deleted_objects": self.deleted_objects, "deleted_bytes": self.deleted_bytes,
+                "young_segments": list(self.young_segments)}
+
+
+def collect_garbage(store, *, grace_s: float | None = None, dry_run: bool = False,
+                    progress: Progress | None = None, now: float | None = None) -> GcReport:
+    """Delete data that no committed log entry references and that is older than ``grace_s``.
+
+    Deletes (a) every object of a segment ``data/<writer>/<segment>/`` that no log entry names, once the
+    segment's newest object is older than the grace period, and (b) ``*.partial`` temporary files older than it.
+    Log entries and the manifest are never deleted. Data is listed *before* the log is read, so a segment that
+    commits meanwhile is seen as referenced; writers re-write a segment rather than commit one whose first
+    object is older than half the grace period (``store.gc_grace_s``, default 1 h). Safe to run while writers
+    and readers work, as long as ``grace_s`` exceeds the time a writer takes from its first data object to its
+    log entry.
+
+    Raises:
+        IntegrityError / SchemaVersionError: a log entry cannot be decoded (nothing is deleted then: the
+        entry might reference data).
+    """
+    grace = store.gc_grace_s if grace_s is None else float(grace_s)
+    now = time.time() if now is None else now
+    report = GcReport(dry_run=dry_run)
+    objects = store.backend.list("")
+    entries = _all_entries(store)  # after listing (see docstring); raises on corrupt entries
+    referenced = {e.segment.path for e in entries}
+    segments: dict[str, list] = {}
+    doomed: list = []
+    for o in objects:
+        if o.key.endswith(PARTIAL_SUFFIX):
+            if now - o.mtime > grace:
+                doomed.append(o)
+            continue
+        seg = _segment_of(o.key)
+        if seg is not None and seg not in referenced:
+            segments.setdefault(seg, []).append(o)
+    for seg, objs in sorted(segments.items()):
+        if now - max(o.mtime for o in objs) > grace:
+            report.deleted_segments.append(seg)
+            doomed.extend(objs)
+        else:
+            report.young_segments.append(seg)
+    report.deleted_objects = len(doomed)
+    report.deleted_bytes = sum(o.size for o in doomed)
+    if not dry_run:
+        batch = 256
+        for k in range(0, len(doomed), batch):
+            if progress is not None:
+                progress(k, len(doomed), "deleting")
+            store.backend.delete_many([o.key for o in doomed[k:k + batch]])
+        if progress is not None:
+            progress(len(doomed), len(doomed), "done")
+        log.info("gc %s: deleted %d segments, %d objects, %d bytes", store.url, len(report.deleted_segments),
+                 report.deleted_objects, report.deleted_bytes)
+    return report

@@ -1,0 +1,573 @@
+"""The writer: validates per-token hints and traces, buffers them, writes whole segments, commits through the log.
+
+Life of a write::
+
+    write(traj, start, hints=..., ...)   validate everything (dtype, shape, sites, ids, overlap) -> buffer a copy
+    ... buffer reaches commit_bytes, or commit_interval_s passed, or flush()/close()
+    flush:  1. segment = one Zarr v3 group data/<writer_id>/<seq>-<random>/ ; every array written whole, once
+            2. commit  = put-if-absent of log/<N> (N = first free log position), after re-checking the records
+                         against every entry < N; on a lost race read entry N and try N+1
+
+A record becomes visible exactly when its log entry exists. A writer killed before step 2 leaves an unreferenced
+segment (invisible; ``collect_garbage`` removes it); one killed after step 2 has committed. Memory: the buffer
+holds at most ``min(commit_bytes, max_buffer_bytes)`` bytes of rows (plus one row piece); encoding a segment
+needs about as much again.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+import re
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+
+import numpy as np
+
+from ._format import check_id, log_key
+from ._log import LogEntry, SegmentRef, encode_entry
+from ._segment import array_metadata, choose_chunk_rows, group_metadata, layout
+from .errors import (
+    BackendError,
+    DTypeError,
+    OverlapError,
+    ShapeError,
+    TraceStoreError,
+    UnknownSiteError,
+)
+
+__all__ = ["Writer"]
+
+log = logging.getLogger(__name__)
+
+_INT32 = np.iinfo(np.int32)
+
+
+def _default_writer_id() -> str:
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:60] or "host"
+    return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _is_torch(x) -> bool:
+    return type(x).__module__.startswith("torch") and hasattr(x, "detach")
+
+
+def _shape(x) -> tuple[int, ...]:
+    return tuple(int(d) for d in x.shape)
+
+
+def _kind(x) -> str:
+    """'u' (unsigned int), 'i' (signed int), 'f' (float), 'b' (bool) or other numpy kind of an array/tensor."""
+    if _is_torch(x):
+        import torch
+
+        if x.dtype == torch.bool:
+            return "b"
+        if x.dtype.is_floating_point:
+            return "f"
+        if x.dtype.is_complex:
+            return "c"
+        return "u" if x.dtype == torch.uint8 else "i"
+    return np.asarray(x).dtype.kind
+
+
+def _dtype_name(x) -> str:
+    return str(x.dtype)
+
+
+def _as_array(x, what: str):
+    if _is_torch(x) or isinstance(x, np.ndarray):
+        return x
+    if isinstance(x, (list, tuple)):
+        return np.asarray(x)
+    raise DTypeError(f"{what}: expected a numpy array or torch tensor, got {type(x).__name__}")
+
+
+def _minmax(x) -> tuple[float, float]:
+    if _is_torch(x):
+        return float(x.min().item()), float(x.max().item())
+    return float(np.min(x)), float(np.max(x))
+
+
+def _host(x, s: int, e: int):
+    """Rows ``[s, e)`` of ``x`` as a host numpy array (a view for numpy and CPU tensors; CUDA rows are copied)."""
+    if _is_torch(x):
+        import torch
+
+        t = x[s:e].detach()
+        if t.dtype in (torch.bfloat16, torch.float16):
+            t = t.float()
+        return t.cpu().numpy()
+    return x[s:e]
+
+
+class _Staging:
+    """The write buffer: one preallocated ``[capacity, *row_shape]`` array per segment array, filled row by
+    row, and the records (token ranges) whose rows it holds. A flush encodes straight from these arrays."""
+
+    def __init__(self, columns: Mapping, capacity: int):
+        self.capacity = capacity
+        self.arrays = {n: np.empty((capacity, *shape), dtype) for n, (dtype, shape) in columns.items()}
+        self.rows = 0
+        self.records: list[list] = []  # [traj_id, token_start, token_stop, row_offset, policy_version]
+
+    def add_record(self, traj_id: str, start: int, stop: int, row: int, policy_version: int) -> None:
+        last = self.records[-1] if self.records else None
+        if last and last[0] == traj_id and last[2] == start and last[4] == policy_version \
+                and last[3] + (last[2] - last[1]) == row:
+            last[2] = stop  # adjacent rows of one trajectory: one record
+        else:
+            self.records.append([traj_id, start, stop, row, policy_version])
+
+    def reset(self) -> None:
+        self.rows = 0
+        self.records = []
+
+
+class _Ranges:
+    """Sorted, non-overlapping token ranges per trajectory with overlap queries."""
+
+    def __init__(self) -> None:
+        self._starts: dict[str, list[int]] = {}
+        self._stops: dict[str, list[int]] = {}
+
+    def overlaps(self, traj: str, s: int, e: int) -> tuple[int, int] | None:
+        starts = self._starts.get(traj)
+        if not starts:
+            return None
+        stops = self._stops[traj]
+        i = bisect.bisect_right(starts, s) - 1
+        if i >= 0 and stops[i] > s:
+            return starts[i], stops[i]
+        if i + 1 < len(starts) and starts[i + 1] < e:
+            return starts[i + 1], stops[i + 1]
+        return None
+
+    def covered(self, traj: str, s: int, e: int) -> bool:
+        starts = self._starts.get(traj)
+        if not starts:
+            return False
+        stops = self._stops[traj]
+        i = bisect.bisect_right(starts, s) - 1
+        while i >= 0 and i < len(starts) and starts[i] <= s:
+            if stops[i] >= e:
+                return True
+            if stops[i] <= s:
+                return False
+            s = stops[i]
+            i += 1
+        return False
+
+    def add(self, traj: str, s: int, e: int) -> None:
+        starts = self._starts.setdefault(traj, [])
+        stops = self._stops.setdefault(traj, [])
+        i = bisect.bisect_left(starts, s)
+        starts.insert(i, s)
+        stops.insert(i, e)
+
+    def subtract(self, traj: str, s: int, e: int) -> None:
+        """Remove ``[s, e)`` from the ranges of ``traj`` (splitting ranges that straddle it)."""
+        starts, stops = self._starts.get(traj), self._stops.get(traj)
+        if not starts:
+            return
+        keep = []
+        for a, b in zip(starts, stops):
+            if b <= s or a >= e:
+                keep.append((a, b))
+                continue
+            if a < s:
+                keep.append((a, s))
+            if b > e:
+                keep.append((e, b))
+        if keep:
+            self._starts[traj] = [a for a, _ in keep]
+            self._stops[traj] = [b for _, b in keep]
+        else:
+            del self._starts[traj], self._stops[traj]
+
+    def get(self, traj: str) -> list[tuple[int, int]]:
+        out: list[tuple[int, int]] = []
+        for s, e in zip(self._starts.get(traj, []), self._stops.get(traj, [])):
+            if out and out[-1][1] == s:
+                out[-1] = (out[-1][0], e)
+            else:
+                out.append((s, e))
+        return out
+
+
+class Writer:
+    """Buffers per-token rows of one or many trajectories and commits them in whole segments.
+
+    Use as a context manager or call :meth:`close`. Thread-safe (one lock); a background thread commits
+    buffered rows older than ``commit_interval_s`` (0 disables it; then rows are committed on size, on
+    :meth:`flush` and on :meth:`close`, and at the next :meth:`write` after the interval).
+
+    Args:
+        store: the open store.
+        writer_id: names this writer's segments ``data/<writer_id>/...``; default ``<host>-<pid>-<random>``.
+            Restarting with the same id is safe (segment names carry a random part; already committed token
+            ranges are rejected with OverlapError, or skipped with ``skip_committed=True``).
+        commit_bytes: commit a segment once this many row bytes are buffered.
+        commit_interval_s: commit buffered rows at the latest this long after the oldest was written.
+        max_buffer_bytes: hard bound of buffered row bytes (a long trajectory spans several segments).
+        skip_committed: silently skip a ``write`` whose token range is already committed entirely for the
+            trajectory (idempotent re-runs); partial overlaps still raise OverlapError.
+
+    Raises:
+        BackendError: the store's backend cannot create-if-absent (read-only fsspec filesystems).
+    """
+
+    def __init__(self, store, writer_id: str | None = None, *, commit_bytes: int = 64 << 20,
+                 commit_interval_s: float = 5.0, max_buffer_bytes: int = 256 << 20, skip_committed: bool = False):
+        if not store.backend.supports_put_if_absent:
+            raise BackendError(f"{store.url}: backend {store.backend!r} cannot commit (no atomic create-if-absent)")
+        self.store = store
+        self.writer_id = check_id(writer_id if writer_id is not None else _default_writer_id(), "writer id")
+        if commit_bytes <= 0 or max_buffer_bytes <= 0 or commit_interval_s < 0:
+            raise ValueError(f"commit_bytes={commit_bytes}, max_buffer_bytes={max_buffer_bytes} must be > 0 and "
+                             f"commit_interval_s={commit_interval_s} >= 0")
+        self.commit_bytes = int(commit_bytes)
+        self.max_buffer_bytes = int(max_buffer_bytes)
+        self.commit_interval_s = float(commit_interval_s)
+        self.skip_committed = bool(skip_committed)
+        self._flush_bytes = min(self.commit_bytes, self.max_buffer_bytes)
+        self._token_nbytes = sum(int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+                                 for dt, shape in store.row_columns.values())
+        self._lock = threading.RLock()
+        self._stage: _Staging | None = None
+        self._capacity = max(1, self._flush_bytes // self._token_nbytes)
+        self._oldest: float | None = None
+        self._committed = _Ranges()
+        self._pending = _Ranges()
+        self._synced = 0
+        self._segments = 0
+        self._error: BaseException | None = None
+        self._closed = False
+        #: counters: segments / records / rows committed, bytes written (data + log)
+        self.stats = {"segments": 0, "records": 0, "rows": 0, "data_bytes": 0, "log_bytes": 0, "lost_races": 0}
+        self._sync()
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
+        if self.commit_interval_s > 0:
+            self._ticker = threading.Thread(target=self._tick, name=f"tracestore-writer-{self.writer_id}", daemon=True)
+            self._ticker.start()
+
+    # ------------------------------------------------------------------ context
+    def __enter__(self) -> Writer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Writer({self.store.url!r}, writer_id={self.writer_id!r}, buffered={self.buffered_bytes})"
+
+    def committed(self, traj_id: str) -> list[tuple[int, int]]:
+        """Committed token ranges ``[(start, stop), ...]`` of ``traj_id`` (merged), after reading new log entries."""
+        check_id(traj_id)
+        with self._lock:
+            self._sync()
+            return self._committed.get(traj_id)
+
+    # ------------------------------------------------------------------ write
+    def write(self, traj_id: str, token_start: int, *, hints: Mapping, scales: Mapping, token_ids, logprobs,
+              experts: Mapping | None = None, policy_version: int = 0) -> None:
+        """Buffer tokens ``[token_start, token_start + T)`` of ``traj_id``.
+
+        Args:
+            hints: ``{site: uint8 [T, width/8]}`` for every declared site (bit i = LSB of code i, LSB first).
+            scales: ``{site: uint8 [T, width/block_size]}`` for every declared site.
+            token_ids: integer ``[T]`` (stored int32).
+            logprobs: floating ``[T]`` (stored float32).
+            experts: ``{moe_layer: integer [T, top_k]}`` for every declared MoE layer (required iff the store
+                declares MoE layers), values in ``[0, num_experts)``.
+            policy_version: int64 policy version that generated these tokens.
+            Arrays may be numpy arrays or torch tensors (CPU or CUDA; copied to host memory).
+
+        Everything is validated before anything is buffered; on error the writer and the store are unchanged.
+
+        Raises:
+            InvalidIdError, ShapeError, DTypeError, UnknownSiteError, OverlapError (range overlaps one committed
+            or buffered for ``traj_id``), TraceStoreError (writer closed / a background commit failed),
+            BackendError (a commit triggered by this write failed; the rows stay buffered).
+        """
+        store = self.store
+        traj_id = check_id(traj_id)
+        if isinstance(token_start, bool) or not isinstance(token_start, (int, np.integer)) or token_start < 0:
+            raise ShapeError(f"token_start must be an int >= 0, got {token_start!r}")
+        token_start = int(token_start)
+        if isinstance(policy_version, bool) or not isinstance(policy_version, (int, np.integer)):
+            raise DTypeError(f"policy_version must be an int, got {type(policy_version).__name__} {policy_version!r}")
+        policy_version = int(policy_version)
+
+        columns: dict[str, tuple[object, np.dtype]] = {}
+        token_ids = _as_array(token_ids, "token_ids")
+        if len(_shape(token_ids)) != 1:
+            raise ShapeError(f"token_ids must be 1-D [T], got shape {_shape(token_ids)}")
+        T = _shape(token_ids)[0]
+        if T == 0:
+            raise ShapeError(f"empty write: token_ids has 0 tokens (traj {traj_id!r}, token_start {token_start})")
+        if _kind(token_ids) not in "iu":
+            raise DTypeError(f"token_ids must be integers, got {_dtype_name(token_ids)}")
+        lo, hi = _minmax(token_ids)
+        if lo < _INT32.min or hi > _INT32.max:
+            raise DTypeError(f"token_ids out of int32 range: min {lo}, max {hi}")
+        columns["token_ids"] = (token_ids, np.dtype("<i4"))
+        logprobs = _as_array(logprobs, "logprobs")
+        if _shape(logprobs) != (T,):
+            raise ShapeError(f"logprobs must have shape ({T},) like token_ids, got {_shape(logprobs)}")
+        if _kind(logprobs) != "f":
+            raise DTypeError(f"logprobs must be floating point, got {_dtype_name(logprobs)}")
+        columns["logprobs"] = (logprobs, np.dtype("<f4"))
+
+        for what, given, per_site in (("hints", hints, "hint_bytes"), ("scales", scales, "scale_bytes")):
+            if not isinstance(given, Mapping):
+                raise DTypeError(f"{what} must be a mapping {{site: array}}, got {type(given).__name__}")
+            unknown = [k for k in given if k not in store.sites]
+            if unknown:
+                raise UnknownSiteError(f"{what}: unknown site(s) {unknown!r}; the store declares {list(store.sites)}")
+            missing = [k for k in store.sites if k not in given]
+            if missing:
+                raise ShapeError(f"{what}: missing site(s) {missing}; every declared site is required per write")
+            for name, site in store.sites.items():
+                arr = _as_array(given[name], f"{what}[{name!r}]")
+                want = (T, getattr(site, per_site))
+                if _dtype_name(arr) not in ("uint8", "torch.uint8"):
+                    raise DTypeError(f"{what}[{name!r}] must be uint8, got {_dtype_name(arr)}")
+                if _shape(arr) != want:
+                    raise ShapeError(f"{what}[{name!r}] must have shape {want} (T={T}, width {site.width}, "
+                                     f"block {site.block_size}), got {_shape(arr)}")
+                columns[f"{what}.{name}"] = (arr, np.dtype(np.uint8))
+
+        if store.moe_layers:
+            if not isinstance(experts, Mapping):
+                raise ShapeError(f"experts {{layer: [T, {store.top_k}]}} are required: the store declares MoE "
+                                 f"layers {list(store.moe_layers)}; got {type(experts).__name__}")
+            unknown = [k for k in experts if k not in store.moe_layers]
+            if unknown:
+                raise UnknownSiteError(f"experts: unknown MoE layer(s) {unknown!r}; declared {list(store.moe_layers)}")
+            missing = [k for k in store.moe_layers if k not in experts]
+            if missing:
+                raise ShapeError(f"experts: missing MoE layer(s) {missing}")
+            layer_arrays = []
+            for name in store.moe_layers:
+                arr = _as_array(experts[name], f"experts[{name!r}]")
+                if _shape(arr) != (T, store.top_k):
+                    raise ShapeError(f"experts[{name!r}] must have shape ({T}, {store.top_k}), got {_shape(arr)}")
+                if _kind(arr) not in "iu":
+                    raise DTypeError(f"experts[{name!r}] must be integers, got {_dtype_name(arr)}")
+                lo, hi = _minmax(arr)
+                if lo < 0 or hi >= store.num_experts:
+                    raise ShapeError(f"experts[{name!r}] values must be in [0, {store.num_experts}), got min {lo}, max {hi}")
+                layer_arrays.append(arr)
+            columns["experts"] = (layer_arrays, store.row_columns["experts"][0])
+        elif experts:
+            raise UnknownSiteError(f"experts given for {list(experts)!r} but the store declares no MoE layers")
+
+        with self._lock:
+            self._check_open()
+            stop = token_start + T
+            hit = self._committed.overlaps(traj_id, token_start, stop)
+            if hit is not None and self.skip_committed and self._committed.covered(traj_id, token_start, stop):
+                log.info("%s: skipping %s [%d, %d): already committed", self.writer_id, traj_id, token_start, stop)
+                return
+            if hit is None:
+                hit = self._pending.overlaps(traj_id, token_start, stop)
+                where = "buffered by this writer"
+            else:
+                where = "committed"
+            if hit is not None:
+                raise OverlapError(
+                    f"trajectory {traj_id!r}: tokens [{token_start}, {stop}) overlap [{hit[0]}, {hit[1]}) already "
+                    f"{where} in {self.store.url}", [(traj_id, token_start, stop)])
+            self._pending.add(traj_id, token_start, stop)
+            done = [0]
+            try:
+                self._buffer(traj_id, token_start, T, columns, policy_version, done)
+            finally:
+                if done[0] != T:  # failed part-way: what never reached the buffer is not pending
+                    self._pending.subtract(traj_id, token_start + done[0], stop)
+            if self._due():
+                self._flush_locked()
+
+    def _buffer(self, traj_id: str, token_start: int, T: int, columns: dict, policy_version: int,
+                done: list) -> None:
+        s = 0
+        while s < T:
+            if self._stage is None:
+                self._stage = _Staging(self.store.row_columns, self._capacity)
+            stage = self._stage
+            n = min(T - s, stage.capacity - stage.rows)
+            r = stage.rows
+            for name, (src, _dtype) in columns.items():
+                dst = stage.arrays[name][r:r + n]
+                if name == "experts":
+                    for k, a in enumerate(src):
+                        dst[:, k, :] = _host(a, s, s + n)  # [n, top_k] -> layer k of [n, L, top_k]
+                else:
+                    dst[...] = _host(src, s, s + n)
+            stage.rows += n
+            stage.add_record(traj_id, token_start + s, token_start + s + n, r, policy_version)
+            if self._oldest is None:
+                self._oldest = time.monotonic()
+            s += n
+            done[0] = s
+            if stage.rows >= stage.capacity:
+                self._flush_locked()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TraceStoreError(f"writer {self.writer_id!r} of {self.store.url} is closed")
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise TraceStoreError(f"a background commit of writer {self.writer_id!r} failed: {err}") from err
+
+    def _due(self) -> bool:
+        return (self._oldest is not None and self.commit_interval_s >= 0
+                and time.monotonic() - self._oldest >= self.commit_interval_s)
+
+    def _tick(self) -> None:
+        period = max(0.01, min(self.commit_interval_s / 4, 1.0))
+        while not self._stop.wait(period):
+            with self._lock:
+                if self._closed or not self._due() or self._error is not None:
+                    continue
+                try:
+                    self._flush_locked()
+                except Exception as e:  # surfaced by the next write/flush/close
+                    log.warning("%s: background commit failed: %s", self.writer_id, e)
+                    self._error = e
+
+    # ------------------------------------------------------------------ flush / commit
+    def flush(self) -> None:
+        """Write and commit everything buffered.
+
+        Raises:
+            OverlapError: another writer committed an overlapping range first (the other records were committed;
+                the conflicting ones were dropped). BackendError: storage failure (rows stay buffered).
+        """
+        with self._lock:
+            self._check_open()
+            self._flush_locked()
+
+    def close(self) -> None:
+        """Commit what is buffered and stop the background thread. Idempotent."""
+        if self._closed:
+            return
+        self._stop.set()
+        if self._ticker is not None and self._ticker is not threading.current_thread():
+            self._ticker.join()
+        with self._lock:
+            try:
+                self._check_open()
+                self._flush_locked()
+            finally:
+                self._closed = True
+
+    def _sync(self) -> None:
+        head = self.store.head()
+        if head <= self._synced:
+            return
+        for entry in self.store.read_entries(self._synced, head):
+            for t, s, e in zip(entry.traj_ids, entry.token_start.tolist(), entry.token_stop.tolist()):
+                self._committed.add(t, s, e)
+        self._synced = head
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Row bytes buffered and not yet committed."""
+        return 0 if self._stage is None else self._stage.rows * self._token_nbytes
+
+    def _flush_locked(self) -> None:
+        stage = self._stage
+        if stage is None or stage.rows == 0:
+            return
+        store = self.store
+        rows = stage.rows
+        chunk_rows = choose_chunk_rows(rows, store.chunk_rows)
+        objects: dict[str, object] = {}
+        for name, spec in store.array_specs.items():
+            lay = layout(spec, rows, chunk_rows, store.shard_bytes)
+            objects[f"{name}/zarr.json"] = array_metadata(lay)
+            if spec.grouped:
+                kind = name.split(".", 1)[0]
+                sources = [stage.arrays[f"{kind}.{m}"][:rows] for m in spec.members]
+            else:
+                sources = [stage.arrays[name][:rows]]
+            objects.update(lay.encode_parts(sources))
+        records = [list(r) for r in stage.records]
+        started = time.monotonic()
+        path = self._put_segment(objects, rows)
+        if time.monotonic() - started > store.gc_grace_s / 2:
+            log.warning("%s: writing segment %s took longer than half the gc grace period; rewriting it",
+                        self.writer_id, path)
+            path = self._put_segment(objects, rows)
+        segment = SegmentRef(path, self.writer_id, rows, chunk_rows, store.shard_bytes)
+        nbytes = sum(len(v) if isinstance(v, (bytes, bytearray)) else sum(len(x) for x in v)
+                     for v in objects.values())
+        del objects
+        conflicts = self._commit(segment, records, nbytes)
+        self.stats["segments"] += 1
+        self.stats["rows"] += rows
+        self.stats["data_bytes"] += nbytes
+        for r in stage.records:
+            self._pending.subtract(r[0], r[1], r[2])
+        stage.reset()
+        self._oldest = None
+        if conflicts:
+            raise OverlapError(
+                f"{len(conflicts)} record(s) lost a race: another writer committed overlapping tokens first "
+                f"({', '.join(f'{t}[{s}:{e})' for t, s, e in conflicts[:5])}); they were dropped", conflicts)
+
+    def _put_segment(self, objects: dict[str, object], rows: int) -> str:
+        segment_id = f"{self._segments:08d}-{uuid.uuid4().hex[:12]}"
+        self._segments += 1
+        path = f"data/{self.writer_id}/{segment_id}"
+        group = group_metadata({"tracestore": {"format_version": self.store.format_version,
+                                               "writer_id": self.writer_id, "segment_id": segment_id,
+                                               "rows": rows, "store_id": self.store.store_id}})
+        items = {f"{path}/{k}": v for k, v in objects.items()}
+        items[f"{path}/zarr.json"] = group
+        self.store.backend.put_many(items, atomic=False)
+        return path
+
+    def _commit(self, segment: SegmentRef, records: list[list], nbytes: int) -> list[tuple[str, int, int]]:
+        conflicts: list[tuple[str, int, int]] = []
+        while True:
+            self._sync()
+            keep = []
+            for r in records:
+                if self._committed.overlaps(r[0], r[1], r[2]) is not None:
+                    conflicts.append((r[0], r[1], r[2]))
+                else:
+                    keep.append(r)
+            records = keep
+            if not records:
+                log.warning("%s: nothing left to commit in %s (all records lost races)", self.writer_id, segment.path)
+                return conflicts
+            seq = self._synced
+            entry = LogEntry(
+                seq=seq, writer_id=self.writer_id, writer_seq=int(segment.path.rsplit("/", 1)[1].split("-")[0]),
+                segment=segment, created_unix=time.time(), segment_nbytes=nbytes,
+                traj_ids=[r[0] for r in records],
+                token_start=np.array([r[1] for r in records], np.int64),
+                token_stop=np.array([r[2] for r in records], np.int64),
+                row_offset=np.array([r[3] for r in records], np.int64),
+                policy_version=np.array([r[4] for r in records], np.int64),
+            )
+            data = encode_entry(entry)
+            if self.store.backend.put_if_absent(log_key(seq), data):
+                for r in records:
+                    self._committed.add(r[0], r[1], r[2])
+                self._synced = seq + 1
+                self.store._note_head(seq + 1)
+                self.stats["records"] += len(records)
+                self.stats["log_bytes"] += len(data)
+                log.debug("%s: committed %s as log entry %d (%d records)", self.writer_id, segment.path, seq,
+                          len(records))
+                return conflicts
+            self.stats["lost_races"] += 1
