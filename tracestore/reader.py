@@ -167,9 +167,6 @@ def _np(x) -> np.ndarray:
     return x.numpy()  # torch
 
 
-_pin_warned = False
-
-
 class _Alloc:
     """Output buffers: numpy, or torch (optionally in pinned host memory) with numpy views to fill."""
 
@@ -184,11 +181,8 @@ class _Alloc:
                 if torch.cuda.is_available():
                     self.pin = True
                 else:
-                    global _pin_warned
-                    if not _pin_warned:
-                        warnings.warn("pin_memory=True but CUDA is not available; returning pageable tensors",
-                                      RuntimeWarning, stacklevel=3)
-                        _pin_warned = True
+                    warnings.warn("pin_memory=True but CUDA is not available; returning pageable tensors",
+                                  RuntimeWarning, stacklevel=4)
         elif pin_memory:
             raise ValueError("pin_memory=True needs fmt='torch'")
 

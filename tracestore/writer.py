@@ -427,7 +427,7 @@ class Writer:
             raise TraceStoreError(f"a background commit of writer {self.writer_id!r} failed: {err}") from err
 
     def _due(self) -> bool:
-        return (self._oldest is not None and self.commit_interval_s >= 0
+        return (self._oldest is not None and self.commit_interval_s > 0
                 and time.monotonic() - self._oldest >= self.commit_interval_s)
 
     def _tick(self) -> None:
