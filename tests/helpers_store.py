@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 
 import numpy as np
 
@@ -83,7 +84,7 @@ class RawMemory(Raw):
         return self._objects[key][0]
 
     def write(self, key: str, data: bytes) -> None:
-        self._objects[key] = (bytes(data), self._objects.get(key, (b"", 0.0))[1])
+        self._objects[key] = (bytes(data), time.time())
 
     def delete(self, key: str) -> None:
         del self._objects[key]
