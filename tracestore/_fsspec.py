@@ -21,6 +21,7 @@ from .errors import BackendError, ObjectNotFoundError
 log = logging.getLogger(__name__)
 
 _CONDITIONAL_PUT_PROTOCOLS = {"s3", "s3a"}
+_OBJECT_STORE_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "az", "abfs", "adl", "memory", "http", "https"}
 
 
 def _mtime(info: Mapping) -> float:
@@ -46,6 +47,8 @@ class FsspecBackend(Backend):
         self.url = url.rstrip("/")
         protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
         self.supports_put_if_absent = bool(_CONDITIONAL_PUT_PROTOCOLS.intersection(protocols))
+        # object stores have no directories; hierarchical filesystems need parents created
+        self._make_dirs = not _OBJECT_STORE_PROTOCOLS.intersection(protocols)
 
     def _path(self, key: str) -> str:
         _check_key(key)
@@ -106,8 +109,14 @@ class FsspecBackend(Backend):
                 result.append(value)
         return result
 
+    def _parents(self, paths) -> None:
+        if self._make_dirs:
+            for parent in {p.rsplit("/", 1)[0] for p in paths}:
+                self.fs.makedirs(parent, exist_ok=True)
+
     def put(self, key: str, data: Data) -> None:
         try:
+            self._parents([self._path(key)])
             self.fs.pipe_file(self._path(key), join_parts(data))
         except (OSError, ValueError) as e:
             raise self._wrap(e, key) from e
@@ -119,6 +128,7 @@ class FsspecBackend(Backend):
             return
         try:
             # async filesystems (s3fs) send these concurrently
+            self._parents([self._path(k) for k in items])
             self.fs.pipe({self._path(k): join_parts(v) for k, v in items.items()})
         except (OSError, ValueError) as e:
             raise BackendError(f"writing {len(items)} objects to {self.url} failed: {e}") from e
@@ -141,7 +151,7 @@ class FsspecBackend(Backend):
         path = self._path(key)
         try:
             self.fs.invalidate_cache(path)
-            return bool(self.fs.exists(path))
+            return bool(self.fs.isfile(path))
         except (OSError, ValueError) as e:
             raise self._wrap(e, key) from e
 
