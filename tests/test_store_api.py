@@ -259,12 +259,13 @@ def test_racing_writers_first_commit_wins(location):
     a.flush()
     with pytest.raises(ts.OverlapError) as e:
         b.flush()
-    assert e.value.conflicts == [("x", 5, 15)]
+    assert e.value.conflicts == [("x", 5, 10)]  # B keeps only what A did not commit: [10, 15)
     a.close()
     b.close()
     r = store.reader()
-    assert r.info("x").ranges == ((0, 10),) and r.info("y").num_tokens == 4
-    check_batch(store, r.read("x"), "x", 0, 10)
+    assert r.info("x").ranges == ((0, 15),) and r.info("y").num_tokens == 4
+    assert [w for w in r.info("x").writers] == ["A", "B"]
+    check_batch(store, r.read("x"), "x", 0, 15)
     assert ts.verify(store).ok
 
 

@@ -8,6 +8,7 @@ chunks. Every chunk's crc32c is checked before its bytes are used.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import warnings
@@ -189,20 +190,18 @@ class _Alloc:
     def empty(self, shape: tuple[int, ...], dtype: np.dtype):
         if not self.torch:
             return np.empty(shape, dtype), None
-        t = self._torch.empty(shape, dtype=_TORCH_DTYPES[np.dtype(dtype).name], pin_memory=self.pin)
+        t = self._torch.empty(shape, dtype=_torch_dtypes()[np.dtype(dtype).name], pin_memory=self.pin)
         return t.numpy(), t
 
 
+@functools.lru_cache(maxsize=1)
 def _torch_dtypes() -> dict:
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a dependency
-        return {}
+    import torch  # imported on first use: importing tracestore stays fast
+
     return {"uint8": torch.uint8, "int32": torch.int32, "float32": torch.float32, "int64": torch.int64,
             "uint16": torch.uint16 if hasattr(torch, "uint16") else torch.int32}
 
 
-_TORCH_DTYPES = _torch_dtypes()
 
 
 @dataclass(frozen=True)

@@ -169,6 +169,24 @@ class _Ranges:
         starts.insert(i, s)
         stops.insert(i, e)
 
+    def uncovered(self, traj: str, s: int, e: int) -> list[tuple[int, int]]:
+        """The parts of ``[s, e)`` that no range of ``traj`` covers, in order."""
+        starts = self._starts.get(traj)
+        if not starts:
+            return [(s, e)]
+        stops = self._stops[traj]
+        i = max(0, bisect.bisect_right(starts, s) - 1)
+        out, pos = [], s
+        while i < len(starts) and starts[i] < e:
+            if stops[i] > pos:
+                if starts[i] > pos:
+                    out.append((pos, starts[i]))
+                pos = max(pos, stops[i])
+            i += 1
+        if pos < e:
+            out.append((pos, e))
+        return out
+
     def subtract(self, traj: str, s: int, e: int) -> None:
         """Remove ``[s, e)`` from the ranges of ``traj`` (splitting ranges that straddle it)."""
         starts, stops = self._starts.get(traj), self._stops.get(traj)
@@ -520,8 +538,9 @@ class Writer:
         self._oldest = None
         if conflicts:
             raise OverlapError(
-                f"{len(conflicts)} record(s) lost a race: another writer committed overlapping tokens first "
-                f"({', '.join(f'{t}[{s}:{e})' for t, s, e in conflicts[:5])}); they were dropped", conflicts)
+                f"{len(conflicts)} token range(s) lost a race: another writer committed them first "
+                f"({', '.join(f'{t}[{s}:{e})' for t, s, e in conflicts[:5])}); they were dropped, the rest of the "
+                f"segment was committed", conflicts)
 
     def _put_segment(self, objects: dict[str, object], rows: int) -> str:
         segment_id = f"{self._segments:08d}-{uuid.uuid4().hex[:12]}"
@@ -541,10 +560,18 @@ class Writer:
             self._sync()
             keep = []
             for r in records:
-                if self._committed.overlaps(r[0], r[1], r[2]) is not None:
-                    conflicts.append((r[0], r[1], r[2]))
-                else:
+                if self._committed.overlaps(r[0], r[1], r[2]) is None:
                     keep.append(r)
+                    continue
+                # another writer committed part of this range first: keep only the uncovered parts
+                pos = r[1]
+                for a, b in self._committed.uncovered(r[0], r[1], r[2]):
+                    if a > pos:
+                        conflicts.append((r[0], pos, a))
+                    keep.append([r[0], a, b, r[3] + (a - r[1]), r[4]])
+                    pos = b
+                if pos < r[2]:
+                    conflicts.append((r[0], pos, r[2]))
             records = keep
             if not records:
                 log.warning("%s: nothing left to commit in %s (all records lost races)", self.writer_id, segment.path)
