@@ -20,8 +20,9 @@ result to 24 bits is innocuous (p' >= 2p + 2), so it equals IEEE fp32 division, 
 `torch.compile`, whose generated Triton code uses an approximate fp32 division (div.full.f32).
 
 NaN/Inf: block and tensor amax ignore non-finite values; +-Inf gets the saturated code +-6 (0x7 / 0xF);
-NaN gets code 0x7 (+6, sign bit 0), so its hint bit is 1. Fake quantization propagates NaN (output NaN where
-x is NaN). The sign bit is the sign bit of x: -0.0 -> code 0x8, which dequantizes to -0.0.
+NaN gets magnitude 7 with its own sign bit (0x7 or 0xF), so its hint bit is 1. Fake quantization propagates
+NaN (output NaN where x is NaN). The code's sign bit is always the sign bit of x: -0.0 -> code 0x8, which
+dequantizes to -0.0.
 
 Hint-guided rounding (fake quantization with the rollout's scales and hints), per value::
 
@@ -237,7 +238,7 @@ def quantize_blocks_ref(
     _, r, _ = _scale_and_factor(fmt, scales_u8, g)
     v = x_f32 * r[:, None]  # [NB, B]
     mag = e2m1_rne_magnitude(v)
-    sign = torch.signbit(x_f32) & ~torch.isnan(x_f32)
+    sign = torch.signbit(x_f32)  # the sign bit of x, NaN included
     codes = (mag | (sign.to(torch.int32) << 3)).to(torch.uint8)  # [NB, B]
     hints = pack_hints(codes & 1) if emit_hints else None
     return pack_codes(codes), scales_u8, hints

@@ -1,34 +1,46 @@
 """Triton kernels of the FP4 numerics, bit-identical to `kernels.reference` (imported lazily by `kernels.api`).
 
-Three kernels, each over a flat view of the input as NB blocks of B values (B = 16 NVFP4, 32 MXFP4; rows are
-whole numbers of blocks, so block k is simply elements [kB, (k+1)B) and every program owns BN whole blocks).
-A program's tile is [BN, G, 8] with G = B/8: the last axis of 8 values is one hint byte and one 32-bit word of
-packed codes, so packing is an in-thread reduction and the 8 values are one 16-byte load for 16-bit inputs:
+Three kernels over a flat view of the input as NB blocks of B values (B = 16 NVFP4, 32 MXFP4; rows are whole
+numbers of blocks, so block k is simply elements [kB, (k+1)B)); every program owns BN whole blocks:
 
 - `_quantize_kernel`:   x [NB, B] -> codes [NB, B/2], scale bytes [NB], hint bytes [NB, B/8]
 - `_fake_quant_kernel`: x [NB, B] (+ scale bytes, hint bytes) -> out [NB, B] in x.dtype (RTN or hint-guided)
 - `_fake_quant_bwd_kernel`: clipped straight-through gradient (grad where not |x * r| > 6)
 
+Layout: a block is loaded as G = B/8 separate tiles [BN, 8] of identical shape, so one thread holds whole
+blocks (each 8-value row is one 16-byte load for 16-bit inputs): the block amax, the 32-bit word of 8 packed
+codes and the hint byte are in-thread reductions (no shuffles), and a block's codes/hints/scale leave in one
+8-/2-/1-byte store (NVFP4).
+
+These kernels are bound by instructions per element, not bytes, so the per-element math uses integer tricks
+that give the same results as the reference's comparisons (tested bit for bit):
+- RNE onto the E2M1 ladder: for 1 <= a <= 6, round the fp32 bits of a to one mantissa bit
+  (rb = b + 0x1FFFFF + ((b >> 22) & 1)); the code is (rb >> 22) - 252. Below 1 the ladder is uniform (0, 0.5,
+  1): code = bits(2a + 2^23) - bits(2^23) (round to nearest even by the fp32 adder; 2a is exact). |v| is
+  clamped to 6 first (6 < |v|, Inf and NaN all give code 7).
+- Hint-guided k = #{ladder <= a}: the same with truncation instead of rounding.
+- E2M1 value of index i >= 2 is the float with bits (i + 252) << 22.
+
 Exactness rules that keep them bit-identical to the reference:
 - every division is `tl.math.div_rn` (correctly rounded; Triton's `/` on fp32 is the approximate div.full.f32);
 - the E4M3 rounding is the same integer/exact-float procedure as `reference.e4m3_encode`;
-- no multiply feeds an add except where the product is exact (t * 512), so FMA contraction cannot change a bit;
-- E2M1 magnitudes are selected with `tl.where` (exact constants), and the sign is applied last.
+- the only multiply feeding an add has an exact product (2a, t * 512), so FMA contraction cannot change a bit;
+- the sign is applied last by flipping the sign bit (Triton's unary minus is 0 - x, which loses -0.0).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .constants import HINTS_PER_BYTE
-
 __all__ = ["quantize_blocks_triton", "fake_quantize_blocks_triton", "fake_quantize_bwd_blocks_triton", "CONFIG"]
 
 #: default launch configuration per kernel: (blocks per program BN, num_warps); tuned on an H200 by
 #: benchmarks/benchmark_kernels.py (see benchmarks/results/kernels-h200.json)
-CONFIG: dict[str, tuple[int, int]] = {"quantize": (128, 4), "fake_quant": (128, 4), "fake_quant_bwd": (128, 4)}
+CONFIG: dict[str, tuple[int, int]] = {"quantize": (256, 4), "fake_quant": (256, 4), "fake_quant_bwd": (256, 4)}
 
 
 @triton.jit
@@ -50,7 +62,7 @@ def _e4m3_scale_byte(amax, g):
 
 @triton.jit
 def _flip_sign(val, neg):
-    """-val where neg, by flipping the sign bit (Triton's unary minus is 0 - x, which loses -0.0)."""
+    """-val where neg, by flipping the sign bit."""
     bits = val.to(tl.int32, bitcast=True) ^ (neg.to(tl.int32) << 31)
     return bits.to(tl.float32, bitcast=True)
 
@@ -90,11 +102,7 @@ def _mx_exponent(amax, RCEIL: tl.constexpr):
 
 
 @triton.jit
-def _own_scale(x, g_ptr, IS_NV: tl.constexpr, RCEIL: tl.constexpr):
-    """Scale byte (int32) per block of fp32 blocks x [BN, G, 8]; amax over finite |x| (NaN/Inf ignored)."""
-    ax = tl.abs(x)
-    afin = tl.where(ax < float("inf"), ax, 0.0)  # NaN < inf is False
-    amax = tl.max(tl.max(afin, axis=2), axis=1)  # [BN]
+def _scale_byte_from_amax(amax, g_ptr, IS_NV: tl.constexpr, RCEIL: tl.constexpr):
     if IS_NV:
         sbyte = _e4m3_scale_byte(amax, tl.load(g_ptr))
     else:
@@ -118,24 +126,70 @@ def _scale_factor(sbyte, g_ptr, IS_NV: tl.constexpr):
 
 
 @triton.jit
-def _rne_magnitude(v):
-    """E2M1 magnitude code (int32) of v: nearest, ties to even code, saturate at 6; NaN -> 7."""
-    a = tl.abs(v)
-    mag = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-    mag += (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32)
-    return tl.where(a != a, 7, mag)
+def _offsets8(blk, j: tl.constexpr, G: tl.constexpr):
+    """Element offsets [BN, 8] of the j-th group of 8 values of each block."""
+    return (blk * G + j)[:, None] * 8 + tl.arange(0, 8)[None, :]
 
 
 @triton.jit
-def _e2m1_value(mag):
-    hi = tl.where(mag >= 6, tl.where(mag == 7, 6.0, 4.0), tl.where(mag == 5, 3.0, 2.0))
-    return tl.where(mag >= 4, hi, mag.to(tl.float32) * 0.5)
+def _amax8(x_in):
+    """max |x| over the finite values of each row of a [BN, 8] tile (in the input dtype: exact)."""
+    ax = tl.abs(x_in)
+    return tl.max(tl.where(ax < float("inf"), ax, 0.0), axis=1)
+
+
+@triton.jit
+def _abs_bits_clamped(v):
+    """fp32 bits of min(|v|, 6) as int32; NaN -> 6."""
+    return tl.minimum(v.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0x40C00000)
+
+
+@triton.jit
+def _rne_code8(x, r):
+    """Codes (int32 [BN, 8], sign included) of fp32 x [BN, 8] with factors r [BN]: RNE on the ladder, ties to
+    the even code, saturating at 6; NaN -> magnitude 7; the sign bit is x's (NaN included)."""
+    v = x * r[:, None]
+    b = _abs_bits_clamped(v)
+    rb = b + 0x1FFFFF + ((b >> 22) & 1)  # RNE of a in [1, 6] to one mantissa bit
+    c_norm = (rb >> 22) - 252
+    a = b.to(tl.float32, bitcast=True)
+    c_sub = (a * 2.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000  # rne(2a) for a < 1
+    mag = tl.where(b < 0x3F800000, c_sub, c_norm)
+    return mag | ((x.to(tl.int32, bitcast=True) >> 28) & 8)
+
+
+@triton.jit
+def _pack8(code):
+    """(32-bit word of 8 codes, value i in nibble i; hint byte = bit 0 of each code) of codes [BN, 8]."""
+    lane = tl.arange(0, 8)
+    word = tl.sum(code << (lane[None, :] * 4), axis=1)  # disjoint nibbles: sum == or
+    t = word & 0x11111111  # gather bits 0, 4, ..., 28 into bits 0..7
+    t = (t | (t >> 3)) & 0x03030303
+    t = (t | (t >> 6)) & 0x000F000F
+    t = (t | (t >> 12)) & 0xFF
+    return word, t
+
+
+@triton.jit
+def _hint_magnitude8(v, hint):
+    """Hint-guided magnitude index (int32 [BN, 8]): k = #{ladder <= min(|v|, 6)}; k + ((k ^ hint) & 1)."""
+    b = _abs_bits_clamped(v)
+    k_norm = tl.minimum((b >> 22) - 252, 6)  # a in [1, 6]: floor onto the ladder
+    k_sub = (b >= 0x3F000000).to(tl.int32)  # a < 1: 0.5 <= a
+    k = tl.where(b < 0x3F800000, k_sub, k_norm)
+    return k + ((k ^ hint) & 1)
+
+
+@triton.jit
+def _e2m1_bits(mag):
+    """fp32 bits of E2M1[mag] for magnitude index 0..7: (mag + 252) << 22 for mag >= 2; 0.5; 0."""
+    return tl.where(mag >= 2, (mag + 252) << 22, tl.where(mag == 1, 0x3F000000, 0))
 
 
 @triton.jit
 def _to_bf16_rne(val):
     """fp32 -> bf16 with round-to-nearest-even on the integer bits, NaN -> 0x7FC0 (as torch's CPU cast).
-    Done by hand because the Triton interpreter's fp32 -> bf16 cast truncates."""
+    Used under the interpreter, whose fp32 -> bf16 cast truncates; on GPU the hardware cast (RNE) is used."""
     bits = val.to(tl.int32, bitcast=True)
     rb = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
     rb = tl.where(val != val, 0x7FC0, rb)
@@ -143,96 +197,130 @@ def _to_bf16_rne(val):
 
 
 @triton.jit
+def _blocks(NB, BN: tl.constexpr, BIG: tl.constexpr):
+    pid = tl.program_id(0)
+    if BIG:
+        blk = pid.to(tl.int64) * BN + tl.arange(0, BN)
+    else:
+        blk = pid * BN + tl.arange(0, BN)
+    return blk, blk < NB
+
+
+@triton.jit
 def _quantize_kernel(
     x_ptr, codes_ptr, scales_ptr, hints_ptr, g_ptr, NB,
     G: tl.constexpr, BN: tl.constexpr, IS_NV: tl.constexpr, RCEIL: tl.constexpr, EMIT_HINTS: tl.constexpr,
+    BIG: tl.constexpr,
 ):
-    # Tile [BN, G, 8]: BN blocks of G groups of 8 values (B = 8G). One group of 8 values gives one hint byte
-    # and one 32-bit word of codes (value i of the group in nibble i: little-endian, so element 2i is the low
-    # nibble of byte i), so packing is a reduction over the last axis, which stays inside a thread.
-    pid = tl.program_id(0)
-    blk = pid.to(tl.int64) * BN + tl.arange(0, BN)  # [BN]
-    bmask = blk < NB
-    grp = tl.arange(0, G)
-    lane = tl.arange(0, 8)
-    gidx = blk[:, None] * G + grp[None, :]  # [BN, G] group index
-    offs = gidx[:, :, None] * 8 + lane[None, None, :]  # [BN, G, 8]
-    x = tl.load(x_ptr + offs, mask=bmask[:, None, None], other=0.0).to(tl.float32)
-    sbyte = _own_scale(x, g_ptr, IS_NV, RCEIL)  # [BN]
+    # codes_ptr: int64 view of the codes (one word per 8 values: G/2 words per block);
+    # hints_ptr: int16 (NVFP4, G=2) or int32 (MXFP4, G=4) view of the hint bytes (one element per block)
+    blk, bmask = _blocks(NB, BN, BIG)
+    m2 = bmask[:, None]
+    x0_in = tl.load(x_ptr + _offsets8(blk, 0, G), mask=m2, other=0.0)  # [BN, 8]
+    x1_in = tl.load(x_ptr + _offsets8(blk, 1, G), mask=m2, other=0.0)
+    amax = tl.maximum(_amax8(x0_in), _amax8(x1_in))
+    if G == 4:
+        x2_in = tl.load(x_ptr + _offsets8(blk, 2, G), mask=m2, other=0.0)
+        x3_in = tl.load(x_ptr + _offsets8(blk, 3, G), mask=m2, other=0.0)
+        amax = tl.maximum(amax, tl.maximum(_amax8(x2_in), _amax8(x3_in)))
+    sbyte = _scale_byte_from_amax(amax.to(tl.float32), g_ptr, IS_NV, RCEIL)  # [BN]
     _, r, _ = _scale_factor(sbyte, g_ptr, IS_NV)
-    v = x * r[:, None, None]
-    mag = _rne_magnitude(v)
-    neg = (x.to(tl.int32, bitcast=True) < 0) & (x == x)
-    code = (mag | (neg.to(tl.int32) << 3)).to(tl.uint32)  # [BN, G, 8]
-    word = tl.sum(code << (lane[None, None, :] * 4).to(tl.uint32), axis=2)  # [BN, G]; disjoint bits: sum == or
-    gmask = bmask[:, None]
-    tl.store(codes_ptr + gidx, word.to(tl.int32, bitcast=True), mask=gmask)
+    w0, h0 = _pack8(_rne_code8(x0_in.to(tl.float32), r))
+    w1, h1 = _pack8(_rne_code8(x1_in.to(tl.float32), r))
+    words01 = w0.to(tl.uint32, bitcast=True).to(tl.int64) | (w1.to(tl.int64) << 32)
     tl.store(scales_ptr + blk, sbyte.to(tl.uint8), mask=bmask)
-    if EMIT_HINTS:
-        hbyte = tl.sum((code & 1) << lane[None, None, :].to(tl.uint32), axis=2)  # [BN, G]
-        tl.store(hints_ptr + gidx, hbyte.to(tl.uint8), mask=gmask)
+    if G == 2:
+        tl.store(codes_ptr + blk, words01, mask=bmask)
+        if EMIT_HINTS:
+            tl.store(hints_ptr + blk, (h0 | (h1 << 8)).to(tl.int16), mask=bmask)
+    else:
+        w2, h2 = _pack8(_rne_code8(x2_in.to(tl.float32), r))
+        w3, h3 = _pack8(_rne_code8(x3_in.to(tl.float32), r))
+        words23 = w2.to(tl.uint32, bitcast=True).to(tl.int64) | (w3.to(tl.int64) << 32)
+        tl.store(codes_ptr + 2 * blk, words01, mask=bmask)
+        tl.store(codes_ptr + 2 * blk + 1, words23, mask=bmask)
+        if EMIT_HINTS:
+            tl.store(hints_ptr + blk, h0 | (h1 << 8) | (h2 << 16) | (h3 << 24), mask=bmask)
+
+
+@triton.jit
+def _fq8(x_in, r, s, g, hbits, HAS_HINTS: tl.constexpr, MANUAL_BF16: tl.constexpr):
+    """Fake-quantized [BN, 8] tile in x_in's dtype; hbits [BN] holds this group's hint byte."""
+    x = x_in.to(tl.float32)
+    if HAS_HINTS:
+        hint = hbits[:, None] >> tl.arange(0, 8)[None, :]  # only bit 0 is used
+        mag = _hint_magnitude8(x * r[:, None], hint)
+    else:
+        mag = _rne_code8(x, r) & 7
+    out = (_e2m1_bits(mag).to(tl.float32, bitcast=True) * s[:, None]) * g
+    out = (out.to(tl.int32, bitcast=True) ^ (x.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32, bitcast=True)
+    out = tl.where(x != x, x, out)  # NaN propagates
+    if MANUAL_BF16:
+        return _to_bf16_rne(out)
+    else:
+        return out.to(x_in.dtype)
 
 
 @triton.jit
 def _fake_quant_kernel(
     x_ptr, out_ptr, scales_ptr, hints_ptr, g_ptr, scales_out_ptr, NB,
     G: tl.constexpr, BN: tl.constexpr, IS_NV: tl.constexpr, RCEIL: tl.constexpr,
-    HAS_SCALES: tl.constexpr, HAS_HINTS: tl.constexpr, STORE_SCALES: tl.constexpr, OUT_BF16: tl.constexpr,
+    HAS_SCALES: tl.constexpr, HAS_HINTS: tl.constexpr, STORE_SCALES: tl.constexpr, MANUAL_BF16: tl.constexpr,
+    BIG: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    blk = pid.to(tl.int64) * BN + tl.arange(0, BN)  # [BN]
-    bmask = blk < NB
-    grp = tl.arange(0, G)
-    lane = tl.arange(0, 8)
-    gidx = blk[:, None] * G + grp[None, :]  # [BN, G]
-    offs = gidx[:, :, None] * 8 + lane[None, None, :]  # [BN, G, 8]
-    mask3 = bmask[:, None, None]
-    x_in = tl.load(x_ptr + offs, mask=mask3, other=0.0)
-    x = x_in.to(tl.float32)
+    # hints_ptr: int16 (G=2) or int32 (G=4) view of the hint bytes, one element per block
+    blk, bmask = _blocks(NB, BN, BIG)
+    m2 = bmask[:, None]
+    o0 = _offsets8(blk, 0, G)
+    o1 = _offsets8(blk, 1, G)
+    x0_in = tl.load(x_ptr + o0, mask=m2, other=0.0)
+    x1_in = tl.load(x_ptr + o1, mask=m2, other=0.0)
+    if G == 4:
+        o2 = _offsets8(blk, 2, G)
+        o3 = _offsets8(blk, 3, G)
+        x2_in = tl.load(x_ptr + o2, mask=m2, other=0.0)
+        x3_in = tl.load(x_ptr + o3, mask=m2, other=0.0)
     if HAS_SCALES:
         sbyte = tl.load(scales_ptr + blk, mask=bmask, other=0).to(tl.int32)
     else:
-        sbyte = _own_scale(x, g_ptr, IS_NV, RCEIL)
+        amax = tl.maximum(_amax8(x0_in), _amax8(x1_in))
+        if G == 4:
+            amax = tl.maximum(amax, tl.maximum(_amax8(x2_in), _amax8(x3_in)))
+        sbyte = _scale_byte_from_amax(amax.to(tl.float32), g_ptr, IS_NV, RCEIL)
         if STORE_SCALES:
             tl.store(scales_out_ptr + blk, sbyte.to(tl.uint8), mask=bmask)
     s, r, g = _scale_factor(sbyte, g_ptr, IS_NV)
-    v = x * r[:, None, None]
     if HAS_HINTS:
-        hbyte = tl.load(hints_ptr + gidx, mask=bmask[:, None], other=0).to(tl.int32)  # [BN, G]
-        hint = (hbyte[:, :, None] >> lane[None, None, :]) & 1  # [BN, G, 8]
-        a = tl.minimum(tl.abs(v), 6.0)
-        k = (a >= 0.5).to(tl.int32) + (a >= 1.0).to(tl.int32) + (a >= 1.5).to(tl.int32)
-        k += (a >= 2.0).to(tl.int32) + (a >= 3.0).to(tl.int32) + (a >= 4.0).to(tl.int32)
-        mag = tl.where((k & 1) == hint, k, k + 1)
+        hb = tl.load(hints_ptr + blk, mask=bmask, other=0).to(tl.int32)  # [BN]: G hint bytes
     else:
-        mag = _rne_magnitude(v)
-    out = (_e2m1_value(mag) * s[:, None, None]) * g
-    out = _flip_sign(out, x.to(tl.int32, bitcast=True) < 0)
-    out = tl.where(x != x, x, out)  # NaN propagates
-    if OUT_BF16:
-        tl.store(out_ptr + offs, _to_bf16_rne(out), mask=mask3)
-    else:
-        tl.store(out_ptr + offs, out.to(x_in.dtype), mask=mask3)
+        hb = tl.zeros_like(sbyte)
+    tl.store(out_ptr + o0, _fq8(x0_in, r, s, g, hb, HAS_HINTS, MANUAL_BF16), mask=m2)
+    tl.store(out_ptr + o1, _fq8(x1_in, r, s, g, hb >> 8, HAS_HINTS, MANUAL_BF16), mask=m2)
+    if G == 4:
+        tl.store(out_ptr + o2, _fq8(x2_in, r, s, g, hb >> 16, HAS_HINTS, MANUAL_BF16), mask=m2)
+        tl.store(out_ptr + o3, _fq8(x3_in, r, s, g, hb >> 24, HAS_HINTS, MANUAL_BF16), mask=m2)
+
+
+@triton.jit
+def _bwd8(grad, x_in, r):
+    v = x_in.to(tl.float32) * r[:, None]
+    return tl.where(tl.abs(v) > 6.0, tl.zeros_like(grad), grad)
 
 
 @triton.jit
 def _fake_quant_bwd_kernel(
-    grad_ptr, x_ptr, scales_ptr, g_ptr, out_ptr, NB, G: tl.constexpr, BN: tl.constexpr, IS_NV: tl.constexpr,
+    grad_ptr, x_ptr, scales_ptr, g_ptr, out_ptr, NB,
+    G: tl.constexpr, BN: tl.constexpr, IS_NV: tl.constexpr, BIG: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    blk = pid.to(tl.int64) * BN + tl.arange(0, BN)
-    bmask = blk < NB
-    grp = tl.arange(0, G)
-    lane = tl.arange(0, 8)
-    offs = (blk[:, None] * G + grp[None, :])[:, :, None] * 8 + lane[None, None, :]  # [BN, G, 8]
-    mask3 = bmask[:, None, None]
-    grad = tl.load(grad_ptr + offs, mask=mask3, other=0.0)
-    x = tl.load(x_ptr + offs, mask=mask3, other=0.0).to(tl.float32)
+    blk, bmask = _blocks(NB, BN, BIG)
+    m2 = bmask[:, None]
     sbyte = tl.load(scales_ptr + blk, mask=bmask, other=0).to(tl.int32)
     _, r, _ = _scale_factor(sbyte, g_ptr, IS_NV)
-    v = x * r[:, None, None]
-    out = tl.where(tl.abs(v) > 6.0, tl.zeros_like(grad), grad)
-    tl.store(out_ptr + offs, out, mask=mask3)
+    for j in tl.static_range(G):
+        o = _offsets8(blk, j, G)
+        grad = tl.load(grad_ptr + o, mask=m2, other=0.0)
+        x_in = tl.load(x_ptr + o, mask=m2, other=0.0)
+        tl.store(out_ptr + o, _bwd8(grad, x_in, r), mask=m2)
 
 
 def _g_arg(g: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -243,6 +331,19 @@ def _g_arg(g: torch.Tensor | None, device: torch.device) -> torch.Tensor:
 
 def _cfg(name: str, config: tuple[int, int] | None) -> tuple[int, int]:
     return config if config is not None else CONFIG[name]
+
+
+def _big(t: torch.Tensor) -> bool:
+    return t.numel() >= 2**31 - 2**20
+
+
+def _per_block_view(t: torch.Tensor, nbytes_per_block: int) -> torch.Tensor:
+    """View a contiguous uint8 tensor of `nbytes_per_block` bytes per block as one int16/int32 per block."""
+    return t.view({2: torch.int16, 4: torch.int32}[nbytes_per_block])
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def quantize_blocks_triton(
@@ -256,13 +357,14 @@ def quantize_blocks_triton(
     dev = xb.device
     codes = torch.empty((nb, b // 2), dtype=torch.uint8, device=dev)
     scales = torch.empty((nb,), dtype=torch.uint8, device=dev)
-    hints = torch.empty((nb, b // HINTS_PER_BYTE), dtype=torch.uint8, device=dev) if emit_hints else None
+    hints = torch.empty((nb, b // 8), dtype=torch.uint8, device=dev) if emit_hints else None
     if nb:
         bn, warps = _cfg("quantize", config)
         _quantize_kernel[(triton.cdiv(nb, bn),)](
-            xb, codes.view(torch.int32), scales, hints if emit_hints else codes, _g_arg(g, dev), nb,
+            xb, codes.view(torch.int64), scales,
+            _per_block_view(hints, b // 8) if emit_hints else scales, _g_arg(g, dev), nb,
             G=b // 8, BN=bn, IS_NV=fmt == "nvfp4", RCEIL=scale_rule == "rceil", EMIT_HINTS=emit_hints,
-            num_warps=warps,
+            BIG=_big(xb), num_warps=warps,
         )
     return codes, scales, hints
 
@@ -283,16 +385,19 @@ def fake_quantize_blocks_triton(
     scales_out = torch.empty((nb,), dtype=torch.uint8, device=dev) if store_scales else None
     if nb:
         bn, warps = _cfg("fake_quant", config)
-        dummy = out
+        dummy = torch.empty((1,), dtype=torch.int32, device=dev)
+        hints_arg = dummy
+        if hints_packed is not None:
+            hints_arg = _per_block_view(hints_packed.contiguous().reshape(nb, b // 8), b // 8)
         _fake_quant_kernel[(triton.cdiv(nb, bn),)](
             xb, out,
             scales_u8.contiguous() if has_scales else dummy,
-            hints_packed.contiguous() if hints_packed is not None else dummy,
+            hints_arg,
             _g_arg(g, dev),
             scales_out if store_scales else dummy,
             nb, G=b // 8, BN=bn, IS_NV=fmt == "nvfp4", RCEIL=scale_rule == "rceil",
             HAS_SCALES=has_scales, HAS_HINTS=hints_packed is not None, STORE_SCALES=store_scales,
-            OUT_BF16=xb.dtype == torch.bfloat16, num_warps=warps,
+            MANUAL_BF16=xb.dtype == torch.bfloat16 and _interpreting(), BIG=_big(xb), num_warps=warps,
         )
     return out, (scales_u8 if has_scales else scales_out)
 
@@ -310,6 +415,6 @@ def fake_quantize_bwd_blocks_triton(
         bn, warps = _cfg("fake_quant_bwd", config)
         _fake_quant_bwd_kernel[(triton.cdiv(nb, bn),)](
             grad_b, xb, scales_u8.contiguous(), _g_arg(g, xb.device), out, nb,
-            G=b // 8, BN=bn, IS_NV=fmt == "nvfp4", num_warps=warps,
+            G=b // 8, BN=bn, IS_NV=fmt == "nvfp4", BIG=_big(xb), num_warps=warps,
         )
     return out

@@ -276,16 +276,16 @@ def test_mxfp4_scale_rules(rule, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fmt", FMTS)
 def test_nan_and_inf(fmt, backend):
-    x = anchored_block([float("nan"), float("inf"), float("-inf"), 1.0, -2.0], fmt)
+    x = anchored_block([float("nan"), float("inf"), float("-inf"), 1.0, -2.0, -float("nan")], fmt)
     q = kernels.quantize(x, fmt, global_scale=g_for(fmt), backend=backend)
-    # amax ignores NaN/Inf (scale stays exactly 1); Inf saturates to +-6; NaN -> code 7 (hint bit 1)
+    # amax ignores NaN/Inf (scale stays exactly 1); Inf saturates to +-6; NaN -> magnitude 7 with its sign bit
     assert q.scales.flatten()[0].item() == (E4M3_ONE if fmt == "nvfp4" else E8M0_ONE)
-    assert codes_of(q)[0, :6].tolist() == [7, 7, 7, 15, 2, 12]
+    assert codes_of(q)[0, :7].tolist() == [7, 7, 7, 15, 2, 12, 15]
     y = kernels.fake_quantize(x, fmt, global_scale=g_for(fmt), backend=backend)
     assert torch.isnan(y[0, 1]) and y[0, 2].item() == 6.0 and y[0, 3].item() == -6.0
     assert y[0, 4].item() == 1.0 and y[0, 5].item() == -2.0
     yh = kernels.fake_quantize(x, fmt, global_scale=g_for(fmt), scales=q.scales, hints=q.hints, backend=backend)
-    assert torch.isnan(yh[0, 1]) and torch.equal(yh[0, 2:], y[0, 2:])
+    assert torch.isnan(yh[0, 1]) and torch.isnan(yh[0, 6]) and torch.equal(yh[0, 2:6], y[0, 2:6])
 
 
 def test_global_scale_ignores_non_finite_and_falls_back():
@@ -442,7 +442,7 @@ def test_hint_guided_code_equals_rollout_code_when_it_brackets(rel, fmt, backend
     s = ref.e4m3_decode(q.scales) * g if fmt == "nvfp4" else ref.e8m0_decode(q.scales)
     v = xn.reshape(-1, b).double() / s.reshape(-1, 1).double()
     a = v.abs().clamp(max=6.0)
-    ladder = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float64)
+    ladder = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float64, device=a.device)
     k = (a.unsqueeze(-1) >= ladder[1:7]).sum(-1)
     c = kernels.unpack_codes(q.codes).reshape(-1, b).long()
     same_sign = torch.signbit(xn.reshape(-1, b)) == ((c & 8) != 0)
@@ -504,7 +504,7 @@ def test_backward_is_straight_through(ste, fmt, backend):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_triton_backward_matches_reference(dtype):
     x = _random_x(37, 32, dtype, seed=4)
-    grad_out = torch.randn(x.shape).to(dtype)
+    grad_out = torch.randn(x.shape).to(dtype).to(x.device)
     grads = []
     for be in ("reference", "triton"):
         xx = x.clone().requires_grad_(True)
