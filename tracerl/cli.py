@@ -1,0 +1,120 @@
+"""``tracerl`` command line: a thin layer over `tracerl.demo`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+
+
+def _fmt(v, kind: str) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if kind == "pct":
+        return f"{100 * v:.3f}%"
+    return f"{v:.3e}"
+
+
+def render_table(result: dict) -> "object":
+    from rich.table import Table
+
+    cfg = result["config"]
+    table = Table(
+        title=(
+            f"TRACE fidelity: {cfg['model']} (hidden {cfg['spec']['hidden_size']}, {cfg['spec']['num_layers']} "
+            f"layers), {result['rollout']['trajectories']} trajectories, {result['rollout']['response_tokens']} "
+            f"response tokens, {len(cfg['hinted_sites'])} hinted sites"
+        )
+    )
+    cols = [
+        ("mode", None), ("code agr.", "pct"), ("scale agr.", "pct"), ("router flips", "pct"),
+        ("mean |dlogp|", "sci"), ("excess", "sci"), ("p99 |dlogp|", "sci"), ("max |dlogp|", "sci"), ("k3", "sci"),
+    ]
+    for name, _ in cols:
+        table.add_column(name, justify="left" if name == "mode" else "right")
+    for mode, m in result["modes"].items():
+        vals = [m["code_agreement"], m["scale_agreement"], m["router_flip_rate"], m["mean_abs_dlogp"],
+                m.get("excess_over_floor"), m["p99_abs_dlogp"], m["max_abs_dlogp"], m["k3"]]
+        table.add_row(mode, *[_fmt(v, k) for v, (_, k) in zip(vals, cols[1:])])
+    return table
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    import torch
+    from rich.console import Console
+
+    from tracerl.demo import DemoConfig, run_demo
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = DemoConfig(
+        model=args.model,
+        trajectories=args.trajectories,
+        tokens=args.tokens,
+        hint_layers=args.hint_layers,
+        hint_sites=args.hint_sites,
+        fp4=args.fp4,
+        seed=args.seed,
+        store=args.store,
+        backward=not args.no_backward,
+    )
+    err = Console(stderr=True)
+    if args.json:
+        result = run_demo(cfg)
+        print(json.dumps(result, default=float))
+        return 0
+    with err.status("starting") as status:
+        result = run_demo(cfg, progress=lambda msg: (status.update(msg), err.log(msg)))
+    out = Console()
+    out.print(render_table(result))
+    r = result["rollout"]
+    out.print(
+        f"excess = mean |dlogp| - floor's. Rollout: prefill {r['prefill_s']:.1f}s, {r['decode_steps']} decode "
+        f"steps in {r['decode_s']:.1f}s, {r['hint_bytes_per_token']} hint+scale bytes/token. "
+        f"Total {result['seconds']:.1f}s."
+    )
+    if args.store:
+        out.print(f"store kept at {args.store}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tracerl", description="TRACE rollout capture and hint-guided QAT tools.")
+    sub = p.add_subparsers(dest="command", required=True)
+    d = sub.add_parser(
+        "demo",
+        help="FP4 rollout -> hints in a store -> trainer recompute in every mode -> fidelity table",
+        description=(
+            "Runs a tiny random-init MoE model on CPU: an NVFP4 rollout (routed experts' GEMMs in FP4, attention "
+            "and router in bf16) that records hints, a bf16 floor run of the same decode path, and the trainer's "
+            "recompute in the modes bf16, fp4_rne_own_scales, fp4_rne_rollout_scales and fp4_hints; prints code/"
+            "scale agreement at hinted sites, router flip rate and |dlogp| statistics per mode."
+        ),
+    )
+    d.add_argument("--store", metavar="PATH", help="store URL to create and keep (default: a temporary directory)")
+    d.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    d.add_argument("--trajectories", type=int, default=16, help="number of trajectories (default 16)")
+    d.add_argument("--tokens", type=int, default=256, help="tokens per trajectory, prompt included (default 256)")
+    d.add_argument("--hint-layers", default="latter-half",
+                   help="layers whose sites get hints: latter-half (default), all, none, or e.g. 0,3,5")
+    d.add_argument("--hint-sites", default="moe-input", choices=("moe-input", "all-fp4"),
+                   help="which FP4 sites of a hinted layer get hints (default moe-input)")
+    d.add_argument("--fp4", default="experts", choices=("experts", "experts+attention"),
+                   help="FP4 placement: routed experts' GEMMs (default), or also the attention projections")
+    d.add_argument("--model", default="qwen3-moe", choices=("qwen3-moe", "qwen3.5-moe"), help="model family")
+    d.add_argument("--seed", type=int, default=0, help="seed of the weights, prompts and sampling")
+    d.add_argument("--no-backward", action="store_true", help="trainer forward only (default: forward+backward)")
+    d.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    d.set_defaults(func=_cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,246 @@
+"""The end-to-end TRACE fidelity demo: FP4 rollout -> hints in a store -> trainer recompute in every mode.
+
+Steps (`run_demo`):
+
+1. Build a tiny random-init MoE model (bf16) and plan its FP4 sites: the routed experts' GEMMs (inputs and
+   weights) as in real NVFP4 checkpoints; attention, router and shared expert in bf16. Calibrate a static
+   global scale per site from one bf16 prefill of the prompts.
+2. FP4 rollout: batched prefill + decode with a KV cache, seeded sampling; the recorder writes hint bits and
+   block scales of the hinted sites, sampled tokens, log-probs and routed experts to a tracestore store whose
+   model metadata carries the model spec, the site plan and the global scales.
+3. Floor run: the same engine's decode path in bf16 with the sampled tokens forced.
+4. Trainer: from a fresh handle on the store, pack the trajectories into THD micro-batches, read hints and
+   scales, and recompute (forward + backward, straight-through) in each mode.
+5. Metrics per mode (`tracerl.fidelity`) over the response tokens: code/scale agreement at hinted sites
+   against the rollout's codes, router flip rate per (token, layer), |dlogp| statistics, k3.
+
+The ``floor`` row compares the bf16 decode path with the bf16 trainer: the gap of two numerical paths with no
+FP4 at all. FP4-attributable excess of a mode = its mean |dlogp| minus the floor's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+import kernels
+import tracestore as ts
+from tracerl import fidelity
+from tracerl.engine import RolloutEngine, RolloutResult
+from tracerl.models import TinyMoESpec, build_model, model_metadata
+from tracerl.packing import pack_micro_batches, read_packed
+from tracerl.qat import MODES, install_fp4
+from tracerl.recorder import RolloutRecorder
+from tracerl.sites import plan_sites
+from tracerl.trainer import QATTrainer
+
+REPORT_MODES = ("floor", *MODES)
+METRIC_KEYS = ("code_agreement", "scale_agreement", "router_flip_rate", "mean_abs_dlogp", "p99_abs_dlogp",
+               "max_abs_dlogp", "k3")
+
+
+@dataclasses.dataclass
+class DemoConfig:
+    model: str = "qwen3-moe"
+    trajectories: int = 16
+    tokens: int = 256  # per trajectory, prompt + response
+    prompt_tokens: tuple[int, int] = (8, 16)  # prompt lengths drawn uniformly from [lo, hi]
+    hint_layers: str = "latter-half"
+    hint_sites: str = "moe-input"
+    fp4: str = "experts"
+    seed: int = 0
+    store: str | None = None
+    backward: bool = True
+    micro_batch_tokens: int = 8192
+    flush_tokens: int = 128
+    device: str = "cpu"
+    backend: str = "auto"
+    spec: dict[str, Any] = dataclasses.field(default_factory=dict)  # TinyMoESpec overrides
+
+
+def _prompts(cfg: DemoConfig, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(cfg.seed + 1)
+    lo, hi = cfg.prompt_tokens
+    lens = torch.randint(lo, hi + 1, (cfg.trajectories,), generator=g).tolist()
+    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def _nan_to_none(d: dict) -> dict:
+    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in d.items()}
+
+
+def run_demo(cfg: DemoConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run the demo; returns ``{"modes": {mode: metrics}, "config": ..., "rollout": ..., ...}``."""
+    say = progress or (lambda msg: None)
+    t_start = time.perf_counter()
+    torch.manual_seed(cfg.seed)
+    spec = TinyMoESpec(family=cfg.model, **cfg.spec)
+    model = build_model(spec, seed=cfg.seed, device=cfg.device)
+    plan = plan_sites(model, fp4=cfg.fp4, hint_layers=cfg.hint_layers, hint_sites=cfg.hint_sites)
+    runtime = install_fp4(model, plan, backend=cfg.backend)
+    prompts = _prompts(cfg, spec.vocab_size)
+    max_new = cfg.tokens - cfg.prompt_tokens[1]
+    if max_new < 2:
+        raise ValueError(f"tokens={cfg.tokens} leaves no room for a response after prompts of up to "
+                         f"{cfg.prompt_tokens[1]} tokens")
+    engine = RolloutEngine(model, runtime, keep_codes=True)
+    global_scales = engine.calibrate(prompts)
+    hinted = plan.hinted_specs()
+    moe_layers = [f"model.layers.{i}.mlp" for i in range(spec.num_layers)]
+
+    tmp = None
+    url = cfg.store
+    if url is None:
+        tmp = tempfile.TemporaryDirectory(prefix="tracerl-demo-")
+        url = f"{tmp.name}/store"
+    try:
+        meta = {
+            **model_metadata(spec, cfg.seed),
+            "fp4": cfg.fp4,
+            "site_plan": plan.to_json(),
+            "global_scales": global_scales,
+        }
+        store = ts.create_store(
+            url,
+            [ts.Site(s.name, s.width) for s in hinted] or [ts.Site("none", 16)],
+            model=meta,
+            moe_layers=moe_layers,
+            top_k=spec.top_k,
+            num_experts=spec.num_experts,
+        )
+        # ---- FP4 rollout, recorded -------------------------------------------------------------------
+        say(f"FP4 rollout: {cfg.trajectories} trajectories x {cfg.tokens} tokens, {len(hinted)} hinted sites")
+        rids = [f"traj-{i:04d}" for i in range(cfg.trajectories)]
+        with store.writer() as writer:
+            recorder = RolloutRecorder(
+                writer if hinted else _NoHintSink(writer),
+                {s.name: s.width for s in hinted} if hinted else {"none": 16},
+                moe_layers=moe_layers,
+                top_k=spec.top_k,
+                flush_tokens=cfg.flush_tokens,
+            )
+            engine.recorder = recorder
+            roll = engine.generate(prompts, max_new, seed=cfg.seed, request_ids=rids)
+            engine.recorder = None
+        # ---- floor: the rollout's decode path in bf16, tokens forced ----------------------------------
+        say("floor run: bf16 decode path with the sampled tokens forced")
+        forced = torch.as_tensor(np.stack([s[len(p):] for s, p in zip(roll.sequences, prompts)]))
+        floor = engine.generate(prompts, max_new, seed=cfg.seed, request_ids=rids, forced_tokens=forced,
+                                mode="bf16")
+        # ---- trainer: read the store back as THD micro-batches -----------------------------------------
+        reader = ts.open_store(url).reader()
+        infos = reader.trajectories()
+        mbs = pack_micro_batches({i.traj_id: i.num_tokens for i in infos}, cfg.micro_batch_tokens)
+        site_names = [s.name for s in hinted]
+        packed = [read_packed(reader, mb, site_names, read_kwargs={"fmt": "numpy"}) for mb in mbs]
+        trainer = QATTrainer(model, runtime)
+        recomputes: dict[str, list] = {}
+        for mode in MODES:
+            say(f"trainer recompute: {mode}")
+            recomputes[mode] = [trainer.recompute(p, mode, backward=cfg.backward) for p in packed]
+        result = _metrics(cfg, packed, recomputes, roll, floor, rids, hinted, spec)
+        hint_bytes = sum(s.width // 8 + s.width // 16 for s in hinted)
+        result.update({
+            "config": {**dataclasses.asdict(cfg), "spec": dataclasses.asdict(spec),
+                       "hinted_sites": site_names, "fp4_sites": [s.name for s in plan.sites],
+                       "kernels_backend": kernels.resolve_backend(cfg.backend, torch.device(cfg.device))},
+            "rollout": {
+                "trajectories": len(rids),
+                "tokens": int(sum(len(s) for s in roll.sequences)),
+                "response_tokens": int(sum(len(lp) for lp in roll.logprobs)),
+                "prefill_s": roll.prefill_s,
+                "decode_s": roll.decode_s,
+                "decode_steps": roll.decode_steps,
+                "hint_bytes_per_token": hint_bytes,
+                "store_url": url if cfg.store else None,
+            },
+            "trainer_seconds": {m: sum(r.seconds for r in rs) for m, rs in recomputes.items()},
+            "seconds": time.perf_counter() - t_start,
+        })
+        return result
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+
+class _NoHintSink:
+    """Sink wrapper for runs with no hinted site: the store still needs one declared site (all-zero)."""
+
+    def __init__(self, writer):
+        self.writer = writer
+
+    def write(self, traj_id, token_start, **kw):
+        self.writer.write(traj_id, token_start, **kw)
+
+    def flush(self):
+        self.writer.flush()
+
+
+def _metrics(cfg, packed, recomputes, roll: RolloutResult, floor: RolloutResult, rids, hinted, spec) -> dict:
+    index = {r: i for i, r in enumerate(rids)}
+    # THD -> (trajectory index, position) of every row, over all micro-batches.
+    rows_traj = np.concatenate([np.repeat([index[s.traj_id] for s in p.segments], np.diff(p.cu_seqlens))
+                                for p in packed])
+    rows_pos = np.concatenate([p.positions for p in packed])
+    roll_lp = np.concatenate([p.logprobs for p in packed])
+    response = ~np.isnan(roll_lp)
+    prompt_len = np.array([len(s) - len(lp) for s, lp in zip(roll.sequences, roll.logprobs)])
+    resp_pos = rows_pos - prompt_len[rows_traj]
+
+    def cat(mode, get):
+        return np.concatenate([get(r) for r in recomputes[mode]])
+
+    def gather(per_request):
+        """Engine per-request arrays [P_b + fed, ...] -> THD rows."""
+        return np.stack([per_request[t][p] for t, p in zip(rows_traj, rows_pos)])
+
+    modes: dict[str, dict] = {}
+    edges = [0, 64, 128, 192, 256, 1 << 30]
+    floor_lp = np.full(len(rows_pos), np.nan, dtype=np.float32)
+    floor_lp[response] = [floor.logprobs[t][p - prompt_len[t]] for t, p in zip(rows_traj[response],
+                                                                              rows_pos[response])]
+    for mode in REPORT_MODES:
+        src = "bf16" if mode == "floor" else mode
+        train_lp = cat(src, lambda r: r.logprobs)
+        ref_lp = floor_lp if mode == "floor" else roll_lp
+        st = fidelity.dlogp_stats(train_lp[response], ref_lp[response])
+        routes_ref = floor.experts if mode == "floor" else roll.experts
+        pairs = [(cat(src, lambda r, la=la: r.routes[la])[response], gather(routes_ref[la])[response])
+                 for la in sorted(routes_ref)]
+        entry = {
+            "code_agreement": None,
+            "scale_agreement": None,
+            "router_flip_rate": fidelity.router_flip_rate(pairs),
+            **{k: st[k] for k in ("mean_abs_dlogp", "p99_abs_dlogp", "max_abs_dlogp", "k3", "extreme_frac")},
+            "tokens": st["tokens"],
+        }
+        if mode not in ("floor", "bf16") and hinted:
+            per_site, codes_t, codes_r, scale_eq = {}, [], [], []
+            for s in hinted:
+                tc = cat(src, lambda r, s=s: r.codes[s.name])[response]  # (R, W) trainer's effective codes
+                rc = kernels.unpack_codes(torch.as_tensor(gather(roll.codes[s.name])[response])).numpy()
+                m = fidelity.code_matches(tc, rc)
+                per_site[s.name] = (int(m.sum()), int(m.size))
+                codes_t.append(tc.reshape(-1))
+                codes_r.append(rc.reshape(-1))
+                rollout_scales = np.concatenate([p.scales[s.name] for p in packed])[response]
+                scale_eq.append((cat(src, lambda r, s=s: r.scales[s.name])[response] == rollout_scales).reshape(-1))
+            entry["code_agreement"] = fidelity.summarize_sites(per_site)
+            entry["scale_agreement"] = float(np.concatenate(scale_eq).mean())
+            entry["per_site_code_agreement"] = {k: a / b for k, (a, b) in per_site.items()}
+            entry["mismatch_one_step_share"] = fidelity.one_step_share(np.concatenate(codes_t),
+                                                                       np.concatenate(codes_r))
+        entry["by_position_mean_abs_dlogp"] = fidelity.by_position(
+            np.abs(train_lp.astype(np.float64) - ref_lp), resp_pos, edges[:-1] + [int(resp_pos.max()) + 1])
+        modes[mode] = _nan_to_none(entry)
+    floor_mean = modes["floor"]["mean_abs_dlogp"]
+    for m in MODES:
+        modes[m]["excess_over_floor"] = modes[m]["mean_abs_dlogp"] - floor_mean
+    return {"modes": modes}

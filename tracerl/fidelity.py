@@ -1,0 +1,112 @@
+"""Fidelity metrics of a trainer recompute against its rollout (DESIGN §5).
+
+Per token, delta = logp_train - logp_rollout of the sampled token:
+
+- ``mean_abs_dlogp`` = mean |delta|; ``p99_abs_dlogp`` = 99th percentile of |delta| (linear interpolation);
+  ``max_abs_dlogp`` = max |delta|;
+- ``k3`` = mean(e^delta - 1 - delta), Schulman's k3 estimator of KL(rollout || train) from rollout samples
+  (>= 0 per token, ~ delta^2/2 for small delta);
+- ``extreme_frac`` = share of tokens with max(e^delta, e^-delta) > 2, i.e. |delta| > ln 2.
+
+Code agreement: share of values whose E2M1 codes match, +0 and -0 counted equal (both dequantize to 0).
+Scale agreement: share of blocks whose E4M3 scale bytes match. Router flip rate: share of (token, layer)
+pairs whose *set* of top-k experts differs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+EXTREME_RATIO = 2.0
+
+
+def dlogp_stats(logp_train: np.ndarray, logp_rollout: np.ndarray) -> dict[str, float]:
+    """Statistics of delta = logp_train - logp_rollout over tokens where both are finite."""
+    a = np.asarray(logp_train, dtype=np.float64)
+    b = np.asarray(logp_rollout, dtype=np.float64)
+    if a.shape != b.shape:
+        raise ValueError(f"log-prob arrays differ in shape: {a.shape} vs {b.shape}")
+    ok = np.isfinite(a) & np.isfinite(b)
+    d = a[ok] - b[ok]
+    if d.size == 0:
+        return {"mean_abs_dlogp": math.nan, "p99_abs_dlogp": math.nan, "max_abs_dlogp": math.nan,
+                "k3": math.nan, "extreme_frac": math.nan, "tokens": 0}
+    ad = np.abs(d)
+    return {
+        "mean_abs_dlogp": float(ad.mean()),
+        "p99_abs_dlogp": float(np.percentile(ad, 99)),
+        "max_abs_dlogp": float(ad.max()),
+        "k3": float(np.mean(np.expm1(d) - d)),
+        "extreme_frac": float(np.mean(ad > math.log(EXTREME_RATIO))),
+        "tokens": int(d.size),
+    }
+
+
+def code_matches(codes_a: np.ndarray, codes_b: np.ndarray) -> np.ndarray:
+    """Elementwise E2M1 code equality (uint8 codes 0..15), with +0 (code 0) == -0 (code 8)."""
+    a = np.asarray(codes_a, dtype=np.uint8)
+    b = np.asarray(codes_b, dtype=np.uint8)
+    if a.shape != b.shape:
+        raise ValueError(f"code arrays differ in shape: {a.shape} vs {b.shape}")
+    return (a == b) | (((a & 7) == 0) & ((b & 7) == 0))
+
+
+def code_agreement(codes_a: np.ndarray, codes_b: np.ndarray) -> float:
+    m = code_matches(codes_a, codes_b)
+    return float(m.mean()) if m.size else math.nan
+
+
+def one_step_share(codes_a: np.ndarray, codes_b: np.ndarray) -> float:
+    """Among mismatching values, the share that are one ladder step apart on the signed ladder."""
+    a = np.asarray(codes_a, dtype=np.int16)
+    b = np.asarray(codes_b, dtype=np.int16)
+    sa = np.where(a & 8, -(a & 7), a & 7)
+    sb = np.where(b & 8, -(b & 7), b & 7)
+    mism = ~code_matches(a.astype(np.uint8), b.astype(np.uint8))
+    if not mism.any():
+        return math.nan
+    return float(np.mean(np.abs(sa[mism] - sb[mism]) == 1))
+
+
+def scale_agreement(scales_a: np.ndarray, scales_b: np.ndarray) -> float:
+    a, b = np.asarray(scales_a), np.asarray(scales_b)
+    if a.shape != b.shape:
+        raise ValueError(f"scale arrays differ in shape: {a.shape} vs {b.shape}")
+    return float((a == b).mean()) if a.size else math.nan
+
+
+def router_flips(experts_a: np.ndarray, experts_b: np.ndarray) -> np.ndarray:
+    """bool [T]: the set of routed experts differs (order within the top-k ignored)."""
+    a = np.sort(np.asarray(experts_a), axis=-1)
+    b = np.sort(np.asarray(experts_b), axis=-1)
+    if a.shape != b.shape:
+        raise ValueError(f"expert arrays differ in shape: {a.shape} vs {b.shape}")
+    return (a != b).any(axis=-1)
+
+
+def router_flip_rate(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> float:
+    """Flip rate over (token, layer) pairs; ``pairs`` holds one (experts_a, experts_b) per layer."""
+    flips = [router_flips(a, b) for a, b in pairs]
+    total = sum(f.size for f in flips)
+    return float(sum(int(f.sum()) for f in flips) / total) if total else math.nan
+
+
+def by_position(values: np.ndarray, positions: np.ndarray, edges: Sequence[int]) -> dict[str, float]:
+    """Mean of ``values`` in position buckets [edges[i], edges[i+1]) (NaN values skipped)."""
+    v = np.asarray(values, dtype=np.float64)
+    p = np.asarray(positions)
+    out = {}
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        sel = (p >= lo) & (p < hi) & np.isfinite(v)
+        out[f"{lo}-{hi}"] = float(v[sel].mean()) if sel.any() else math.nan
+    return out
+
+
+def summarize_sites(per_site: Mapping[str, tuple[int, int]]) -> float:
+    """Overall agreement from per-site (matching, total) counts."""
+    m = sum(a for a, _ in per_site.values())
+    t = sum(b for _, b in per_site.values())
+    return m / t if t else math.nan

@@ -1,0 +1,133 @@
+"""Tiny random-init Hugging Face MoE models, built from configs (never downloaded).
+
+Two families are supported, both with routed experts stored as 3-D parameters
+(`mlp.experts.gate_up_proj` [E, 2*I, H], `mlp.experts.down_proj` [E, H, I]) and a top-k softmax
+router (`mlp.gate`):
+
+- ``qwen3-moe``: Qwen3-MoE (full attention in every layer).
+- ``qwen3.5-moe``: Qwen3.5-MoE, the TRACE paper's architecture (3 of 4 layers Gated-DeltaNet linear
+  attention, 1 of 4 full attention; a shared expert beside the routed ones).
+
+Random init is seeded; weights are cast to bf16 after init so the rollout and the trainer start from the
+same bf16 values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from tracerl.errors import ConfigError
+
+MODEL_FAMILIES = ("qwen3-moe", "qwen3.5-moe")
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyMoESpec:
+    """Size of a random-init MoE model. Defaults: the demo's tiny model (hidden 256, 8 layers)."""
+
+    family: str = "qwen3-moe"
+    hidden_size: int = 256
+    num_layers: int = 8
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    num_experts: int = 16
+    top_k: int = 2
+    moe_intermediate_size: int = 128
+    vocab_size: int = 1024
+    max_position_embeddings: int = 8192
+    initializer_range: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.family not in MODEL_FAMILIES:
+            raise ConfigError(f"unknown model family {self.family!r}; supported: {', '.join(MODEL_FAMILIES)}")
+        if self.num_experts > 256:
+            raise ConfigError(f"num_experts={self.num_experts}: routed expert ids are stored as uint8 (<= 256)")
+        for name in ("hidden_size", "moe_intermediate_size"):
+            if getattr(self, name) % 16:
+                raise ConfigError(f"{name}={getattr(self, name)} must be a multiple of 16 (NVFP4 block)")
+
+
+def _hf_config(spec: TinyMoESpec) -> Any:
+    common = dict(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        num_experts=spec.num_experts,
+        num_experts_per_tok=spec.top_k,
+        moe_intermediate_size=spec.moe_intermediate_size,
+        max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.initializer_range,
+        tie_word_embeddings=False,
+    )
+    if spec.family == "qwen3-moe":
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(
+            intermediate_size=spec.moe_intermediate_size * 2,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+            **common,
+        )
+    from transformers import Qwen3_5MoeTextConfig
+
+    return Qwen3_5MoeTextConfig(
+        shared_expert_intermediate_size=spec.moe_intermediate_size,
+        linear_num_key_heads=spec.num_heads,
+        linear_num_value_heads=spec.num_heads,
+        linear_key_head_dim=spec.head_dim,
+        linear_value_head_dim=spec.head_dim,
+        **common,
+    )
+
+
+def build_model(
+    spec: TinyMoESpec, *, seed: int = 0, device: str | torch.device = "cpu", attn_implementation: str = "sdpa"
+) -> torch.nn.Module:
+    """A random-init causal LM for ``spec`` in bf16, eval mode, with the given attention implementation."""
+    config = _hf_config(spec)
+    config._attn_implementation = attn_implementation
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if spec.family == "qwen3-moe":
+            from transformers import Qwen3MoeForCausalLM
+
+            model = Qwen3MoeForCausalLM(config)
+        else:
+            from transformers import Qwen3_5MoeForCausalLM
+
+            model = Qwen3_5MoeForCausalLM(config)
+    model = model.to(device=device, dtype=torch.bfloat16)
+    model.eval()
+    return model
+
+
+def model_metadata(spec: TinyMoESpec, seed: int) -> dict[str, Any]:
+    """What the store records so that a trainer can rebuild the same model."""
+    return {"builder": "tracerl.models.build_model", "seed": seed, "spec": dataclasses.asdict(spec)}
+
+
+def spec_from_metadata(meta: dict[str, Any]) -> tuple[TinyMoESpec, int]:
+    return TinyMoESpec(**meta["spec"]), int(meta["seed"])
+
+
+def has_linear_attention(model: torch.nn.Module) -> bool:
+    """True for models whose token mixer cannot run packed sequences on the torch path (Gated DeltaNet)."""
+    return any(getattr(layer, "block_type", None) == "linear_attention" for layer in model.model.layers)
+
+
+def moe_blocks(model: torch.nn.Module) -> list[tuple[int, str, torch.nn.Module]]:
+    """(layer index, module name, block) of every sparse MoE block (has a router `gate` and `experts`)."""
+    out = []
+    for i, layer in enumerate(model.model.layers):
+        mlp = getattr(layer, "mlp", None)
+        if mlp is not None and hasattr(mlp, "experts") and hasattr(mlp, "gate"):
+            out.append((i, f"model.layers.{i}.mlp", mlp))
+    return out

@@ -1,0 +1,303 @@
+"""NVFP4 fake quantization of Hugging Face MoE models at named sites: one runtime for rollout and trainer.
+
+`install_fp4(model, plan)` swaps each sparse MoE block for `FP4MoEBlock` (and, for the attention placement,
+each attention projection for `FP4Linear`) and returns the `FP4Runtime` that every swapped module consults.
+The runtime's ``mode`` decides what a site does:
+
+| mode | FP4 sites (activations) | hinted sites | expert weights |
+| --- | --- | --- | --- |
+| ``bf16`` | identity | identity | bf16 |
+| ``fp4_rne_own_scales`` | RNE, own block scales | RNE, own block scales | NVFP4 (STE) |
+| ``fp4_rne_rollout_scales`` | RNE, own scales | RNE with the rollout's block scales | NVFP4 (STE) |
+| ``fp4_hints`` | RNE, own scales | hint-guided rounding with the rollout's scales | NVFP4 (STE) |
+
+The rollout runs ``fp4_rne_own_scales`` with a ``capture`` callback: at hinted sites the runtime calls
+``kernels.quantize`` and hands the result (codes, hints, scales) to the callback, so what is recorded is
+exactly what the rollout's forward used. Per-site global scales are static (calibrated once, stored in the
+store's model metadata) so rollout and trainer divide by the same fp32 ``g``.
+
+All numerics are `kernels`' (`quantize`, `fake_quantize`); gradients are straight-through.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from tracerl.errors import ConfigError, HintMismatchError
+from tracerl.models import moe_blocks
+from tracerl.sites import BLOCK, SitePlan
+
+MODES = ("bf16", "fp4_rne_own_scales", "fp4_rne_rollout_scales", "fp4_hints")
+FP4_MAX = 6.0
+E4M3_MAX = 448.0
+# E2M1 magnitudes of codes 0..7 (bit 3 is the sign).
+E2M1_LADDER = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+CaptureFn = Callable[[str, Any], None]  # (site, kernels.quantize result [N, W]) at hinted sites
+ObserveFn = Callable[[str, torch.Tensor, torch.Tensor], None]  # (site, codes_u8 [N, W], scale_e4m3 [N, W/16])
+RouteFn = Callable[[int, torch.Tensor], None]  # (layer, expert ids [N, top_k], ascending per row)
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Forward: the precomputed quantized value; backward: the identity (STE)."""
+
+    @staticmethod
+    def forward(ctx, x_hp: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def effective_codes(y: torch.Tensor, scale_e4m3: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes that a fake-quantized ``y`` [N, W] carries, given its scales [N, W/16] and ``g``.
+
+    y = sign * E[code] * s * g (rounded to y's dtype); |y| / (s*g) lands within 2^-8 relative of a ladder value
+    and adjacent ladder values are >= 4/3 apart, so the nearest ladder value is the code. Blocks with scale
+    byte 0 and zeros give code 0 (±0 are not told apart: both dequantize to 0).
+    """
+    s = scale_e4m3.view(torch.float8_e4m3fn).float().repeat_interleave(BLOCK, dim=-1) * global_scale.float()
+    mag = torch.where(s > 0, y.float().abs() / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(s))
+    ladder = torch.tensor(E2M1_LADDER, device=y.device)
+    idx = (mag.unsqueeze(-1) - ladder).abs().argmin(dim=-1).to(torch.uint8)
+    sign = ((y < 0) & (idx > 0)).to(torch.uint8) << 3
+    return idx | sign
+
+
+class FP4Runtime:
+    """State shared by every FP4 module of one model: mode, global scales, callbacks, provided hints."""
+
+    def __init__(self, plan: SitePlan, global_scales: Mapping[str, float] | None = None, *, backend: str = "auto"):
+        self.plan = plan
+        self.backend = backend
+        self._fp4 = {s.name for s in plan.sites}
+        self._hinted = set(plan.hinted)
+        self.mode = "fp4_rne_own_scales"
+        self.global_scales: dict[str, torch.Tensor] = {}
+        if global_scales is not None:
+            self.set_global_scales(global_scales)
+        self.capture: CaptureFn | None = None
+        self.observe: ObserveFn | None = None
+        self.on_route: RouteFn | None = None
+        self.provided: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._calib: dict[str, torch.Tensor] | None = None
+        self._wcache: dict[str, tuple[int, int, torch.Tensor]] = {}
+
+    # ---- configuration -------------------------------------------------------------------------------
+    def set_mode(self, mode: str) -> None:
+        if mode not in MODES:
+            raise ConfigError(f"unknown QAT mode {mode!r}; supported: {', '.join(MODES)}")
+        self.mode = mode
+
+    def set_global_scales(self, scales: Mapping[str, float]) -> None:
+        missing = sorted(self._fp4 - set(scales))
+        if missing:
+            raise ConfigError(f"global scales missing for FP4 sites {missing[:4]}{'...' if len(missing) > 4 else ''}")
+        # float -> fp32 is exact for values that came from an fp32 (JSON keeps doubles exactly).
+        self.global_scales = {k: torch.tensor(float(v), dtype=torch.float32) for k, v in scales.items()}
+
+    def global_scales_json(self) -> dict[str, float]:
+        return {k: float(v) for k, v in self.global_scales.items()}
+
+    @contextlib.contextmanager
+    def calibrating(self) -> Iterator[None]:
+        """Run forwards in bf16 and record each FP4 site's amax; on exit g = amax / (448 * 6) per site."""
+        prev = self.mode
+        self.mode = "bf16"
+        self._calib = {}
+        try:
+            yield
+            missing = sorted(self._fp4 - set(self._calib))
+            if missing:
+                raise ConfigError(f"calibration saw no activations at sites {missing[:4]}")
+            self.global_scales = {
+                k: (torch.clamp(a, min=1e-12) / (E4M3_MAX * FP4_MAX)).to(torch.float32).cpu()
+                for k, a in self._calib.items()
+            }
+        finally:
+            self._calib = None
+            self.mode = prev
+
+    def provide(self, site_data: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+        """Hinted sites' (scale_e4m3 [N, W/16], hints [N, W/8]) for the rows of the next forward."""
+        self.provided = dict(site_data)
+
+    # ---- the quantization points ---------------------------------------------------------------------
+    def quant(self, site: str, x: torch.Tensor) -> torch.Tensor:
+        """Quantize activation ``x`` [N, W] at ``site`` per the mode; returns [N, W] in x's dtype."""
+        if self._calib is not None:
+            amax = x.detach().float().abs().amax()
+            prev = self._calib.get(site)
+            self._calib[site] = amax if prev is None else torch.maximum(prev, amax)
+        if self.mode == "bf16" or site not in self._fp4:
+            return x
+        g = self.global_scales[site].to(x.device)
+        hinted = site in self._hinted
+        if hinted and self.mode in ("fp4_rne_rollout_scales", "fp4_hints"):
+            if site not in self.provided:
+                raise HintMismatchError(f"mode {self.mode} needs the rollout's scales for hinted site {site}")
+            scale_e4m3, hints = self.provided[site]
+            n, w = x.shape
+            if scale_e4m3.shape != (n, w // BLOCK) or (hints is not None and hints.shape != (n, w // 8)):
+                raise HintMismatchError(
+                    f"site {site}: activation [{n}, {w}] needs scales [{n}, {w // BLOCK}] and hints "
+                    f"[{n}, {w // 8}], got {tuple(scale_e4m3.shape)} and "
+                    f"{None if hints is None else tuple(hints.shape)}"
+                )
+            y = kernels.fake_quantize(
+                x,
+                fmt="nvfp4",
+                global_scale=g,
+                scales=scale_e4m3,
+                hints=hints if self.mode == "fp4_hints" else None,
+                backend=self.backend,
+            )
+            if self.observe is not None:
+                self.observe(site, effective_codes(y.detach(), scale_e4m3, g), scale_e4m3)
+            return y
+        if hinted and (self.capture is not None or self.observe is not None):
+            q = kernels.quantize(x.detach(), fmt="nvfp4", global_scale=g, backend=self.backend)
+            if self.capture is not None:
+                self.capture(site, q)
+            if self.observe is not None:
+                self.observe(site, kernels.unpack_codes(q.codes), q.scales)
+        return kernels.fake_quantize(x, fmt="nvfp4", global_scale=g, backend=self.backend)
+
+    def weight(self, key: str, w_hp: torch.Tensor) -> torch.Tensor:
+        """NVFP4 fake-quantized weight (per-matrix dynamic global scale), cached until the parameter changes."""
+        if self.mode == "bf16" or not self.plan.fp4_weights:
+            return w_hp
+        stamp = (w_hp._version, w_hp.data_ptr())
+        hit = self._wcache.get(key)
+        if hit is None or hit[:2] != stamp:
+            with torch.no_grad():
+                flat = w_hp.detach().reshape(-1, *w_hp.shape[-2:])  # [E, out, in] or [1, out, in]
+                wq = torch.stack(
+                    [kernels.fake_quantize(m, fmt="nvfp4", global_scale=None, backend=self.backend) for m in flat]
+                ).reshape(w_hp.shape)
+            self._wcache[key] = (*stamp, wq)
+            hit = self._wcache[key]
+        wq = hit[2]
+        if w_hp.requires_grad and torch.is_grad_enabled():
+            return _StraightThrough.apply(w_hp, wq)
+        return wq
+
+
+class FP4MoEBlock(nn.Module):
+    """A sparse MoE block with NVFP4 routed experts; router (and shared expert, if any) stay bf16.
+
+    Keeps the original block's parameters (same names under ``gate``, ``experts``, ``shared_expert``), so
+    state dicts are unchanged.
+    """
+
+    def __init__(self, block: nn.Module, layer: int, module_name: str, runtime: FP4Runtime):
+        super().__init__()
+        self.gate = block.gate
+        self.experts = block.experts
+        self.shared_expert = getattr(block, "shared_expert", None)
+        self.shared_expert_gate = getattr(block, "shared_expert_gate", None)
+        self.layer = layer
+        self.module_name = module_name
+        self.runtime = runtime
+        self.input_site = f"{module_name}.experts.input"
+        self.down_site = f"{module_name}.experts.down_proj.input"
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        bsz, seq, hidden = hidden_states.shape
+        rt = self.runtime
+        x = hidden_states.reshape(-1, hidden)  # (N, H), N = B*T
+        _, weights, idx = self.gate(x)  # router in bf16 on the unquantized input; (N, k) each
+        # Ascending expert id per token: the down-input site's slot order, and order-free routing records.
+        idx, perm = idx.sort(dim=-1)
+        weights = weights.gather(-1, perm)
+        if rt.on_route is not None:
+            rt.on_route(self.layer, idx)
+        out = self._routed(rt.quant(self.input_site, x), idx, weights)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out.reshape(bsz, seq, hidden)
+
+    def _routed(self, x_q: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        rt = self.runtime
+        ex = self.experts
+        n, k = idx.shape
+        w_gate_up = rt.weight(f"{self.module_name}.experts.gate_up_proj", ex.gate_up_proj)  # (E, 2I, H)
+        w_down = rt.weight(f"{self.module_name}.experts.down_proj", ex.down_proj)  # (E, H, I)
+        flat = idx.reshape(-1)  # (N*k,) slot-major within a token
+        order = torch.argsort(flat, stable=True)  # slots grouped by expert
+        counts = torch.bincount(flat, minlength=ex.num_experts).tolist()
+        tok = order // k  # token of each sorted slot
+        pieces = []
+        off = 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            gate, up = F.linear(x_q[tok[off : off + c]], w_gate_up[e]).chunk(2, dim=-1)
+            pieces.append(ex.act_fn(gate) * up)
+            off += c
+        h_sorted = torch.cat(pieces)  # (N*k, I) in expert order
+        inv = torch.empty_like(order)
+        inv[order] = torch.arange(order.numel(), device=order.device)
+        inter = h_sorted.shape[-1]
+        h = h_sorted[inv].reshape(n, k * inter)  # (N, k*I), slots ascending by expert id
+        h_q = rt.quant(self.down_site, h).reshape(n * k, inter)[order]
+        outs = []
+        off = 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            outs.append(F.linear(h_q[off : off + c], w_down[e]))
+            off += c
+        y_sorted = torch.cat(outs) * weights.reshape(-1)[order].unsqueeze(-1).to(h_q.dtype)
+        out = torch.zeros(n, y_sorted.shape[-1], dtype=x_q.dtype, device=x_q.device)
+        return out.index_add(0, tok, y_sorted.to(out.dtype))
+
+
+class FP4Linear(nn.Module):
+    """nn.Linear with NVFP4 input (site ``{module}.input``) and weight; keeps the wrapped module's parameters."""
+
+    def __init__(self, linear: nn.Linear, module_name: str, runtime: FP4Runtime):
+        super().__init__()
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.module_name = module_name
+        self.site = f"{module_name}.input"
+        self.runtime = runtime
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_q = self.runtime.quant(self.site, x.reshape(-1, self.in_features)).reshape(x.shape)
+        return F.linear(x_q, self.runtime.weight(self.module_name, self.weight), self.bias)
+
+
+def install_fp4(model: nn.Module, plan: SitePlan, *, backend: str = "auto") -> FP4Runtime:
+    """Swap the modules that own ``plan``'s sites for FP4 modules; returns their shared runtime."""
+    runtime = FP4Runtime(plan, backend=backend)
+    # Every MoE block is swapped, FP4 or not: its routing is recorded through the runtime either way.
+    for i, name, block in moe_blocks(model):
+        if isinstance(block, FP4MoEBlock):
+            block.runtime = runtime
+        else:
+            model.model.layers[i].mlp = FP4MoEBlock(block, i, name, runtime)
+    for spec in plan.sites:
+        if spec.kind != "linear":
+            continue
+        parent_name, _, attr = spec.module.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        lin = getattr(parent, attr)
+        if isinstance(lin, nn.Linear):
+            setattr(parent, attr, FP4Linear(lin, spec.module, runtime))
+    model.fp4_runtime = runtime
+    return runtime

@@ -1,0 +1,397 @@
+"""Engine-agnostic rollout recorder: per-step capture in, per-trajectory store writes out.
+
+An engine (the reference engine here, the SGLang plugin later) calls, for each forward step:
+
+    recorder.record_sites(request_ids, positions, site, hints, scales)     # per hinted site
+    recorder.record_experts(request_ids, positions, layer, expert_ids)     # per MoE layer (optional)
+    recorder.record_tokens(request_ids, positions, token_ids, logprobs)    # the tokens at those positions
+    recorder.step()                                                        # end of the forward step
+
+``request_ids`` (N strings) and ``positions`` (N ints, the token position in the request) are host data the
+engine already has; the payloads are tensors [N, ...] on any device. The recorder never synchronizes per step:
+payloads stay as device tensors until every ``drain_every`` steps, when they are concatenated per field and
+copied to pinned host memory with ``non_blocking=True``; the copies are read once their CUDA event has fired.
+
+Per request the recorder buffers rows in a fixed-size arena slot (bounded memory) and writes a piece to the
+sink as soon as ``flush_tokens`` leading rows are complete (every field present); ``end(request_id)`` writes
+the rest. Rows that never received a site's data (an engine does not run a forward for the last sampled
+token) are written with scale byte 0 and hint bits 0, which hint-guided dequantization maps to 0 and no real
+NVFP4 block produces (the smallest block scale is 2^-9); missing expert ids are 255.
+
+The sink is anything with tracestore's ``Writer.write`` signature (`TraceSink`); `MemorySink` keeps pieces in
+memory and serves reads with the same slicing as the store's reader.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from tracerl.errors import RecorderError
+
+NO_EXPERT = 255
+
+
+class TraceSink(Protocol):
+    """tracestore's ``Writer.write``: one token range of one trajectory, every declared site present."""
+
+    def write(
+        self,
+        traj_id: str,
+        token_start: int,
+        *,
+        hints: Mapping[str, np.ndarray],
+        scales: Mapping[str, np.ndarray],
+        token_ids: np.ndarray,
+        logprobs: np.ndarray,
+        experts: Mapping[str, np.ndarray] | None = None,
+        policy_version: int = 0,
+    ) -> None: ...
+
+
+@dataclasses.dataclass
+class TracePiece:
+    hints: dict[str, np.ndarray]
+    scales: dict[str, np.ndarray]
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    experts: dict[str, np.ndarray]
+    policy_version: np.ndarray
+    positions: np.ndarray
+
+
+class MemorySink:
+    """In-memory `TraceSink` with a reader: ``read(traj_id, start, stop, sites=, features=)``."""
+
+    def __init__(self, site_widths: Mapping[str, int], block_size: int = 16):
+        self.site_widths = dict(site_widths)
+        self.block_size = block_size
+        self._pieces: dict[str, list[tuple[int, TracePiece]]] = {}
+
+    def write(self, traj_id, token_start, *, hints, scales, token_ids, logprobs, experts=None, policy_version=0):
+        missing = sorted(set(self.site_widths) - set(hints))
+        if missing:
+            raise RecorderError(f"write for {traj_id!r} lacks sites {missing[:4]}")
+        n = len(token_ids)
+        piece = TracePiece(
+            hints={k: np.asarray(v) for k, v in hints.items()},
+            scales={k: np.asarray(v) for k, v in scales.items()},
+            token_ids=np.asarray(token_ids),
+            logprobs=np.asarray(logprobs, dtype=np.float32),
+            experts={k: np.asarray(v) for k, v in (experts or {}).items()},
+            policy_version=np.full(n, policy_version, dtype=np.int64),
+            positions=np.arange(token_start, token_start + n, dtype=np.int64),
+        )
+        self._pieces.setdefault(traj_id, []).append((token_start, piece))
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def trajectories(self) -> list[str]:
+        return sorted(self._pieces)
+
+    def num_tokens(self, traj_id: str) -> int:
+        return max(s + len(p.token_ids) for s, p in self._pieces[traj_id])
+
+    def read(self, traj_id, start=0, stop=None, *, sites=None, features=None) -> TracePiece:
+        pieces = sorted(self._pieces[traj_id], key=lambda t: t[0])
+        stop = self.num_tokens(traj_id) if stop is None else stop
+        sites = list(self.site_widths) if sites is None else list(sites)
+
+        def cat(get):
+            return np.concatenate([get(p) for _, p in pieces])[start:stop]
+
+        def feat(arr, per):
+            if features is None:
+                return arr
+            lo, hi = features
+            return arr[:, lo // per : hi // per]
+
+        return TracePiece(
+            hints={s: feat(cat(lambda p, s=s: p.hints[s]), 8) for s in sites},
+            scales={s: feat(cat(lambda p, s=s: p.scales[s]), self.block_size) for s in sites},
+            token_ids=cat(lambda p: p.token_ids),
+            logprobs=cat(lambda p: p.logprobs),
+            experts={k: cat(lambda p, k=k: p.experts[k]) for k in pieces[0][1].experts},
+            policy_version=cat(lambda p: p.policy_version),
+            positions=cat(lambda p: p.positions),
+        )
+
+
+@dataclasses.dataclass
+class _Field:
+    """Host arena of one field: [slots, cap, *row] values and [slots, cap] filled flags."""
+
+    arrays: list[np.ndarray]
+    fill: tuple  # fill value per array
+    filled: np.ndarray
+
+
+class RolloutRecorder:
+    """Buffers per-step captures per request (bounded) and writes complete token ranges to a `TraceSink`.
+
+    Parameters
+    ----------
+    sink: the store writer (or `MemorySink`).
+    site_widths: {site: width} of the hinted sites; every write carries all of them.
+    moe_layers, top_k: routed-expert records (uint8 [T, top_k] per layer name); ``()`` for none.
+    flush_tokens: a request's complete leading rows are written once at least this many are buffered.
+    drain_every: steps between device-to-host drains of the staged payloads.
+    block_size: the FP4 block (16 for NVFP4); a site's scale row has width / block_size bytes.
+    """
+
+    def __init__(
+        self,
+        sink: TraceSink,
+        site_widths: Mapping[str, int],
+        *,
+        moe_layers: Sequence[str] = (),
+        top_k: int = 0,
+        flush_tokens: int = 2048,
+        drain_every: int = 32,
+        block_size: int = 16,
+    ):
+        if flush_tokens < 1 or drain_every < 1:
+            raise RecorderError(f"flush_tokens={flush_tokens} and drain_every={drain_every} must be >= 1")
+        self.sink = sink
+        self.site_widths = dict(site_widths)
+        self.moe_layers = list(moe_layers)
+        self.top_k = top_k
+        self.flush_tokens = flush_tokens
+        self.drain_every = drain_every
+        self.block_size = block_size
+        self._cap = 2 * flush_tokens
+        self._slots: dict[str, int] = {}
+        self._slot_rid: dict[int, str] = {}
+        self._free: list[int] = []
+        self._nslots = 0
+        self._start = np.zeros(0, dtype=np.int64)  # first unwritten position per slot
+        self._hi = np.zeros(0, dtype=np.int64)  # one past the highest position received per slot
+        self._policy: dict[str, int] = {}
+        self._fields: dict[Any, _Field] = {}
+        self._staged: list[tuple[Any, np.ndarray, np.ndarray, tuple[torch.Tensor, ...]]] = []
+        self._inflight: list[tuple[Any, list, list]] = []
+        self._steps = 0
+        self.tokens_written = 0
+        self.bytes_written = 0
+        for s, w in self.site_widths.items():
+            self._add_field(("site", s), [(w // 8, np.uint8, 0), (w // block_size, np.uint8, 0)])
+        for layer in self.moe_layers:
+            self._add_field(("experts", layer), [(top_k, np.uint8, NO_EXPERT)])
+        self._add_field("tokens", [((), np.int64, -1), ((), np.float32, np.nan)])
+
+    # ---- arena ------------------------------------------------------------------------------------------
+    def _add_field(self, key, specs) -> None:
+        arrays = [np.full((0, self._cap, *((w,) if w != () else ())), f, dtype=dt) for w, dt, f in specs]
+        self._fields[key] = _Field(arrays, tuple(f for _, _, f in specs), np.zeros((0, self._cap), dtype=bool))
+
+    def _grow_slots(self) -> None:
+        new = max(4, 2 * self._nslots)
+        extra = new - self._nslots
+        for fld in self._fields.values():
+            fld.arrays = [
+                np.concatenate([a, np.full((extra, *a.shape[1:]), f, dtype=a.dtype)])
+                for a, f in zip(fld.arrays, fld.fill)
+            ]
+            fld.filled = np.concatenate([fld.filled, np.zeros((extra, self._cap), dtype=bool)])
+        self._start = np.concatenate([self._start, np.zeros(extra, dtype=np.int64)])
+        self._hi = np.concatenate([self._hi, np.zeros(extra, dtype=np.int64)])
+        self._free.extend(range(new - 1, self._nslots - 1, -1))
+        self._nslots = new
+
+    def _grow_cap(self) -> None:
+        extra = self._cap
+        for fld in self._fields.values():
+            fld.arrays = [
+                np.concatenate([a, np.full((a.shape[0], extra, *a.shape[2:]), f, dtype=a.dtype)], axis=1)
+                for a, f in zip(fld.arrays, fld.fill)
+            ]
+            fld.filled = np.concatenate([fld.filled, np.zeros((self._nslots, extra), dtype=bool)], axis=1)
+        self._cap += extra
+
+    # ---- engine interface -------------------------------------------------------------------------------
+    def begin(self, request_id: str, policy_version: int = 0) -> None:
+        if request_id in self._slots:
+            raise RecorderError(f"request {request_id!r} was already begun and not ended")
+        if not self._free:
+            self._grow_slots()
+        slot = self._free.pop()
+        self._slots[request_id] = slot
+        self._slot_rid[slot] = request_id
+        self._start[slot] = 0
+        self._hi[slot] = 0
+        self._policy[request_id] = int(policy_version)
+
+    def _slot_index(self, request_ids: Sequence[str]) -> np.ndarray:
+        try:
+            return np.fromiter((self._slots[r] for r in request_ids), dtype=np.int64, count=len(request_ids))
+        except KeyError as e:
+            raise RecorderError(f"request {e.args[0]!r} was not begun (call begin() first)") from None
+
+    def _stage(self, key, request_ids, positions, *payload: torch.Tensor) -> None:
+        slots = self._slot_index(request_ids)
+        pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+        if pos.shape[0] != slots.shape[0] or any(p.shape[0] != slots.shape[0] for p in payload):
+            raise RecorderError(
+                f"{key}: {len(slots)} request ids, {pos.shape[0]} positions, payload rows "
+                f"{[p.shape[0] for p in payload]} must all match"
+            )
+        self._staged.append((key, slots, pos, tuple(torch.as_tensor(p).detach() for p in payload)))
+
+    def record_sites(self, request_ids, positions, site: str, hints, scales) -> None:
+        """Hint bits uint8 [N, width/8] and block scales uint8 [N, width/block] of ``site`` for N tokens."""
+        if site not in self.site_widths:
+            raise RecorderError(f"site {site!r} is not recorded; recorded sites: {sorted(self.site_widths)[:4]}...")
+        self._stage(("site", site), request_ids, positions, hints, scales)
+
+    def record_experts(self, request_ids, positions, layer: str, expert_ids) -> None:
+        """Routed expert ids [N, top_k] (any int dtype; stored as uint8) of MoE layer ``layer``."""
+        self._stage(("experts", layer), request_ids, positions, expert_ids)
+
+    def record_tokens(self, request_ids, positions, token_ids, logprobs) -> None:
+        """Token ids [N] at ``positions`` and their sampling log-probs [N] (NaN for prompt tokens)."""
+        self._stage("tokens", request_ids, positions, token_ids, logprobs)
+
+    def step(self) -> None:
+        """End of one forward step; every ``drain_every`` steps starts the device-to-host copy."""
+        self._steps += 1
+        if self._steps % self.drain_every == 0:
+            self._drain()
+        self._poll(block=False)
+
+    def end(self, request_id: str) -> None:
+        """The request is finished: write all its buffered rows and free its slot."""
+        self._drain()
+        self._poll(block=True)
+        slot = self._slots.get(request_id)
+        if slot is None:
+            raise RecorderError(f"request {request_id!r} was not begun")
+        self._write(request_id, slot, int(self._hi[slot] - self._start[slot]), final=True)
+        del self._slots[request_id]
+        del self._slot_rid[slot]
+        self._free.append(slot)
+
+    def end_all(self) -> None:
+        for rid in list(self._slots):
+            self.end(rid)
+
+    def close(self) -> None:
+        self.end_all()
+        self.sink.flush()
+
+    # ---- transfer -------------------------------------------------------------------------------------
+    def _drain(self) -> None:
+        if not self._staged:
+            return
+        groups: dict[Any, list] = {}
+        for key, slots, pos, payload in self._staged:
+            groups.setdefault(key, []).append((slots, pos, payload))
+        self._staged = []
+        for key, items in groups.items():
+            host = []
+            event = None
+            for j in range(len(items[0][2])):
+                dev = torch.cat([it[2][j].reshape(it[2][j].shape[0], -1) for it in items])
+                if dev.is_cuda:
+                    buf = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
+                    buf.copy_(dev, non_blocking=True)
+                    host.append(buf)
+                else:
+                    host.append(dev)
+            if any(h.is_pinned() for h in host):
+                event = torch.cuda.Event()
+                event.record()
+            slots = np.concatenate([it[0] for it in items])
+            pos = np.concatenate([it[1] for it in items])
+            self._inflight.append((key, (slots, pos, host), event))
+
+    def _poll(self, *, block: bool) -> None:
+        keep = []
+        for key, data, event in self._inflight:
+            if event is not None and not event.query():
+                if not block:
+                    keep.append((key, data, event))
+                    continue
+                event.synchronize()
+            self._materialize(key, *data)
+        self._inflight = keep
+
+    def _materialize(self, key, slots: np.ndarray, pos: np.ndarray, host: list[torch.Tensor]) -> None:
+        off = pos - self._start[slots]
+        if (off < 0).any():
+            raise RecorderError(f"{key}: positions before the already-written range of their request")
+        while off.max(initial=0) >= self._cap:
+            touched = np.unique(slots[off >= self._cap])
+            for s in touched:
+                self._flush_complete(int(s))
+            off = pos - self._start[slots]
+            if off.max(initial=0) >= self._cap:
+                self._grow_cap()
+        fld = self._fields[key]
+        for arr, h in zip(fld.arrays, host):
+            vals = h.numpy().astype(arr.dtype, copy=False)
+            arr[slots, off] = vals.reshape(len(slots), *arr.shape[2:])
+        fld.filled[slots, off] = True
+        np.maximum.at(self._hi, slots, pos + 1)
+        for s in np.unique(slots):
+            if self._hi[s] - self._start[s] >= self.flush_tokens:
+                self._flush_complete(int(s))
+
+    # ---- writes ---------------------------------------------------------------------------------------
+    def _complete_rows(self, slot: int) -> int:
+        n = int(self._hi[slot] - self._start[slot])
+        ok = np.ones(n, dtype=bool)
+        for fld in self._fields.values():
+            ok &= fld.filled[slot, :n]
+        bad = np.flatnonzero(~ok)
+        return int(bad[0]) if bad.size else n
+
+    def _flush_complete(self, slot: int) -> None:
+        rid = self._slot_rid[slot]
+        n = self._complete_rows(slot)
+        if n >= self.flush_tokens or n >= self._cap // 2:
+            self._write(rid, slot, n, final=False)
+
+    def _write(self, rid: str, slot: int, n: int, *, final: bool) -> None:
+        if n > 0:
+            tok = self._fields["tokens"]
+            if not tok.filled[slot, :n].all():
+                raise RecorderError(f"request {rid!r}: token ids missing at offsets "
+                                    f"{np.flatnonzero(~tok.filled[slot, :n])[:8].tolist()}")
+            hints, scales = {}, {}
+            for s in self.site_widths:
+                h, sc = self._fields[("site", s)].arrays
+                hints[s], scales[s] = h[slot, :n].copy(), sc[slot, :n].copy()
+            experts = {la: self._fields[("experts", la)].arrays[0][slot, :n].copy() for la in self.moe_layers}
+            self.sink.write(
+                rid,
+                int(self._start[slot]),
+                hints=hints,
+                scales=scales,
+                token_ids=tok.arrays[0][slot, :n].copy(),
+                logprobs=tok.arrays[1][slot, :n].copy(),
+                experts=experts or None,
+                policy_version=self._policy[rid],
+            )
+            self.tokens_written += n
+            self.bytes_written += sum(v.nbytes for v in hints.values()) + sum(v.nbytes for v in scales.values())
+        # Shift the slot's remaining rows to the front and reset the tail.
+        keep = 0 if final else int(self._hi[slot] - self._start[slot]) - n
+        for fld in self._fields.values():
+            for a, f in zip(fld.arrays, fld.fill):
+                if keep:
+                    a[slot, :keep] = a[slot, n : n + keep]
+                a[slot, keep:] = f
+            if keep:
+                fld.filled[slot, :keep] = fld.filled[slot, n : n + keep]
+            fld.filled[slot, keep:] = False
+        self._start[slot] += n
+        if final:
+            self._hi[slot] = self._start[slot]

@@ -1,0 +1,163 @@
+"""Hint-guided QAT recompute for Hugging Face MoE models (the trainer's side of TRACE).
+
+The trainer recomputes a packed micro-batch (`tracerl.packing.PackedHints`) in one full-sequence forward,
+with no KV cache: a different numerical path from the rollout's token-by-token decode. The model carries an
+`FP4Runtime` with the rollout's site plan and global scales; the mode picks what the FP4 sites do
+(`tracerl.qat.MODES`). In ``fp4_rne_rollout_scales`` and ``fp4_hints`` the hinted sites take the rollout's
+block scales (and hint bits) from the packed batch, row for row.
+
+Packed layout: models with full attention only run the THD batch as one row [1, T] with per-segment
+positions (Hugging Face's packed-sequence detection turns position resets into a block-diagonal causal
+mask). Models with linear-attention layers (Qwen3.5-MoE's Gated DeltaNet has no varlen path in torch) run the
+segments right-padded as [S, L_max]; hints are scattered to the padded rows and pad rows get scale 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+import torch
+
+from tracerl.errors import ConfigError
+from tracerl.models import has_linear_attention
+from tracerl.packing import PackedHints
+from tracerl.qat import MODES, FP4Runtime
+
+
+@dataclasses.dataclass
+class RecomputeResult:
+    mode: str
+    logprobs: np.ndarray  # float32 [T]: log p(token t | tokens < t of its segment); NaN at segment starts
+    routes: dict[int, np.ndarray]  # layer -> uint8 [T, top_k], ascending expert ids per token
+    codes: dict[str, np.ndarray]  # hinted site -> uint8 [T, W] effective E2M1 codes (FP4 modes)
+    scales: dict[str, np.ndarray]  # hinted site -> uint8 [T, W/16] block scales used
+    loss: float | None
+    grad_norm: float | None
+    seconds: float
+
+
+class QATTrainer:
+    """Forward (+ backward) of packed micro-batches in one of `tracerl.qat.MODES`."""
+
+    def __init__(self, model: torch.nn.Module, runtime: FP4Runtime):
+        self.model = model
+        self.runtime = runtime
+        self.padded = has_linear_attention(model)
+
+    def _layout(self, packed: PackedHints, device) -> tuple[dict, torch.Tensor]:
+        """Model inputs and the flat forward row of each THD token (long [T])."""
+        cu = packed.cu_seqlens
+        starts = packed.positions[cu[:-1]] if len(cu) > 1 else np.zeros(0)
+        if (starts != 0).any():
+            raise ConfigError(
+                "the single-process recompute needs whole sequences (each segment starting at position 0); "
+                f"got segment starts at positions {starts[starts != 0][:4].tolist()} (context-parallel chunks "
+                "need ring attention across ranks)"
+            )
+        tok = torch.as_tensor(packed.token_ids, dtype=torch.long)
+        pos = torch.as_tensor(packed.positions, dtype=torch.long)
+        if not self.padded:
+            inputs = {"input_ids": tok[None].to(device), "position_ids": pos[None].to(device)}
+            return inputs, torch.arange(len(tok), device=device)
+        lens = np.diff(cu)
+        nseg, lmax = len(lens), int(lens.max())
+        ids = torch.zeros(nseg, lmax, dtype=torch.long)
+        mask = torch.zeros(nseg, lmax, dtype=torch.long)
+        rows = np.concatenate([b * lmax + np.arange(n) for b, n in enumerate(lens)])
+        ids.view(-1)[torch.as_tensor(rows)] = tok
+        mask.view(-1)[torch.as_tensor(rows)] = 1
+        inputs = {
+            "input_ids": ids.to(device),
+            "attention_mask": mask.to(device),
+            "position_ids": (mask.cumsum(-1) - 1).clamp(min=0).to(device),
+        }
+        return inputs, torch.as_tensor(rows, device=device)
+
+    def recompute(
+        self, packed: PackedHints, mode: str, *, backward: bool = False, observe: bool = True
+    ) -> RecomputeResult:
+        if mode not in MODES:
+            raise ConfigError(f"unknown QAT mode {mode!r}; supported: {', '.join(MODES)}")
+        model, rt = self.model, self.runtime
+        device = next(model.parameters()).device
+        inputs, rows = self._layout(packed, device)
+        nrows = int(inputs["input_ids"].numel())
+        t0 = time.perf_counter()
+        provided = {}
+        if mode in ("fp4_rne_rollout_scales", "fp4_hints"):
+            for site in rt.plan.hinted:
+                if site not in packed.scales:
+                    raise ConfigError(f"mode {mode} needs site {site} in the packed batch; it has "
+                                      f"{sorted(packed.scales)[:4]}")
+                provided[site] = (
+                    self._scatter(packed.scales[site], rows, nrows, device),
+                    self._scatter(packed.hints[site], rows, nrows, device) if mode == "fp4_hints" else None,
+                )
+        codes: dict[str, list] = {}
+        scales: dict[str, list] = {}
+        routes: dict[int, torch.Tensor] = {}
+
+        def on_observe(site, c, s):
+            codes[site] = c.index_select(0, rows)
+            scales[site] = s.index_select(0, rows)
+
+        def on_route(layer, idx):
+            routes[layer] = idx.index_select(0, rows).to(torch.uint8)
+
+        prev = rt.mode
+        rt.set_mode(mode)
+        rt.provide(provided)
+        rt.observe = on_observe if observe else None
+        rt.on_route = on_route
+        try:
+            with torch.set_grad_enabled(backward):
+                logits = model(**inputs, use_cache=False).logits  # (B, L, V)
+                logits = logits.reshape(-1, logits.shape[-1]).index_select(0, rows)  # (T, V)
+                logp_all = torch.log_softmax(logits.float(), dim=-1)
+                tok = torch.as_tensor(packed.token_ids, device=device)
+                # Token t is scored by the logits at t-1 of the same segment.
+                nxt = torch.ones(len(tok), dtype=torch.bool, device=device)
+                nxt[torch.as_tensor(packed.cu_seqlens[:-1], device=device)] = False
+                idx = torch.nonzero(nxt).squeeze(-1)
+                lp = logp_all.index_select(0, idx - 1).gather(-1, tok[idx, None]).squeeze(-1)
+                loss_v = grad_norm = None
+                if backward:
+                    # Stand-in for the policy-gradient loss: mean NLL of the response tokens.
+                    resp = torch.as_tensor(~np.isnan(packed.logprobs), device=device)[idx]
+                    loss = -(lp[resp].mean() if resp.any() else lp.mean())
+                    model.zero_grad(set_to_none=True)
+                    loss.backward()
+                    norms = [p.grad.float().norm() for p in model.parameters() if p.grad is not None]
+                    grad_norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+                    loss_v = float(loss)
+            out = torch.full((len(tok),), float("nan"), device=device)
+            out[idx] = lp.detach()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            secs = time.perf_counter() - t0
+        finally:
+            rt.set_mode(prev)
+            rt.provide({})
+            rt.observe = rt.on_route = None
+        return RecomputeResult(
+            mode=mode,
+            logprobs=out.cpu().numpy().astype(np.float32),
+            routes={k: v.cpu().numpy() for k, v in routes.items()},
+            codes={k: v.cpu().numpy() for k, v in codes.items()},
+            scales={k: v.cpu().numpy() for k, v in scales.items()},
+            loss=loss_v,
+            grad_norm=grad_norm,
+            seconds=secs,
+        )
+
+    @staticmethod
+    def _scatter(arr: np.ndarray, rows: torch.Tensor, nrows: int, device) -> torch.Tensor:
+        """THD rows [T, C] -> forward rows [nrows, C]; rows the batch does not cover stay 0 (scale 0 -> 0)."""
+        src = torch.as_tensor(np.ascontiguousarray(arr)).to(device)
+        if nrows == src.shape[0]:
+            return src
+        out = torch.zeros(nrows, src.shape[1], dtype=src.dtype, device=device)
+        out[rows] = src
+        return out
