@@ -159,3 +159,38 @@ def check_batch(store, batch, traj_id: str, start: int, stop: int, *, features=N
     np.testing.assert_array_equal(np.asarray(batch.logprobs), want["logprobs"])
     for layer in store.moe_layers:
         np.testing.assert_array_equal(np.asarray(batch.experts[layer]), want["experts"][layer])
+
+
+def child_main(argv: list[str] | None = None) -> int:
+    """A writer process for the multi-process and SIGKILL tests.
+
+    ``python -c 'import helpers_store as h; h.child_main()' '<json spec>'``; spec keys: url, options,
+    writer_id, trajs ([[traj_id, n_tokens], ...]), step, commit_bytes, skip_committed, delay_s.
+    Prints "ready" once the writer is open; exits 0 when all tokens were written and committed.
+    """
+    import json
+    import sys
+
+    import tracestore as ts
+
+    spec = json.loads((argv or sys.argv[1:])[0])
+    store = ts.open_store(spec["url"], storage_options=spec.get("options"))
+    w = store.writer(spec["writer_id"], commit_bytes=spec.get("commit_bytes", 2000), commit_interval_s=0,
+                     skip_committed=spec.get("skip_committed", True))
+    print("ready", flush=True)
+    step = spec.get("step", 7)
+    for traj, n in spec["trajs"]:
+        for pos in range(0, n, step):
+            stop = min(n, pos + step)
+            try:
+                w.write(traj, pos, **rows(store, traj, pos, stop))
+            except ts.OverlapError:
+                pass  # another writer committed these positions first (or a flush lost a race)
+            if spec.get("delay_s"):
+                time.sleep(spec["delay_s"])
+    try:
+        w.close()
+    except ts.OverlapError:
+        pass
+    print("done", flush=True)
+    return 0

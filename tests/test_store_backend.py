@@ -85,6 +85,7 @@ def test_list_exists_delete(pair):
     assert raw.keys() == ["q/d"]
     # a listing sees objects created behind the backend's back (no stale cache)
     raw.write("q/e", b"new")
+    assert be.get("q/e") == b"new" and be.get_many(["q/e"]) == [b"new"]
     assert [o.key for o in be.list("q/")] == ["q/d", "q/e"] and be.exists("q/e")
 
 

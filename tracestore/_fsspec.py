@@ -5,8 +5,9 @@ Atomic create-if-absent on S3 is a conditional ``PUT`` with ``If-None-Match: *``
 atomic create (most other fsspec implementations) open read-only: ``supports_put_if_absent`` is false and
 creating a writer raises :class:`~tracestore.errors.BackendError`.
 
-Listings bypass fsspec's directory cache (``invalidate_cache`` before every ``find``); tailing does not list
-at all (it GETs the next log key).
+fsspec's listing cache is never trusted: it is invalidated before every ``find``, ``exists`` and whole-object
+GET (s3fs sizes whole-object reads through it), and after every ``find``. Tailing does not list at all (it
+GETs the next log key).
 """
 
 from __future__ import annotations
@@ -60,8 +61,11 @@ class FsspecBackend(Backend):
         return BackendError(f"{type(e).__name__} on {key!r} in {self.url}: {e}")
 
     def get(self, key: str) -> bytes:
+        path = self._path(key)
         try:
-            return self.fs.cat_file(self._path(key))
+            # s3fs sizes whole-object reads through its listing cache: drop it so a new object is found
+            self.fs.invalidate_cache(path)
+            return self.fs.cat_file(path)
         except (OSError, ValueError) as e:
             raise self._wrap(e, key) from e
 
@@ -93,6 +97,8 @@ class FsspecBackend(Backend):
             return []
         paths = [self._path(k) for k in keys]
         try:
+            for p in paths:
+                self.fs.invalidate_cache(p)
             out = self.fs.cat(paths, on_error="return")
         except (OSError, ValueError) as e:
             raise BackendError(f"reads failed in {self.url}: {e}") from e
@@ -162,6 +168,7 @@ class FsspecBackend(Backend):
         try:
             self.fs.invalidate_cache(path)
             found = self.fs.find(path, detail=True)
+            self.fs.invalidate_cache(path)  # leave no listing behind that later lookups could trust
         except FileNotFoundError:
             return []
         except (OSError, ValueError) as e:

@@ -232,8 +232,10 @@ class Writer:
         commit_bytes: commit a segment once this many row bytes are buffered.
         commit_interval_s: commit buffered rows at the latest this long after the oldest was written.
         max_buffer_bytes: hard bound of buffered row bytes (a long trajectory spans several segments).
-        skip_committed: silently skip a ``write`` whose token range is already committed entirely for the
-            trajectory (idempotent re-runs); partial overlaps still raise OverlapError.
+        skip_committed: ``write`` silently skips token positions already committed for the trajectory and
+            buffers only the rest (idempotent re-runs and writers racing on one trajectory); without it any
+            overlap with a committed range raises OverlapError. Overlaps with this writer's own buffered rows
+            always raise.
 
     Raises:
         BackendError: the store's backend cannot create-if-absent (read-only fsspec filesystems).
@@ -264,6 +266,7 @@ class Writer:
         self._synced = 0
         self._segments = 0
         self._error: BaseException | None = None
+        self._lost: list[tuple[str, int, int]] = []  # ranges dropped at commit (another writer was first)
         self._closed = False
         #: counters: segments / records / rows committed, bytes written (data + log)
         self.stats = {"segments": 0, "records": 0, "rows": 0, "data_bytes": 0, "log_bytes": 0, "lost_races": 0}
@@ -389,32 +392,42 @@ class Writer:
         with self._lock:
             self._check_open()
             stop = token_start + T
+            parts = [(token_start, stop)]
             hit = self._committed.overlaps(traj_id, token_start, stop)
-            if hit is not None and self.skip_committed and self._committed.covered(traj_id, token_start, stop):
-                log.info("%s: skipping %s [%d, %d): already committed", self.writer_id, traj_id, token_start, stop)
-                return
+            if hit is not None and self.skip_committed:
+                parts = self._committed.uncovered(traj_id, token_start, stop)
+                log.info("%s: %s [%d, %d): skipping committed positions, writing %s", self.writer_id, traj_id,
+                         token_start, stop, parts)
+                hit = None
+            where = "committed"
             if hit is None:
-                hit = self._pending.overlaps(traj_id, token_start, stop)
                 where = "buffered by this writer"
-            else:
-                where = "committed"
+                hit = next((h for a, b in parts if (h := self._pending.overlaps(traj_id, a, b)) is not None), None)
             if hit is not None:
                 raise OverlapError(
                     f"trajectory {traj_id!r}: tokens [{token_start}, {stop}) overlap [{hit[0]}, {hit[1]}) already "
                     f"{where} in {self.store.url}", [(traj_id, token_start, stop)])
-            self._pending.add(traj_id, token_start, stop)
+            if not parts:
+                return
+            for a, b in parts:
+                self._pending.add(traj_id, a, b)
             done = [0]
             try:
-                self._buffer(traj_id, token_start, T, columns, policy_version, done)
+                for a, b in parts:
+                    done = [a - token_start]
+                    self._buffer(traj_id, token_start, a - token_start, b - token_start, columns, policy_version,
+                                 done)
             finally:
-                if done[0] != T:  # failed part-way: what never reached the buffer is not pending
-                    self._pending.subtract(traj_id, token_start + done[0], stop)
+                # after a failure part-way, what never reached the buffer is not pending
+                for a, b in parts:
+                    if token_start + done[0] < b:
+                        self._pending.subtract(traj_id, max(a, token_start + done[0]), b)
             if self._due():
                 self._flush_locked()
 
-    def _buffer(self, traj_id: str, token_start: int, T: int, columns: dict, policy_version: int,
+    def _buffer(self, traj_id: str, token_start: int, s: int, T: int, columns: dict, policy_version: int,
                 done: list) -> None:
-        s = 0
+        """Copy rows ``[s, T)`` of the validated ``columns`` (tokens ``token_start + s ..``) into the stage."""
         while s < T:
             if self._stage is None:
                 self._stage = _Staging(self.store.row_columns, self._capacity)
@@ -465,12 +478,22 @@ class Writer:
         """Write and commit everything buffered.
 
         Raises:
-            OverlapError: another writer committed an overlapping range first (the other records were committed;
-                the conflicting ones were dropped). BackendError: storage failure (rows stay buffered).
+            OverlapError: since the last flush()/close(), commits (this one or automatic ones) dropped token ranges
+                that another writer had committed first; ``.conflicts`` lists them, everything else was committed.
+            BackendError: storage failure (rows stay buffered; a later flush retries).
         """
         with self._lock:
             self._check_open()
             self._flush_locked()
+            self._raise_lost()
+
+    def _raise_lost(self) -> None:
+        if self._lost:
+            lost, self._lost = self._lost, []
+            raise OverlapError(
+                f"{len(lost)} token range(s) lost a commit race: another writer committed them first "
+                f"({', '.join(f'{t}[{a}:{b})' for t, a, b in lost[:5])}); they were dropped, everything else "
+                f"was committed", lost)
 
     def close(self) -> None:
         """Commit what is buffered and stop the background thread. Idempotent."""
@@ -483,6 +506,7 @@ class Writer:
             try:
                 self._check_open()
                 self._flush_locked()
+                self._raise_lost()
             finally:
                 self._closed = True
 
@@ -537,10 +561,10 @@ class Writer:
         stage.reset()
         self._oldest = None
         if conflicts:
-            raise OverlapError(
-                f"{len(conflicts)} token range(s) lost a race: another writer committed them first "
-                f"({', '.join(f'{t}[{s}:{e})' for t, s, e in conflicts[:5])}); they were dropped, the rest of the "
-                f"segment was committed", conflicts)
+            # not raised here: an automatic flush inside write() must not abort buffering the rest of that call
+            log.warning("%s: %d token range(s) lost a commit race and were dropped: %s", self.writer_id,
+                        len(conflicts), conflicts[:5])
+            self._lost.extend(conflicts)
 
     def _put_segment(self, objects: dict[str, object], rows: int) -> str:
         segment_id = f"{self._segments:08d}-{uuid.uuid4().hex[:12]}"
