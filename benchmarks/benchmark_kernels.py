@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels  # noqa: E402
 from kernels import reference as ref  # noqa: E402
 
-CONFIGS = [(128, 4), (256, 4), (256, 8), (512, 4), (512, 8), (1024, 8)]
+CONFIGS = [(128, 4), (256, 4), (256, 8), (512, 4), (512, 8), (1024, 4), (1024, 8), (2048, 8)]
 SMOKE_CONFIGS = [(64, 2), (128, 4)]
 
 

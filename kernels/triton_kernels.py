@@ -126,16 +126,17 @@ def _scale_factor(sbyte, g_ptr, IS_NV: tl.constexpr):
 
 
 @triton.jit
-def _offsets8(blk, j: tl.constexpr, G: tl.constexpr):
-    """Element offsets [BN, 8] of the j-th group of 8 values of each block."""
-    return (blk * G + j)[:, None] * 8 + tl.arange(0, 8)[None, :]
+def _tile_offsets(blk, G: tl.constexpr):
+    """(group index [BN, G], element offsets [BN, G, 8]) of the BN blocks `blk` (G groups of 8 values each)."""
+    gidx = blk[:, None] * G + tl.arange(0, G)[None, :]
+    return gidx, gidx[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
 
 
 @triton.jit
-def _amax8(x_in):
-    """max |x| over the finite values of each row of a [BN, 8] tile (in the input dtype: exact)."""
+def _amax_tile(x_in):
+    """max |x| over the finite values of each block of a [BN, G, 8] tile (in the input dtype: exact)."""
     ax = tl.abs(x_in)
-    return tl.max(tl.where(ax < float("inf"), ax, 0.0), axis=1)
+    return tl.max(tl.max(tl.where(ax < float("inf"), ax, 0.0), axis=2), axis=1)
 
 
 @triton.jit
@@ -145,10 +146,10 @@ def _abs_bits_clamped(v):
 
 
 @triton.jit
-def _rne_code8(x, r):
-    """Codes (int32 [BN, 8], sign included) of fp32 x [BN, 8] with factors r [BN]: RNE on the ladder, ties to
-    the even code, saturating at 6; NaN -> magnitude 7; the sign bit is x's (NaN included)."""
-    v = x * r[:, None]
+def _rne_code(x, r3):
+    """Codes (int32, sign included) of fp32 x with factors r3 broadcast to x: RNE on the ladder, ties to the
+    even code, saturating at 6; NaN -> magnitude 7; the sign bit is x's (NaN included)."""
+    v = x * r3
     b = _abs_bits_clamped(v)
     rb = b + 0x1FFFFF + ((b >> 22) & 1)  # RNE of a in [1, 6] to one mantissa bit
     c_norm = (rb >> 22) - 252
@@ -159,10 +160,11 @@ def _rne_code8(x, r):
 
 
 @triton.jit
-def _pack8(code):
-    """(32-bit word of 8 codes, value i in nibble i; hint byte = bit 0 of each code) of codes [BN, 8]."""
+def _pack_groups(code):
+    """(32-bit word of 8 codes, value i in nibble i; hint byte = bit 0 of each code) per group of a
+    [BN, G, 8] code tile -> two [BN, G] int32 tensors."""
     lane = tl.arange(0, 8)
-    word = tl.sum(code << (lane[None, :] * 4), axis=1)  # disjoint nibbles: sum == or
+    word = tl.sum(code << (lane[None, None, :] * 4), axis=2)  # disjoint nibbles: sum == or
     t = word & 0x11111111  # gather bits 0, 4, ..., 28 into bits 0..7
     t = (t | (t >> 3)) & 0x03030303
     t = (t | (t >> 6)) & 0x000F000F
@@ -171,8 +173,8 @@ def _pack8(code):
 
 
 @triton.jit
-def _hint_magnitude8(v, hint):
-    """Hint-guided magnitude index (int32 [BN, 8]): k = #{ladder <= min(|v|, 6)}; k + ((k ^ hint) & 1)."""
+def _hint_magnitude(v, hint):
+    """Hint-guided magnitude index (int32): k = #{ladder <= min(|v|, 6)}; k + ((k ^ hint) & 1)."""
     b = _abs_bits_clamped(v)
     k_norm = tl.minimum((b >> 22) - 252, 6)  # a in [1, 6]: floor onto the ladder
     k_sub = (b >= 0x3F000000).to(tl.int32)  # a < 1: 0.5 <= a
@@ -212,53 +214,42 @@ def _quantize_kernel(
     G: tl.constexpr, BN: tl.constexpr, IS_NV: tl.constexpr, RCEIL: tl.constexpr, EMIT_HINTS: tl.constexpr,
     BIG: tl.constexpr,
 ):
-    # codes_ptr: int64 view of the codes (one word per 8 values: G/2 words per block);
-    # hints_ptr: int16 (NVFP4, G=2) or int32 (MXFP4, G=4) view of the hint bytes (one element per block)
+    # codes_ptr: int32 view of the codes (one word per group of 8 values); hints_ptr: uint8, one byte per group
     blk, bmask = _blocks(NB, BN, BIG)
-    m2 = bmask[:, None]
-    x0_in = tl.load(x_ptr + _offsets8(blk, 0, G), mask=m2, other=0.0)  # [BN, 8]
-    x1_in = tl.load(x_ptr + _offsets8(blk, 1, G), mask=m2, other=0.0)
-    amax = tl.maximum(_amax8(x0_in), _amax8(x1_in))
-    if G == 4:
-        x2_in = tl.load(x_ptr + _offsets8(blk, 2, G), mask=m2, other=0.0)
-        x3_in = tl.load(x_ptr + _offsets8(blk, 3, G), mask=m2, other=0.0)
-        amax = tl.maximum(amax, tl.maximum(_amax8(x2_in), _amax8(x3_in)))
+    gidx = blk[:, None] * G + tl.arange(0, G)[None, :]  # [BN, G] group index
+    offs = blk[:, None] * (8 * G) + tl.arange(0, 8 * G)[None, :]  # [BN, B]: 16-byte pieces to adjacent threads
+    x_in = tl.load(x_ptr + offs, mask=bmask[:, None], other=0.0)
+    ax = tl.abs(x_in)
+    amax = tl.max(tl.where(ax < float("inf"), ax, 0.0), axis=1)  # finite values only, exact in x's dtype
     sbyte = _scale_byte_from_amax(amax.to(tl.float32), g_ptr, IS_NV, RCEIL)  # [BN]
     _, r, _ = _scale_factor(sbyte, g_ptr, IS_NV)
-    w0, h0 = _pack8(_rne_code8(x0_in.to(tl.float32), r))
-    w1, h1 = _pack8(_rne_code8(x1_in.to(tl.float32), r))
-    words01 = w0.to(tl.uint32, bitcast=True).to(tl.int64) | (w1.to(tl.int64) << 32)
-    tl.store(scales_ptr + blk, sbyte.to(tl.uint8), mask=bmask)
-    if G == 2:
-        tl.store(codes_ptr + blk, words01, mask=bmask)
-        if EMIT_HINTS:
-            tl.store(hints_ptr + blk, (h0 | (h1 << 8)).to(tl.int16), mask=bmask)
-    else:
-        w2, h2 = _pack8(_rne_code8(x2_in.to(tl.float32), r))
-        w3, h3 = _pack8(_rne_code8(x3_in.to(tl.float32), r))
-        words23 = w2.to(tl.uint32, bitcast=True).to(tl.int64) | (w3.to(tl.int64) << 32)
-        tl.store(codes_ptr + 2 * blk, words01, mask=bmask)
-        tl.store(codes_ptr + 2 * blk + 1, words23, mask=bmask)
-        if EMIT_HINTS:
-            tl.store(hints_ptr + blk, h0 | (h1 << 8) | (h2 << 16) | (h3 << 24), mask=bmask)
+    code = tl.reshape(_rne_code(x_in.to(tl.float32), r[:, None]), (BN, G, 8))
+    word, hbyte = _pack_groups(code)  # [BN, G] each
+    # One code word and one hint byte per thread, adjacent threads holding adjacent groups: that is already
+    # coalesced, so store flat with contiguity 1; a vectorized store would go through shared memory.
+    flat = tl.max_contiguous(tl.reshape(gidx, (BN * G,)), 1)
+    fmask = tl.reshape(gidx < NB * G, (BN * G,))
+    tl.store(codes_ptr + flat, tl.reshape(word, (BN * G,)), mask=fmask)
+    # the scale byte is written by the thread that holds the block's first group
+    first = tl.reshape((gidx % G == 0) & (gidx < NB * G), (BN * G,))
+    sflat = tl.reshape(sbyte[:, None] + tl.zeros_like(gidx), (BN * G,))
+    tl.store(scales_ptr + flat // G, sflat.to(tl.uint8), mask=first)
+    if EMIT_HINTS:
+        tl.store(hints_ptr + flat, tl.reshape(hbyte, (BN * G,)).to(tl.uint8), mask=fmask)
 
 
 @triton.jit
-def _fq8(x_in, r, s, g, hbits, HAS_HINTS: tl.constexpr, MANUAL_BF16: tl.constexpr):
-    """Fake-quantized [BN, 8] tile in x_in's dtype; hbits [BN] holds this group's hint byte."""
-    x = x_in.to(tl.float32)
-    if HAS_HINTS:
-        hint = hbits[:, None] >> tl.arange(0, 8)[None, :]  # only bit 0 is used
-        mag = _hint_magnitude8(x * r[:, None], hint)
+def _per_group(ptr, blk, G: tl.constexpr, BN: tl.constexpr, NB, PER_BLOCK: tl.constexpr):
+    """Load one byte per group [BN, G] (PER_BLOCK: the block's byte, repeated for each of its groups) as int32.
+    Loaded flat with contiguity 1 so that the value lands in the thread that holds the group (no shuffle)."""
+    gidx = blk[:, None] * G + tl.arange(0, G)[None, :]
+    flat = tl.max_contiguous(tl.reshape(gidx, (BN * G,)), 1)
+    fmask = tl.reshape(gidx < NB * G, (BN * G,))
+    if PER_BLOCK:
+        v = tl.load(ptr + flat // G, mask=fmask, other=0)
     else:
-        mag = _rne_code8(x, r) & 7
-    out = (_e2m1_bits(mag).to(tl.float32, bitcast=True) * s[:, None]) * g
-    out = (out.to(tl.int32, bitcast=True) ^ (x.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32, bitcast=True)
-    out = tl.where(x != x, x, out)  # NaN propagates
-    if MANUAL_BF16:
-        return _to_bf16_rne(out)
-    else:
-        return out.to(x_in.dtype)
+        v = tl.load(ptr + flat, mask=fmask, other=0)
+    return tl.reshape(v, (BN, G)).to(tl.int32)
 
 
 @triton.jit
@@ -268,43 +259,36 @@ def _fake_quant_kernel(
     HAS_SCALES: tl.constexpr, HAS_HINTS: tl.constexpr, STORE_SCALES: tl.constexpr, MANUAL_BF16: tl.constexpr,
     BIG: tl.constexpr,
 ):
-    # hints_ptr: int16 (G=2) or int32 (G=4) view of the hint bytes, one element per block
+    # x is loaded as [BN, B] (16-byte pieces to adjacent threads: coalesced) and viewed as [BN, G, 8]; per-block
+    # values (scale, factor) are computed per group [BN, G] by the thread that holds the group.
     blk, bmask = _blocks(NB, BN, BIG)
-    m2 = bmask[:, None]
-    o0 = _offsets8(blk, 0, G)
-    o1 = _offsets8(blk, 1, G)
-    x0_in = tl.load(x_ptr + o0, mask=m2, other=0.0)
-    x1_in = tl.load(x_ptr + o1, mask=m2, other=0.0)
-    if G == 4:
-        o2 = _offsets8(blk, 2, G)
-        o3 = _offsets8(blk, 3, G)
-        x2_in = tl.load(x_ptr + o2, mask=m2, other=0.0)
-        x3_in = tl.load(x_ptr + o3, mask=m2, other=0.0)
+    offs = blk[:, None] * (8 * G) + tl.arange(0, 8 * G)[None, :]  # [BN, B]
+    x_in = tl.load(x_ptr + offs, mask=bmask[:, None], other=0.0)
+    x3_in = tl.reshape(x_in, (BN, G, 8))
+    x = x3_in.to(tl.float32)
     if HAS_SCALES:
-        sbyte = tl.load(scales_ptr + blk, mask=bmask, other=0).to(tl.int32)
+        sbyte = _per_group(scales_ptr, blk, G, BN, NB, True)  # [BN, G]
     else:
-        amax = tl.maximum(_amax8(x0_in), _amax8(x1_in))
-        if G == 4:
-            amax = tl.maximum(amax, tl.maximum(_amax8(x2_in), _amax8(x3_in)))
-        sbyte = _scale_byte_from_amax(amax.to(tl.float32), g_ptr, IS_NV, RCEIL)
+        ax = tl.abs(x3_in)
+        amax = tl.max(tl.max(tl.where(ax < float("inf"), ax, 0.0), axis=2), axis=1)  # [BN]
+        sb = _scale_byte_from_amax(amax.to(tl.float32), g_ptr, IS_NV, RCEIL)
         if STORE_SCALES:
-            tl.store(scales_out_ptr + blk, sbyte.to(tl.uint8), mask=bmask)
-    s, r, g = _scale_factor(sbyte, g_ptr, IS_NV)
+            tl.store(scales_out_ptr + blk, sb.to(tl.uint8), mask=bmask)
+        sbyte = sb[:, None] + tl.zeros((BN, G), dtype=tl.int32)
+    s, r, g = _scale_factor(sbyte, g_ptr, IS_NV)  # [BN, G]
     if HAS_HINTS:
-        hb = tl.load(hints_ptr + blk, mask=bmask, other=0).to(tl.int32)  # [BN]: G hint bytes
+        hint = _per_group(hints_ptr, blk, G, BN, NB, False)[:, :, None] >> tl.arange(0, 8)[None, None, :]
+        mag = _hint_magnitude(x * r[:, :, None], hint)  # only bit 0 of hint is used
     else:
-        hb = tl.zeros_like(sbyte)
-    tl.store(out_ptr + o0, _fq8(x0_in, r, s, g, hb, HAS_HINTS, MANUAL_BF16), mask=m2)
-    tl.store(out_ptr + o1, _fq8(x1_in, r, s, g, hb >> 8, HAS_HINTS, MANUAL_BF16), mask=m2)
-    if G == 4:
-        tl.store(out_ptr + o2, _fq8(x2_in, r, s, g, hb >> 16, HAS_HINTS, MANUAL_BF16), mask=m2)
-        tl.store(out_ptr + o3, _fq8(x3_in, r, s, g, hb >> 24, HAS_HINTS, MANUAL_BF16), mask=m2)
-
-
-@triton.jit
-def _bwd8(grad, x_in, r):
-    v = x_in.to(tl.float32) * r[:, None]
-    return tl.where(tl.abs(v) > 6.0, tl.zeros_like(grad), grad)
+        mag = _rne_code(x, r[:, :, None]) & 7
+    out = (_e2m1_bits(mag).to(tl.float32, bitcast=True) * s[:, :, None]) * g
+    out = (out.to(tl.int32, bitcast=True) ^ (x.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32, bitcast=True)
+    out = tl.where(x != x, x, out)  # NaN propagates
+    if MANUAL_BF16:
+        out_lp = _to_bf16_rne(out)
+    else:
+        out_lp = out.to(x_in.dtype)
+    tl.store(out_ptr + offs, tl.reshape(out_lp, (BN, 8 * G)), mask=bmask[:, None])
 
 
 @triton.jit
@@ -313,14 +297,14 @@ def _fake_quant_bwd_kernel(
     G: tl.constexpr, BN: tl.constexpr, IS_NV: tl.constexpr, BIG: tl.constexpr,
 ):
     blk, bmask = _blocks(NB, BN, BIG)
+    offs = blk[:, None] * (8 * G) + tl.arange(0, 8 * G)[None, :]  # [BN, B]
     m2 = bmask[:, None]
-    sbyte = tl.load(scales_ptr + blk, mask=bmask, other=0).to(tl.int32)
-    _, r, _ = _scale_factor(sbyte, g_ptr, IS_NV)
-    for j in tl.static_range(G):
-        o = _offsets8(blk, j, G)
-        grad = tl.load(grad_ptr + o, mask=m2, other=0.0)
-        x_in = tl.load(x_ptr + o, mask=m2, other=0.0)
-        tl.store(out_ptr + o, _bwd8(grad, x_in, r), mask=m2)
+    grad = tl.reshape(tl.load(grad_ptr + offs, mask=m2, other=0.0), (BN, G, 8))
+    x = tl.reshape(tl.load(x_ptr + offs, mask=m2, other=0.0), (BN, G, 8)).to(tl.float32)
+    _, r, _ = _scale_factor(_per_group(scales_ptr, blk, G, BN, NB, True), g_ptr, IS_NV)  # [BN, G]
+    v = x * r[:, :, None]
+    out = tl.where(tl.abs(v) > 6.0, tl.zeros_like(grad), grad)
+    tl.store(out_ptr + offs, tl.reshape(out, (BN, 8 * G)), mask=m2)
 
 
 def _g_arg(g: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -335,11 +319,6 @@ def _cfg(name: str, config: tuple[int, int] | None) -> tuple[int, int]:
 
 def _big(t: torch.Tensor) -> bool:
     return t.numel() >= 2**31 - 2**20
-
-
-def _per_block_view(t: torch.Tensor, nbytes_per_block: int) -> torch.Tensor:
-    """View a contiguous uint8 tensor of `nbytes_per_block` bytes per block as one int16/int32 per block."""
-    return t.view({2: torch.int16, 4: torch.int32}[nbytes_per_block])
 
 
 def _interpreting() -> bool:
@@ -361,8 +340,7 @@ def quantize_blocks_triton(
     if nb:
         bn, warps = _cfg("quantize", config)
         _quantize_kernel[(triton.cdiv(nb, bn),)](
-            xb, codes.view(torch.int64), scales,
-            _per_block_view(hints, b // 8) if emit_hints else scales, _g_arg(g, dev), nb,
+            xb, codes.view(torch.int32), scales, hints if emit_hints else scales, _g_arg(g, dev), nb,
             G=b // 8, BN=bn, IS_NV=fmt == "nvfp4", RCEIL=scale_rule == "rceil", EMIT_HINTS=emit_hints,
             BIG=_big(xb), num_warps=warps,
         )
@@ -385,10 +363,8 @@ def fake_quantize_blocks_triton(
     scales_out = torch.empty((nb,), dtype=torch.uint8, device=dev) if store_scales else None
     if nb:
         bn, warps = _cfg("fake_quant", config)
-        dummy = torch.empty((1,), dtype=torch.int32, device=dev)
-        hints_arg = dummy
-        if hints_packed is not None:
-            hints_arg = _per_block_view(hints_packed.contiguous().reshape(nb, b // 8), b // 8)
+        dummy = torch.empty((1,), dtype=torch.uint8, device=dev)
+        hints_arg = hints_packed.contiguous() if hints_packed is not None else dummy
         _fake_quant_kernel[(triton.cdiv(nb, bn),)](
             xb, out,
             scales_u8.contiguous() if has_scales else dummy,
