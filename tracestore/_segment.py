@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -255,68 +256,136 @@ class ArrayLayout:
         return out
 
 
-class ReadTargets:
-    """Buffers for one planned range read. A chunk's bytes land straight in its output array where the
-    chunk's rows lie wholly inside the request and it covers the output's full width (no copy); otherwise in
-    a scratch buffer that :meth:`finish` copies from.
+_arena = threading.local()
 
-    ``outs``: site arrays: ``{site_index: (out [n, b1-b0], b0, b1)}``; others: ``{0: (out [n, ...], 0, 0)}``.
+
+def _scratch(nbytes: int) -> np.ndarray:
+    """A per-thread reusable scratch buffer of at least ``nbytes`` (reused across reads: no page faults)."""
+    buf = getattr(_arena, "buf", None)
+    if buf is None or buf.size < nbytes:
+        buf = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
+        _arena.buf = buf
+    return buf
+
+
+class ReadTargets:
+    """Scatter-read buffers for planned range reads, and their checking.
+
+    For a chunk that spans the output's full width the rows a request needs are read straight into the output
+    (no copy); rows before/after them land in scratch space and only feed the crc32c, computed incrementally
+    over the chunk's parts in order. Other chunks (feature slices narrower than a column chunk) are read whole
+    into scratch and copied.
+
+    ``outs`` per request: site arrays: ``{site_index: (out [n, b1-b0], b0, b1)}``; others: ``{0: (out, 0, 0)}``.
+    Build with :meth:`plan_requests`, read with ``backend.readinto_ranges(targets.requests)``, then
+    :meth:`finish`.
     """
 
-    __slots__ = ("chunks", "slots", "crcs", "buffers")
+    def __init__(self) -> None:
+        self._items: list = []  # per request: (lay, chunks, outs, r0, r1, describe)
+        self._sizes = 0
+        self.requests: list = []
+        self._checks: list = []  # per request: list of (parts, crc view, chunk id) and copies
 
-    def __init__(self, lay: ArrayLayout, chunks, outs: Mapping, r0: int, r1: int):
-        cr, cb = lay.chunk_rows, lay.chunk_nbytes
-        self.chunks = chunks
-        self.crcs = np.empty(len(chunks), dtype="<u4")
-        crc_bytes = memoryview(self.crcs).cast("B")
-        self.slots: list = []
-        self.buffers: list = []
-        for k, (i, f) in enumerate(chunks):
-            lo, hi = i * cr, (i + 1) * cr
-            if lay.spec.grouped:
-                s, _j = divmod(f, lay.n_col)
-                out, b0, b1 = outs[s]
-                direct = lay.n_col == 1 and b0 == 0 and b1 == lay.width
-            else:
-                out = outs[0][0]
-                direct = True
-            if direct and lo >= r0 and hi <= r1 and out.flags.c_contiguous:
-                target = memoryview(out[lo - r0 : hi - r0]).cast("B")
-                self.slots.append(None)
-            else:
-                target = memoryview(np.empty(cb, dtype=np.uint8))
-                self.slots.append(target)
-            self.buffers.append(target)
-            self.buffers.append(crc_bytes[k * _CRC : (k + 1) * _CRC])
+    def add(self, rng: ByteRange, lay: ArrayLayout, chunks, outs: Mapping, r0: int, r1: int, describe) -> None:
+        self._items.append((rng, lay, chunks, outs, r0, r1, describe))
 
-    def finish(self, lay: ArrayLayout, nread: int, outs: Mapping, r0: int, r1: int, describe) -> None:
-        """Check every chunk's crc32c, then copy the scratch chunks' requested rows/columns into the outputs.
+    def build(self) -> list:
+        """Lay out every request's buffers (one scratch arena for all) -> ``[(ByteRange, [buffers])]``."""
+        plans = []
+        scratch_total = 0
+        for rng, lay, chunks, outs, r0, r1, describe in self._items:
+            cr, cb = lay.chunk_rows, lay.chunk_nbytes
+            row_b = cb // cr
+            plan = []
+            for i, f in chunks:
+                lo, hi = max(r0, i * cr), min(r1, (i + 1) * cr)
+                if lay.spec.grouped:
+                    s, _j = divmod(f, lay.n_col)
+                    out, b0, b1 = outs[s]
+                    full = lay.n_col == 1 and b0 == 0 and b1 == lay.width
+                else:
+                    out = outs[0][0]
+                    full = True
+                if full and out.flags.c_contiguous:
+                    head, tail = (lo - i * cr) * row_b, ((i + 1) * cr - hi) * row_b
+                    plan.append(("direct", i, f, lo, hi, head, tail))
+                    scratch_total += head + tail
+                else:
+                    plan.append(("copy", i, f, lo, hi, cb, 0))
+                    scratch_total += cb
+            plans.append(plan)
+        arena = memoryview(_scratch(scratch_total + 4 * sum(len(p) for p in plans)))
+        pos = 0
+
+        def take(n: int) -> memoryview:
+            nonlocal pos
+            v = arena[pos : pos + n]
+            pos += n
+            return v
+
+        self.requests = []
+        self._checks = []
+        for (rng, lay, chunks, outs, r0, r1, describe), plan in zip(self._items, plans):
+            bufs: list = []
+            checks: list = []
+            for kind, i, f, lo, hi, a, b in plan:
+                if kind == "direct":
+                    parts = []
+                    if a:
+                        parts.append(take(a))
+                    if lay.spec.grouped:
+                        out = outs[f // lay.n_col][0]
+                    else:
+                        out = outs[0][0]
+                    parts.append(memoryview(out[lo - r0 : hi - r0]).cast("B"))
+                    if b:
+                        parts.append(take(b))
+                    crc = take(4)
+                    bufs.extend(parts)
+                    bufs.append(crc)
+                    checks.append((parts, crc, (i, f), None))
+                else:
+                    whole = take(a)
+                    crc = take(4)
+                    bufs.append(whole)
+                    bufs.append(crc)
+                    checks.append(([whole], crc, (i, f), (lo, hi)))
+            self.requests.append((rng, bufs))
+            self._checks.append(checks)
+        return self.requests
+
+    def finish(self, counts: Sequence[int]) -> None:
+        """Check every chunk's crc32c, then copy the whole-chunk reads' requested rows/columns into the outputs.
 
         Raises:
-            IntegrityError: short read or crc mismatch; the message comes from ``describe((i, f))``.
+            IntegrityError: short read or crc mismatch, message from the request's ``describe((i, f))``.
         """
-        expect = lay.stored_chunk_nbytes * len(self.chunks)
-        if nread != expect:
-            raise IntegrityError(f"short read: expected {expect} bytes, got {nread} ({describe(self.chunks[0])})")
-        for k, ij in enumerate(self.chunks):
-            if crc32c(self.buffers[2 * k]) != int(self.crcs[k]):
-                raise IntegrityError(f"crc32c mismatch: {describe(ij)}")
-        cr = lay.chunk_rows
-        for (i, f), scratch in zip(self.chunks, self.slots):
-            if scratch is None:
-                continue
-            lo, hi = max(r0, i * cr), min(r1, (i + 1) * cr)
-            if lay.spec.grouped:
-                s, j = divmod(f, lay.n_col)
-                out, b0, b1 = outs[s]
-                cc = lay.col_chunk
-                data = np.frombuffer(scratch, dtype=lay.spec.dtype).reshape(cr, cc)
-                clo, chi = max(b0, j * cc), min(b1, (j + 1) * cc)
-                out[lo - r0 : hi - r0, clo - b0 : chi - b0] = data[lo - i * cr : hi - i * cr, clo - j * cc : chi - j * cc]
-            else:
-                data = np.frombuffer(scratch, dtype=lay.spec.dtype).reshape(lay.chunk_shape)
-                outs[0][0][lo - r0 : hi - r0] = data[lo - i * cr : hi - i * cr]
+        for (rng, lay, chunks, outs, r0, r1, describe), checks, nread in zip(self._items, self._checks, counts):
+            expect = lay.stored_chunk_nbytes * len(chunks)
+            if nread != expect:
+                raise IntegrityError(f"short read: expected {expect} bytes, got {nread} ({describe(chunks[0])})")
+            cr = lay.chunk_rows
+            for parts, crc_view, (i, f), copy in checks:
+                c = 0
+                for part in parts:
+                    c = _crc32c.crc32c(part, c)
+                if c != int.from_bytes(crc_view, "little"):
+                    raise IntegrityError(f"crc32c mismatch: {describe((i, f))}")
+                if copy is None:
+                    continue
+                lo, hi = copy
+                if lay.spec.grouped:
+                    s, j = divmod(f, lay.n_col)
+                    out, b0, b1 = outs[s]
+                    cc = lay.col_chunk
+                    data = np.frombuffer(parts[0], dtype=lay.spec.dtype).reshape(cr, cc)
+                    clo, chi = max(b0, j * cc), min(b1, (j + 1) * cc)
+                    out[lo - r0 : hi - r0, clo - b0 : chi - b0] = data[lo - i * cr : hi - i * cr,
+                                                                       clo - j * cc : chi - j * cc]
+                else:
+                    data = np.frombuffer(parts[0], dtype=lay.spec.dtype).reshape(lay.chunk_shape)
+                    outs[0][0][lo - r0 : hi - r0] = data[lo - i * cr : hi - i * cr]
 
 
 def choose_chunk_rows(rows: int, target: int) -> int:

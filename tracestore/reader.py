@@ -168,6 +168,10 @@ def _np(x) -> np.ndarray:
     return x.numpy()  # torch
 
 
+_ARENA_MIN_BYTES = 4 << 20  # numpy's huge-page threshold
+_ARENA_ALIGN = 64
+
+
 class _Alloc:
     """Output buffers: numpy, or torch (optionally in pinned host memory) with numpy views to fill."""
 
@@ -187,8 +191,28 @@ class _Alloc:
         elif pin_memory:
             raise ValueError("pin_memory=True needs fmt='torch'")
 
+        self._arena: np.ndarray | None = None
+        self._used = 0
+
+    def reserve(self, nbytes: int) -> None:
+        """Carve the numpy outputs of one read out of a single allocation of ``nbytes`` (plus alignment).
+
+        numpy asks the kernel for transparent huge pages on allocations of 4 MiB and more; many separate
+        per-site outputs below that size are faulted in 4 KiB pages, which made filling them several times
+        slower than the read itself. Each output stays a separate C-contiguous array (a view of the arena).
+        Torch outputs are allocated one by one (a view would make ``torch.save`` write the whole arena)."""
+        if not self.torch and nbytes >= _ARENA_MIN_BYTES:
+            self._arena = np.empty(nbytes, np.uint8)
+            self._used = 0
+
     def empty(self, shape: tuple[int, ...], dtype: np.dtype):
         if not self.torch:
+            dtype = np.dtype(dtype)
+            n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            if self._arena is not None and self._used + n <= len(self._arena):
+                view = self._arena[self._used:self._used + n].view(dtype).reshape(shape)
+                self._used += -(-n // _ARENA_ALIGN) * _ARENA_ALIGN
+                return view, None
             return np.empty(shape, dtype), None
         t = self._torch.empty(shape, dtype=_torch_dtypes()[np.dtype(dtype).name], pin_memory=self.pin)
         return t.numpy(), t
@@ -250,6 +274,15 @@ def read_pieces(store, traj_id: str, start: int, stop: int, pieces: Sequence[_Pi
     feats = _check_features(store, sites, features)
     T = stop - start
     alloc = _Alloc(fmt, pin_memory)
+    nbytes = 8 * T  # policy versions
+    for name in sites:
+        site = store.sites[name]
+        lo, hi = feats if feats else (0, site.width)
+        nbytes += (hi - lo) // 8 + (hi - lo) // site.block_size
+    if trace:
+        nbytes += sum(store.array_specs[n].row_nbytes
+                      for n in ("token_ids", "logprobs") + (("experts",) if store.moe_layers else ()))
+    alloc.reserve(T * nbytes + _ARENA_ALIGN * (2 * len(sites) + 4))
     outs: dict[str, tuple[np.ndarray, object, int, int]] = {}  # array -> (numpy view, torch, b0, b1)
     for name in sites:
         site = store.sites[name]
@@ -273,42 +306,41 @@ def read_pieces(store, traj_id: str, start: int, stop: int, pieces: Sequence[_Pi
         for name in ("token_ids", "logprobs") + (("experts",) if store.moe_layers else ()):
             wanted[name] = [(0, name)]
     pv, pv_t = alloc.empty((T,), np.int64)
-    requests: list[tuple] = []
+    targets = ReadTargets()
     for p in pieces:
         r0 = p.row0
         r1 = r0 + (p.stop - p.start)
         dest = p.start - start
         pv[dest:dest + (p.stop - p.start)] = p.policy_version
+
+        def describe(ij, p=p, key=None):
+            return (f"object {store.url}/{key} chunk {tuple(ij)} (trajectory {traj_id!r} tokens "
+                    f"[{p.start}, {p.stop}), log entry {p.seq}, segment {p.segment.path})")
+
         for name, members in wanted.items():
             spec = store.array_specs[name]
             lay = layout(spec, p.segment.rows, p.segment.chunk_rows, p.segment.shard_bytes)
             views = {k: (outs[col][0][dest:dest + (r1 - r0)], outs[col][2], outs[col][3]) for k, col in members}
             if spec.grouped:
-                flats: list[tuple[int, int]] = []
+                flats: list[tuple[int, int]] | None = []
                 for k, col in sorted(members):
                     _, _, b0, b1 = outs[col]
                     f0 = k * lay.n_col + b0 // lay.col_chunk
                     f1 = k * lay.n_col + -(-b1 // lay.col_chunk)
-                    if flats and flats[-1][1] == f0:
-                        flats[-1] = (flats[-1][0], f1)
-                    elif not flats or flats[-1][1] < f0:
-                        flats.append((f0, f1))
-                    else:  # the same site twice (hints/scales share no array, so only on duplicates)
+                    if flats and flats[-1][1] >= f0:
                         flats[-1] = (flats[-1][0], max(flats[-1][1], f1))
+                    else:
+                        flats.append((f0, f1))
             else:
                 flats = None
             for rng, chunks in lay.plan(p.segment.path, r0, r1, flats):
-                requests.append((rng, ReadTargets(lay, chunks, views, r0, r1), lay, views, r0, r1, p))
+                targets.add(rng, lay, chunks, views, r0, r1, functools.partial(describe, key=rng.key))
     try:
-        counts = store.backend.readinto_ranges([(r[0], r[1].buffers) for r in requests])
+        counts = store.backend.readinto_ranges(targets.build())
     except ObjectNotFoundError as e:
         raise IntegrityError(f"committed data of trajectory {traj_id!r} tokens [{start}, {stop}) is missing in "
                              f"{store.url}: {e}") from e
-    for (rng, targets, lay, views, r0, r1, p), nread in zip(requests, counts):
-        def describe(ij, rng=rng, p=p):
-            return (f"object {store.url}/{rng.key} chunk {tuple(ij)} (trajectory {traj_id!r} tokens "
-                    f"[{p.start}, {p.stop}), log entry {p.seq}, segment {p.segment.path})")
-        targets.finish(lay, nread, views, r0, r1, describe)
+    targets.finish(counts)
 
     pos = np.arange(start, stop, dtype=np.int64)
 
