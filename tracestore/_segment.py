@@ -13,6 +13,7 @@ the index says the same). Plain zarr-python reads the same bytes through the ind
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import struct
@@ -54,7 +55,7 @@ class ArraySpec:
     def row_nbytes(self) -> int:
         return int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
 
-    @property
+    @functools.cached_property
     def grouped(self) -> bool:
         return bool(self.members)
 
@@ -76,48 +77,48 @@ class ArrayLayout:
     def name(self) -> str:
         return self.spec.name
 
-    @property
+    @functools.cached_property
     def width(self) -> int:
         """Bytes per site row of a site array (0 for other arrays)."""
         return self.spec.row_shape[1] if self.spec.grouped else 0
 
-    @property
+    @functools.cached_property
     def col_chunk(self) -> int:
         return (self.spec.col_chunk or self.width) if self.spec.grouped else 0
 
-    @property
+    @functools.cached_property
     def n_col(self) -> int:
         return self.width // self.col_chunk if self.spec.grouped else 1
 
-    @property
+    @functools.cached_property
     def inner_shape(self) -> tuple[int, ...]:
         return (1, self.col_chunk) if self.spec.grouped else self.spec.row_shape
 
-    @property
+    @functools.cached_property
     def inner_grid(self) -> tuple[int, ...]:
         return (len(self.spec.members), self.n_col) if self.spec.grouped else (1,) * len(self.spec.row_shape)
 
-    @property
+    @functools.cached_property
     def n_inner(self) -> int:
         return int(np.prod(self.inner_grid, dtype=np.int64))
 
-    @property
+    @functools.cached_property
     def chunk_shape(self) -> tuple[int, ...]:
         return (self.chunk_rows, *self.inner_shape)
 
-    @property
+    @functools.cached_property
     def chunk_nbytes(self) -> int:
         return int(np.prod(self.chunk_shape, dtype=np.int64)) * self.spec.dtype.itemsize
 
-    @property
+    @functools.cached_property
     def stored_chunk_nbytes(self) -> int:
         return self.chunk_nbytes + _CRC
 
-    @property
+    @functools.cached_property
     def chunks_per_shard(self) -> int:
         return self.shard_rows // self.chunk_rows
 
-    @property
+    @functools.cached_property
     def n_shards(self) -> int:
         return math.ceil(self.rows / self.shard_rows)
 
@@ -395,6 +396,7 @@ def choose_chunk_rows(rows: int, target: int) -> int:
     return math.ceil(rows / n)
 
 
+@functools.lru_cache(maxsize=4096)
 def layout(spec: ArraySpec, rows: int, chunk_rows: int, shard_bytes: int) -> ArrayLayout:
     """Shards hold a whole number of inner-chunk rows and at most ``shard_bytes`` (at least one chunk row)."""
     n_chunks = math.ceil(rows / chunk_rows)
