@@ -29,6 +29,7 @@ S3 runs against ``s3_endpoint``, or a moto server this module starts in a subpro
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -50,7 +51,8 @@ import numpy as np
 from .maintenance import info
 from .store import Site, create_store
 
-__all__ = ["BenchConfig", "run_bench", "MotoServer", "DEFAULT_SITES", "DEFAULT_WIDTH"]
+__all__ = ["BenchConfig", "run_bench", "summary_rows", "to_json", "machine_info", "machine_name", "MotoServer",
+           "add_arguments", "config_from_args", "DEFAULT_SITES", "DEFAULT_WIDTH"]
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +90,7 @@ class BenchConfig:
     s3_storage_options: dict | None = None
     s3_trajectories: int | None = None  # None: max(1, trajectories // 4)
     tail_commits: int = 20
+    durable: bool = True  # also measure fsync'd writes and cold (page cache evicted) reads, local
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -256,7 +259,7 @@ def _read_amplification(store, n_traj: int, tokens: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- local
-def _plain_write_local(root: str, objects, buf: memoryview) -> float:
+def _plain_write_local(root: str, objects, buf: memoryview, fsync: bool = False) -> float:
     t0 = time.perf_counter()
     made: set[str] = set()
     for o in objects:
@@ -267,7 +270,26 @@ def _plain_write_local(root: str, objects, buf: memoryview) -> float:
             made.add(d)
         with open(path, "wb") as f:
             f.write(buf[: o.size])
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
     return time.perf_counter() - t0
+
+
+def _evict(root: str) -> bool:
+    """Drop ``root``'s files from the page cache (fsync, then ``POSIX_FADV_DONTNEED``), so that the next read
+    comes from the disk. Only this benchmark's files are touched. False where the platform cannot."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    return True
 
 
 def _plain_read_local(root: str, objects) -> float:
@@ -376,6 +398,50 @@ def _phase(store_url_of: Callable[[int], str], plain_root_of: Callable[[int], st
     return res, last_store
 
 
+def _durable_phase(run_dir: str, cfg: BenchConfig, progress: Progress | None) -> dict:
+    """Local, durable and cold: the store with ``fsync=True`` vs plain files fsync'd one by one; reads after
+    evicting both from the page cache (``POSIX_FADV_DONTNEED``), alternating which side reads first."""
+    tw_store, tw_plain, tr_store, tr_plain = [], [], [], []
+    data = objects = store = None
+    logical = 0
+    evicted = True
+    for r in range(cfg.repeats):
+        if progress:
+            progress("local fsync write", r, cfg.repeats)
+        s_url, p_root = os.path.join(run_dir, f"dstore-{r}"), os.path.join(run_dir, f"dplain-{r}")
+        store = _make_store(s_url, cfg, {"fsync": True})
+        if data is None:
+            data = _Data(store, cfg)
+        logical = cfg.trajectories * cfg.tokens * (store.payload_bytes_per_token + store.trace_bytes_per_token)
+        tw_store.append(_store_write(store, data, cfg.trajectories, cfg))
+        objects = store.backend.list("")
+        buf = np.random.default_rng(cfg.seed + 2).integers(0, 256, max(o.size for o in objects), dtype=np.uint8)
+        tw_plain.append(_plain_write_local(p_root, objects, memoryview(buf), fsync=True))
+        if r > 0:
+            shutil.rmtree(os.path.join(run_dir, f"dstore-{r - 1}"), ignore_errors=True)
+            shutil.rmtree(os.path.join(run_dir, f"dplain-{r - 1}"), ignore_errors=True)
+    assert store is not None and objects is not None
+    s_url, p_root = store.url, os.path.join(run_dir, f"dplain-{cfg.repeats - 1}")
+    for r in range(cfg.repeats):
+        if progress:
+            progress("local cold read", r, cfg.repeats)
+        for side in ((0, 1) if r % 2 == 0 else (1, 0)):
+            evicted = _evict(s_url) and _evict(p_root) and evicted
+            if side == 0:
+                tr_store.append(_store_read(store, cfg.trajectories, cfg.tokens))
+            else:
+                tr_plain.append(_plain_read_local(p_root, objects))
+    store.close()
+    mb = logical / 1e6
+    return {
+        "write_s_store": tw_store, "write_s_plain": tw_plain, "read_s_store": tr_store, "read_s_plain": tr_plain,
+        "write_MBps_store": mb / _median(tw_store), "write_MBps_plain": mb / _median(tw_plain),
+        "read_MBps_store": mb / _median(tr_store), "read_MBps_plain": mb / _median(tr_plain),
+        "write_ratio": _median(tw_plain) / _median(tw_store), "read_ratio": _median(tr_plain) / _median(tr_store),
+        "page_cache_evicted": evicted,
+    }
+
+
 def _bytes_section(store) -> dict:
     d = info(store)
     b = d["bytes"]
@@ -441,6 +507,11 @@ def run_bench(cfg: BenchConfig | None = None, progress: Progress | None = None) 
             "overhead_total": sizes["overhead_total"],
             "write_ratio_local": local["write_ratio"], "read_ratio_local": local["read_ratio"],
         })
+        durable = None
+        if cfg.durable:
+            durable = _durable_phase(run_dir, cfg, progress)
+            result["write_ratio_local_fsync"] = durable["write_ratio"]
+            result["read_ratio_local_cold"] = durable["read_ratio"]
         if progress:
             progress("tail latency", 0, 1)
         tail = _tail_latency(os.path.join(run_dir, "tail"), cfg, None, cfg.tail_commits)
@@ -455,6 +526,7 @@ def run_bench(cfg: BenchConfig | None = None, progress: Progress | None = None) 
             result["read_ratio_s3"] = s3["read_ratio"]
         result["sizes"] = sizes
         result["local"] = local
+        result["local_durable"] = durable
         result["tail"] = tail
         result["s3"] = s3
         result["goals"] = {
@@ -463,6 +535,8 @@ def run_bench(cfg: BenchConfig | None = None, progress: Progress | None = None) 
             "read_ratio_local >= 0.8": local["read_ratio"] >= 0.8,
             "write_ratio_s3 >= 0.8": None if s3 is None else s3["write_ratio"] >= 0.8,
             "read_ratio_s3 >= 0.8": None if s3 is None else s3["read_ratio"] >= 0.8,
+            "write_ratio_local_fsync >= 0.8": None if durable is None else durable["write_ratio"] >= 0.8,
+            "read_ratio_local_cold >= 0.8": None if durable is None else durable["read_ratio"] >= 0.8,
             "tail_latency_s < 1": tail["median"] is not None and tail["median"] < 1.0,
         }
         result["machine"] = machine_info()
@@ -556,6 +630,15 @@ def summary_rows(result: dict) -> list[tuple[str, str, str]]:
         ("read_ratio_local", f(result["read_ratio_local"]), ">= 0.8"),
         ("read amplification (local)", f(loc["read_amplification"]), ""),
     ]
+    dur = result.get("local_durable")
+    if dur:
+        rows += [
+            ("local fsync write MB/s store / plain", f"{dur['write_MBps_store']:.0f} / {dur['write_MBps_plain']:.0f}",
+             ""),
+            ("write_ratio_local_fsync", f(dur["write_ratio"]), ">= 0.8"),
+            ("local cold read MB/s store / plain", f"{dur['read_MBps_store']:.0f} / {dur['read_MBps_plain']:.0f}", ""),
+            ("read_ratio_local_cold", f(dur["read_ratio"]), ">= 0.8"),
+        ]
     if s3:
         rows += [
             ("s3 write MB/s store / plain", f"{s3['write_MBps_store']:.0f} / {s3['write_MBps_plain']:.0f}", ""),
@@ -571,3 +654,45 @@ def summary_rows(result: dict) -> list[tuple[str, str, str]]:
 
 def to_json(result: dict) -> str:
     return json.dumps(result, indent=1, sort_keys=False)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The benchmark's command-line flags (shared by ``tracestore bench`` and ``benchmarks/benchmark_store.py``)."""
+    d = BenchConfig()
+    p.add_argument("--trajectories", type=int, default=d.trajectories, help=f"trajectories (default {d.trajectories})")
+    p.add_argument("--tokens", type=int, default=d.tokens, help=f"tokens per trajectory (default {d.tokens})")
+    p.add_argument("--sites", type=int, default=d.sites, help=f"hinted sites (default {d.sites})")
+    p.add_argument("--width", type=int, default=d.width, help=f"values per site (default {d.width})")
+    p.add_argument("--fp4-format", choices=("nvfp4", "mxfp4"), default=d.fp4_format)
+    p.add_argument("--moe-layers", type=int, default=d.moe_layers,
+                   help=f"MoE layers in the trace (default {d.moe_layers}; 0 = no routed experts)")
+    p.add_argument("--top-k", type=int, default=d.top_k)
+    p.add_argument("--num-experts", type=int, default=d.num_experts)
+    p.add_argument("--write-tokens", type=int, default=d.write_tokens,
+                   help=f"tokens per Writer.write call (default {d.write_tokens})")
+    p.add_argument("--commit-bytes", type=int, default=d.commit_bytes, help="writer commit size (default 64 MiB)")
+    p.add_argument("--chunk-rows", type=int, default=None, help="store layout (default: the store default)")
+    p.add_argument("--shard-bytes", type=int, default=None, help="store layout (default: the store default)")
+    p.add_argument("--repeats", type=int, default=d.repeats, help=f"repeats, median reported (default {d.repeats})")
+    p.add_argument("--url", help="local benchmark directory (default: a temporary directory)")
+    p.add_argument("--s3", action=argparse.BooleanOptionalAction, default=True,
+                   help="also benchmark S3 (default: yes, against a moto server on 127.0.0.1)")
+    p.add_argument("--s3-endpoint", help="S3 endpoint URL (default: start a moto server)")
+    p.add_argument("--s3-bucket", default=d.s3_bucket, help=f"bucket for --s3-endpoint (default {d.s3_bucket})")
+    p.add_argument("--s3-trajectories", type=int, help="trajectories on S3 (default trajectories // 4)")
+    p.add_argument("--durable", action=argparse.BooleanOptionalAction, default=True,
+                   help="also measure fsync'd writes and cold reads locally (default: yes)")
+    p.add_argument("--tail-commits", type=int, default=d.tail_commits,
+                   help=f"commits timed for the tail latency (default {d.tail_commits})")
+    p.add_argument("--out", metavar="FILE", help="save the JSON result here")
+
+
+def config_from_args(args: argparse.Namespace, s3_storage_options: dict | None = None) -> BenchConfig:
+    return BenchConfig(
+        trajectories=args.trajectories, tokens=args.tokens, sites=args.sites, width=args.width,
+        fp4_format=args.fp4_format, moe_layers=args.moe_layers, top_k=args.top_k, num_experts=args.num_experts,
+        write_tokens=args.write_tokens, commit_bytes=args.commit_bytes, chunk_rows=args.chunk_rows,
+        shard_bytes=args.shard_bytes, repeats=args.repeats, url=args.url, s3=args.s3,
+        s3_endpoint=args.s3_endpoint or getattr(args, "endpoint_url", None), s3_bucket=args.s3_bucket,
+        s3_storage_options=s3_storage_options, s3_trajectories=args.s3_trajectories, durable=args.durable,
+        tail_commits=args.tail_commits)

@@ -461,15 +461,10 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------------------- bench
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import BenchConfig, run_bench, summary_rows, to_json
+    from .bench import config_from_args, run_bench, summary_rows, to_json
 
     s3_options = _load_json_arg(args.storage_options, "--storage-options") if args.storage_options else None
-    cfg = BenchConfig(trajectories=args.trajectories, tokens=args.tokens, sites=args.sites, width=args.width,
-                      fp4_format=args.fp4_format, moe_layers=args.moe_layers, top_k=args.top_k,
-                      num_experts=args.num_experts, write_tokens=args.write_tokens, commit_bytes=args.commit_bytes,
-                      chunk_rows=args.chunk_rows, shard_bytes=args.shard_bytes, repeats=args.repeats, url=args.url,
-                      s3=args.s3, s3_endpoint=args.s3_endpoint or args.endpoint_url, s3_storage_options=s3_options,
-                      s3_trajectories=args.s3_trajectories, tail_commits=args.tail_commits)
+    cfg = config_from_args(args, s3_options)
     with _progress(args, "bench") as update:
         result = run_bench(cfg, progress=lambda phase, done, total: update(done, total, phase))
     text = to_json(result)
@@ -591,31 +586,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_gc)
 
-    from .bench import DEFAULT_MOE_LAYERS, DEFAULT_NUM_EXPERTS, DEFAULT_SITES, DEFAULT_TOP_K, DEFAULT_WIDTH
+    from .bench import add_arguments
 
     p = add("bench", "benchmark: bytes/token, write/read throughput vs plain files and plain S3, tail latency",
             "Benchmark the store against plain files (local) and plain s3fs (moto server started on 127.0.0.1 "
-            "unless --s3-endpoint): bytes per token by category, write/read ratios, tail latency. Defaults: the "
-            "Qwen3.5-35B-A3B table (20 sites x 2048 NVFP4 values, 40 MoE layers, top-8 of 256 experts).")
-    p.add_argument("--trajectories", type=int, default=16, help="trajectories (default 16)")
-    p.add_argument("--tokens", type=int, default=2048, help="tokens per trajectory (default 2048)")
-    p.add_argument("--sites", type=int, default=DEFAULT_SITES)
-    p.add_argument("--width", type=int, default=DEFAULT_WIDTH)
-    p.add_argument("--fp4-format", choices=("nvfp4", "mxfp4"), default="nvfp4")
-    p.add_argument("--moe-layers", type=int, default=DEFAULT_MOE_LAYERS, help="0 = no routed-expert trace")
-    p.add_argument("--top-k", type=int, default=DEFAULT_TOP_K)
-    p.add_argument("--num-experts", type=int, default=DEFAULT_NUM_EXPERTS)
-    p.add_argument("--write-tokens", type=int, default=256, help="tokens per write() call (default 256)")
-    p.add_argument("--commit-bytes", type=int, default=64 << 20, help="writer commit size (default 64 MiB)")
-    p.add_argument("--chunk-rows", type=int, default=None, help="store layout (default: store default)")
-    p.add_argument("--shard-bytes", type=int, default=None, help="store layout (default: store default)")
-    p.add_argument("--repeats", type=int, default=3, help="repeats per measurement (median; default 3)")
-    p.add_argument("--url", help="local benchmark directory (default: a temporary directory)")
-    p.add_argument("--s3", action=argparse.BooleanOptionalAction, default=True, help="also benchmark S3")
-    p.add_argument("--s3-endpoint", help="S3 endpoint (default: start a moto server)")
-    p.add_argument("--s3-trajectories", type=int, help="trajectories for S3 (default trajectories // 4)")
-    p.add_argument("--tail-commits", type=int, default=20, help="commits timed for tail latency (default 20)")
-    p.add_argument("--out", metavar="FILE", help="also save the JSON result here")
+            "unless --s3-endpoint): bytes per token by category, write/read ratios (page cache; fsync'd / cold), "
+            "tail latency. Defaults: the Qwen3.5-35B-A3B table (20 sites x 2048 NVFP4 values, 40 MoE layers, "
+            "top-8 of 256 experts). --storage-options apply to --s3-endpoint.")
+    add_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_bench)
     return parser
