@@ -36,8 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels  # noqa: E402
 from kernels import reference as ref  # noqa: E402
 
-CONFIGS = [(128, 4), (256, 4), (256, 8), (512, 4), (512, 8), (1024, 4), (1024, 8), (2048, 8)]
-SMOKE_CONFIGS = [(64, 2), (128, 4)]
+# (blocks per program, num_warps, split layout); the backward kernel has the split layout only
+CONFIGS = [(128, 4, False), (256, 4, False), (256, 8, False), (512, 8, False), (256, 4, True), (512, 8, True),
+           (1024, 8, True)]
+SMOKE_CONFIGS = [(64, 2, False), (64, 2, True)]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -181,12 +183,15 @@ def run_size(hidden, rows, dtype, device, cuda, configs, do_compile, log):
     for op, fn in ops.items():
         sweep[op] = {}
         for c in configs:
+            if op == "fake_quant_bwd" and not c[2]:
+                continue
+            name = f"BN{c[0]}_w{c[1]}_{'split' if c[2] else 'block'}"
             try:
                 t = timer(lambda: fn(c), w_fast, it_fast, cuda)
             except Exception as e:  # a config that does not compile or launch is recorded, not fatal
-                res.setdefault("config_errors", {})[f"{op}_BN{c[0]}_w{c[1]}"] = repr(e)[:300]
+                res.setdefault("config_errors", {})[f"{op}_{name}"] = repr(e)[:300]
                 continue
-            sweep[op][f"BN{c[0]}_w{c[1]}"] = nbytes[op] / t / 1e6
+            sweep[op][name] = nbytes[op] / t / 1e6
         best = max(sweep[op], key=sweep[op].get)
         ms[op] = nbytes[op] / sweep[op][best] / 1e6
         res.setdefault("best_config", {})[op] = best

@@ -40,24 +40,30 @@ __all__ = ["quantize_blocks_triton", "fake_quantize_blocks_triton", "fake_quanti
 
 #: default launch configuration per kernel: (blocks per program BN, num_warps); tuned on an H200 by
 #: benchmarks/benchmark_kernels.py (see benchmarks/results/kernels-h200.json)
-CONFIG: dict[str, tuple[int, int]] = {"quantize": (256, 4), "fake_quant": (256, 4), "fake_quant_bwd": (256, 4)}
+CONFIG: dict[str, tuple[int, int, bool]] = {
+    "quantize": (256, 4, False),
+    "fake_quant": (256, 4, False),
+    "fake_quant_bwd": (512, 8, True),
+}
 
 
 @triton.jit
-def _e4m3_scale_byte(amax, g):
-    """E4M3 byte (int32) of e4m3_rne(clamp((amax / 6) / g, 2^-9, 448)); see reference.e4m3_encode."""
+def _nv_scale(amax, g):
+    """(E4M3 byte as int32, its fp32 value s) of e4m3_rne(clamp((amax / 6) / g, 2^-9, 448)).
+
+    Normal range (t >= 2^-6): RNE of the fp32 bits to 3 mantissa bits; the rounded bits are s, and the byte is
+    (bits >> 20) - (120 << 3). Subnormal range: t + 2^14 rounds t to the 2^-9 grid (ulp(2^14) = 2^-9) with the
+    adder's round-to-nearest-even; the bit difference to 2^14 is the byte m and (t + 2^14) - 2^14 is s (exact).
+    Same values as reference.e4m3_encode/e4m3_decode (tested)."""
     t = tl.math.div_rn(tl.math.div_rn(amax, 6.0), g)
     t = tl.minimum(tl.maximum(t, 0.001953125), 448.0)
     bits = t.to(tl.int32, bitcast=True)
-    lsb = (bits >> 20) & 1
-    rb = (bits + 0x7FFFF + lsb) & -1048576  # RNE to 3 mantissa bits (-1048576 == ~0xFFFFF)
-    normal_byte = ((((rb >> 23) & 0xFF) - 120) << 3) | ((rb >> 20) & 7)
-    q = t * 512.0  # exact
-    q_floor = q.to(tl.int32)
-    frac = q - q_floor.to(tl.float32)  # exact
-    up = (frac > 0.5) | ((frac == 0.5) & ((q_floor & 1) == 1))
-    sub_byte = q_floor + up.to(tl.int32)
-    return tl.where(t >= 0.015625, normal_byte, sub_byte)
+    rb = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # -1048576 == ~0xFFFFF
+    ts = t + 16384.0
+    normal = t >= 0.015625
+    sbyte = tl.where(normal, (rb >> 20) - 960, ts.to(tl.int32, bitcast=True) - 0x46800000)
+    s = tl.where(normal, rb.to(tl.float32, bitcast=True), ts - 16384.0)
+    return sbyte, s
 
 
 @triton.jit
@@ -102,17 +108,24 @@ def _mx_exponent(amax, RCEIL: tl.constexpr):
 
 
 @triton.jit
-def _scale_byte_from_amax(amax, g_ptr, IS_NV: tl.constexpr, RCEIL: tl.constexpr):
+def _own_scale(amax, g_ptr, IS_NV: tl.constexpr, RCEIL: tl.constexpr):
+    """(scale byte int32, s, r, g) from the block amax (fp32): v = x * r."""
     if IS_NV:
-        sbyte = _e4m3_scale_byte(amax, tl.load(g_ptr))
+        g = tl.load(g_ptr)
+        sbyte, s = _nv_scale(amax, g)
+        r = tl.math.div_rn(tl.math.div_rn(1.0, g), s)
     else:
-        sbyte = _mx_exponent(amax, RCEIL) + 127
-    return sbyte
+        g = 1.0
+        e = _mx_exponent(amax, RCEIL)
+        sbyte = e + 127
+        s = _pow2(e)
+        r = _pow2(-e)
+    return sbyte, s, r, g
 
 
 @triton.jit
 def _scale_factor(sbyte, g_ptr, IS_NV: tl.constexpr):
-    """(s, r, g) from scale bytes (int32 [BN]): s decoded scale, r with v = x * r, g global scale (1 for MX)."""
+    """(s, r, g) from given scale bytes (int32): s decoded scale, r with v = x * r, g global scale (1 for MX)."""
     if IS_NV:
         g = tl.load(g_ptr)
         s = _e4m3_decode(sbyte)
@@ -126,31 +139,10 @@ def _scale_factor(sbyte, g_ptr, IS_NV: tl.constexpr):
 
 
 @triton.jit
-def _tile_offsets(blk, G: tl.constexpr):
-    """(group index [BN, G], element offsets [BN, G, 8]) of the BN blocks `blk` (G groups of 8 values each)."""
-    gidx = blk[:, None] * G + tl.arange(0, G)[None, :]
-    return gidx, gidx[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
-
-
-@triton.jit
-def _amax_tile(x_in):
-    """max |x| over the finite values of each block of a [BN, G, 8] tile (in the input dtype: exact)."""
-    ax = tl.abs(x_in)
-    return tl.max(tl.max(tl.where(ax < float("inf"), ax, 0.0), axis=2), axis=1)
-
-
-@triton.jit
-def _abs_bits_clamped(v):
-    """fp32 bits of min(|v|, 6) as int32; NaN -> 6."""
-    return tl.minimum(v.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0x40C00000)
-
-
-@triton.jit
 def _rne_code(x, r3):
     """Codes (int32, sign included) of fp32 x with factors r3 broadcast to x: RNE on the ladder, ties to the
     even code, saturating at 6; NaN -> magnitude 7; the sign bit is x's (NaN included)."""
-    v = x * r3
-    b = _abs_bits_clamped(v)
+    b = tl.minimum((tl.abs(x) * r3).to(tl.int32, bitcast=True), 0x40C00000)  # |v| = |x| * r, clamped; NaN -> 6
     rb = b + 0x1FFFFF + ((b >> 22) & 1)  # RNE of a in [1, 6] to one mantissa bit
     c_norm = (rb >> 22) - 252
     a = b.to(tl.float32, bitcast=True)
@@ -173,13 +165,17 @@ def _pack_groups(code):
 
 
 @triton.jit
-def _hint_magnitude(v, hint):
-    """Hint-guided magnitude index (int32): k = #{ladder <= min(|v|, 6)}; k + ((k ^ hint) & 1)."""
-    b = _abs_bits_clamped(v)
-    k_norm = tl.minimum((b >> 22) - 252, 6)  # a in [1, 6]: floor onto the ladder
-    k_sub = (b >= 0x3F000000).to(tl.int32)  # a < 1: 0.5 <= a
-    k = tl.where(b < 0x3F800000, k_sub, k_norm)
-    return k + ((k ^ hint) & 1)
+def _hint_value_bits(v, hint):
+    """fp32 bits of E2M1[idx] for hint-guided rounding of v (hint: only bit 0 is used).
+
+    With a = min(|v|, 6) and b its bits clamped below 6 (so a = 6 counts like [4, 6)): for a >= 1,
+    k + 252 = b >> 22, so idx + 252 = (b >> 22) + ((k ^ hint) & 1) and the value bits are (idx + 252) << 22.
+    For a < 1: k = (a >= 0.5); idx = hint ? 1 : 2k, i.e. 0.5 if the hint is 1, else 0 or 1."""
+    b = tl.minimum(v.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0x40BFFFFF)  # |v|, NaN -> just below 6
+    hb = hint & 1
+    hi = (b & -4194304) + ((((b >> 22) ^ hb) & 1) << 22)  # -4194304 == 0xFFC00000
+    lo = tl.where(hb == 1, 0x3F000000, tl.where(b >= 0x3F000000, 0x3F800000, 0))
+    return tl.where(b >= 0x3F800000, hi, lo)
 
 
 @triton.jit
@@ -209,33 +205,84 @@ def _blocks(NB, BN: tl.constexpr, BIG: tl.constexpr):
 
 
 @triton.jit
+def _offsets8(blk, j: tl.constexpr, G: tl.constexpr):
+    """Element offsets [BN, 8] of the j-th group of 8 values of each block (one thread per block layout)."""
+    return (blk * G + j)[:, None] * 8 + tl.arange(0, 8)[None, :]
+
+
+@triton.jit
+def _amax8(x_in):
+    ax = tl.abs(x_in)
+    return tl.max(tl.where(ax < float("inf"), ax, 0.0), axis=1)
+
+
+@triton.jit
+def _word8(code):
+    """(32-bit word of the 8 codes of each row of [BN, 8], hint byte) as int32 [BN]."""
+    word = tl.sum(code << (tl.arange(0, 8)[None, :] * 4), axis=1)  # disjoint nibbles: sum == or
+    t = word & 0x11111111  # gather bits 0, 4, ..., 28 into bits 0..7
+    t = (t | (t >> 3)) & 0x03030303
+    t = (t | (t >> 6)) & 0x000F000F
+    t = (t | (t >> 12)) & 0xFF
+    return word, t
+
+
+@triton.jit
 def _quantize_kernel(
     x_ptr, codes_ptr, scales_ptr, hints_ptr, g_ptr, NB,
     G: tl.constexpr, BN: tl.constexpr, IS_NV: tl.constexpr, RCEIL: tl.constexpr, EMIT_HINTS: tl.constexpr,
-    BIG: tl.constexpr,
+    BIG: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    # codes_ptr: int32 view of the codes (one word per group of 8 values); hints_ptr: uint8, one byte per group
     blk, bmask = _blocks(NB, BN, BIG)
-    gidx = blk[:, None] * G + tl.arange(0, G)[None, :]  # [BN, G] group index
-    offs = blk[:, None] * (8 * G) + tl.arange(0, 8 * G)[None, :]  # [BN, B]: 16-byte pieces to adjacent threads
-    x_in = tl.load(x_ptr + offs, mask=bmask[:, None], other=0.0)
-    ax = tl.abs(x_in)
-    amax = tl.max(tl.where(ax < float("inf"), ax, 0.0), axis=1)  # finite values only, exact in x's dtype
-    sbyte = _scale_byte_from_amax(amax.to(tl.float32), g_ptr, IS_NV, RCEIL)  # [BN]
-    _, r, _ = _scale_factor(sbyte, g_ptr, IS_NV)
-    code = tl.reshape(_rne_code(x_in.to(tl.float32), r[:, None]), (BN, G, 8))
-    word, hbyte = _pack_groups(code)  # [BN, G] each
-    # One code word and one hint byte per thread, adjacent threads holding adjacent groups: that is already
-    # coalesced, so store flat with contiguity 1; a vectorized store would go through shared memory.
-    flat = tl.max_contiguous(tl.reshape(gidx, (BN * G,)), 1)
-    fmask = tl.reshape(gidx < NB * G, (BN * G,))
-    tl.store(codes_ptr + flat, tl.reshape(word, (BN * G,)), mask=fmask)
-    # the scale byte is written by the thread that holds the block's first group
-    first = tl.reshape((gidx % G == 0) & (gidx < NB * G), (BN * G,))
-    sflat = tl.reshape(sbyte[:, None] + tl.zeros_like(gidx), (BN * G,))
-    tl.store(scales_ptr + flat // G, sflat.to(tl.uint8), mask=first)
-    if EMIT_HINTS:
-        tl.store(hints_ptr + flat, tl.reshape(hbyte, (BN * G,)).to(tl.uint8), mask=fmask)
+    if SPLIT:
+        # [BN, B] tile: 16-byte pieces to adjacent threads (coalesced), a block shared by G threads.
+        # codes_ptr: int32 view (one word per group); hints_ptr: uint8 (one byte per group)
+        gidx = blk[:, None] * G + tl.arange(0, G)[None, :]  # [BN, G] group index
+        offs = blk[:, None] * (8 * G) + tl.arange(0, 8 * G)[None, :]  # [BN, B]
+        x_in = tl.load(x_ptr + offs, mask=bmask[:, None], other=0.0)
+        ax = tl.abs(x_in)
+        amax = tl.max(tl.where(ax < float("inf"), ax, 0.0), axis=1)  # finite values only, exact in x's dtype
+        sbyte, _, r, _ = _own_scale(amax.to(tl.float32), g_ptr, IS_NV, RCEIL)  # [BN]
+        code = tl.reshape(_rne_code(x_in.to(tl.float32), r[:, None]), (BN, G, 8))
+        word, hbyte = _pack_groups(code)  # [BN, G] each
+        # One code word and one hint byte per thread, adjacent threads holding adjacent groups: already
+        # coalesced, so store flat with contiguity 1; a vectorized store would go through shared memory.
+        flat = tl.max_contiguous(tl.reshape(gidx, (BN * G,)), 1)
+        fmask = tl.reshape(gidx < NB * G, (BN * G,))
+        tl.store(codes_ptr + flat, tl.reshape(word, (BN * G,)), mask=fmask)
+        first = tl.reshape((gidx % G == 0) & (gidx < NB * G), (BN * G,))  # the thread with the first group
+        sflat = tl.reshape(sbyte[:, None] + tl.zeros_like(gidx), (BN * G,))
+        tl.store(scales_ptr + flat // G, sflat.to(tl.uint8), mask=first)
+        if EMIT_HINTS:
+            tl.store(hints_ptr + flat, tl.reshape(hbyte, (BN * G,)).to(tl.uint8), mask=fmask)
+    else:
+        # One thread per block: G tiles [BN, 8] of identical layout. codes_ptr: int64 view (G/2 words per
+        # block); hints_ptr: int16 (G = 2) or int32 (G = 4) view, one element per block.
+        m2 = bmask[:, None]
+        x0_in = tl.load(x_ptr + _offsets8(blk, 0, G), mask=m2, other=0.0)
+        x1_in = tl.load(x_ptr + _offsets8(blk, 1, G), mask=m2, other=0.0)
+        amax = tl.maximum(_amax8(x0_in), _amax8(x1_in))
+        if G == 4:
+            x2_in = tl.load(x_ptr + _offsets8(blk, 2, G), mask=m2, other=0.0)
+            x3_in = tl.load(x_ptr + _offsets8(blk, 3, G), mask=m2, other=0.0)
+            amax = tl.maximum(amax, tl.maximum(_amax8(x2_in), _amax8(x3_in)))
+        sbyte, _, r, _ = _own_scale(amax.to(tl.float32), g_ptr, IS_NV, RCEIL)  # [BN]
+        w0, h0 = _word8(_rne_code(x0_in.to(tl.float32), r[:, None]))
+        w1, h1 = _word8(_rne_code(x1_in.to(tl.float32), r[:, None]))
+        words01 = w0.to(tl.uint32, bitcast=True).to(tl.int64) | (w1.to(tl.int64) << 32)
+        tl.store(scales_ptr + blk, sbyte.to(tl.uint8), mask=bmask)
+        if G == 2:
+            tl.store(codes_ptr + blk, words01, mask=bmask)
+            if EMIT_HINTS:
+                tl.store(hints_ptr + blk, (h0 | (h1 << 8)).to(tl.int16), mask=bmask)
+        else:
+            w2, h2 = _word8(_rne_code(x2_in.to(tl.float32), r[:, None]))
+            w3, h3 = _word8(_rne_code(x3_in.to(tl.float32), r[:, None]))
+            words23 = w2.to(tl.uint32, bitcast=True).to(tl.int64) | (w3.to(tl.int64) << 32)
+            tl.store(codes_ptr + 2 * blk, words01, mask=bmask)
+            tl.store(codes_ptr + 2 * blk + 1, words23, mask=bmask)
+            if EMIT_HINTS:
+                tl.store(hints_ptr + blk, h0 | (h1 << 8) | (h2 << 16) | (h3 << 24), mask=bmask)
 
 
 @triton.jit
@@ -253,42 +300,86 @@ def _per_group(ptr, blk, G: tl.constexpr, BN: tl.constexpr, NB, PER_BLOCK: tl.co
 
 
 @triton.jit
+def _fq_values(x_in, s, r, g, hint, HAS_HINTS: tl.constexpr, MANUAL_BF16: tl.constexpr):
+    """Fake-quantized values of a tile x_in (any shape) with s, r broadcast to it; hint: hint bits (bit 0)."""
+    x = x_in.to(tl.float32)
+    if HAS_HINTS:
+        vbits = _hint_value_bits(tl.abs(x) * r, hint)
+    else:
+        vbits = _e2m1_bits(_rne_code(x, r) & 7)
+    out = (vbits.to(tl.float32, bitcast=True) * s) * g
+    out = (out.to(tl.int32, bitcast=True) ^ (x.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32, bitcast=True)
+    out = tl.where(x != x, x, out)  # NaN propagates
+    if MANUAL_BF16:
+        return _to_bf16_rne(out)
+    else:
+        return out.to(x_in.dtype)
+
+
+@triton.jit
 def _fake_quant_kernel(
     x_ptr, out_ptr, scales_ptr, hints_ptr, g_ptr, scales_out_ptr, NB,
     G: tl.constexpr, BN: tl.constexpr, IS_NV: tl.constexpr, RCEIL: tl.constexpr,
     HAS_SCALES: tl.constexpr, HAS_HINTS: tl.constexpr, STORE_SCALES: tl.constexpr, MANUAL_BF16: tl.constexpr,
-    BIG: tl.constexpr,
+    BIG: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    # x is loaded as [BN, B] (16-byte pieces to adjacent threads: coalesced) and viewed as [BN, G, 8]; per-block
-    # values (scale, factor) are computed per group [BN, G] by the thread that holds the group.
     blk, bmask = _blocks(NB, BN, BIG)
-    offs = blk[:, None] * (8 * G) + tl.arange(0, 8 * G)[None, :]  # [BN, B]
-    x_in = tl.load(x_ptr + offs, mask=bmask[:, None], other=0.0)
-    x3_in = tl.reshape(x_in, (BN, G, 8))
-    x = x3_in.to(tl.float32)
-    if HAS_SCALES:
-        sbyte = _per_group(scales_ptr, blk, G, BN, NB, True)  # [BN, G]
+    lane = tl.arange(0, 8)
+    if SPLIT:
+        # x loaded as [BN, B] (coalesced) and viewed as [BN, G, 8]; per-block values are computed per group
+        # [BN, G] by the thread that holds the group. hints_ptr: uint8, one byte per group.
+        offs = blk[:, None] * (8 * G) + tl.arange(0, 8 * G)[None, :]  # [BN, B]
+        x_in = tl.load(x_ptr + offs, mask=bmask[:, None], other=0.0)
+        x3_in = tl.reshape(x_in, (BN, G, 8))
+        if HAS_SCALES:
+            s, r, g = _scale_factor(_per_group(scales_ptr, blk, G, BN, NB, True), g_ptr, IS_NV)  # [BN, G]
+        else:
+            ax = tl.abs(x3_in)
+            amax = tl.max(tl.max(tl.where(ax < float("inf"), ax, 0.0), axis=2), axis=1)  # [BN]
+            sb, s1, r1, g = _own_scale(amax.to(tl.float32), g_ptr, IS_NV, RCEIL)
+            if STORE_SCALES:
+                tl.store(scales_out_ptr + blk, sb.to(tl.uint8), mask=bmask)
+            zeros = tl.zeros((BN, G), dtype=tl.float32)
+            s = s1[:, None] + zeros
+            r = r1[:, None] + zeros
+        if HAS_HINTS:
+            hint = _per_group(hints_ptr, blk, G, BN, NB, False)[:, :, None] >> lane[None, None, :]
+        else:
+            hint = 0
+        out = _fq_values(x3_in, s[:, :, None], r[:, :, None], g, hint, HAS_HINTS, MANUAL_BF16)
+        tl.store(out_ptr + offs, tl.reshape(out, (BN, 8 * G)), mask=bmask[:, None])
     else:
-        ax = tl.abs(x3_in)
-        amax = tl.max(tl.max(tl.where(ax < float("inf"), ax, 0.0), axis=2), axis=1)  # [BN]
-        sb = _scale_byte_from_amax(amax.to(tl.float32), g_ptr, IS_NV, RCEIL)
-        if STORE_SCALES:
-            tl.store(scales_out_ptr + blk, sb.to(tl.uint8), mask=bmask)
-        sbyte = sb[:, None] + tl.zeros((BN, G), dtype=tl.int32)
-    s, r, g = _scale_factor(sbyte, g_ptr, IS_NV)  # [BN, G]
-    if HAS_HINTS:
-        hint = _per_group(hints_ptr, blk, G, BN, NB, False)[:, :, None] >> tl.arange(0, 8)[None, None, :]
-        mag = _hint_magnitude(x * r[:, :, None], hint)  # only bit 0 of hint is used
-    else:
-        mag = _rne_code(x, r[:, :, None]) & 7
-    out = (_e2m1_bits(mag).to(tl.float32, bitcast=True) * s[:, :, None]) * g
-    out = (out.to(tl.int32, bitcast=True) ^ (x.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32, bitcast=True)
-    out = tl.where(x != x, x, out)  # NaN propagates
-    if MANUAL_BF16:
-        out_lp = _to_bf16_rne(out)
-    else:
-        out_lp = out.to(x_in.dtype)
-    tl.store(out_ptr + offs, tl.reshape(out_lp, (BN, 8 * G)), mask=bmask[:, None])
+        # One thread per block: G tiles [BN, 8]. hints_ptr: int16 (G = 2) / int32 (G = 4) view, one per block.
+        m2 = bmask[:, None]
+        o0 = _offsets8(blk, 0, G)
+        o1 = _offsets8(blk, 1, G)
+        x0_in = tl.load(x_ptr + o0, mask=m2, other=0.0)
+        x1_in = tl.load(x_ptr + o1, mask=m2, other=0.0)
+        if G == 4:
+            o2 = _offsets8(blk, 2, G)
+            o3 = _offsets8(blk, 3, G)
+            x2_in = tl.load(x_ptr + o2, mask=m2, other=0.0)
+            x3_in = tl.load(x_ptr + o3, mask=m2, other=0.0)
+        if HAS_SCALES:
+            s, r, g = _scale_factor(tl.load(scales_ptr + blk, mask=bmask, other=0).to(tl.int32), g_ptr, IS_NV)
+        else:
+            amax = tl.maximum(_amax8(x0_in), _amax8(x1_in))
+            if G == 4:
+                amax = tl.maximum(amax, tl.maximum(_amax8(x2_in), _amax8(x3_in)))
+            sb, s, r, g = _own_scale(amax.to(tl.float32), g_ptr, IS_NV, RCEIL)
+            if STORE_SCALES:
+                tl.store(scales_out_ptr + blk, sb.to(tl.uint8), mask=bmask)
+        if HAS_HINTS:
+            hb = tl.load(hints_ptr + blk, mask=bmask, other=0).to(tl.int32)  # [BN]: G hint bytes
+        else:
+            hb = tl.zeros_like(blk).to(tl.int32)
+        s2 = s[:, None]
+        r2 = r[:, None]
+        tl.store(out_ptr + o0, _fq_values(x0_in, s2, r2, g, hb[:, None] >> lane[None, :], HAS_HINTS, MANUAL_BF16), mask=m2)
+        tl.store(out_ptr + o1, _fq_values(x1_in, s2, r2, g, hb[:, None] >> (lane[None, :] + 8), HAS_HINTS, MANUAL_BF16), mask=m2)
+        if G == 4:
+            tl.store(out_ptr + o2, _fq_values(x2_in, s2, r2, g, hb[:, None] >> (lane[None, :] + 16), HAS_HINTS, MANUAL_BF16), mask=m2)
+            tl.store(out_ptr + o3, _fq_values(x3_in, s2, r2, g, hb[:, None] >> (lane[None, :] + 24), HAS_HINTS, MANUAL_BF16), mask=m2)
 
 
 @triton.jit
@@ -296,6 +387,7 @@ def _fake_quant_bwd_kernel(
     grad_ptr, x_ptr, scales_ptr, g_ptr, out_ptr, NB,
     G: tl.constexpr, BN: tl.constexpr, IS_NV: tl.constexpr, BIG: tl.constexpr,
 ):
+    # coalesced [BN, B] tiles viewed as [BN, G, 8]; the per-block factor is computed per group
     blk, bmask = _blocks(NB, BN, BIG)
     offs = blk[:, None] * (8 * G) + tl.arange(0, 8 * G)[None, :]  # [BN, B]
     m2 = bmask[:, None]
@@ -313,12 +405,19 @@ def _g_arg(g: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     return g.to(device=device, dtype=torch.float32).contiguous()
 
 
-def _cfg(name: str, config: tuple[int, int] | None) -> tuple[int, int]:
-    return config if config is not None else CONFIG[name]
+def _cfg(name: str, config: tuple | None) -> tuple[int, int, bool]:
+    """(blocks per program, num_warps, split layout) of a kernel launch."""
+    bn, warps, *rest = config if config is not None else CONFIG[name]
+    return bn, warps, bool(rest[0]) if rest else True
 
 
 def _big(t: torch.Tensor) -> bool:
     return t.numel() >= 2**31 - 2**20
+
+
+def _per_block_view(t: torch.Tensor, nbytes_per_block: int) -> torch.Tensor:
+    """View a contiguous uint8 tensor of `nbytes_per_block` (2 or 4) bytes per block as one int per block."""
+    return t.view({2: torch.int16, 4: torch.int32}[nbytes_per_block])
 
 
 def _interpreting() -> bool:
@@ -327,10 +426,10 @@ def _interpreting() -> bool:
 
 def quantize_blocks_triton(
     xb: torch.Tensor, fmt: str, g: torch.Tensor | None, scale_rule: str = "floor", emit_hints: bool = True,
-    config: tuple[int, int] | None = None,
+    config: tuple | None = None,
 ):
     """Triton twin of `reference.quantize_blocks_ref`: xb [NB, B] -> (codes [NB, B/2], scales [NB],
-    hints [NB, B/8] or None)."""
+    hints [NB, B/8] or None). config: (blocks per program, num_warps, split layout) or None for CONFIG."""
     xb = xb.contiguous()
     nb, b = xb.shape
     dev = xb.device
@@ -338,11 +437,16 @@ def quantize_blocks_triton(
     scales = torch.empty((nb,), dtype=torch.uint8, device=dev)
     hints = torch.empty((nb, b // 8), dtype=torch.uint8, device=dev) if emit_hints else None
     if nb:
-        bn, warps = _cfg("quantize", config)
+        bn, warps, split = _cfg("quantize", config)
+        if split:
+            codes_arg, hints_arg = codes.view(torch.int32), hints if emit_hints else scales
+        else:
+            codes_arg = codes.view(torch.int64)
+            hints_arg = _per_block_view(hints, b // 8) if emit_hints else scales
         _quantize_kernel[(triton.cdiv(nb, bn),)](
-            xb, codes.view(torch.int32), scales, hints if emit_hints else scales, _g_arg(g, dev), nb,
+            xb, codes_arg, scales, hints_arg, _g_arg(g, dev), nb,
             G=b // 8, BN=bn, IS_NV=fmt == "nvfp4", RCEIL=scale_rule == "rceil", EMIT_HINTS=emit_hints,
-            BIG=_big(xb), num_warps=warps,
+            BIG=_big(xb), SPLIT=split, num_warps=warps,
         )
     return codes, scales, hints
 
@@ -350,7 +454,7 @@ def quantize_blocks_triton(
 def fake_quantize_blocks_triton(
     xb: torch.Tensor, fmt: str, g: torch.Tensor | None, scales_u8: torch.Tensor | None,
     hints_packed: torch.Tensor | None, scale_rule: str = "floor", return_scales: bool = False,
-    config: tuple[int, int] | None = None,
+    config: tuple | None = None,
 ):
     """Triton twin of `reference.fake_quantize_blocks_ref` with packed hints [NB, B/8].
     Returns (out [NB, B], scale bytes [NB] used, or None when own scales were not asked for)."""
@@ -362,9 +466,13 @@ def fake_quantize_blocks_triton(
     store_scales = (not has_scales) and return_scales
     scales_out = torch.empty((nb,), dtype=torch.uint8, device=dev) if store_scales else None
     if nb:
-        bn, warps = _cfg("fake_quant", config)
-        dummy = torch.empty((1,), dtype=torch.uint8, device=dev)
-        hints_arg = hints_packed.contiguous() if hints_packed is not None else dummy
+        bn, warps, split = _cfg("fake_quant", config)
+        dummy = torch.empty((1,), dtype=torch.int32, device=dev)
+        hints_arg = dummy
+        if hints_packed is not None:
+            hints_arg = hints_packed.contiguous().reshape(nb, b // 8)
+            if not split:
+                hints_arg = _per_block_view(hints_arg, b // 8)
         _fake_quant_kernel[(triton.cdiv(nb, bn),)](
             xb, out,
             scales_u8.contiguous() if has_scales else dummy,
@@ -373,14 +481,15 @@ def fake_quantize_blocks_triton(
             scales_out if store_scales else dummy,
             nb, G=b // 8, BN=bn, IS_NV=fmt == "nvfp4", RCEIL=scale_rule == "rceil",
             HAS_SCALES=has_scales, HAS_HINTS=hints_packed is not None, STORE_SCALES=store_scales,
-            MANUAL_BF16=xb.dtype == torch.bfloat16 and _interpreting(), BIG=_big(xb), num_warps=warps,
+            MANUAL_BF16=xb.dtype == torch.bfloat16 and _interpreting(), BIG=_big(xb), SPLIT=split,
+            num_warps=warps,
         )
     return out, (scales_u8 if has_scales else scales_out)
 
 
 def fake_quantize_bwd_blocks_triton(
     grad_b: torch.Tensor, xb: torch.Tensor, fmt: str, g: torch.Tensor | None, scales_u8: torch.Tensor,
-    config: tuple[int, int] | None = None,
+    config: tuple | None = None,
 ) -> torch.Tensor:
     """Triton twin of `reference.fake_quantize_bwd_blocks_ref` (clipped straight-through gradient)."""
     grad_b = grad_b.contiguous()
@@ -388,7 +497,7 @@ def fake_quantize_bwd_blocks_triton(
     nb, b = xb.shape
     out = torch.empty_like(grad_b)
     if nb:
-        bn, warps = _cfg("fake_quant_bwd", config)
+        bn, warps, _ = _cfg("fake_quant_bwd", config)
         _fake_quant_bwd_kernel[(triton.cdiv(nb, bn),)](
             grad_b, xb, scales_u8.contiguous(), _g_arg(g, xb.device), out, nb,
             G=b // 8, BN=bn, IS_NV=fmt == "nvfp4", BIG=_big(xb), num_warps=warps,

@@ -521,3 +521,32 @@ def test_dequantize_equals_round_to_nearest_fake_quantize(fmt):
     d = kernels.dequantize(q.codes, q.scales, fmt=fmt, global_scale=q.global_scale, dtype=torch.bfloat16)
     finite = torch.isfinite(x)
     assert_bits_equal(d[finite], y[finite])
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="no triton")
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("split", [False, True])
+def test_triton_layout_variants_match_reference(split, fmt):
+    # both tile layouts (one thread per block / coalesced, a block shared by threads) and a ragged last program
+    from kernels import triton_kernels as tk
+
+    b = BLOCK[fmt]
+    x = _random_x(13, 4 * b, torch.bfloat16, seed=21)
+    xb = x.reshape(-1, b)
+    g = ref.global_scale_ref(x) if fmt == "nvfp4" else None
+    cfg = (32, 1, split)
+    want = ref.quantize_blocks_ref(xb, fmt, g)
+    got = tk.quantize_blocks_triton(xb, fmt, g, config=cfg)
+    for a, w in zip(got, want):
+        assert_bits_equal(a, w)
+    got_nh = tk.quantize_blocks_triton(xb, fmt, g, emit_hints=False, config=cfg)
+    assert got_nh[2] is None
+    assert_bits_equal(got_nh[0], want[0])
+    xn = _noisy(x, 0.02, seed=22).reshape(-1, b)
+    for scales, hints in ((want[1], want[2]), (want[1], None), (None, None)):
+        yr = ref.fake_quantize_blocks_ref(xn, fmt, g, scales, None if hints is None else kernels.unpack_hints(hints))
+        yt, _ = tk.fake_quantize_blocks_triton(xn, fmt, g, scales, hints, config=cfg)
+        assert_bits_equal(yt, yr)
+    grad = torch.randn(xn.shape).to(torch.bfloat16).to(xn.device)
+    assert_bits_equal(tk.fake_quantize_bwd_blocks_triton(grad, xn, fmt, g, want[1], config=cfg),
+                      ref.fake_quantize_bwd_blocks_ref(grad, xn, fmt, g, want[1]))
