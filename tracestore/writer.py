@@ -9,9 +9,11 @@ Life of a write::
                          against every entry < N; on a lost race read entry N and try N+1
 
 A record becomes visible exactly when its log entry exists. A writer killed before step 2 leaves an unreferenced
-segment (invisible; ``collect_garbage`` removes it); one killed after step 2 has committed. Memory: the buffer
-holds at most ``min(commit_bytes, max_buffer_bytes)`` bytes of rows (plus one row piece); encoding a segment
-needs about as much again.
+segment (invisible; ``collect_garbage`` removes it); one killed after step 2 has committed.
+
+Flushes run on a background thread while the caller keeps writing into a second buffer (generation does not
+stall on storage); each buffer holds ``min(commit_bytes, max_buffer_bytes / 2)`` bytes of rows, so buffered
+rows never exceed ``max_buffer_bytes``. Commits of one writer happen in order.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -254,7 +257,8 @@ class Writer:
         self.max_buffer_bytes = int(max_buffer_bytes)
         self.commit_interval_s = float(commit_interval_s)
         self.skip_committed = bool(skip_committed)
-        self._flush_bytes = min(self.commit_bytes, self.max_buffer_bytes)
+        # two buffers: one filling, one being written by the flusher thread
+        self._flush_bytes = min(self.commit_bytes, self.max_buffer_bytes // 2)
         self._token_nbytes = sum(int(np.prod(shape, dtype=np.int64)) * dt.itemsize
                                  for dt, shape in store.row_columns.values())
         self._lock = threading.RLock()
@@ -266,6 +270,12 @@ class Writer:
         self._synced = 0
         self._segments = 0
         self._error: BaseException | None = None
+        self._state = threading.Lock()  # guards _committed, _pending, _synced, _lost, stats
+        self._sync_lock = threading.Lock()  # one log sync / commit at a time
+        self._flusher: ThreadPoolExecutor | None = None
+        self._inflight = None  # (future, stage) being written and committed by the flusher thread
+        self._spare: _Staging | None = None
+        self._failed: _Staging | None = None  # a stage whose commit failed; retried at the next flush
         self._lost: list[tuple[str, int, int]] = []  # ranges dropped at commit (another writer was first)
         self._closed = False
         #: counters: segments / records / rows committed, bytes written (data + log)
@@ -290,8 +300,8 @@ class Writer:
     def committed(self, traj_id: str) -> list[tuple[int, int]]:
         """Committed token ranges ``[(start, stop), ...]`` of ``traj_id`` (merged), after reading new log entries."""
         check_id(traj_id)
-        with self._lock:
-            self._sync()
+        self._sync()
+        with self._state:
             return self._committed.get(traj_id)
 
     # ------------------------------------------------------------------ write
@@ -392,25 +402,27 @@ class Writer:
         with self._lock:
             self._check_open()
             stop = token_start + T
-            parts = [(token_start, stop)]
-            hit = self._committed.overlaps(traj_id, token_start, stop)
-            if hit is not None and self.skip_committed:
-                parts = self._committed.uncovered(traj_id, token_start, stop)
-                log.info("%s: %s [%d, %d): skipping committed positions, writing %s", self.writer_id, traj_id,
-                         token_start, stop, parts)
-                hit = None
-            where = "committed"
-            if hit is None:
-                where = "buffered by this writer"
-                hit = next((h for a, b in parts if (h := self._pending.overlaps(traj_id, a, b)) is not None), None)
-            if hit is not None:
-                raise OverlapError(
-                    f"trajectory {traj_id!r}: tokens [{token_start}, {stop}) overlap [{hit[0]}, {hit[1]}) already "
-                    f"{where} in {self.store.url}", [(traj_id, token_start, stop)])
+            with self._state:
+                parts = [(token_start, stop)]
+                hit = self._committed.overlaps(traj_id, token_start, stop)
+                if hit is not None and self.skip_committed:
+                    parts = self._committed.uncovered(traj_id, token_start, stop)
+                    log.info("%s: %s [%d, %d): skipping committed positions, writing %s", self.writer_id, traj_id,
+                             token_start, stop, parts)
+                    hit = None
+                where = "committed"
+                if hit is None:
+                    where = "buffered by this writer"
+                    hit = next((h for a, b in parts if (h := self._pending.overlaps(traj_id, a, b)) is not None),
+                               None)
+                if hit is not None:
+                    raise OverlapError(
+                        f"trajectory {traj_id!r}: tokens [{token_start}, {stop}) overlap [{hit[0]}, {hit[1]}) "
+                        f"already {where} in {self.store.url}", [(traj_id, token_start, stop)])
+                for a, b in parts:
+                    self._pending.add(traj_id, a, b)
             if not parts:
                 return
-            for a, b in parts:
-                self._pending.add(traj_id, a, b)
             done = [0]
             try:
                 for a, b in parts:
@@ -419,11 +431,12 @@ class Writer:
                                  done)
             finally:
                 # after a failure part-way, what never reached the buffer is not pending
-                for a, b in parts:
-                    if token_start + done[0] < b:
-                        self._pending.subtract(traj_id, max(a, token_start + done[0]), b)
+                with self._state:
+                    for a, b in parts:
+                        if token_start + done[0] < b:
+                            self._pending.subtract(traj_id, max(a, token_start + done[0]), b)
             if self._due():
-                self._flush_locked()
+                self._handoff()
 
     def _buffer(self, traj_id: str, token_start: int, s: int, T: int, columns: dict, policy_version: int,
                 done: list) -> None:
@@ -448,14 +461,14 @@ class Writer:
             s += n
             done[0] = s
             if stage.rows >= stage.capacity:
-                self._flush_locked()
+                self._handoff()
 
     def _check_open(self) -> None:
         if self._closed:
             raise TraceStoreError(f"writer {self.writer_id!r} of {self.store.url} is closed")
-        if self._error is not None:
+        if self._error is not None:  # a commit of the flusher thread failed: raise it here, once
             err, self._error = self._error, None
-            raise TraceStoreError(f"a background commit of writer {self.writer_id!r} failed: {err}") from err
+            raise err
 
     def _due(self) -> bool:
         return (self._oldest is not None and self.commit_interval_s > 0
@@ -468,7 +481,7 @@ class Writer:
                 if self._closed or not self._due() or self._error is not None:
                     continue
                 try:
-                    self._flush_locked()
+                    self._handoff()
                 except Exception as e:  # surfaced by the next write/flush/close
                     log.warning("%s: background commit failed: %s", self.writer_id, e)
                     self._error = e
@@ -484,12 +497,14 @@ class Writer:
         """
         with self._lock:
             self._check_open()
-            self._flush_locked()
+            self._handoff(wait=True)
+            self._check_open()
             self._raise_lost()
 
     def _raise_lost(self) -> None:
-        if self._lost:
+        with self._state:
             lost, self._lost = self._lost, []
+        if lost:
             raise OverlapError(
                 f"{len(lost)} token range(s) lost a commit race: another writer committed them first "
                 f"({', '.join(f'{t}[{a}:{b})' for t, a, b in lost[:5])}); they were dropped, everything else "
@@ -505,120 +520,181 @@ class Writer:
         with self._lock:
             try:
                 self._check_open()
-                self._flush_locked()
+                self._handoff(wait=True)
+                self._check_open()
                 self._raise_lost()
             finally:
                 self._closed = True
+                self._wait_inflight()
+                if self._flusher is not None:
+                    self._flusher.shutdown(wait=True)
+                    self._flusher = None
 
     def _sync(self) -> None:
+        with self._sync_lock:
+            self._sync_locked()
+
+    def _sync_locked(self) -> None:
+        """Read the log entries this writer has not seen (caller holds ``_sync_lock``)."""
         head = self.store.head()
         if head <= self._synced:
             return
-        for entry in self.store.read_entries(self._synced, head):
-            for t, s, e in zip(entry.traj_ids, entry.token_start.tolist(), entry.token_stop.tolist()):
-                self._committed.add(t, s, e)
-        self._synced = head
+        entries = self.store.read_entries(self._synced, head)
+        with self._state:
+            for entry in entries:
+                for t, s, e in zip(entry.traj_ids, entry.token_start.tolist(), entry.token_stop.tolist()):
+                    self._committed.add(t, s, e)
+            self._synced = head
 
     @property
     def buffered_bytes(self) -> int:
-        """Row bytes buffered and not yet committed."""
-        return 0 if self._stage is None else self._stage.rows * self._token_nbytes
+        """Row bytes buffered and not yet committed (the filling buffer and the one being written)."""
+        rows = 0 if self._stage is None else self._stage.rows
+        inflight = self._inflight
+        if inflight is not None:
+            rows += inflight[1].rows
+        return rows * self._token_nbytes
 
-    def _flush_locked(self) -> None:
+    def _handoff(self, wait: bool = False) -> None:
+        """Give the filling buffer to the flusher thread (after the previous one is done) and continue in a
+        spare buffer, so that writes overlap with encoding and I/O; ``wait``: also wait until it is committed.
+        Caller holds ``_lock``."""
+        if self._failed is not None:  # retry a failed commit first, synchronously (raises if it fails again)
+            failed, self._failed = self._failed, None
+            try:
+                self._flush_stage(failed)
+            except BaseException:
+                self._failed = failed
+                raise
         stage = self._stage
-        if stage is None or stage.rows == 0:
+        if stage is not None and stage.rows:
+            self._wait_inflight()
+            if self._failed is not None:  # the previous commit just failed: surface it, keep this buffer
+                self._check_open()
+            self._stage, self._spare = self._spare, None
+            self._oldest = None
+            if self._flusher is None:
+                self._flusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tracestore-{self.writer_id}")
+            self._inflight = (self._flusher.submit(self._flush_stage, stage), stage)
+        if wait:
+            self._wait_inflight()
+
+    def _wait_inflight(self) -> None:
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
             return
+        future, stage = inflight
+        try:
+            future.result()
+        except Exception as e:  # keep the rows for a retry; raise at the next call
+            log.warning("%s: commit failed (rows kept for a retry): %s", self.writer_id, e)
+            self._failed = stage
+            self._error = e
+
+    def _flush_stage(self, stage: _Staging) -> None:
+        """Write ``stage`` as a segment and commit it (flusher thread, or caller for a retry)."""
         store = self.store
         rows = stage.rows
         chunk_rows = choose_chunk_rows(rows, store.chunk_rows)
-        objects: dict[str, object] = {}
-        for name, spec in store.array_specs.items():
+        records = [list(r) for r in stage.records]
+        started = time.monotonic()
+        path, nbytes = self._write_segment(stage, rows, chunk_rows)
+        if time.monotonic() - started > store.gc_grace_s / 2:
+            log.warning("%s: writing segment %s took longer than half the gc grace period; rewriting it",
+                        self.writer_id, path)
+            path, nbytes = self._write_segment(stage, rows, chunk_rows)
+        segment = SegmentRef(path, self.writer_id, rows, chunk_rows, store.shard_bytes)
+        conflicts = self._commit(segment, records, nbytes)
+        with self._state:
+            self.stats["segments"] += 1
+            self.stats["rows"] += rows
+            self.stats["data_bytes"] += nbytes
+            for r in stage.records:
+                self._pending.subtract(r[0], r[1], r[2])
+            if conflicts:
+                # not raised here: reported by the next flush()/close() (OverlapError with the list)
+                log.warning("%s: %d token range(s) lost a commit race and were dropped: %s", self.writer_id,
+                            len(conflicts), conflicts[:5])
+                self._lost.extend(conflicts)
+        stage.reset()
+        if self._spare is None:
+            self._spare = stage
+
+    def _write_segment(self, stage: _Staging, rows: int, chunk_rows: int) -> tuple[str, int]:
+        """Encode and write every array of a new segment, then the group ``zarr.json``.
+        Returns (segment path, bytes written)."""
+        store = self.store
+        segment_id = f"{self._segments:08d}-{uuid.uuid4().hex[:12]}"
+        self._segments += 1
+        path = f"data/{self.writer_id}/{segment_id}"
+
+        def write_array(name: str) -> int:
+            spec = store.array_specs[name]
             lay = layout(spec, rows, chunk_rows, store.shard_bytes)
-            objects[f"{name}/zarr.json"] = array_metadata(lay)
             if spec.grouped:
                 kind = name.split(".", 1)[0]
                 sources = [stage.arrays[f"{kind}.{m}"][:rows] for m in spec.members]
             else:
                 sources = [stage.arrays[name][:rows]]
-            objects.update(lay.encode_parts(sources))
-        records = [list(r) for r in stage.records]
-        started = time.monotonic()
-        path = self._put_segment(objects, rows)
-        if time.monotonic() - started > store.gc_grace_s / 2:
-            log.warning("%s: writing segment %s took longer than half the gc grace period; rewriting it",
-                        self.writer_id, path)
-            path = self._put_segment(objects, rows)
-        segment = SegmentRef(path, self.writer_id, rows, chunk_rows, store.shard_bytes)
-        nbytes = sum(len(v) if isinstance(v, (bytes, bytearray)) else sum(len(x) for x in v)
-                     for v in objects.values())
-        del objects
-        conflicts = self._commit(segment, records, nbytes)
-        self.stats["segments"] += 1
-        self.stats["rows"] += rows
-        self.stats["data_bytes"] += nbytes
-        for r in stage.records:
-            self._pending.subtract(r[0], r[1], r[2])
-        stage.reset()
-        self._oldest = None
-        if conflicts:
-            # not raised here: an automatic flush inside write() must not abort buffering the rest of that call
-            log.warning("%s: %d token range(s) lost a commit race and were dropped: %s", self.writer_id,
-                        len(conflicts), conflicts[:5])
-            self._lost.extend(conflicts)
+            items: dict[str, object] = {f"{path}/{name}/zarr.json": array_metadata(lay)}
+            items.update({f"{path}/{k}": v for k, v in lay.encode_parts(sources).items()})
+            store.backend.put_many(items, atomic=False)
+            return sum(len(v) if isinstance(v, (bytes, bytearray)) else sum(len(x) for x in v)
+                       for v in items.values())
 
-    def _put_segment(self, objects: dict[str, object], rows: int) -> str:
-        segment_id = f"{self._segments:08d}-{uuid.uuid4().hex[:12]}"
-        self._segments += 1
-        path = f"data/{self.writer_id}/{segment_id}"
-        group = group_metadata({"tracestore": {"format_version": self.store.format_version,
-                                               "writer_id": self.writer_id, "segment_id": segment_id,
-                                               "rows": rows, "store_id": self.store.store_id}})
-        items = {f"{path}/{k}": v for k, v in objects.items()}
-        items[f"{path}/zarr.json"] = group
-        self.store.backend.put_many(items, atomic=False)
-        return path
+        nbytes = sum(write_array(name) for name in store.array_specs)
+        group = group_metadata({"tracestore": {"format_version": store.format_version, "writer_id": self.writer_id,
+                                               "segment_id": segment_id, "rows": rows, "store_id": store.store_id}})
+        store.backend.put(f"{path}/zarr.json", group)
+        return path, nbytes + len(group)
 
     def _commit(self, segment: SegmentRef, records: list[list], nbytes: int) -> list[tuple[str, int, int]]:
+        """Claim the next log position for ``segment`` (see the module docstring); returns dropped ranges."""
         conflicts: list[tuple[str, int, int]] = []
-        while True:
-            self._sync()
-            keep = []
-            for r in records:
-                if self._committed.overlaps(r[0], r[1], r[2]) is None:
-                    keep.append(r)
-                    continue
-                # another writer committed part of this range first: keep only the uncovered parts
-                pos = r[1]
-                for a, b in self._committed.uncovered(r[0], r[1], r[2]):
-                    if a > pos:
-                        conflicts.append((r[0], pos, a))
-                    keep.append([r[0], a, b, r[3] + (a - r[1]), r[4]])
-                    pos = b
-                if pos < r[2]:
-                    conflicts.append((r[0], pos, r[2]))
-            records = keep
-            if not records:
-                log.warning("%s: nothing left to commit in %s (all records lost races)", self.writer_id, segment.path)
-                return conflicts
-            seq = self._synced
-            entry = LogEntry(
-                seq=seq, writer_id=self.writer_id, writer_seq=int(segment.path.rsplit("/", 1)[1].split("-")[0]),
-                segment=segment, created_unix=time.time(), segment_nbytes=nbytes,
-                traj_ids=[r[0] for r in records],
-                token_start=np.array([r[1] for r in records], np.int64),
-                token_stop=np.array([r[2] for r in records], np.int64),
-                row_offset=np.array([r[3] for r in records], np.int64),
-                policy_version=np.array([r[4] for r in records], np.int64),
-            )
-            data = encode_entry(entry)
-            if self.store.backend.put_if_absent(log_key(seq), data):
-                for r in records:
-                    self._committed.add(r[0], r[1], r[2])
-                self._synced = seq + 1
-                self.store._note_head(seq + 1)
-                self.stats["records"] += len(records)
-                self.stats["log_bytes"] += len(data)
-                log.debug("%s: committed %s as log entry %d (%d records)", self.writer_id, segment.path, seq,
-                          len(records))
-                return conflicts
-            self.stats["lost_races"] += 1
+        with self._sync_lock:
+            while True:
+                self._sync_locked()
+                keep = []
+                with self._state:
+                    for r in records:
+                        if self._committed.overlaps(r[0], r[1], r[2]) is None:
+                            keep.append(r)
+                            continue
+                        # another writer committed part of this range first: keep only the uncovered parts
+                        pos = r[1]
+                        for a, b in self._committed.uncovered(r[0], r[1], r[2]):
+                            if a > pos:
+                                conflicts.append((r[0], pos, a))
+                            keep.append([r[0], a, b, r[3] + (a - r[1]), r[4]])
+                            pos = b
+                        if pos < r[2]:
+                            conflicts.append((r[0], pos, r[2]))
+                    seq = self._synced
+                records = keep
+                if not records:
+                    log.warning("%s: nothing left to commit in %s (all records lost races)", self.writer_id,
+                                segment.path)
+                    return conflicts
+                entry = LogEntry(
+                    seq=seq, writer_id=self.writer_id, writer_seq=int(segment.path.rsplit("/", 1)[1].split("-")[0]),
+                    segment=segment, created_unix=time.time(), segment_nbytes=nbytes,
+                    traj_ids=[r[0] for r in records],
+                    token_start=np.array([r[1] for r in records], np.int64),
+                    token_stop=np.array([r[2] for r in records], np.int64),
+                    row_offset=np.array([r[3] for r in records], np.int64),
+                    policy_version=np.array([r[4] for r in records], np.int64),
+                )
+                data = encode_entry(entry)
+                if self.store.backend.put_if_absent(log_key(seq), data):
+                    with self._state:
+                        for r in records:
+                            self._committed.add(r[0], r[1], r[2])
+                        self._synced = seq + 1
+                        self.stats["records"] += len(records)
+                        self.stats["log_bytes"] += len(data)
+                    self.store._note_head(seq + 1)
+                    log.debug("%s: committed %s as log entry %d (%d records)", self.writer_id, segment.path, seq,
+                              len(records))
+                    return conflicts
+                with self._state:
+                    self.stats["lost_races"] += 1
