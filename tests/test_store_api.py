@@ -103,7 +103,7 @@ def test_random_access_and_segments(location):
     store = make_store(location)
     rng = np.random.default_rng(1)
     spans = {}
-    with store.writer("w1", commit_bytes=3000, commit_interval_s=0) as w:  # a segment every ~60 tokens
+    with store.writer("w1", commit_bytes=5000, commit_interval_s=0) as w:  # a segment every ~100 tokens
         for t in range(4):
             pos = 0
             for n in rng.integers(1, 70, size=5):
@@ -142,17 +142,17 @@ def test_feature_slices(location):
 
 def test_long_trajectory_bounded_memory(location):
     store = make_store(location, sites=[ts.Site("a", 256)], moe_layers=(), top_k=0, num_experts=0)
-    T = 3000
+    T = 1500
     data = rows(store, "long", 0, T)
-    budget = 100 * (32 + 16 + 8)  # ~100 tokens
+    budget = 300 * (32 + 16 + 8)  # 300 tokens: two buffers of 150
     w = store.writer("w", commit_bytes=1 << 30, max_buffer_bytes=budget, commit_interval_s=0)
     w.write("long", 0, **data)  # one call: split into segments of <= max_buffer_bytes
     assert w.buffered_bytes <= budget
     w.close()
-    assert w.stats["segments"] >= T // 100
+    assert w.stats["segments"] >= T // 150
     r = store.reader()
     assert r.info("long").num_tokens == T
-    check_batch(store, r.read("long", 1234, 2345), "long", 1234, 2345)
+    check_batch(store, r.read("long", 234, 1345), "long", 234, 1345)
 
 
 def test_snapshot_pinning(location):
