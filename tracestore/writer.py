@@ -90,6 +90,28 @@ def _as_array(x, what: str):
     raise DTypeError(f"{what}: expected a numpy array or torch tensor, got {type(x).__name__}")
 
 
+def _is_u8(x) -> bool:
+    """Whether ``x`` (numpy array or torch tensor) is uint8, without formatting the dtype (str() is slow)."""
+    dt = x.dtype
+    return dt == np.uint8 if isinstance(dt, np.dtype) else str(dt) == "torch.uint8"
+
+
+def _fits(x, lo: int, hi: int) -> bool:
+    """Whether the integer dtype of ``x`` alone guarantees ``lo <= x <= hi`` (then no min/max pass is needed:
+    uint8 experts of <= 256 experts, int32 token ids)."""
+    if _is_torch(x):
+        import torch
+
+        if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+            return False
+        info = torch.iinfo(x.dtype)
+    else:
+        if x.dtype.kind not in "iu":
+            return False
+        info = np.iinfo(x.dtype)
+    return info.min >= lo and info.max <= hi
+
+
 def _minmax(x) -> tuple[float, float]:
     if _is_torch(x):
         return float(x.min().item()), float(x.max().item())
@@ -344,9 +366,10 @@ class Writer:
             raise ShapeError(f"empty write: token_ids has 0 tokens (traj {traj_id!r}, token_start {token_start})")
         if _kind(token_ids) not in "iu":
             raise DTypeError(f"token_ids must be integers, got {_dtype_name(token_ids)}")
-        lo, hi = _minmax(token_ids)
-        if lo < _INT32.min or hi > _INT32.max:
-            raise DTypeError(f"token_ids out of int32 range: min {lo}, max {hi}")
+        if not _fits(token_ids, _INT32.min, _INT32.max):
+            lo, hi = _minmax(token_ids)
+            if lo < _INT32.min or hi > _INT32.max:
+                raise DTypeError(f"token_ids out of int32 range: min {lo}, max {hi}")
         columns["token_ids"] = (token_ids, np.dtype("<i4"))
         logprobs = _as_array(logprobs, "logprobs")
         if _shape(logprobs) != (T,):
@@ -367,7 +390,7 @@ class Writer:
             for name, site in store.sites.items():
                 arr = _as_array(given[name], f"{what}[{name!r}]")
                 want = (T, getattr(site, per_site))
-                if _dtype_name(arr) not in ("uint8", "torch.uint8"):
+                if not _is_u8(arr):
                     raise DTypeError(f"{what}[{name!r}] must be uint8, got {_dtype_name(arr)}")
                 if _shape(arr) != want:
                     raise ShapeError(f"{what}[{name!r}] must have shape {want} (T={T}, width {site.width}, "
@@ -391,9 +414,11 @@ class Writer:
                     raise ShapeError(f"experts[{name!r}] must have shape ({T}, {store.top_k}), got {_shape(arr)}")
                 if _kind(arr) not in "iu":
                     raise DTypeError(f"experts[{name!r}] must be integers, got {_dtype_name(arr)}")
-                lo, hi = _minmax(arr)
-                if lo < 0 or hi >= store.num_experts:
-                    raise ShapeError(f"experts[{name!r}] values must be in [0, {store.num_experts}), got min {lo}, max {hi}")
+                if not _fits(arr, 0, store.num_experts - 1):
+                    lo, hi = _minmax(arr)
+                    if lo < 0 or hi >= store.num_experts:
+                        raise ShapeError(f"experts[{name!r}] values must be in [0, {store.num_experts}), got min "
+                                         f"{lo}, max {hi}")
                 layer_arrays.append(arr)
             columns["experts"] = (layer_arrays, store.row_columns["experts"][0])
         elif experts:
