@@ -39,7 +39,7 @@ def _all_entries(store, errors: list[str] | None = None) -> list[LogEntry]:
     out = []
     for seq in range(head):
         try:
-            out.append(store.read_entry(seq))
+            out.append(store.read_entry(seq, cached=False))
         except (IntegrityError, SchemaVersionError, ObjectNotFoundError) as e:
             errors.append(f"log entry {seq}: {e}")
     return out

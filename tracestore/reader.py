@@ -406,6 +406,10 @@ class Reader:
     def __repr__(self) -> str:
         return f"Reader({self.store.url!r}, log_end={self.snapshot.log_end}, trajectories={len(self._index)})"
 
+    def refresh(self) -> Reader:
+        """A reader at the current log head (entries already read are not read again)."""
+        return Reader(self.store, None)
+
     @property
     def entries(self) -> list[LogEntry]:
         return list(self._entries)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -221,6 +222,8 @@ class Store:
                 self.row_columns[spec.name] = (spec.dtype, spec.row_shape)
         self._head_hint = 0
         self._pool: ThreadPoolExecutor | None = None
+        self._entries: list[LogEntry] = []  # decoded log entries 0..n-1 (immutable, so cached)
+        self._cache_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"Store({self.url!r}, sites={list(self.sites)}, format_version={self.format_version})"
@@ -276,17 +279,26 @@ class Store:
     def _note_head(self, n: int) -> None:
         self._head_hint = max(self._head_hint, n)
 
-    def read_entry(self, seq: int) -> LogEntry:
-        """Decode log entry ``seq``. Raises ObjectNotFoundError if absent, IntegrityError/SchemaVersionError."""
+    def read_entry(self, seq: int, *, cached: bool = True) -> LogEntry:
+        """Decode log entry ``seq`` (``cached=False``: re-read and re-check the stored bytes).
+
+        Raises ObjectNotFoundError if absent, IntegrityError / SchemaVersionError."""
+        with self._cache_lock:
+            if cached and seq < len(self._entries):
+                return self._entries[seq]
         key = log_key(seq)
         data = self.backend.get(key)
         return decode_entry(data, seq, f"{self.url}/{key}")
 
     def read_entries(self, lo: int, hi: int) -> list[LogEntry]:
-        """Entries ``[lo, hi)``, fetched concurrently. Raises IntegrityError if one is missing."""
-        out: list[LogEntry] = []
+        """Entries ``[lo, hi)``, fetched concurrently (and cached: entries are immutable).
+
+        Raises IntegrityError if one is missing, or as :func:`decode_entry`."""
+        with self._cache_lock:
+            cached = self._entries[lo:min(hi, len(self._entries))]
+        out: list[LogEntry] = list(cached)
         batch = 256
-        for b0 in range(lo, hi, batch):
+        for b0 in range(lo + len(cached), hi, batch):
             seqs = list(range(b0, min(hi, b0 + batch)))
             keys = [log_key(s) for s in seqs]
             datas = self.backend.get_many(keys)
@@ -294,6 +306,9 @@ class Store:
                 if data is None:
                     raise IntegrityError(f"log entry {self.url}/{key} is missing below the log head")
                 out.append(decode_entry(data, seq, f"{self.url}/{key}"))
+        with self._cache_lock:
+            if lo <= len(self._entries) < hi:  # extend the dense cached prefix
+                self._entries.extend(out[len(self._entries) - lo:])
         self._note_head(hi)
         return out
 
