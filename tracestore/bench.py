@@ -78,7 +78,7 @@ class BenchConfig:
     moe_layers: int = DEFAULT_MOE_LAYERS
     top_k: int = DEFAULT_TOP_K
     num_experts: int = DEFAULT_NUM_EXPERTS
-    write_tokens: int = 256  # tokens per Writer.write call
+    write_tokens: int = 2048  # tokens per Writer.write call (tracerl's recorder writes pieces of flush_tokens=2048)
     commit_bytes: int = 64 << 20
     chunk_rows: int | None = None  # None: the store default
     shard_bytes: int | None = None
