@@ -51,7 +51,7 @@ def s3_bucket(moto_endpoint):
     yield name, client, options
 
 
-@pytest.fixture(params=["local", "memory", "s3"])
+@pytest.fixture(params=["local", "memory", pytest.param("s3", marks=pytest.mark.s3)])
 def backend_kind(request) -> str:
     return request.param
 

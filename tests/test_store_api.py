@@ -290,3 +290,62 @@ def test_info_accounting(location):
     assert d["bytes"]["total"] == sum(len(location.read(k)) for k in location.keys())
     assert d["bytes"]["payload"] >= 100 * d["payload_bytes_per_token"]
     json.dumps(d)
+
+
+def test_torch_inputs_and_dtype_conversion(tmp_path):
+    store = ts.create_store(str(tmp_path / "s"), SITES, **MOE)
+    want = rows(store, "t", 0, 12)
+    with store.writer(commit_interval_s=0) as w:
+        w.write("t", 0,
+                hints={k: torch.from_numpy(v) for k, v in want["hints"].items()},
+                scales={k: torch.from_numpy(v) for k, v in want["scales"].items()},
+                token_ids=torch.from_numpy(want["token_ids"]),  # int64 -> int32
+                logprobs=torch.from_numpy(want["logprobs"]).to(torch.float64),  # float64 -> float32
+                experts={k: torch.from_numpy(v).to(torch.int16) for k, v in want["experts"].items()},
+                policy_version=np.int64(4))
+        w.write("u", 0, **{**rows(store, "u", 0, 3), "logprobs": torch.zeros(3, dtype=torch.bfloat16)})
+    r = store.reader()
+    check_batch(store, r.read("t"), "t", 0, 12)
+    assert r.info("t").policy_versions == (4,)
+    np.testing.assert_array_equal(r.read("u").logprobs, np.zeros(3, np.float32))
+
+
+def test_background_commit_by_time_and_writer_state(tmp_path):
+    store = ts.create_store(str(tmp_path / "s"), SITES, **MOE)
+    w = store.writer("timed", commit_interval_s=0.1)
+    w.write("t", 0, **rows(store, "t", 0, 4))
+    assert w.buffered_bytes > 0 and store.head() == 0
+    deadline = time.monotonic() + 5
+    while store.head() == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert store.head() == 1  # committed by the writer's timer, without flush()
+    w.close()
+    w.close()  # idempotent
+    with pytest.raises(ts.TraceStoreError):
+        w.write("t", 4, **rows(store, "t", 4, 5))
+    assert w.stats["segments"] == 1 and w.stats["records"] == 1
+
+
+def test_failed_commit_keeps_rows_and_retries(tmp_path):
+    store = ts.create_store(str(tmp_path / "s"), SITES, **MOE)
+    w = store.writer("flaky", commit_interval_s=0)
+    real = store.backend.put_many
+    calls = {"n": 0}
+
+    def flaky(items, **kw):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise ts.BackendError("injected: storage unavailable")
+        return real(items, **kw)
+
+    store.backend.put_many = flaky
+    w.write("t", 0, **rows(store, "t", 0, 6))
+    with pytest.raises(ts.BackendError, match="injected"):
+        w.flush()
+    assert store.head() == 0
+    w.write("t", 6, **rows(store, "t", 6, 9))  # the writer keeps working
+    w.close()  # retries the failed buffer, then commits the new rows
+    r = store.reader()
+    assert r.info("t").ranges == ((0, 9),)
+    check_batch(store, r.read("t"), "t", 0, 9)
+    assert not ts.verify(store).errors
