@@ -122,6 +122,10 @@ class Snapshot:
             separators=(",", ":"),
         )
 
+    def to_cursor(self) -> str:
+        """A stream cursor at this snapshot's end: ``store.stream(snap.to_cursor())`` tails what came after it."""
+        return f"v1:{self.store_id}:{self.log_end}:0"
+
     @classmethod
     def from_json(cls, text: str) -> Snapshot:
         """Raises SnapshotError (malformed) or SchemaVersionError (unknown snapshot version)."""
