@@ -81,20 +81,41 @@ class Backend(abc.ABC):
         """Many ranges (possibly of many objects), in order. Backends override this to fetch concurrently."""
         return [self.get_range(r.key, r.start, r.stop) for r in ranges]
 
+    #: ranges of one object closer than this are fetched with one request (object stores: fewer GETs)
+    coalesce_gap: int = 1 << 20
+    coalesce_max: int = 64 << 20
+
     def readinto_ranges(self, requests: Sequence[tuple[ByteRange, Sequence[memoryview]]]) -> list[int]:
         """Scatter-read: fill each request's buffers, in order, from its byte range (the buffers' sizes add up to
         the range's length). Returns the number of bytes read per request (less than the range if the object is
-        shorter). Local files read straight into the buffers (``preadv``); other backends copy."""
-        datas = self.get_ranges([r for r, _ in requests])
-        counts = []
-        for (_, bufs), data in zip(requests, datas):
-            view, pos = memoryview(data), 0
-            for b in bufs:
-                n = min(len(b), len(view) - pos)
-                if n > 0:
+        shorter). Nearby ranges of one object are coalesced into one ``get_ranges`` request; local files read
+        straight into the buffers (``preadv``)."""
+        order = sorted(range(len(requests)), key=lambda k: (requests[k][0].key, requests[k][0].start))
+        groups: list[list] = []  # [key, start, stop, [request index, ...]]
+        for k in order:
+            r = requests[k][0]
+            g = groups[-1] if groups else None
+            if (g is not None and g[0] == r.key and r.start - g[2] <= self.coalesce_gap
+                    and max(g[2], r.stop) - g[1] <= self.coalesce_max):
+                g[2] = max(g[2], r.stop)
+                g[3].append(k)
+            else:
+                groups.append([r.key, r.start, r.stop, [k]])
+        datas = self.get_ranges([ByteRange(g[0], g[1], g[2]) for g in groups])
+        counts = [0] * len(requests)
+        for g, data in zip(groups, datas):
+            whole = memoryview(data)
+            for k in g[3]:
+                r, bufs = requests[k]
+                view = whole[max(0, r.start - g[1]) : max(0, r.stop - g[1])]
+                pos = 0
+                for b in bufs:
+                    n = min(len(b), len(view) - pos)
+                    if n <= 0:
+                        break
                     b[:n] = view[pos : pos + n]
-                pos += max(n, 0)
-            counts.append(min(len(data), sum(len(b) for b in bufs)))
+                    pos += n
+                counts[k] = pos
         return counts
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:

@@ -26,6 +26,7 @@ import socket
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
@@ -308,6 +309,11 @@ class Writer:
         if self.commit_interval_s > 0:
             self._ticker = threading.Thread(target=self._tick, name=f"tracestore-writer-{self.writer_id}", daemon=True)
             self._ticker.start()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True) and self.buffered_bytes:
+            warnings.warn(f"tracestore writer {self.writer_id!r} was not closed: {self.buffered_bytes} buffered "
+                          f"bytes were never committed", ResourceWarning, stacklevel=2)
 
     # ------------------------------------------------------------------ context
     def __enter__(self) -> Writer:
