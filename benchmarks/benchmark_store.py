@@ -22,6 +22,23 @@ from tracestore.bench import add_arguments, config_from_args, machine_name, run_
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def _git_state() -> dict:
+    """The commit measured, and the tracestore files that differed from it (others may be editing)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*a: str) -> str:
+        try:
+            return subprocess.run(["git", *a], cwd=root, capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    # porcelain lines are "XY <path>": keep the leading status columns intact
+    dirty = [line[3:] for line in git("status", "--porcelain", "--", "tracestore", "schemas").splitlines() if line]
+    return {"commit": git("rev-parse", "HEAD").strip() or None, "dirty_files": dirty}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -45,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         task = bar.add_task("bench", total=None)
         result = run_bench(cfg, progress=lambda phase, done, total: bar.update(task, description=phase,
                                                                                 completed=done, total=total))
+    result["git"] = _git_state()
     loc = result["local"]
     s3 = result.get("s3") or {}
     table = Table(title=(f"tracestore store benchmark: {cfg.sites} sites x {cfg.width} {cfg.fp4_format}, "

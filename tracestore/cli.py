@@ -383,7 +383,7 @@ def _cmd_tail(args: argparse.Namespace) -> int:
         raise UsageError("give --cursor or --from-start, not both")
     cursor = args.cursor
     if cursor is None and not args.from_start:
-        cursor = f"v1:{store.store_id}:{store.head()}:0"  # follow new commits only (FORMAT.md §5 cursor)
+        cursor = store.snapshot().to_cursor()  # follow new commits only
     stream = store.stream(cursor, poll_interval_s=args.poll, timeout_s=args.timeout)
     n = 0
     try:
