@@ -287,6 +287,9 @@ class Writer:
         self._lock = threading.RLock()
         self._stage: _Staging | None = None
         self._capacity = max(1, self._flush_bytes // self._token_nbytes)
+        if self._capacity >= store.chunk_rows:
+            # full segments hold whole inner chunks (no padding, chunk boundaries at multiples of chunk_rows)
+            self._capacity -= self._capacity % store.chunk_rows
         self._oldest: float | None = None
         self._committed = _Ranges()
         self._pending = _Ranges()
