@@ -349,3 +349,17 @@ def test_failed_commit_keeps_rows_and_retries(tmp_path):
     assert r.info("t").ranges == ((0, 9),)
     check_batch(store, r.read("t"), "t", 0, 9)
     assert not ts.verify(store).errors
+
+
+def test_snapshot_cursor_and_refresh(tmp_path):
+    store = ts.create_store(str(tmp_path / "s"), SITES, **MOE)
+    with store.writer(commit_interval_s=0) as w:
+        w.write("a", 0, **rows(store, "a", 0, 5))
+    snap = store.snapshot()
+    r = store.reader(snap.to_json())  # a snapshot's JSON is accepted directly
+    with store.writer(commit_interval_s=0) as w:
+        w.write("b", 0, **rows(store, "b", 0, 5))
+    after = list(store.stream(snap.to_cursor(), timeout_s=0))  # only what came after the snapshot
+    assert [x.traj_id for x in after] == ["b"]
+    assert "b" not in r and "b" in r.refresh()
+    check_batch(store, ts.read_record(store, after[0]), "b", 0, 5)
