@@ -36,10 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels  # noqa: E402
 from kernels import reference as ref  # noqa: E402
 
-# (blocks per program, num_warps, split layout); the backward kernel has the split layout only
-CONFIGS = [(128, 4, False), (256, 4, False), (256, 8, False), (512, 8, False), (256, 4, True), (512, 8, True),
-           (1024, 8, True)]
-SMOKE_CONFIGS = [(64, 2, False), (64, 2, True)]
+# (blocks per program, num_warps, split layout, fp-adder rounding); the backward kernel: split layout only
+CONFIGS = [(128, 4, False, False), (256, 8, False, False), (512, 8, False, False), (128, 4, False, True),
+           (256, 8, False, True), (512, 8, False, True), (256, 4, True, False), (512, 8, True, True)]
+SMOKE_CONFIGS = [(64, 2, False, False), (64, 2, True, False), (64, 2, False, True)]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -183,9 +183,9 @@ def run_size(hidden, rows, dtype, device, cuda, configs, do_compile, log):
     for op, fn in ops.items():
         sweep[op] = {}
         for c in configs:
-            if op == "fake_quant_bwd" and not c[2]:
+            if op == "fake_quant_bwd" and (not c[2] or c[3]):
                 continue
-            name = f"BN{c[0]}_w{c[1]}_{'split' if c[2] else 'block'}"
+            name = f"BN{c[0]}_w{c[1]}_{'split' if c[2] else 'block'}{'_fprne' if c[3] else ''}"
             try:
                 t = timer(lambda: fn(c), w_fast, it_fast, cuda)
             except Exception as e:  # a config that does not compile or launch is recorded, not fatal

@@ -40,10 +40,10 @@ __all__ = ["quantize_blocks_triton", "fake_quantize_blocks_triton", "fake_quanti
 
 #: default launch configuration per kernel: (blocks per program BN, num_warps); tuned on an H200 by
 #: benchmarks/benchmark_kernels.py (see benchmarks/results/kernels-h200.json)
-CONFIG: dict[str, tuple[int, int, bool]] = {
-    "quantize": (256, 4, False),
-    "fake_quant": (256, 4, False),
-    "fake_quant_bwd": (512, 8, True),
+CONFIG: dict[str, tuple[int, int, bool, bool]] = {
+    "quantize": (256, 8, False, False),
+    "fake_quant": (256, 8, False, False),
+    "fake_quant_bwd": (512, 8, True, False),
 }
 
 
@@ -139,16 +139,37 @@ def _scale_factor(sbyte, g_ptr, IS_NV: tl.constexpr):
 
 
 @triton.jit
-def _rne_code(x, r3):
+def _rne_code(x, r3, FP_RNE: tl.constexpr):
     """Codes (int32, sign included) of fp32 x with factors r3 broadcast to x: RNE on the ladder, ties to the
-    even code, saturating at 6; NaN -> magnitude 7; the sign bit is x's (NaN included)."""
-    b = tl.minimum((tl.abs(x) * r3).to(tl.int32, bitcast=True), 0x40C00000)  # |v| = |x| * r, clamped; NaN -> 6
-    rb = b + 0x1FFFFF + ((b >> 22) & 1)  # RNE of a in [1, 6] to one mantissa bit
-    c_norm = (rb >> 22) - 252
-    a = b.to(tl.float32, bitcast=True)
+    even code, saturating at 6; NaN -> magnitude 7; the sign bit is x's (NaN included).
+
+    FP_RNE: round a = |v| in [1, 8) with the fp32 adder instead of integer ops (these kernels are bound by the
+    integer pipe): C = 2^(e + 22) for a in [2^e, 2^(e+1)) has ulp 2^(e-1), so (a + C) - C is a rounded to one
+    mantissa bit, ties to even (Inf/NaN/huge a give NaN or >= 8, clamped to code 7)."""
+    a = tl.abs(x) * r3  # |v| = |x| * r
+    if FP_RNE:
+        c_exp = (a.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True) * 4194304.0
+        rounded = (a + c_exp) - c_exp
+        # unsigned shift: any NaN (either sign) gives >= 511 - 252, clamped to 7
+        c_norm = tl.minimum((rounded.to(tl.uint32, bitcast=True) >> 22).to(tl.int32) - 252, 7)
+    else:
+        b = tl.minimum(a.to(tl.int32, bitcast=True), 0x40C00000)  # clamped to 6; NaN -> 6
+        rb = b + 0x1FFFFF + ((b >> 22) & 1)  # RNE of a in [1, 6] to one mantissa bit
+        c_norm = (rb >> 22) - 252
     c_sub = (a * 2.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000  # rne(2a) for a < 1
-    mag = tl.where(b < 0x3F800000, c_sub, c_norm)
-    return mag | ((x.to(tl.int32, bitcast=True) >> 28) & 8)
+    mag = tl.where(a < 1.0, c_sub, c_norm)
+    # sign bit of x to bit 3: x_bits >> 28 as a high multiply (runs on the FMA pipe, the integer pipe is the limit)
+    return mag | (tl.umulhi(x.to(tl.uint32, bitcast=True), 16).to(tl.int32) & 8)
+
+
+@triton.jit
+def _gather_hint_bits(word):
+    """Bits 0, 4, ..., 28 of a 32-bit word of 8 codes -> bits 0..7 (the hint byte). Multiplications by
+    (1 + 2^3), (1 + 2^6), (1 + 2^12) bring the bits together without carries (every partial product lands on a
+    distinct bit) and run on the FMA pipe: 3 multiplies and 4 logic ops instead of 7 logic ops."""
+    t = (word & 0x11111111) * 9 & 0x18181818  # (i, i+1) pairs at bits 8k+3, 8k+4
+    t = (t * 65) & 0x1E001E00  # nibbles i0..i3 at bits 9..12, i4..i7 at 25..28
+    return ((t * 4097) >> 21) & 0xFF  # i0..i7 at bits 21..28
 
 
 @triton.jit
@@ -157,11 +178,7 @@ def _pack_groups(code):
     [BN, G, 8] code tile -> two [BN, G] int32 tensors."""
     lane = tl.arange(0, 8)
     word = tl.sum(code << (lane[None, None, :] * 4), axis=2)  # disjoint nibbles: sum == or
-    t = word & 0x11111111  # gather bits 0, 4, ..., 28 into bits 0..7
-    t = (t | (t >> 3)) & 0x03030303
-    t = (t | (t >> 6)) & 0x000F000F
-    t = (t | (t >> 12)) & 0xFF
-    return word, t
+    return word, _gather_hint_bits(word)
 
 
 @triton.jit
@@ -211,27 +228,31 @@ def _offsets8(blk, j: tl.constexpr, G: tl.constexpr):
 
 
 @triton.jit
-def _amax8(x_in):
-    ax = tl.abs(x_in)
-    return tl.max(tl.where(ax < float("inf"), ax, 0.0), axis=1)
+def _amax8(x_in, NAN_IGNORING_MAX: tl.constexpr):
+    """max |x| over the finite values of each row of [BN, 8], as fp32.
+
+    NAN_IGNORING_MAX (GPU): a + (a - a) is a for finite a and NaN for +-Inf/NaN, and the hardware max ignores
+    NaN: two adds on the FMA pipe instead of a compare and a select on the integer pipe. The interpreter's max
+    propagates NaN, so there the non-finite values are replaced by 0 with a select."""
+    a = tl.abs(x_in.to(tl.float32))
+    if NAN_IGNORING_MAX:
+        return tl.maximum(tl.max(a + (a - a), axis=1), 0.0)
+    else:
+        return tl.max(tl.where(a < float("inf"), a, 0.0), axis=1)
 
 
 @triton.jit
 def _word8(code):
     """(32-bit word of the 8 codes of each row of [BN, 8], hint byte) as int32 [BN]."""
     word = tl.sum(code << (tl.arange(0, 8)[None, :] * 4), axis=1)  # disjoint nibbles: sum == or
-    t = word & 0x11111111  # gather bits 0, 4, ..., 28 into bits 0..7
-    t = (t | (t >> 3)) & 0x03030303
-    t = (t | (t >> 6)) & 0x000F000F
-    t = (t | (t >> 12)) & 0xFF
-    return word, t
+    return word, _gather_hint_bits(word)
 
 
 @triton.jit
 def _quantize_kernel(
     x_ptr, codes_ptr, scales_ptr, hints_ptr, g_ptr, NB,
     G: tl.constexpr, BN: tl.constexpr, IS_NV: tl.constexpr, RCEIL: tl.constexpr, EMIT_HINTS: tl.constexpr,
-    BIG: tl.constexpr, SPLIT: tl.constexpr,
+    BIG: tl.constexpr, SPLIT: tl.constexpr, FP_RNE: tl.constexpr, NAN_IGNORING_MAX: tl.constexpr,
 ):
     blk, bmask = _blocks(NB, BN, BIG)
     if SPLIT:
@@ -243,7 +264,7 @@ def _quantize_kernel(
         ax = tl.abs(x_in)
         amax = tl.max(tl.where(ax < float("inf"), ax, 0.0), axis=1)  # finite values only, exact in x's dtype
         sbyte, _, r, _ = _own_scale(amax.to(tl.float32), g_ptr, IS_NV, RCEIL)  # [BN]
-        code = tl.reshape(_rne_code(x_in.to(tl.float32), r[:, None]), (BN, G, 8))
+        code = tl.reshape(_rne_code(x_in.to(tl.float32), r[:, None], FP_RNE), (BN, G, 8))
         word, hbyte = _pack_groups(code)  # [BN, G] each
         # One code word and one hint byte per thread, adjacent threads holding adjacent groups: already
         # coalesced, so store flat with contiguity 1; a vectorized store would go through shared memory.
@@ -261,14 +282,14 @@ def _quantize_kernel(
         m2 = bmask[:, None]
         x0_in = tl.load(x_ptr + _offsets8(blk, 0, G), mask=m2, other=0.0)
         x1_in = tl.load(x_ptr + _offsets8(blk, 1, G), mask=m2, other=0.0)
-        amax = tl.maximum(_amax8(x0_in), _amax8(x1_in))
+        amax = tl.maximum(_amax8(x0_in, NAN_IGNORING_MAX), _amax8(x1_in, NAN_IGNORING_MAX))
         if G == 4:
             x2_in = tl.load(x_ptr + _offsets8(blk, 2, G), mask=m2, other=0.0)
             x3_in = tl.load(x_ptr + _offsets8(blk, 3, G), mask=m2, other=0.0)
-            amax = tl.maximum(amax, tl.maximum(_amax8(x2_in), _amax8(x3_in)))
+            amax = tl.maximum(amax, tl.maximum(_amax8(x2_in, NAN_IGNORING_MAX), _amax8(x3_in, NAN_IGNORING_MAX)))
         sbyte, _, r, _ = _own_scale(amax.to(tl.float32), g_ptr, IS_NV, RCEIL)  # [BN]
-        w0, h0 = _word8(_rne_code(x0_in.to(tl.float32), r[:, None]))
-        w1, h1 = _word8(_rne_code(x1_in.to(tl.float32), r[:, None]))
+        w0, h0 = _word8(_rne_code(x0_in.to(tl.float32), r[:, None], FP_RNE))
+        w1, h1 = _word8(_rne_code(x1_in.to(tl.float32), r[:, None], FP_RNE))
         words01 = w0.to(tl.uint32, bitcast=True).to(tl.int64) | (w1.to(tl.int64) << 32)
         tl.store(scales_ptr + blk, sbyte.to(tl.uint8), mask=bmask)
         if G == 2:
@@ -276,8 +297,8 @@ def _quantize_kernel(
             if EMIT_HINTS:
                 tl.store(hints_ptr + blk, (h0 | (h1 << 8)).to(tl.int16), mask=bmask)
         else:
-            w2, h2 = _word8(_rne_code(x2_in.to(tl.float32), r[:, None]))
-            w3, h3 = _word8(_rne_code(x3_in.to(tl.float32), r[:, None]))
+            w2, h2 = _word8(_rne_code(x2_in.to(tl.float32), r[:, None], FP_RNE))
+            w3, h3 = _word8(_rne_code(x3_in.to(tl.float32), r[:, None], FP_RNE))
             words23 = w2.to(tl.uint32, bitcast=True).to(tl.int64) | (w3.to(tl.int64) << 32)
             tl.store(codes_ptr + 2 * blk, words01, mask=bmask)
             tl.store(codes_ptr + 2 * blk + 1, words23, mask=bmask)
@@ -300,13 +321,13 @@ def _per_group(ptr, blk, G: tl.constexpr, BN: tl.constexpr, NB, PER_BLOCK: tl.co
 
 
 @triton.jit
-def _fq_values(x_in, s, r, g, hint, HAS_HINTS: tl.constexpr, MANUAL_BF16: tl.constexpr):
+def _fq_values(x_in, s, r, g, hint, HAS_HINTS: tl.constexpr, MANUAL_BF16: tl.constexpr, FP_RNE: tl.constexpr):
     """Fake-quantized values of a tile x_in (any shape) with s, r broadcast to it; hint: hint bits (bit 0)."""
     x = x_in.to(tl.float32)
     if HAS_HINTS:
         vbits = _hint_value_bits(tl.abs(x) * r, hint)
     else:
-        vbits = _e2m1_bits(_rne_code(x, r) & 7)
+        vbits = _e2m1_bits(_rne_code(x, r, FP_RNE) & 7)
     out = (vbits.to(tl.float32, bitcast=True) * s) * g
     out = (out.to(tl.int32, bitcast=True) ^ (x.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32, bitcast=True)
     out = tl.where(x != x, x, out)  # NaN propagates
@@ -321,7 +342,7 @@ def _fake_quant_kernel(
     x_ptr, out_ptr, scales_ptr, hints_ptr, g_ptr, scales_out_ptr, NB,
     G: tl.constexpr, BN: tl.constexpr, IS_NV: tl.constexpr, RCEIL: tl.constexpr,
     HAS_SCALES: tl.constexpr, HAS_HINTS: tl.constexpr, STORE_SCALES: tl.constexpr, MANUAL_BF16: tl.constexpr,
-    BIG: tl.constexpr, SPLIT: tl.constexpr,
+    BIG: tl.constexpr, SPLIT: tl.constexpr, FP_RNE: tl.constexpr, NAN_IGNORING_MAX: tl.constexpr,
 ):
     blk, bmask = _blocks(NB, BN, BIG)
     lane = tl.arange(0, 8)
@@ -346,7 +367,7 @@ def _fake_quant_kernel(
             hint = _per_group(hints_ptr, blk, G, BN, NB, False)[:, :, None] >> lane[None, None, :]
         else:
             hint = 0
-        out = _fq_values(x3_in, s[:, :, None], r[:, :, None], g, hint, HAS_HINTS, MANUAL_BF16)
+        out = _fq_values(x3_in, s[:, :, None], r[:, :, None], g, hint, HAS_HINTS, MANUAL_BF16, FP_RNE)
         tl.store(out_ptr + offs, tl.reshape(out, (BN, 8 * G)), mask=bmask[:, None])
     else:
         # One thread per block: G tiles [BN, 8]. hints_ptr: int16 (G = 2) / int32 (G = 4) view, one per block.
@@ -363,9 +384,9 @@ def _fake_quant_kernel(
         if HAS_SCALES:
             s, r, g = _scale_factor(tl.load(scales_ptr + blk, mask=bmask, other=0).to(tl.int32), g_ptr, IS_NV)
         else:
-            amax = tl.maximum(_amax8(x0_in), _amax8(x1_in))
+            amax = tl.maximum(_amax8(x0_in, NAN_IGNORING_MAX), _amax8(x1_in, NAN_IGNORING_MAX))
             if G == 4:
-                amax = tl.maximum(amax, tl.maximum(_amax8(x2_in), _amax8(x3_in)))
+                amax = tl.maximum(amax, tl.maximum(_amax8(x2_in, NAN_IGNORING_MAX), _amax8(x3_in, NAN_IGNORING_MAX)))
             sb, s, r, g = _own_scale(amax.to(tl.float32), g_ptr, IS_NV, RCEIL)
             if STORE_SCALES:
                 tl.store(scales_out_ptr + blk, sb.to(tl.uint8), mask=bmask)
@@ -375,11 +396,11 @@ def _fake_quant_kernel(
             hb = tl.zeros_like(blk).to(tl.int32)
         s2 = s[:, None]
         r2 = r[:, None]
-        tl.store(out_ptr + o0, _fq_values(x0_in, s2, r2, g, hb[:, None] >> lane[None, :], HAS_HINTS, MANUAL_BF16), mask=m2)
-        tl.store(out_ptr + o1, _fq_values(x1_in, s2, r2, g, hb[:, None] >> (lane[None, :] + 8), HAS_HINTS, MANUAL_BF16), mask=m2)
+        tl.store(out_ptr + o0, _fq_values(x0_in, s2, r2, g, hb[:, None] >> lane[None, :], HAS_HINTS, MANUAL_BF16, FP_RNE), mask=m2)
+        tl.store(out_ptr + o1, _fq_values(x1_in, s2, r2, g, hb[:, None] >> (lane[None, :] + 8), HAS_HINTS, MANUAL_BF16, FP_RNE), mask=m2)
         if G == 4:
-            tl.store(out_ptr + o2, _fq_values(x2_in, s2, r2, g, hb[:, None] >> (lane[None, :] + 16), HAS_HINTS, MANUAL_BF16), mask=m2)
-            tl.store(out_ptr + o3, _fq_values(x3_in, s2, r2, g, hb[:, None] >> (lane[None, :] + 24), HAS_HINTS, MANUAL_BF16), mask=m2)
+            tl.store(out_ptr + o2, _fq_values(x2_in, s2, r2, g, hb[:, None] >> (lane[None, :] + 16), HAS_HINTS, MANUAL_BF16, FP_RNE), mask=m2)
+            tl.store(out_ptr + o3, _fq_values(x3_in, s2, r2, g, hb[:, None] >> (lane[None, :] + 24), HAS_HINTS, MANUAL_BF16, FP_RNE), mask=m2)
 
 
 @triton.jit
@@ -405,10 +426,10 @@ def _g_arg(g: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     return g.to(device=device, dtype=torch.float32).contiguous()
 
 
-def _cfg(name: str, config: tuple | None) -> tuple[int, int, bool]:
-    """(blocks per program, num_warps, split layout) of a kernel launch."""
+def _cfg(name: str, config: tuple | None) -> tuple[int, int, bool, bool]:
+    """(blocks per program, num_warps, split layout, fp-adder rounding) of a kernel launch."""
     bn, warps, *rest = config if config is not None else CONFIG[name]
-    return bn, warps, bool(rest[0]) if rest else True
+    return bn, warps, bool(rest[0]) if rest else True, bool(rest[1]) if len(rest) > 1 else False
 
 
 def _big(t: torch.Tensor) -> bool:
@@ -437,7 +458,7 @@ def quantize_blocks_triton(
     scales = torch.empty((nb,), dtype=torch.uint8, device=dev)
     hints = torch.empty((nb, b // 8), dtype=torch.uint8, device=dev) if emit_hints else None
     if nb:
-        bn, warps, split = _cfg("quantize", config)
+        bn, warps, split, fp_rne = _cfg("quantize", config)
         if split:
             codes_arg, hints_arg = codes.view(torch.int32), hints if emit_hints else scales
         else:
@@ -446,7 +467,7 @@ def quantize_blocks_triton(
         _quantize_kernel[(triton.cdiv(nb, bn),)](
             xb, codes_arg, scales, hints_arg, _g_arg(g, dev), nb,
             G=b // 8, BN=bn, IS_NV=fmt == "nvfp4", RCEIL=scale_rule == "rceil", EMIT_HINTS=emit_hints,
-            BIG=_big(xb), SPLIT=split, num_warps=warps,
+            BIG=_big(xb), SPLIT=split, FP_RNE=fp_rne, NAN_IGNORING_MAX=not _interpreting(), num_warps=warps,
         )
     return codes, scales, hints
 
@@ -466,7 +487,7 @@ def fake_quantize_blocks_triton(
     store_scales = (not has_scales) and return_scales
     scales_out = torch.empty((nb,), dtype=torch.uint8, device=dev) if store_scales else None
     if nb:
-        bn, warps, split = _cfg("fake_quant", config)
+        bn, warps, split, fp_rne = _cfg("fake_quant", config)
         dummy = torch.empty((1,), dtype=torch.int32, device=dev)
         hints_arg = dummy
         if hints_packed is not None:
@@ -482,7 +503,7 @@ def fake_quantize_blocks_triton(
             nb, G=b // 8, BN=bn, IS_NV=fmt == "nvfp4", RCEIL=scale_rule == "rceil",
             HAS_SCALES=has_scales, HAS_HINTS=hints_packed is not None, STORE_SCALES=store_scales,
             MANUAL_BF16=xb.dtype == torch.bfloat16 and _interpreting(), BIG=_big(xb), SPLIT=split,
-            num_warps=warps,
+            FP_RNE=fp_rne, NAN_IGNORING_MAX=not _interpreting(), num_warps=warps,
         )
     return out, (scales_u8 if has_scales else scales_out)
 
@@ -497,7 +518,7 @@ def fake_quantize_bwd_blocks_triton(
     nb, b = xb.shape
     out = torch.empty_like(grad_b)
     if nb:
-        bn, warps, _ = _cfg("fake_quant_bwd", config)
+        bn, warps, _, _ = _cfg("fake_quant_bwd", config)
         _fake_quant_bwd_kernel[(triton.cdiv(nb, bn),)](
             grad_b, xb, scales_u8.contiguous(), _g_arg(g, xb.device), out, nb,
             G=b // 8, BN=bn, IS_NV=fmt == "nvfp4", BIG=_big(xb), num_warps=warps,

@@ -525,16 +525,18 @@ def test_dequantize_equals_round_to_nearest_fake_quantize(fmt):
 
 @pytest.mark.skipif(not HAS_TRITON, reason="no triton")
 @pytest.mark.parametrize("fmt", FMTS)
-@pytest.mark.parametrize("split", [False, True])
-def test_triton_layout_variants_match_reference(split, fmt):
+@pytest.mark.parametrize("split,fp_rne", [(False, False), (True, False), (False, True)])
+def test_triton_layout_variants_match_reference(split, fp_rne, fmt):
     # both tile layouts (one thread per block / coalesced, a block shared by threads) and a ragged last program
     from kernels import triton_kernels as tk
 
     b = BLOCK[fmt]
     x = _random_x(13, 4 * b, torch.bfloat16, seed=21)
+    specials = [6.0, *E2M1_MIDPOINTS, *[-m for m in E2M1_MIDPOINTS], 7.0, 1e30, float("inf"), float("nan")]
+    x[0, :b] = torch.tensor((specials + [0.0] * b)[:b])  # the first block: every tie at scale 1 (g = 1 below)
     xb = x.reshape(-1, b)
-    g = ref.global_scale_ref(x) if fmt == "nvfp4" else None
-    cfg = (32, 1, split)
+    g = torch.tensor(1.0) if fmt == "nvfp4" else None
+    cfg = (32, 1, split, fp_rne)
     want = ref.quantize_blocks_ref(xb, fmt, g)
     got = tk.quantize_blocks_triton(xb, fmt, g, config=cfg)
     for a, w in zip(got, want):
