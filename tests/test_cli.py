@@ -230,15 +230,16 @@ def test_tail_json_resumes_exactly_from_its_cursor(built, capsys):
 
 
 def test_tail_follows_new_commits(fresh):
-    proc = subprocess.Popen([sys.executable, "-m", "tracestore.cli", "tail", fresh, "--json", "--timeout", "20",
-                             "--max-records", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=REPO)
+    store = ts.open_store(fresh)
+    # an explicit cursor at the head: no race with the subprocess's start-up
+    proc = subprocess.Popen([sys.executable, "-m", "tracestore.cli", "tail", fresh, "--json", "--timeout", "30",
+                             "--max-records", "1", "--cursor", store.snapshot().to_cursor()],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     try:
-        store = ts.open_store(fresh)
-        time.sleep(1.0)  # let the tail start at the current head
+        time.sleep(0.5)  # usually the tail is polling by now; either way it starts at the cursor
         with store.writer("w2", commit_interval_s=0) as w:
             w.write("traj-new", 0, **rows(store, "traj-new", 0, 5, policy_version=7))
-        out, err = proc.communicate(timeout=30)
+        out, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
     assert proc.returncode == 0, err
