@@ -57,7 +57,7 @@ class DemoConfig:
     fp4: str = "experts"
     seed: int = 0
     store: str | None = None
-    backward: bool = True
+    backward: bool = False
     micro_batch_tokens: int = 8192
     flush_tokens: int = 128
     device: str = "cpu"

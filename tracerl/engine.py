@@ -87,8 +87,9 @@ class RolloutEngine:
     def _on_route(self, layer: int, idx: torch.Tensor) -> None:
         rids, pos, rows = self._rows
         ids = idx.index_select(0, rows).to(torch.uint8)
-        if self.recorder is not None and self.record_experts:
-            self.recorder.record_experts(rids, pos, f"model.layers.{layer}.mlp", ids)
+        name = f"model.layers.{layer}.mlp"
+        if self.recorder is not None and self.record_experts and name in self.recorder.moe_layers:
+            self.recorder.record_experts(rids, pos, name, ids)
         self._experts.setdefault(layer, []).append((rids, pos, ids))
 
     def _left_pad(self, prompts, device):

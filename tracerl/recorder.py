@@ -253,6 +253,8 @@ class RolloutRecorder:
 
     def record_experts(self, request_ids, positions, layer: str, expert_ids) -> None:
         """Routed expert ids [N, top_k] (any int dtype; stored as uint8) of MoE layer ``layer``."""
+        if ("experts", layer) not in self._fields:
+            raise RecorderError(f"MoE layer {layer!r} is not recorded; recorded layers: {self.moe_layers[:4]}...")
         self._stage(("experts", layer), request_ids, positions, expert_ids)
 
     def record_tokens(self, request_ids, positions, token_ids, logprobs) -> None:

@@ -6,10 +6,14 @@ with no KV cache: a different numerical path from the rollout's token-by-token d
 (`tracerl.qat.MODES`). In ``fp4_rne_rollout_scales`` and ``fp4_hints`` the hinted sites take the rollout's
 block scales (and hint bits) from the packed batch, row for row.
 
-Packed layout: models with full attention only run the THD batch as one row [1, T] with per-segment
-positions (Hugging Face's packed-sequence detection turns position resets into a block-diagonal causal
-mask). Models with linear-attention layers (Qwen3.5-MoE's Gated DeltaNet has no varlen path in torch) run the
-segments right-padded as [S, L_max]; hints are scattered to the padded rows and pad rows get scale 0.
+Compute layout: the THD batch is the data layout; how the model runs it is ``layout``:
+
+- ``"padded"`` (default): the segments right-padded as [S, L_max]; hints are scattered to the padded rows
+  and pad rows get scale 0. Attention costs S * L_max^2, and it is the only layout for models with
+  linear-attention layers (Qwen3.5-MoE's Gated DeltaNet has no varlen path in torch).
+- ``"packed"``: one row [1, T] with per-segment positions (Hugging Face's packed-sequence detection turns the
+  position resets into a block-diagonal causal mask). Without a varlen attention kernel (flash-attention)
+  that mask costs T^2, so it only pays with one.
 """
 
 from __future__ import annotations
@@ -41,10 +45,14 @@ class RecomputeResult:
 class QATTrainer:
     """Forward (+ backward) of packed micro-batches in one of `tracerl.qat.MODES`."""
 
-    def __init__(self, model: torch.nn.Module, runtime: FP4Runtime):
+    def __init__(self, model: torch.nn.Module, runtime: FP4Runtime, *, layout: str = "padded"):
+        if layout not in ("padded", "packed"):
+            raise ConfigError(f"layout {layout!r}; supported: padded, packed")
+        if layout == "packed" and has_linear_attention(model):
+            raise ConfigError("layout='packed' needs a model without linear-attention layers; use 'padded'")
         self.model = model
         self.runtime = runtime
-        self.padded = has_linear_attention(model)
+        self.padded = layout == "padded"
 
     def _layout(self, packed: PackedHints, device) -> tuple[dict, torch.Tensor]:
         """Model inputs and the flat forward row of each THD token (long [T])."""
@@ -131,7 +139,7 @@ class QATTrainer:
                     loss.backward()
                     norms = [p.grad.float().norm() for p in model.parameters() if p.grad is not None]
                     grad_norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
-                    loss_v = float(loss)
+                    loss_v = float(loss.detach())
             out = torch.full((len(tok),), float("nan"), device=device)
             out[idx] = lp.detach()
             if device.type == "cuda":
