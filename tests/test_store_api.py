@@ -363,3 +363,33 @@ def test_snapshot_cursor_and_refresh(tmp_path):
     assert [x.traj_id for x in after] == ["b"]
     assert "b" not in r and "b" in r.refresh()
     check_batch(store, ts.read_record(store, after[0]), "b", 0, 5)
+
+
+def test_checkpoints(location, monkeypatch):
+    import tracestore.store as store_mod
+
+    monkeypatch.setattr(store_mod, "CHECKPOINT_MIN_ENTRIES", 2)
+    store = make_store(location)
+    with store.writer("w", commit_interval_s=0) as w:
+        for i in range(5):
+            w.write(f"t{i % 2}", (i // 2) * 4, **rows(store, f"t{i % 2}", (i // 2) * 4, (i // 2) * 4 + 4))
+            w.flush()
+    assert store.compact() == 5 and store.compact() is None
+    assert "index/000000000005.parquet" in location.keys()
+    # a fresh store object loads entries 0..4 from the checkpoint: a damaged entry is not even read
+    entry1 = location.read("log/000000000001.arrow")
+    location.write("log/000000000001.arrow", entry1[: len(entry1) // 2])
+    fresh = ts.open_store(location.url, storage_options=location.options)
+    r = fresh.reader()
+    assert r.info("t0").num_tokens == 12 and r.info("t1").num_tokens == 8
+    check_batch(fresh, r.read("t0"), "t0", 0, 12)
+    rep = ts.verify(fresh)  # verify reads every entry itself and compares the checkpoint
+    assert any("log entry 1" in e for e in rep.errors)
+    location.write("log/000000000001.arrow", entry1)  # repair
+    assert ts.verify(fresh).ok
+    # a damaged checkpoint is ignored (with a warning): readers fall back to the log entries
+    location.flip("index/000000000005.parquet", 30)
+    again = ts.open_store(location.url, storage_options=location.options)
+    assert again.reader().info("t0").num_tokens == 12
+    assert any("checkpoint" in e for e in ts.verify(again).errors)
+    assert ts.info(again)["bytes"]["checkpoints"] > 0

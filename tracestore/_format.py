@@ -18,6 +18,12 @@ DATA_PREFIX = "data/"
 #: log entry keys: ``log/<seq, 12 zero-padded decimal digits>.arrow`` so that lexical order is log order
 LOG_DIGITS = 12
 LOG_SUFFIX = ".arrow"
+#: optional checkpoints: ``index/<log_end, 12 digits>.parquet`` holds all records of entries ``[0, log_end)``
+INDEX_PREFIX = "index/"
+INDEX_SUFFIX = ".parquet"
+#: readers use a checkpoint instead of this many (or more) individual entry GETs
+CHECKPOINT_MIN_ENTRIES = 64
+
 #: temporary objects written by the local backend before an atomic rename/link; never part of the format
 PARTIAL_SUFFIX = ".partial"
 
@@ -42,6 +48,17 @@ DEFAULT_GC_GRACE_S = 3600.0
 
 def log_key(seq: int) -> str:
     return f"{LOG_PREFIX}{seq:0{LOG_DIGITS}d}{LOG_SUFFIX}"
+
+
+def checkpoint_key(log_end: int) -> str:
+    return f"{INDEX_PREFIX}{log_end:0{LOG_DIGITS}d}{INDEX_SUFFIX}"
+
+
+def parse_checkpoint_key(key: str) -> int | None:
+    if not key.startswith(INDEX_PREFIX) or not key.endswith(INDEX_SUFFIX):
+        return None
+    body = key[len(INDEX_PREFIX) : -len(INDEX_SUFFIX)]
+    return int(body) if len(body) == LOG_DIGITS and body.isdigit() else None
 
 
 def parse_log_key(key: str) -> int | None:

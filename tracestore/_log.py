@@ -198,3 +198,114 @@ def _check_entry(entry: LogEntry, where: str) -> None:
 
 def entry_key(seq: int) -> str:
     return log_key(seq)
+
+
+# ---------------------------------------------------------------------- checkpoints
+_CKPT_META_KEY = b"tracestore.checkpoint"
+_ENTRY_INT_FIELDS = ("seq", "writer_seq", "rows", "chunk_rows", "shard_bytes", "segment_nbytes")
+_RECORD_INT_FIELDS = ("token_start", "token_stop", "row_offset", "policy_version")
+
+
+def _checkpoint_schema() -> pa.Schema:
+    fields = [pa.field("seq", pa.int64(), nullable=False), pa.field("writer_id", pa.string(), nullable=False),
+              pa.field("writer_seq", pa.int64(), nullable=False), pa.field("segment", pa.string(), nullable=False),
+              pa.field("rows", pa.int64(), nullable=False), pa.field("chunk_rows", pa.int64(), nullable=False),
+              pa.field("shard_bytes", pa.int64(), nullable=False),
+              pa.field("created_unix", pa.float64(), nullable=False),
+              pa.field("segment_nbytes", pa.int64(), nullable=False)]
+    return pa.schema(fields + list(_SCHEMA))
+
+
+def _checkpoint_canonical(cols: dict) -> bytes:
+    parts = []
+    for name in _checkpoint_schema().names:
+        values = cols[name]
+        if isinstance(values, list):  # strings
+            parts.append(_canonical(values, []))
+        else:
+            parts.append(np.ascontiguousarray(values, dtype="<f8" if name == "created_unix" else "<i8").tobytes())
+    return b"".join(parts)
+
+
+def encode_checkpoint(entries: list[LogEntry]) -> bytes:
+    """All records of log entries ``0 .. len(entries)-1`` in one Parquet file (``index/<log_end>.parquet``).
+
+    A checkpoint only saves readers the per-entry GETs; the log entries stay the source of truth."""
+    import pyarrow.parquet as pq
+
+    cols: dict = {name: [] for name in _checkpoint_schema().names}
+    for e in entries:
+        n = len(e)
+        for name, value in (("seq", e.seq), ("writer_id", e.writer_id), ("writer_seq", e.writer_seq),
+                            ("segment", e.segment.path), ("rows", e.segment.rows),
+                            ("chunk_rows", e.segment.chunk_rows), ("shard_bytes", e.segment.shard_bytes),
+                            ("created_unix", e.created_unix), ("segment_nbytes", e.segment_nbytes)):
+            cols[name].extend([value] * n)
+        cols["traj_id"].extend(e.traj_ids)
+        for name in _RECORD_INT_FIELDS:
+            cols[name].extend(getattr(e, name).tolist())
+    arrays = {k: (v if k in ("writer_id", "segment", "traj_id") else np.asarray(v, np.float64 if k == "created_unix"
+                                                                                   else np.int64))
+              for k, v in cols.items()}
+    crc = crc32c(_checkpoint_canonical(arrays))
+    meta = json.dumps({"format_version": FORMAT_VERSION, "log_end": len(entries), "crc32c": f"{crc:08x}"},
+                      separators=(",", ":")).encode()
+    schema = _checkpoint_schema().with_metadata({_CKPT_META_KEY: meta})
+    table = pa.table([pa.array(arrays[n], schema.field(n).type) for n in schema.names], schema=schema)
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, compression="zstd")
+    return sink.getvalue().to_pybytes()
+
+
+def decode_checkpoint(data: bytes, log_end: int, where: str) -> list[LogEntry]:
+    """Entries ``0 .. log_end-1`` from a checkpoint. Raises IntegrityError / SchemaVersionError."""
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(pa.BufferReader(data))
+    except (pa.ArrowException, OSError) as e:
+        raise IntegrityError(f"checkpoint {where} is truncated or not Parquet: {e}") from e
+    try:
+        meta = json.loads((table.schema.metadata or {})[_CKPT_META_KEY])
+    except (KeyError, ValueError) as e:
+        raise IntegrityError(f"checkpoint {where} lacks valid tracestore.checkpoint metadata") from e
+    if meta.get("format_version") not in SUPPORTED_FORMAT_VERSIONS:
+        raise SchemaVersionError(f"checkpoint {where} has format_version {meta.get('format_version')!r}; this "
+                                 f"tracestore reads versions {list(SUPPORTED_FORMAT_VERSIONS)}")
+    if meta.get("log_end") != log_end or table.schema.remove_metadata() != _checkpoint_schema():
+        raise IntegrityError(f"checkpoint {where}: log_end or columns do not match its key")
+    cols = {n: (table.column(n).to_pylist() if n in ("writer_id", "segment", "traj_id")
+                else table.column(n).to_numpy()) for n in table.schema.names}
+    if f"{crc32c(_checkpoint_canonical(cols)):08x}" != meta.get("crc32c"):
+        raise IntegrityError(f"checkpoint {where}: crc32c mismatch")
+    seqs = cols["seq"]
+    entries: list[LogEntry] = []
+    bounds = np.flatnonzero(np.diff(seqs)) + 1
+    starts = [0, *bounds.tolist()]
+    stops = [*bounds.tolist(), len(seqs)]
+    for a, b in zip(starts, stops):
+        seq = int(seqs[a])
+        if seq != len(entries):
+            raise IntegrityError(f"checkpoint {where}: entries are not dense (found {seq}, expected {len(entries)})")
+        writer_id = cols["writer_id"][a]
+        entry = LogEntry(
+            seq=seq, writer_id=writer_id, writer_seq=int(cols["writer_seq"][a]),
+            segment=SegmentRef(cols["segment"][a], writer_id, int(cols["rows"][a]), int(cols["chunk_rows"][a]),
+                               int(cols["shard_bytes"][a])),
+            created_unix=float(cols["created_unix"][a]), segment_nbytes=int(cols["segment_nbytes"][a]),
+            traj_ids=cols["traj_id"][a:b],
+            **{n: cols[n][a:b].astype(np.int64) for n in _RECORD_INT_FIELDS},
+        )
+        _check_entry(entry, f"{where} (entry {seq})")
+        entries.append(entry)
+    if len(entries) != log_end:
+        raise IntegrityError(f"checkpoint {where} holds {len(entries)} entries, expected {log_end}")
+    return entries
+
+
+def same_entry(a: LogEntry, b: LogEntry) -> bool:
+    """Field-by-field equality of two decoded entries (for checking checkpoints against the log)."""
+    return (a.seq == b.seq and a.writer_id == b.writer_id and a.writer_seq == b.writer_seq and a.segment == b.segment
+            and a.created_unix == b.created_unix and a.segment_nbytes == b.segment_nbytes
+            and a.traj_ids == b.traj_ids
+            and all(np.array_equal(getattr(a, n), getattr(b, n)) for n in _RECORD_INT_FIELDS))

@@ -12,8 +12,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ._format import DATA_PREFIX, LOG_PREFIX, MANIFEST_KEY, PARTIAL_SUFFIX, parse_log_key
-from ._log import LogEntry
+from ._format import (
+    DATA_PREFIX,
+    INDEX_PREFIX,
+    LOG_PREFIX,
+    MANIFEST_KEY,
+    PARTIAL_SUFFIX,
+    checkpoint_key,
+    parse_checkpoint_key,
+    parse_log_key,
+)
+from ._log import LogEntry, decode_checkpoint, same_entry
 from ._segment import array_metadata, layout
 from .errors import IntegrityError, ObjectNotFoundError, SchemaVersionError, TraceStoreError
 
@@ -49,14 +58,15 @@ def info(store) -> dict:
     """A JSON-able summary: declaration, log and trajectory counts, and stored bytes by category.
 
     ``bytes``: ``payload`` (hint + scale shards), ``trace`` (token ids, log-probs, experts shards),
-    ``zarr_metadata`` (zarr.json objects), ``log`` (log entries), ``manifest``, ``orphan`` (data of no committed
+    ``zarr_metadata`` (zarr.json objects), ``log`` (log entries), ``checkpoints`` (``index/``), ``manifest``, ``orphan`` (data of no committed
     entry), ``partial`` (unfinished temporary files), ``total``. ``payload_logical_bytes`` = committed tokens x
     hint+scale bytes per token; ``overhead`` = everything stored except orphans and trace, over that.
     """
     objects = store.backend.list("")
     entries = _all_entries(store)
     referenced = {e.segment.path for e in entries}
-    cats = dict.fromkeys(("payload", "trace", "zarr_metadata", "log", "manifest", "orphan", "partial", "other"), 0)
+    cats = dict.fromkeys(("payload", "trace", "zarr_metadata", "log", "checkpoints", "manifest", "orphan", "partial",
+                          "other"), 0)
     for o in objects:
         name = o.key.rsplit("/", 1)[-1]
         seg = _segment_of(o.key)
@@ -66,6 +76,8 @@ def info(store) -> dict:
             cats["manifest"] += o.size
         elif o.key.startswith(LOG_PREFIX):
             cats["log" if parse_log_key(o.key) is not None else "other"] += o.size
+        elif o.key.startswith(INDEX_PREFIX):
+            cats["checkpoints" if parse_checkpoint_key(o.key) is not None else "other"] += o.size
         elif seg is not None and seg not in referenced:
             cats["orphan"] += o.size
         elif seg is not None and name == "zarr.json":
@@ -201,6 +213,17 @@ def verify(store, *, progress: Progress | None = None) -> VerifyReport:
         for (a0, b0, q0), (a1, b1, q1) in zip(rs, rs[1:]):
             if a1 < b0:
                 report.errors.append(f"trajectory {t!r}: [{a0}, {b0}) (entry {q0}) overlaps [{a1}, {b1}) (entry {q1})")
+    by_seq = {e.seq: e for e in entries}
+    for n in store.checkpoints():
+        key = checkpoint_key(n)
+        try:
+            ck = decode_checkpoint(store.backend.get(key), n, f"{store.url}/{key}")
+        except (IntegrityError, SchemaVersionError, ObjectNotFoundError) as e:
+            report.errors.append(f"checkpoint {key}: {e}")
+            continue
+        bad = [c.seq for c in ck if c.seq not in by_seq or not same_entry(c, by_seq[c.seq])]
+        if bad:
+            report.errors.append(f"checkpoint {key} disagrees with log entries {bad[:5]}")
     seen: set[str] = set()
     for k, e in enumerate(entries):
         if progress is not None:

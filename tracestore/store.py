@@ -18,6 +18,10 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from ._format import (
+    CHECKPOINT_MIN_ENTRIES,
+    INDEX_PREFIX,
+    checkpoint_key,
+    parse_checkpoint_key,
     DEFAULT_CHUNK_ROWS,
     DEFAULT_GC_GRACE_S,
     DEFAULT_SHARD_BYTES,
@@ -30,7 +34,7 @@ from ._format import (
     check_name,
     log_key,
 )
-from ._log import LogEntry, decode_entry
+from ._log import LogEntry, decode_checkpoint, decode_entry, encode_checkpoint
 from ._segment import ArraySpec
 from .backend import Backend, open_backend
 from .errors import (
@@ -299,6 +303,10 @@ class Store:
 
         Raises IntegrityError if one is missing, or as :func:`decode_entry`."""
         with self._cache_lock:
+            have = len(self._entries)
+        if have < hi and hi - have >= CHECKPOINT_MIN_ENTRIES and lo <= have:
+            self._load_checkpoint(hi)
+        with self._cache_lock:
             cached = self._entries[lo:min(hi, len(self._entries))]
         out: list[LogEntry] = list(cached)
         batch = 256
@@ -315,6 +323,51 @@ class Store:
                 self._entries.extend(out[len(self._entries) - lo:])
         self._note_head(hi)
         return out
+
+    def checkpoints(self) -> list[int]:
+        """``log_end`` of every checkpoint object (``index/<log_end>.parquet``), ascending (one listing)."""
+        if not self.backend.supports_listing:
+            return []
+        return sorted(n for o in self.backend.list(INDEX_PREFIX) if (n := parse_checkpoint_key(o.key)) is not None)
+
+    def _load_checkpoint(self, hi: int) -> None:
+        """Fill the entry cache from the newest usable checkpoint with ``log_end <= hi`` (if it saves reads).
+        A checkpoint that fails its checks is skipped with a warning: the log entries are the source of truth."""
+        try:
+            ends = [n for n in self.checkpoints() if n <= hi]
+        except TraceStoreError as e:
+            log.warning("%s: cannot list checkpoints: %s", self.url, e)
+            return
+        with self._cache_lock:
+            have = len(self._entries)
+        for n in reversed(ends):
+            if n - have < CHECKPOINT_MIN_ENTRIES:
+                return
+            key = checkpoint_key(n)
+            try:
+                entries = decode_checkpoint(self.backend.get(key), n, f"{self.url}/{key}")
+            except (TraceStoreError, SchemaVersionError) as e:
+                log.warning("ignoring checkpoint %s/%s: %s", self.url, key, e)
+                continue
+            with self._cache_lock:
+                if len(self._entries) < n:
+                    self._entries = entries
+            self._note_head(n)
+            return
+
+    def compact(self) -> int | None:
+        """Write a checkpoint of the whole log (``index/<head>.parquet``) so that new readers and writers load
+        one object instead of one per entry. Returns its ``log_end``, or None when the log is empty or a
+        checkpoint at the head exists. Safe to run concurrently with writers (the checkpoint is immutable and
+        covers a prefix of the log)."""
+        head = self.head()
+        if head == 0:
+            return None
+        key = checkpoint_key(head)
+        if self.backend.exists(key):
+            return None
+        data = encode_checkpoint(self.read_entries(0, head))
+        return head if self.backend.put_if_absent(key, data) else None
 
     # ------------------------------------------------------------------ public API
     def snapshot(self) -> Snapshot:
