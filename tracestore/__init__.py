@@ -29,7 +29,7 @@ from .errors import (
     TraceStoreError,
     UnknownSiteError,
 )
-from .maintenance import GcReport, VerifyReport, collect_garbage, info, verify
+from .maintenance import GcReport, VerifyReport, collect_garbage, compact, info, verify
 from .reader import CommittedRecord, Reader, Stream, TraceBatch, TrajectoryInfo, read_record
 from .store import Site, Snapshot, Store, create_store, open_store
 from .writer import Writer
@@ -40,7 +40,7 @@ __all__ = [
     "FORMAT_VERSION", "SUPPORTED_FORMAT_VERSIONS",
     "Site", "Store", "Snapshot", "create_store", "open_store",
     "Writer", "Reader", "Stream", "TraceBatch", "TrajectoryInfo", "CommittedRecord", "read_record",
-    "verify", "collect_garbage", "info", "VerifyReport", "GcReport",
+    "verify", "collect_garbage", "compact", "info", "VerifyReport", "GcReport",
     "Backend", "ByteRange", "ObjectInfo", "open_backend",
     "TraceStoreError", "SchemaVersionError", "IntegrityError", "HintNotFoundError", "OverlapError",
     "InvalidIdError", "ShapeError", "DTypeError", "UnknownSiteError", "StoreExistsError", "StoreNotFoundError",

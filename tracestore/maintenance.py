@@ -26,7 +26,7 @@ from ._log import LogEntry, decode_checkpoint, same_entry
 from ._segment import array_metadata, layout
 from .errors import IntegrityError, ObjectNotFoundError, SchemaVersionError, TraceStoreError
 
-__all__ = ["info", "verify", "collect_garbage", "VerifyReport", "GcReport"]
+__all__ = ["info", "verify", "collect_garbage", "compact", "VerifyReport", "GcReport"]
 
 log = logging.getLogger(__name__)
 
@@ -320,3 +320,8 @@ def collect_garbage(store, *, grace_s: float | None = None, dry_run: bool = Fals
         log.info("gc %s: deleted %d segments, %d objects, %d bytes", store.url, len(report.deleted_segments),
                  report.deleted_objects, report.deleted_bytes)
     return report
+
+
+def compact(store) -> int | None:
+    """Write a checkpoint of the whole log (see :meth:`Store.compact`); returns its ``log_end`` or None."""
+    return store.compact()
