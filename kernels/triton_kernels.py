@@ -38,12 +38,14 @@ import triton.language as tl
 
 __all__ = ["quantize_blocks_triton", "fake_quantize_blocks_triton", "fake_quantize_bwd_blocks_triton", "CONFIG"]
 
-#: default launch configuration per kernel: (blocks per program BN, num_warps); tuned on an H200 by
-#: benchmarks/benchmark_kernels.py (see benchmarks/results/kernels-h200.json)
+#: default launch configuration per kernel: (blocks per program BN, num_warps, split layout, fp-adder rounding),
+#: the best of the sweep on an H200 at hidden 2048 and 7168 (benchmarks/results/kernels-h200.json). "split":
+#: a block's values spread over adjacent threads (coalesced 16-byte pieces) instead of one thread per block.
 CONFIG: dict[str, tuple[int, int, bool, bool]] = {
-    "quantize": (256, 8, False, False),
-    "fake_quant": (256, 8, False, False),
-    "fake_quant_bwd": (512, 8, True, False),
+    "quantize": (128, 4, False, True),
+    "fake_quant": (128, 4, False, False),  # hint-guided
+    "fake_quant_rtn": (256, 4, True, False),  # round to nearest (no hints)
+    "fake_quant_bwd": (256, 4, True, False),
 }
 
 
@@ -487,7 +489,7 @@ def fake_quantize_blocks_triton(
     store_scales = (not has_scales) and return_scales
     scales_out = torch.empty((nb,), dtype=torch.uint8, device=dev) if store_scales else None
     if nb:
-        bn, warps, split, fp_rne = _cfg("fake_quant", config)
+        bn, warps, split, fp_rne = _cfg("fake_quant" if hints_packed is not None else "fake_quant_rtn", config)
         dummy = torch.empty((1,), dtype=torch.int32, device=dev)
         hints_arg = dummy
         if hints_packed is not None:
