@@ -75,7 +75,7 @@ def mismatches(a, b) -> int:
         return -2
     if a.dtype.is_floating_point:
         na, nb = torch.isnan(a), torch.isnan(b)
-        return int(((bits(a) != bits(b)) & ~(na & nb)).sum())
+        return int(((bits(a) != bits(b)) & ~(na & nb)).sum())  # +0.0 vs -0.0 counts as a mismatch
     return int((a != b).sum())
 
 

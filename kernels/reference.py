@@ -245,9 +245,10 @@ def quantize_blocks_ref(
 
 
 def _assemble(mag: torch.Tensor, negative: torch.Tensor, s: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """(E2M1[mag] * s) * g in fp32 with the sign applied last (so -0 stays -0)."""
+    """(E2M1[mag] * s) * g in fp32 with the sign applied last by flipping the sign bit (so -0 stays -0; a
+    unary minus compiled by torch.compile into Triton is 0 - x, which turns -0.0 into +0.0)."""
     out = (e2m1_value(mag) * s[:, None]) * g
-    return torch.where(negative, -out, out)
+    return (out.view(torch.int32) ^ (negative.to(torch.int32) << 31)).view(torch.float32)
 
 
 def dequantize_blocks_ref(

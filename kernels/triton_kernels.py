@@ -7,19 +7,30 @@ numbers of blocks, so block k is simply elements [kB, (k+1)B)); every program ow
 - `_fake_quant_kernel`: x [NB, B] (+ scale bytes, hint bytes) -> out [NB, B] in x.dtype (RTN or hint-guided)
 - `_fake_quant_bwd_kernel`: clipped straight-through gradient (grad where not |x * r| > 6)
 
-Layout: a block is loaded as G = B/8 separate tiles [BN, 8] of identical shape, so one thread holds whole
-blocks (each 8-value row is one 16-byte load for 16-bit inputs): the block amax, the 32-bit word of 8 packed
-codes and the hint byte are in-thread reductions (no shuffles), and a block's codes/hints/scale leave in one
-8-/2-/1-byte store (NVFP4).
+Two tile layouts (constexpr SPLIT; the default per kernel is in CONFIG):
+- one thread per block (SPLIT=False): a block is loaded as G = B/8 tiles [BN, 8] of identical shape, so the
+  block amax, the 32-bit word of 8 packed codes and the hint byte are in-thread reductions and a block's
+  codes/hints/scale leave in one 8-/2-/1-byte store (NVFP4). Each warp load instruction uses half of every
+  32-byte sector (the other half comes from L1 on the next load); the per-block work (3 correctly rounded
+  divisions, E4M3 rounding) is amortized over 16 values. Best for quantize and hint-guided fake quant.
+- split (SPLIT=True): a [BN, B] tile, 16-byte pieces to adjacent threads (fully coalesced), a block shared by
+  G threads (one shuffle for the amax), per-block work repeated in each of them, flat per-group stores with
+  contiguity 1 (a vectorized store would go through shared memory). Best for the light kernels (backward,
+  round-to-nearest fake quant).
 
-These kernels are bound by instructions per element, not bytes, so the per-element math uses integer tricks
-that give the same results as the reference's comparisons (tested bit for bit):
+These kernels are bound by the integer (ALU) pipe, not by bytes (on an H200 the ALU pipe does 64 lanes/clock per
+SM against 128 for FP32 multiply-adds), so the per-element math uses tricks that move work to the FMA pipe and
+give the same results as the reference's comparisons (tested bit for bit):
 - RNE onto the E2M1 ladder: for 1 <= a <= 6, round the fp32 bits of a to one mantissa bit
-  (rb = b + 0x1FFFFF + ((b >> 22) & 1)); the code is (rb >> 22) - 252. Below 1 the ladder is uniform (0, 0.5,
-  1): code = bits(2a + 2^23) - bits(2^23) (round to nearest even by the fp32 adder; 2a is exact). |v| is
-  clamped to 6 first (6 < |v|, Inf and NaN all give code 7).
-- Hint-guided k = #{ladder <= a}: the same with truncation instead of rounding.
-- E2M1 value of index i >= 2 is the float with bits (i + 252) << 22.
+  (rb = b + 0x1FFFFF + ((b >> 22) & 1)); the code is (rb >> 22) - 252; or (FP_RNE) with the fp32 adder,
+  (a + 2^(e+22)) - 2^(e+22). Below 1 the ladder is uniform (0, 0.5, 1): code = bits(2a + 2^23) - bits(2^23)
+  (round to nearest even by the fp32 adder; 2a is exact). 6 < |v|, Inf and NaN all give code 7.
+- Hint-guided rounding: with b the bits of min(|v|, 6) (just below 6), k + 252 = b >> 22 for a >= 1, so the
+  value bits are (b & 0xFFC00000) + ((((b >> 22) ^ hint) & 1) << 22).
+- E2M1 value of index i >= 2 is the float with bits (i + 252) << 22; the hint byte is gathered from the code
+  word by three carry-free multiplications; the sign by a high multiply (x_bits >> 28).
+- On GPU the block amax uses a + (a - a) (NaN for +-Inf/NaN) and the NaN-ignoring hardware max; the
+  interpreter (whose max propagates NaN) uses a select instead. Both ignore non-finite values.
 
 Exactness rules that keep them bit-identical to the reference:
 - every division is `tl.math.div_rn` (correctly rounded; Triton's `/` on fp32 is the approximate div.full.f32);
