@@ -199,13 +199,16 @@ def _metrics(cfg, packed, recomputes, roll: RolloutResult, floor: RolloutResult,
 
     def gather(per_request):
         """Engine per-request arrays [P_b + fed, ...] -> THD rows."""
-        return np.stack([per_request[t][p] for t, p in zip(rows_traj, rows_pos)])
+        dense = np.zeros((len(per_request), max(len(a) for a in per_request), *per_request[0].shape[1:]),
+                         dtype=per_request[0].dtype)
+        for i, a in enumerate(per_request):
+            dense[i, : len(a)] = a
+        return dense[rows_traj, rows_pos]
 
     modes: dict[str, dict] = {}
     edges = [0, 64, 128, 192, 256, 1 << 30]
     floor_lp = np.full(len(rows_pos), np.nan, dtype=np.float32)
-    floor_lp[response] = [floor.logprobs[t][p - prompt_len[t]] for t, p in zip(rows_traj[response],
-                                                                              rows_pos[response])]
+    floor_lp[response] = np.stack(floor.logprobs)[rows_traj[response], resp_pos[response]]
     for mode in REPORT_MODES:
         src = "bf16" if mode == "floor" else mode
         train_lp = cat(src, lambda r: r.logprobs)

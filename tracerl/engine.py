@@ -61,6 +61,7 @@ class RolloutEngine:
         keep_codes: bool = False,
         feed_last: bool = True,
         attn_implementation: str | None = "sdpa",
+        collect_routes: bool = True,
     ):
         self.model = model
         self.runtime = runtime
@@ -69,6 +70,7 @@ class RolloutEngine:
         self.keep_codes = keep_codes
         self.feed_last = feed_last
         self.attn_implementation = attn_implementation
+        self.collect_routes = collect_routes
         self._cache_kw = _cache_kwarg(model)
         self._rows: tuple[list[str], np.ndarray, torch.Tensor] | None = None
         self._codes: dict[str, list] = {}
@@ -77,16 +79,16 @@ class RolloutEngine:
     # Callbacks from the runtime: rows of the current forward -> (request ids, positions).
     def _on_capture(self, site: str, q) -> None:
         rids, pos, rows = self._rows
-        hints = q.hints.index_select(0, rows)
-        scales = q.scales.index_select(0, rows)
+        hints = q.hints if rows is None else q.hints.index_select(0, rows)
+        scales = q.scales if rows is None else q.scales.index_select(0, rows)
         if self.recorder is not None:
             self.recorder.record_sites(rids, pos, site, hints, scales)
         if self.keep_codes:
-            self._codes.setdefault(site, []).append((rids, pos, q.codes.index_select(0, rows)))
+            self._codes.setdefault(site, []).append((rids, pos, q.codes if rows is None else q.codes.index_select(0, rows)))
 
     def _on_route(self, layer: int, idx: torch.Tensor) -> None:
         rids, pos, rows = self._rows
-        ids = idx.index_select(0, rows).to(torch.uint8)
+        ids = (idx if rows is None else idx.index_select(0, rows)).to(torch.uint8)
         name = f"model.layers.{layer}.mlp"
         if self.recorder is not None and self.record_experts and name in self.recorder.moe_layers:
             self.recorder.record_experts(rids, pos, name, ids)
@@ -135,14 +137,16 @@ class RolloutEngine:
         plens_t = torch.tensor(plens, device=device)
         gen = torch.Generator(device=device).manual_seed(seed)
 
+        rec = self.recorder
         prev_mode = rt.mode
         prev_attn = model.config._attn_implementation
         if self.attn_implementation is not None:
             model.config._attn_implementation = self.attn_implementation
         rt.set_mode(mode)
-        rt.capture, rt.on_route = self._on_capture, self._on_route
+        collect = rec is not None or self.keep_codes or self.collect_routes
+        rt.capture = self._on_capture if (rec is not None or self.keep_codes) else None
+        rt.on_route = self._on_route if collect else None
         self._codes, self._experts = {}, {}
-        rec = self.recorder
         if rec is not None:
             for r in rids:
                 rec.begin(r, policy_version)
@@ -181,7 +185,6 @@ class RolloutEngine:
             t1 = time.perf_counter()
             logits = out.logits[:, -1, :]  # (B, V)
             toks, lps = [], []
-            all_rows = torch.arange(bsz, device=device)
             for step in range(max_new_tokens):
                 logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # (B, V)
                 if forced_tokens is not None:
@@ -197,7 +200,7 @@ class RolloutEngine:
                 if step == max_new_tokens - 1 and not self.feed_last:
                     break
                 mask = torch.cat([mask, torch.ones(bsz, 1, dtype=mask.dtype, device=device)], dim=-1)
-                self._rows = (rids, positions, all_rows)
+                self._rows = (rids, positions, None)  # decode: every batch row is a request's token
                 out = model(
                     input_ids=tok[:, None],
                     attention_mask=mask,
@@ -239,10 +242,9 @@ class RolloutEngine:
     def _assemble(parts, rids, plens, gen) -> list[np.ndarray]:
         """Per-step captures -> per request arrays over the fed positions [0, P_b + fed)."""
         index = {r: i for i, r in enumerate(rids)}
-        width = parts[0][2].shape[1:]
-        out = [np.zeros((plens[i] + gen, *width), dtype=np.uint8) for i in range(len(rids))]
+        width = tuple(parts[0][2].shape[1:])
+        dense = np.zeros((len(rids), max(plens) + gen, *width), dtype=np.uint8)
         for prid, ppos, val in parts:
-            v = val.cpu().numpy()
-            for j, (r, p) in enumerate(zip(prid, ppos)):
-                out[index[r]][p] = v[j]
-        return out
+            b = np.fromiter((index[r] for r in prid), dtype=np.int64, count=len(prid))
+            dense[b, np.asarray(ppos)] = val.cpu().numpy()
+        return [dense[i, : plens[i] + gen] for i in range(len(rids))]

@@ -94,17 +94,17 @@ def build_model(
     """A random-init causal LM for ``spec`` in bf16, eval mode, with the given attention implementation."""
     config = _hf_config(spec)
     config._attn_implementation = attn_implementation
-    with torch.random.fork_rng(devices=[]):
+    device = torch.device(device)
+    if spec.family == "qwen3-moe":
+        from transformers import Qwen3MoeForCausalLM as cls
+    else:
+        from transformers import Qwen3_5MoeForCausalLM as cls
+    # Parameters are created and initialized on `device` (a large model inits in seconds on a GPU); the seed
+    # makes the weights reproducible per device type.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
         torch.manual_seed(seed)
-        if spec.family == "qwen3-moe":
-            from transformers import Qwen3MoeForCausalLM
-
-            model = Qwen3MoeForCausalLM(config)
-        else:
-            from transformers import Qwen3_5MoeForCausalLM
-
-            model = Qwen3_5MoeForCausalLM(config)
-    model = model.to(device=device, dtype=torch.bfloat16)
+        model = cls(config)
+    model = model.to(dtype=torch.bfloat16)
     model.eval()
     return model
 

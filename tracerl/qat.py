@@ -89,6 +89,8 @@ class FP4Runtime:
         self.on_route: RouteFn | None = None
         self.provided: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._calib: dict[str, torch.Tensor] | None = None
+        # MoE calls with at most this many (token, expert) slots take the gather/bmm decode path.
+        self.gather_max_slots = 64
         self._wcache: dict[str, tuple[int, int, torch.Tensor]] = {}
 
     # ---- configuration -------------------------------------------------------------------------------
@@ -234,6 +236,8 @@ class FP4MoEBlock(nn.Module):
         n, k = idx.shape
         w_gate_up = rt.weight(f"{self.module_name}.experts.gate_up_proj", ex.gate_up_proj)  # (E, 2I, H)
         w_down = rt.weight(f"{self.module_name}.experts.down_proj", ex.down_proj)  # (E, H, I)
+        if n * k <= rt.gather_max_slots:
+            return self._routed_gather(x_q, idx, weights, w_gate_up, w_down)
         flat = idx.reshape(-1)  # (N*k,) slot-major within a token
         order = torch.argsort(flat, stable=True)  # slots grouped by expert
         counts = torch.bincount(flat, minlength=ex.num_experts).tolist()
@@ -262,6 +266,25 @@ class FP4MoEBlock(nn.Module):
         y_sorted = torch.cat(outs) * weights.reshape(-1)[order].unsqueeze(-1).to(h_q.dtype)
         out = torch.zeros(n, y_sorted.shape[-1], dtype=x_q.dtype, device=x_q.device)
         return out.index_add(0, tok, y_sorted.to(out.dtype))
+
+
+    def _routed_gather(self, x_q, idx, weights, w_gate_up, w_down) -> torch.Tensor:
+        """Decode path: gather each slot's expert weights and run batched GEMVs (no host sync, few launches).
+
+        Serving engines decode MoE layers this way (or with fused kernels) rather than with the grouped
+        per-expert GEMMs a trainer uses, so the two paths round differently, as they do in production.
+        """
+        rt = self.runtime
+        n, k = idx.shape
+        flat = idx.reshape(-1)  # (N*k,)
+        xs = x_q.repeat_interleave(k, dim=0).unsqueeze(-1)  # (N*k, H, 1)
+        gate, up = torch.bmm(w_gate_up.index_select(0, flat), xs).squeeze(-1).chunk(2, dim=-1)  # (N*k, I) each
+        h = self.experts.act_fn(gate) * up
+        inter = h.shape[-1]
+        h_q = rt.quant(self.down_site, h.reshape(n, k * inter)).reshape(n * k, inter, 1)
+        y = torch.bmm(w_down.index_select(0, flat), h_q).squeeze(-1)  # (N*k, H)
+        y = y * weights.reshape(-1, 1).to(y.dtype)
+        return y.reshape(n, k, -1).sum(dim=1).to(x_q.dtype)
 
 
 class FP4Linear(nn.Module):

@@ -170,6 +170,8 @@ class RolloutRecorder:
         self._cap = 2 * flush_tokens
         self._slots: dict[str, int] = {}
         self._slot_rid: dict[int, str] = {}
+        self._gen = 0  # bumped whenever the request -> slot map changes
+        self._last_ids: tuple = (None, -1, None)
         self._free: list[int] = []
         self._nslots = 0
         self._start = np.zeros(0, dtype=np.int64)  # first unwritten position per slot
@@ -225,15 +227,21 @@ class RolloutRecorder:
         slot = self._free.pop()
         self._slots[request_id] = slot
         self._slot_rid[slot] = request_id
+        self._gen += 1
         self._start[slot] = 0
         self._hi[slot] = 0
         self._policy[request_id] = int(policy_version)
 
     def _slot_index(self, request_ids: Sequence[str]) -> np.ndarray:
+        # Engines pass the same request-id list for every site of a step: map it to slots once.
+        if request_ids is self._last_ids[0] and self._last_ids[1] == self._gen:
+            return self._last_ids[2]
         try:
-            return np.fromiter((self._slots[r] for r in request_ids), dtype=np.int64, count=len(request_ids))
+            slots = np.fromiter((self._slots[r] for r in request_ids), dtype=np.int64, count=len(request_ids))
         except KeyError as e:
             raise RecorderError(f"request {e.args[0]!r} was not begun (call begin() first)") from None
+        self._last_ids = (request_ids, self._gen, slots)
+        return slots
 
     def _stage(self, key, request_ids, positions, *payload: torch.Tensor) -> None:
         slots = self._slot_index(request_ids)
@@ -279,6 +287,7 @@ class RolloutRecorder:
         del self._slots[request_id]
         del self._slot_rid[slot]
         self._free.append(slot)
+        self._gen += 1
 
     def end_all(self) -> None:
         for rid in list(self._slots):
