@@ -20,7 +20,7 @@ from tracestore.cli import main
 
 SITES = [ts.Site("l0.moe_in", 64), ts.Site("l1.moe_in", 64), ts.Site("l2.attn_o", 128, fp4_format="mxfp4")]
 MOE = dict(moe_layers=["l0", "l1"], top_k=2, num_experts=16)
-COMMANDS = ["create", "info", "ls", "show", "tail", "verify", "gc", "bench"]
+COMMANDS = ["create", "info", "ls", "show", "tail", "verify", "gc", "compact", "bench"]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -197,6 +197,15 @@ def test_gc_dry_run_then_real(fresh, capsys):
     assert run_json(["gc", fresh, "--json"], capsys)["deleted_segments"] == []
     assert run_json(["verify", fresh, "--json"], capsys)["ok"]
     assert run_json(["info", fresh, "--json"], capsys)["tokens"] == 118
+
+
+def test_compact(fresh, capsys):
+    assert run_json(["compact", fresh, "--json"], capsys) == {"checkpoint_log_end": 4}
+    assert run_json(["compact", fresh, "--json"], capsys) == {"checkpoint_log_end": None}  # already at the head
+    assert run_json(["info", fresh, "--json"], capsys)["bytes"]["checkpoints"] > 0
+    assert run_json(["verify", fresh, "--json"], capsys)["ok"]
+    assert [t["traj_id"] for t in run_json(["ls", fresh, "--json"], capsys)["trajectories"]] == \
+        ["traj-a", "traj-b", "traj-c"]
 
 
 # ---------------------------------------------------------------------------------------------- tail

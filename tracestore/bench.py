@@ -446,7 +446,8 @@ def _bytes_section(store) -> dict:
     d = info(store)
     b = d["bytes"]
     tokens = d["tokens"]
-    index_log = b["zarr_metadata"] + b["log"] + b["manifest"]
+    # everything that is neither data nor garbage: zarr metadata, log entries, log checkpoints, manifest
+    index_log = sum(v for k, v in b.items() if k not in ("payload", "trace", "orphan", "partial", "other", "total"))
     payload_logical = tokens * store.payload_bytes_per_token
     trace_logical = tokens * store.trace_bytes_per_token
     stored = b["payload"] + b["trace"] + index_log

@@ -1,7 +1,7 @@
 """``tracestore`` command line: a thin layer over the library (`tracestore.maintenance`, `tracestore.reader`,
 `tracestore.bench`).
 
-Subcommands: ``create``, ``info``, ``ls``, ``show``, ``tail``, ``verify``, ``gc``, ``bench``; ``tracestore
+Subcommands: ``create``, ``info``, ``ls``, ``show``, ``tail``, ``verify``, ``gc``, ``compact``, ``bench``; ``tracestore
 <command> --help`` describes each. ``--json`` output is meant for programs (``tail --json`` prints JSON lines).
 Exit codes: 0 success, 1 ``verify`` found problems, 2 a tracestore error (one line on stderr; ``--debug`` shows
 the traceback) or a usage error, 130 interrupted.
@@ -459,6 +459,20 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_compact(args: argparse.Namespace) -> int:
+    from .maintenance import compact
+
+    store = _open(args)
+    log_end = compact(store)
+    if args.json:
+        _json_out({"checkpoint_log_end": log_end})
+    elif log_end is None:
+        _out("nothing to do: the log is empty or a checkpoint at its head exists")
+    else:
+        _out(f"wrote a checkpoint of log entries [0, {log_end})")
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------- bench
 def _cmd_bench(args: argparse.Namespace) -> int:
     from .bench import config_from_args, run_bench, summary_rows, to_json
@@ -585,6 +599,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="grace period (default: the store's gc_grace_s, 3600)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_gc)
+
+    p = add("compact", "write a checkpoint of the whole log so that readers open the store with one GET")
+    p.add_argument("url")
+    p.add_argument("--json", action="store_true", help="{checkpoint_log_end: N or null}")
+    p.set_defaults(func=_cmd_compact)
 
     from .bench import add_arguments
 
