@@ -161,9 +161,13 @@ class QATTrainer:
         )
 
     @staticmethod
-    def _scatter(arr: np.ndarray, rows: torch.Tensor, nrows: int, device) -> torch.Tensor:
-        """THD rows [T, C] -> forward rows [nrows, C]; rows the batch does not cover stay 0 (scale 0 -> 0)."""
-        src = torch.as_tensor(np.ascontiguousarray(arr)).to(device)
+    def _scatter(arr, rows: torch.Tensor, nrows: int, device) -> torch.Tensor:
+        """THD rows [T, C] (numpy, or torch on any device) -> forward rows [nrows, C]; rows the batch does not
+        cover stay 0 (scale 0 -> 0)."""
+        if isinstance(arr, torch.Tensor):
+            src = arr.to(device, non_blocking=True)
+        else:
+            src = torch.as_tensor(np.ascontiguousarray(arr)).to(device)
         if nrows == src.shape[0]:
             return src
         out = torch.zeros(nrows, src.shape[1], dtype=src.dtype, device=device)

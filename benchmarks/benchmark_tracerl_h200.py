@@ -1,0 +1,226 @@
+"""TRACE at a realistic size on one GPU: fidelity per mode, the rollout's cost of capturing hints, and the
+trainer's cost of hint-guided vs plain FP4 QAT.
+
+    python benchmarks/benchmark_tracerl_h200.py                 # GPU: hidden 2048, 40 layers, 20 hinted
+    python benchmarks/benchmark_tracerl_h200.py --smoke         # CPU: a tiny model, same code paths
+
+Sections (each appends to the JSON written to --out as soon as it finishes, so a cut-off run keeps what it
+measured):
+
+1. ``capture``: decode step time of the FP4 rollout at the same batch with and without hint capture
+   (capture = `kernels.quantize` at the hinted sites + routed-expert ids + the recorder's staging and
+   asynchronous device-to-host drains every 32 steps; no host sync per step). Runs alternate, median of reps.
+2. ``trainer``: forward + backward time of one packed micro-batch in ``fp4_rne_own_scales`` vs ``fp4_hints``
+   (hints and scales already on the device, and from host numpy arrays as a reader hands them out).
+3. ``fidelity``: `tracerl.demo.run_demo` at this size (FP4 rollout of trajectories of >= 4K tokens recorded to
+   a local tracestore store, bf16 floor run, trainer recompute in every mode, metrics).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import kernels  # noqa: E402
+from tracerl.demo import DemoConfig, run_demo  # noqa: E402
+from tracerl.engine import RolloutEngine  # noqa: E402
+from tracerl.models import TinyMoESpec, build_model  # noqa: E402
+from tracerl.packing import PackedHints, Segment  # noqa: E402
+from tracerl.qat import install_fp4  # noqa: E402
+from tracerl.recorder import MemorySink, RolloutRecorder  # noqa: E402
+from tracerl.sites import plan_sites  # noqa: E402
+from tracerl.trainer import QATTrainer  # noqa: E402
+
+GPU_SPEC = dict(hidden_size=2048, num_layers=40, num_heads=16, num_kv_heads=4, head_dim=128, num_experts=32,
+                top_k=4, moe_intermediate_size=512, vocab_size=32768, max_position_embeddings=16384)
+SMOKE_SPEC = dict(hidden_size=64, num_layers=4, num_heads=2, num_kv_heads=1, head_dim=32, num_experts=8, top_k=2,
+                  moe_intermediate_size=32, vocab_size=256)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_capture(spec, device, batch, prompt, steps, reps, seed):
+    """Median decode step time (ms) with and without hint capture, same model, batch and prompts."""
+    model = build_model(spec, seed=seed, device=device)
+    plan = plan_sites(model, hint_layers="latter-half")
+    rt = install_fp4(model, plan)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, spec.vocab_size, (prompt,), generator=g).tolist() for _ in range(batch)]
+    widths = {s.name: s.width for s in plan.hinted_specs()}
+    layers = [f"model.layers.{i}.mlp" for i in range(spec.num_layers)]
+    plain = RolloutEngine(model, rt, collect_routes=False)
+    plain.calibrate(prompts)
+    cap = RolloutEngine(model, rt, collect_routes=False)
+    plain.generate(prompts, 4, seed=seed)  # warm-up: weight cache, kernels' compilation
+    times = {"plain": [], "capture": []}
+    bytes_recorded = 0
+    for rep in range(reps):
+        for name in ("plain", "capture"):
+            eng = plain
+            if name == "capture":
+                sink = MemorySink(widths)
+                cap.recorder = RolloutRecorder(sink, widths, moe_layers=layers, top_k=spec.top_k, flush_tokens=1024,
+                                               drain_every=32)
+                eng = cap
+            ids = [f"r{rep}-{i}" for i in range(batch)]
+            res = eng.generate(prompts, steps, seed=seed, request_ids=ids)
+            times[name].append(res.decode_s / res.decode_steps * 1e3)
+            if name == "capture":
+                bytes_recorded = cap.recorder.bytes_written
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "batch": batch, "prompt_tokens": prompt, "decode_steps": steps, "reps": reps,
+        "hinted_sites": len(widths), "step_ms_plain": med["plain"], "step_ms_capture": med["capture"],
+        "overhead_pct": 100 * (med["capture"] / med["plain"] - 1), "all_ms": times,
+        "hint_bytes_recorded_last_rep": bytes_recorded,
+    }
+
+
+def bench_trainer(spec, device, seqs, seq_len, reps, seed):
+    """fwd+bwd time of one micro-batch (seqs x seq_len tokens) per mode; hints from a real FP4 quantization."""
+    model = build_model(spec, seed=seed, device=device)
+    model.train()
+    plan = plan_sites(model, hint_layers="latter-half")
+    rt = install_fp4(model, plan)
+    g = torch.Generator().manual_seed(seed)
+    toks = torch.randint(1, spec.vocab_size, (seqs, seq_len), generator=g)
+    packed = PackedHints(
+        segments=tuple(Segment(f"t{i}", 0, seq_len) for i in range(seqs)),
+        cu_seqlens=np.arange(seqs + 1) * seq_len,
+        token_ids=toks.reshape(-1).numpy(),
+        positions=np.tile(np.arange(seq_len), seqs),
+        logprobs=np.zeros(seqs * seq_len, np.float32),
+        hints={}, scales={}, experts={}, features=None,
+    )
+    eng = RolloutEngine(model, rt)
+    eng.calibrate([t[:256].tolist() for t in toks])
+    tr = QATTrainer(model, rt)
+    # Hints and scales of the hinted sites from one own-scales forward (what a rollout would have recorded
+    # for these activations).
+    got = {}
+    rt.capture = lambda site, q: got.__setitem__(site, (q.hints, q.scales))
+    tr.recompute(packed, "fp4_rne_own_scales", observe=False)
+    rt.capture = None
+    on_dev = {s: (h, sc) for s, (h, sc) in got.items()}
+    host = {s: (h.cpu().numpy(), sc.cpu().numpy()) for s, (h, sc) in got.items()}
+    variants = {
+        "fp4_rne_own_scales": ("fp4_rne_own_scales", None),
+        "fp4_hints_on_device": ("fp4_hints", on_dev),
+        "fp4_hints_from_host": ("fp4_hints", host),
+    }
+    times = {k: [] for k in variants}
+    for rep in range(reps + 1):
+        for name, (mode, src) in variants.items():
+            if src is not None:
+                packed.hints = {s: v[0] for s, v in src.items()}
+                packed.scales = {s: v[1] for s, v in src.items()}
+            _sync(device)
+            r = tr.recompute(packed, mode, backward=True, observe=False)
+            if rep > 0:  # rep 0 warms up
+                times[name].append(r.seconds * 1e3)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    base = med["fp4_rne_own_scales"]
+    return {
+        "tokens": seqs * seq_len, "sequences": seqs, "reps": reps,
+        "fwd_bwd_ms": med, "all_ms": times,
+        "hints_overhead_pct_on_device": 100 * (med["fp4_hints_on_device"] / base - 1),
+        "hints_overhead_pct_from_host": 100 * (med["fp4_hints_from_host"] / base - 1),
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="tiny model on CPU (checks the code paths)")
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "tracerl-h200.json"))
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per fidelity trajectory (default 4096)")
+    p.add_argument("--trajectories", type=int, default=4)
+    p.add_argument("--capture-steps", type=int, default=256)
+    p.add_argument("--capture-batches", default="4,16")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--sections", default="capture,trainer,fidelity")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+
+    if args.smoke:
+        device = torch.device("cpu")
+        spec = TinyMoESpec(**SMOKE_SPEC)
+        tokens, trajs, cap_steps, batches, reps = 96, 2, 16, [2], 1
+        train_seqs, train_len = 2, 64
+    else:
+        device = torch.device("cuda")
+        spec = TinyMoESpec(**GPU_SPEC)
+        tokens, trajs, cap_steps = args.tokens, args.trajectories, args.capture_steps
+        batches, reps = [int(b) for b in args.capture_batches.split(",")], args.reps
+        train_seqs, train_len = 2, 4096
+    out = {
+        "benchmark": "tracerl-h200",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "kernels_backend": kernels.resolve_backend("auto", device),
+        "spec": spec.__dict__,
+        "hinted": "MoE input of the latter half of the layers",
+    }
+
+    def save():
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1, default=float)
+
+    sections = args.sections.split(",")
+    t0 = time.perf_counter()
+    if "capture" in sections:
+        out["capture"] = [bench_capture(spec, device, b, 64, cap_steps, reps, args.seed) for b in batches]
+        save()
+        for c in out["capture"]:
+            print(f"[{time.perf_counter() - t0:6.0f}s] capture B={c['batch']}: {c['step_ms_plain']:.2f} ms/step plain,"
+                  f" {c['step_ms_capture']:.2f} with capture ({c['overhead_pct']:+.2f}%)", flush=True)
+    if "trainer" in sections:
+        out["trainer"] = bench_trainer(spec, device, train_seqs, train_len, reps, args.seed)
+        save()
+        t = out["trainer"]
+        print(f"[{time.perf_counter() - t0:6.0f}s] trainer fwd+bwd {t['tokens']} tokens: {t['fwd_bwd_ms']} "
+              f"(hints {t['hints_overhead_pct_on_device']:+.2f}% on device, "
+              f"{t['hints_overhead_pct_from_host']:+.2f}% from host)", flush=True)
+    if "fidelity" in sections:
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg = DemoConfig(model="qwen3-moe", trajectories=trajs, tokens=tokens, prompt_tokens=(64, 64),
+                             seed=args.seed, store=f"{tmp}/store", device=str(device),
+                             micro_batch_tokens=2 * tokens, flush_tokens=1024, spec=dict(spec.__dict__))
+            cfg.spec.pop("family")
+            res = run_demo(cfg, progress=lambda m: print(f"[{time.perf_counter() - t0:6.0f}s] {m}", flush=True))
+        out["fidelity"] = res
+        save()
+        print(f"{'mode':24s} {'code':>9s} {'scale':>9s} {'flips':>8s} {'mean|d|':>10s} {'excess':>10s} "
+              f"{'p99|d|':>10s} {'max|d|':>10s} {'k3':>10s}")
+        for mode, m in res["modes"].items():
+            def f(v, pct=False):
+                return "-" if v is None else (f"{100 * v:.3f}%" if pct else f"{v:.3e}")
+            print(f"{mode:24s} {f(m['code_agreement'], 1):>9s} {f(m['scale_agreement'], 1):>9s} "
+                  f"{f(m['router_flip_rate'], 1):>8s} {f(m['mean_abs_dlogp']):>10s} "
+                  f"{f(m.get('excess_over_floor')):>10s} {f(m['p99_abs_dlogp']):>10s} {f(m['max_abs_dlogp']):>10s} "
+                  f"{f(m['k3']):>10s}")
+        r = res["rollout"]
+        print(f"rollout: {r['tokens']} tokens, decode {r['decode_s']:.1f}s for {r['decode_steps']} steps; "
+              f"total {res['seconds']:.1f}s")
+    out["seconds"] = time.perf_counter() - t0
+    save()
+    print(f"saved {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
