@@ -246,16 +246,19 @@ class _Ranges:
 class Writer:
     """Buffers per-token rows of one or many trajectories and commits them in whole segments.
 
-    Use as a context manager or call :meth:`close`. Thread-safe (one lock); a background thread commits
-    buffered rows older than ``commit_interval_s`` (0 disables it; then rows are committed on size, on
-    :meth:`flush` and on :meth:`close`, and at the next :meth:`write` after the interval).
+    Use as a context manager or call :meth:`close`. Thread-safe. Full buffers are written and committed by a
+    background flusher thread while ``write`` continues in a second buffer (it waits only if both are full);
+    a timer commits buffered rows older than ``commit_interval_s`` (0 disables it; then rows are committed on
+    size, on :meth:`flush` and on :meth:`close`). A commit that fails in the background is raised by the next
+    ``write``/``flush``/``close`` and its rows are kept and retried at the next flush.
 
     Args:
         store: the open store.
         writer_id: names this writer's segments ``data/<writer_id>/...``; default ``<host>-<pid>-<random>``.
             Restarting with the same id is safe (segment names carry a random part; already committed token
             ranges are rejected with OverlapError, or skipped with ``skip_committed=True``).
-        commit_bytes: commit a segment once this many row bytes are buffered.
+        commit_bytes: commit a segment once this many row bytes are buffered (64 MiB: ~8,700 tokens of the
+            default 20 x 2048 site table).
         commit_interval_s: commit buffered rows at the latest this long after the oldest was written.
         max_buffer_bytes: hard bound of buffered row bytes (a long trajectory spans several segments).
         skip_committed: ``write`` silently skips token positions already committed for the trajectory and
