@@ -24,11 +24,36 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _make_conditional_put_atomic() -> None:
+    """moto checks ``If-None-Match: *`` and stores the object in two steps without a lock, so two concurrent
+    conditional PUTs of one key can both succeed on its threaded server; AWS S3 makes the check atomic, and the
+    commit protocol relies on that. Serialize conditional PUTs (only those) so the test server has S3's
+    semantics; the server runs in this process, so its request handlers see the patch."""
+    import threading
+
+    from moto.s3.responses import S3Response
+
+    if getattr(S3Response, "_tracestore_atomic", False) or not hasattr(S3Response, "put_object"):
+        return
+    lock = threading.Lock()
+    original = S3Response.put_object
+
+    def put_object(self, *args, **kwargs):
+        if self.headers.get("If-None-Match") == "*":
+            with lock:
+                return original(self, *args, **kwargs)
+        return original(self, *args, **kwargs)
+
+    S3Response.put_object = put_object
+    S3Response._tracestore_atomic = True
+
+
 @pytest.fixture(scope="session")
 def moto_endpoint():
     """URL of a moto S3 server started for this test session."""
     from moto.server import ThreadedMotoServer
 
+    _make_conditional_put_atomic()
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     port = _free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)

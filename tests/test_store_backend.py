@@ -55,18 +55,20 @@ def test_put_if_absent_is_exclusive(pair):
 
 def test_put_if_absent_race(pair):
     be, raw = pair
-    wins = []
+    for round_ in range(3):
+        wins = []
+        key = f"race/key{round_}"
 
-    def go(i):
-        if be.put_if_absent("race/key", f"writer-{i}".encode()):
-            wins.append(i)
+        def go(i, key=key, wins=wins):
+            if be.put_if_absent(key, f"writer-{i}".encode()):
+                wins.append(i)
 
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert len(wins) == 1 and raw.read("race/key") == f"writer-{wins[0]}".encode()
+        threads = [threading.Thread(target=go, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(wins) == 1 and raw.read(key) == f"writer-{wins[0]}".encode()
 
 
 def test_list_exists_delete(pair):
