@@ -309,7 +309,10 @@ class RolloutRecorder:
             host = []
             event = None
             for j in range(len(items[0][2])):
-                dev = torch.cat([it[2][j].reshape(it[2][j].shape[0], -1) for it in items])
+                parts = [it[2][j].reshape(it[2][j].shape[0], -1) for it in items]
+                # Prompt rows may come from the host while decode rows live on the device.
+                dev_of = next((t.device for t in parts if t.is_cuda), parts[0].device)
+                dev = torch.cat([t.to(dev_of, non_blocking=True) for t in parts])
                 if dev.is_cuda:
                     buf = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
                     buf.copy_(dev, non_blocking=True)
