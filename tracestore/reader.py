@@ -521,6 +521,8 @@ class Stream:
         self.timeout_s = timeout_s
         self._seq, self._index = (0, 0) if cursor is None else self._parse(cursor)
         self._records: list[CommittedRecord] | None = None
+        self._caught_up = False
+        self._prefetched: dict[int, LogEntry] = {}
 
     def _parse(self, cursor: str) -> tuple[int, int]:
         if not isinstance(cursor, str):
@@ -550,10 +552,23 @@ class Stream:
 
     def _load(self) -> bool:
         """Load entry ``self._seq`` if committed; False if not (yet)."""
-        try:
-            entry = self.store.read_entry(self._seq)
-        except ObjectNotFoundError:
-            return False
+        store = self.store
+        entry = self._prefetched.pop(self._seq, None)
+        if entry is None and not self._caught_up:
+            # catching up on a long log: fetch entries in batches (and from a checkpoint), not one GET each
+            head = store.head()
+            if head - self._seq > 1:
+                batch = store.read_entries(self._seq, min(head, self._seq + 4096))
+                self._prefetched = {e.seq: e for e in batch}
+                entry = self._prefetched.pop(self._seq)
+            else:
+                self._caught_up = True
+        if entry is None:
+            try:
+                entry = store.read_entry(self._seq)
+            except ObjectNotFoundError:
+                self._caught_up = True
+                return False
         self._records = records_of(entry)
         self.store._note_head(self._seq + 1)
         if self._index > len(self._records):
