@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -208,7 +209,7 @@ class _Alloc:
     def empty(self, shape: tuple[int, ...], dtype: np.dtype):
         if not self.torch:
             dtype = np.dtype(dtype)
-            n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            n = math.prod(shape) * dtype.itemsize  # math.prod: np.prod costs ~10 us per call
             if self._arena is not None and self._used + n <= len(self._arena):
                 view = self._arena[self._used:self._used + n].view(dtype).reshape(shape)
                 self._used += -(-n // _ARENA_ALIGN) * _ARENA_ALIGN
