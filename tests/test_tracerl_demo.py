@@ -1,0 +1,41 @@
+"""`tracerl demo --json` on a tiny configuration: the output schema and the store it keeps."""
+
+import json
+
+import pytest
+
+import tracestore as ts
+from tracerl.cli import main
+from tracerl.demo import METRIC_KEYS, REPORT_MODES
+
+
+def test_demo_json_schema_and_kept_store(tmp_path, capsys):
+    url = str(tmp_path / "store")
+    rc = main(["demo", "--json", "--trajectories", "2", "--tokens", "24", "--store", url, "--threads", "2"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["modes"]) == set(REPORT_MODES)
+    for mode, m in out["modes"].items():
+        assert set(METRIC_KEYS) <= set(m)
+        assert m["mean_abs_dlogp"] >= 0 and m["k3"] >= -1e-9
+        assert 0 <= m["router_flip_rate"] <= 1
+        if mode in ("floor", "bf16"):
+            assert m["code_agreement"] is None and m["scale_agreement"] is None
+        else:
+            assert 0 < m["code_agreement"] <= 1 and 0 < m["scale_agreement"] <= 1
+    assert out["modes"]["fp4_rne_rollout_scales"]["scale_agreement"] == 1.0
+    assert out["rollout"]["trajectories"] == 2 and out["rollout"]["response_tokens"] == 2 * 8
+    assert len(out["config"]["hinted_sites"]) == 4  # MoE input of the latter 4 of 8 layers
+    store = ts.open_store(url)
+    assert set(store.model["global_scales"]) == set(out["config"]["fp4_sites"])
+    infos = store.reader().trajectories()
+    assert len(infos) == 2 and all(16 <= i.num_tokens <= 24 for i in infos)  # prompts of 8..16 + 8
+
+
+def test_demo_help_and_bad_args(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--help"])
+    assert e.value.code == 0
+    assert "--hint-layers" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["demo", "--model", "llama"])

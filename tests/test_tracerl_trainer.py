@@ -1,0 +1,129 @@
+"""Hint-guided QAT trainer: every mode runs forward + backward with straight-through gradients."""
+
+import numpy as np
+import pytest
+import torch
+
+from tracerl import fidelity
+from tracerl.errors import ConfigError, HintMismatchError
+from tracerl.models import TinyMoESpec, build_model
+from tracerl.packing import PackedHints, Segment
+from tracerl.qat import MODES, install_fp4
+from tracerl.sites import moe_down_site, moe_input_site, parse_layers, plan_sites
+from tracerl.trainer import QATTrainer
+
+TINY = dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32, num_experts=4, top_k=2,
+            moe_intermediate_size=32, vocab_size=128)
+
+
+def _packed(lens, vocab, seed=0):
+    g = np.random.default_rng(seed)
+    return PackedHints(
+        segments=tuple(Segment(f"t{i}", 0, n) for i, n in enumerate(lens)),
+        cu_seqlens=np.concatenate([[0], np.cumsum(lens)]),
+        token_ids=g.integers(1, vocab, sum(lens)),
+        positions=np.concatenate([np.arange(n) for n in lens]),
+        logprobs=np.concatenate([np.r_[np.full(3, np.nan), np.zeros(n - 3)] for n in lens]).astype(np.float32),
+        hints={}, scales={}, experts={}, features=None,
+    )
+
+
+@pytest.fixture(scope="module")
+def setup():
+    spec = TinyMoESpec(**TINY)
+    model = build_model(spec, seed=0)
+    plan = plan_sites(model, hint_layers="all", hint_sites="all-fp4")
+    rt = install_fp4(model, plan)
+    packed = _packed([9, 5], spec.vocab_size)
+    tr = QATTrainer(model, rt)
+    # calibrate from the batch itself, then take "rollout" hints and scales from an own-scales forward
+    from tracerl.engine import RolloutEngine
+
+    RolloutEngine(model, rt).calibrate([packed.token_ids[:9].tolist(), packed.token_ids[9:].tolist()])
+    got = {}
+    rt.capture = lambda site, q: got.__setitem__(site, (q.hints, q.scales))
+    tr.recompute(packed, "fp4_rne_own_scales")
+    rt.capture = None
+    # captured rows are the padded [2, 9] forward rows; keep the 14 THD tokens'
+    packed.hints = {s: h.numpy()[_thd_rows([9, 5])] for s, (h, _) in got.items()}
+    packed.scales = {s: sc.numpy()[_thd_rows([9, 5])] for s, (_, sc) in got.items()}
+    return spec, model, rt, tr, packed
+
+
+def _thd_rows(lens):
+    lmax = max(lens)
+    return np.concatenate([b * lmax + np.arange(n) for b, n in enumerate(lens)])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_forward_backward_every_mode(setup, mode):
+    spec, model, rt, tr, packed = setup
+    out = tr.recompute(packed, mode, backward=True)
+    assert np.isfinite(out.loss) and out.grad_norm > 0
+    ex = model.model.layers[0].mlp.experts
+    assert ex.gate_up_proj.grad is not None and torch.isfinite(ex.gate_up_proj.grad).all()
+    assert ex.gate_up_proj.grad.abs().sum() > 0
+    assert model.model.layers[0].self_attn.q_proj.weight.grad is not None
+    assert np.isnan(out.logprobs[[0, 9]]).all() and np.isfinite(out.logprobs[1:9]).all()
+    assert set(out.routes) == {0, 1} and out.routes[0].shape == (14, spec.top_k)
+    if mode != "bf16":
+        assert out.codes[moe_input_site(1)].shape == (14, spec.hidden_size)
+
+
+def test_hints_mode_reproduces_own_codes_on_same_activations(setup):
+    """With the hints of its own RNE quantization, the trainer picks exactly the RNE codes."""
+    spec, model, rt, tr, packed = setup
+    own = tr.recompute(packed, "fp4_rne_own_scales")
+    hinted = tr.recompute(packed, "fp4_hints")
+    for s in (moe_input_site(0), moe_down_site(1)):
+        # effective codes cannot tell -0 from +0 (both dequantize to 0): compare with code_matches
+        assert fidelity.code_matches(hinted.codes[s], own.codes[s]).all()
+    np.testing.assert_array_equal(hinted.logprobs, own.logprobs)
+
+
+def test_straight_through_gradient_is_identity_at_the_site(setup):
+    """STE: d(loss)/d(x) at an FP4 site equals d(loss)/d(fake_quant(x))."""
+    spec, model, rt, tr, packed = setup
+    x = torch.randn(4, spec.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    rt.set_mode("fp4_rne_own_scales")
+    y = rt.quant(moe_input_site(0), x)
+    w = torch.randn_like(y)
+    (y * w).sum().backward()
+    torch.testing.assert_close(x.grad, w)
+
+
+def test_hint_modes_check_what_they_get(setup):
+    spec, model, rt, tr, packed = setup
+    bad = PackedHints(**{**packed.__dict__, "scales": {}})
+    with pytest.raises(ConfigError, match="needs site"):
+        tr.recompute(bad, "fp4_hints")
+    rt.set_mode("fp4_hints")
+    rt.provide({moe_input_site(0): (torch.zeros(3, 4, dtype=torch.uint8), torch.zeros(3, 8, dtype=torch.uint8))})
+    with pytest.raises(HintMismatchError, match="needs scales"):
+        rt.quant(moe_input_site(0), torch.zeros(2, spec.hidden_size, dtype=torch.bfloat16))
+    rt.provide({})
+    rt.set_mode("fp4_rne_own_scales")
+    with pytest.raises(ConfigError, match="unknown QAT mode"):
+        tr.recompute(packed, "fp8")
+
+
+def test_packed_layout_matches_padded(setup):
+    spec, model, rt, tr, packed = setup
+    a = tr.recompute(packed, "bf16")
+    b = QATTrainer(model, rt, layout="packed").recompute(packed, "bf16")
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-2, equal_nan=True)
+
+
+def test_parse_layers_and_plan():
+    assert parse_layers("latter-half", 8) == [4, 5, 6, 7]
+    assert parse_layers("0,3,5", 8) == [0, 3, 5]
+    assert parse_layers("none", 8) == []
+    with pytest.raises(ConfigError, match="out of range"):
+        parse_layers("9", 8)
+    with pytest.raises(ConfigError, match="expected latter-half"):
+        parse_layers("first", 8)
+    model = build_model(TinyMoESpec(**TINY), seed=0)
+    plan = plan_sites(model, fp4="experts+attention", hint_layers="1")
+    assert plan.hinted == (moe_input_site(1),)
+    assert "model.layers.0.self_attn.q_proj.input" in plan.by_name
+    assert plan_sites(model, hint_sites=["*down_proj*"]).hinted == (moe_down_site(0), moe_down_site(1))
