@@ -56,6 +56,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         hint_layers=args.hint_layers,
         hint_sites=args.hint_sites,
         fp4=args.fp4,
+        kv_fp4=args.kv_fp4,
         seed=args.seed,
         store=args.store,
         backward=not args.no_backward,
@@ -103,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which FP4 sites of a hinted layer get hints (default moe-input)")
     d.add_argument("--fp4", default="experts", choices=("experts", "experts+attention"),
                    help="FP4 placement: routed experts' GEMMs (default), or also the attention projections")
+    d.add_argument("--kv-fp4", action="store_true", help="also store the KV cache in NVFP4 (never hinted)")
     d.add_argument("--model", default="qwen3-moe", choices=("qwen3-moe", "qwen3.5-moe"), help="model family")
     d.add_argument("--seed", type=int, default=0, help="seed of the weights, prompts and sampling")
     d.add_argument("--no-backward", action="store_true", help="trainer forward only (default: forward+backward)")

@@ -55,6 +55,7 @@ class DemoConfig:
     hint_layers: str = "latter-half"
     hint_sites: str = "moe-input"
     fp4: str = "experts"
+    kv_fp4: bool = False
     seed: int = 0
     store: str | None = None
     backward: bool = False
@@ -83,7 +84,8 @@ def run_demo(cfg: DemoConfig, progress: Callable[[str], None] | None = None) -> 
     torch.manual_seed(cfg.seed)
     spec = TinyMoESpec(family=cfg.model, **cfg.spec)
     model = build_model(spec, seed=cfg.seed, device=cfg.device)
-    plan = plan_sites(model, fp4=cfg.fp4, hint_layers=cfg.hint_layers, hint_sites=cfg.hint_sites)
+    plan = plan_sites(model, fp4=cfg.fp4, hint_layers=cfg.hint_layers, hint_sites=cfg.hint_sites,
+                      kv_fp4=cfg.kv_fp4)
     runtime = install_fp4(model, plan, backend=cfg.backend)
     prompts = _prompts(cfg, spec.vocab_size)
     max_new = cfg.tokens - cfg.prompt_tokens[1]

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from tracerl.qat import FP4Runtime
+from tracerl.qat import FP4Runtime, fp4_kv_cache
 from tracerl.recorder import RolloutRecorder
 
 
@@ -109,9 +109,11 @@ class RolloutEngine:
         """Static per-site global scales from one bf16 prefill of ``prompts``: g = amax / (448 * 6)."""
         device = next(self.model.parameters()).device
         _, ids, mask = self._left_pad(prompts, device)
+        kv = fp4_kv_cache(self.model, self.runtime)
+        extra = {} if kv is None else {"use_cache": True, self._cache_kw: kv}
         with self.runtime.calibrating():
             self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                       use_cache=False, logits_to_keep=1)
+                       logits_to_keep=1, **({"use_cache": False} | extra))
         return self.runtime.global_scales_json()
 
     @torch.no_grad()
@@ -161,7 +163,7 @@ class RolloutEngine:
         try:
             from transformers import DynamicCache
 
-            cache = DynamicCache(config=model.config)
+            cache = fp4_kv_cache(model, rt) or DynamicCache(config=model.config)
             # Prefill: valid rows of the flattened [B, Pmax] batch.
             valid = mask.reshape(-1).nonzero().squeeze(-1)
             self._rows = (

@@ -305,6 +305,25 @@ class FP4Linear(nn.Module):
         return F.linear(x_q, self.runtime.weight(self.module_name, self.weight), self.bias)
 
 
+def fp4_kv_cache(model: nn.Module, runtime: FP4Runtime):
+    """A `DynamicCache` that fake-quantizes keys and values (NVFP4 along head_dim) as they are stored, at the
+    plan's ``...self_attn.{k,v}_cache`` sites; None when the plan has no KV sites. A full-sequence forward that
+    is given one (the trainer) quantizes its K/V the same way."""
+    if not any(s.kind == "kv" for s in runtime.plan.sites):
+        return None
+    from transformers import DynamicCache
+
+    class FP4KVCache(DynamicCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            prefix = f"model.layers.{layer_idx}.self_attn"
+            k = runtime.quant(f"{prefix}.k_cache", key_states.reshape(-1, key_states.shape[-1]))
+            v = runtime.quant(f"{prefix}.v_cache", value_states.reshape(-1, value_states.shape[-1]))
+            return super().update(k.reshape(key_states.shape), v.reshape(value_states.shape), layer_idx,
+                                  *args, **kwargs)
+
+    return FP4KVCache(config=model.config)
+
+
 def install_fp4(model: nn.Module, plan: SitePlan, *, backend: str = "auto") -> FP4Runtime:
     """Swap the modules that own ``plan``'s sites for FP4 modules; returns their shared runtime."""
     runtime = FP4Runtime(plan, backend=backend)

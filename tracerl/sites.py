@@ -7,6 +7,7 @@ A *site* is one activation tensor that is NVFP4-quantized, named after the modul
 | ``model.layers.{i}.mlp.experts.input`` | the MoE input (post-attention RMSNorm output) fed to the routed experts' gate/up GEMM, quantized once per token and shared by every routed expert | hidden |
 | ``model.layers.{i}.mlp.experts.down_proj.input`` | the routed experts' down-GEMM inputs of one token, its top-k slots ordered by ascending expert id | top_k * moe_intermediate |
 | ``model.layers.{i}.self_attn.{q,k,v,o}_proj.input`` | attention projection inputs (only with ``fp4="experts+attention"``) | in_features |
+| ``model.layers.{i}.self_attn.{k,v}_cache`` | keys (after RoPE) and values as stored in the KV cache, one row per (token, KV head) (only with ``kv_fp4=True``; never hinted) | head_dim |
 
 FP4 placement follows real NVFP4 checkpoints of these models: the routed experts' GEMMs (inputs and weights)
 are FP4; attention, the router, the shared expert, embeddings and the LM head stay bf16. ``experts+attention``
@@ -122,6 +123,7 @@ def plan_sites(
     fp4: str = "experts",
     hint_layers: str | Sequence[int] = "latter-half",
     hint_sites: str | Sequence[str] = "moe-input",
+    kv_fp4: bool = False,
 ) -> SitePlan:
     """The FP4 sites of ``model`` and the hinted subset.
 
@@ -153,6 +155,14 @@ def plan_sites(
                 lin = getattr(attn, proj)
                 mod = f"model.layers.{i}.self_attn.{proj}"
                 sites.append(SiteSpec(linear_input_site(mod), lin.in_features, i, "linear", mod))
+    if kv_fp4:
+        for i, layer in enumerate(model.model.layers):
+            if getattr(layer, "self_attn", None) is None:
+                continue
+            hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            for kv in ("k_cache", "v_cache"):
+                mod = f"model.layers.{i}.self_attn"
+                sites.append(SiteSpec(f"{mod}.{kv}", hd, i, "kv", mod))
     sites.sort(key=lambda s: (s.layer, s.name))
     names = [s.name for s in sites]
     if isinstance(hint_sites, str):
@@ -160,8 +170,13 @@ def plan_sites(
             raise ConfigError(f"hint sites {hint_sites!r}; supported: {', '.join(HINT_SITE_KINDS)} or patterns")
         layers = set(parse_layers(hint_layers, cfg.num_hidden_layers))
         hinted = [
-            s.name for s in sites if s.layer in layers and (hint_sites == "all-fp4" or s.kind == "moe_input")
+            s.name
+            for s in sites
+            if s.layer in layers and s.kind != "kv" and (hint_sites == "all-fp4" or s.kind == "moe_input")
         ]
     else:
         hinted = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in hint_sites)]
+    kv_hinted = [n for n in hinted if n.endswith(("k_cache", "v_cache"))]
+    if kv_hinted:
+        raise ConfigError(f"KV-cache sites cannot be hinted (rows are per KV head, not per token): {kv_hinted[:2]}")
     return SitePlan(tuple(sites), tuple(hinted), fp4_weights=fp4 != "none")

@@ -27,7 +27,8 @@ import torch
 from tracerl.errors import ConfigError
 from tracerl.models import has_linear_attention
 from tracerl.packing import PackedHints
-from tracerl.qat import MODES, FP4Runtime
+from tracerl.engine import _cache_kwarg
+from tracerl.qat import MODES, FP4Runtime, fp4_kv_cache
 
 
 @dataclasses.dataclass
@@ -121,7 +122,13 @@ class QATTrainer:
         rt.on_route = on_route
         try:
             with torch.set_grad_enabled(backward):
-                logits = model(**inputs, use_cache=False).logits  # (B, L, V)
+                kv = fp4_kv_cache(model, rt)  # FP4 KV: quantize K/V as the rollout's cache stored them
+                if kv is None:
+                    logits = model(**inputs, use_cache=False).logits  # (B, L, V)
+                else:
+                    if not self.padded:
+                        raise ConfigError("FP4 KV-cache sites need layout='padded' (a cache disables packing)")
+                    logits = model(**inputs, use_cache=True, **{_cache_kwarg(model): kv}).logits
                 logits = logits.reshape(-1, logits.shape[-1]).index_select(0, rows)  # (T, V)
                 logp_all = torch.log_softmax(logits.float(), dim=-1)
                 tok = torch.as_tensor(packed.token_ids, device=device)
