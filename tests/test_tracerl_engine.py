@@ -129,3 +129,23 @@ def test_fp4_hints_reproduce_rollout_codes_and_store_roundtrip():
         agree[mode] = ok / tot
     assert agree["fp4_hints"] >= 0.999
     assert agree["fp4_hints"] >= agree["fp4_rne_own_scales"]
+
+
+def test_fp4_kv_cache_option_same_in_rollout_and_trainer():
+    spec = TinyMoESpec(**TINY)
+    model = build_model(spec, seed=0, attn_implementation="eager")
+    plan = plan_sites(model, kv_fp4=True)
+    assert "model.layers.0.self_attn.k_cache" in plan.by_name and not any("cache" in h for h in plan.hinted)
+    rt = install_fp4(model, plan)
+    eng = RolloutEngine(model, rt, attn_implementation=None)
+    eng.calibrate(PROMPTS)
+    res = eng.generate(PROMPTS, 6, seed=0)
+    full = QATTrainer(model, rt).recompute(_thd(res.sequences), "fp4_rne_own_scales")
+    forced = torch.as_tensor(np.stack([s[len(p):] for s, p in zip(res.sequences, PROMPTS)]))
+    bf16 = eng.generate(PROMPTS, 6, seed=0, mode="bf16", forced_tokens=forced)
+    off = 0
+    for seq, p, lp in zip(res.sequences, PROMPTS, res.logprobs):
+        # same eager path and the same FP4 K/V both ways: a few bf16 ulps at most
+        assert np.abs(full.logprobs[off + len(p): off + len(seq)] - lp).max() < 2e-2
+        off += len(seq)
+    assert np.abs(np.concatenate(bf16.logprobs) - np.concatenate(res.logprobs)).max() > 0  # FP4 K/V did act
