@@ -94,7 +94,7 @@ class LocalBackend(Backend):
                 handle.close()
         return out
 
-    def readinto_ranges(self, requests) -> list[int]:
+    def readinto_ranges(self, requests, done=None) -> list[int]:
         counts: list[int] = []
         fd = -1
         current = None
@@ -121,6 +121,8 @@ class LocalBackend(Backend):
                     views = views[k:]
                     if n:
                         views[0] = views[0][n:]
+                if done is not None:
+                    done(len(counts), total)
                 counts.append(total)
         except OSError as e:
             raise self._wrap(e, current or "") from e

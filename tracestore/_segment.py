@@ -16,6 +16,8 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
+import queue
 import struct
 import threading
 from collections.abc import Mapping, Sequence
@@ -288,8 +290,20 @@ class ReadTargets:
         self.requests: list = []
         self._checks: list = []  # per request: list of (parts, crc view, chunk id) and copies
 
+    #: requests are split into pieces of about this many bytes (whole chunks): each piece is checked as soon as
+    #: it has been read, while its bytes are still in cache, and on a second thread while the next one is read
+    piece_bytes = 1 << 20
+
     def add(self, rng: ByteRange, lay: ArrayLayout, chunks, outs: Mapping, r0: int, r1: int, describe) -> None:
-        self._items.append((rng, lay, chunks, outs, r0, r1, describe))
+        scb = lay.stored_chunk_nbytes
+        per = max(1, self.piece_bytes // scb)
+        if len(chunks) <= per:
+            self._items.append((rng, lay, chunks, outs, r0, r1, describe))
+            return
+        for a in range(0, len(chunks), per):
+            part = chunks[a : a + per]
+            sub = ByteRange(rng.key, rng.start + a * scb, rng.start + (a + len(part)) * scb)
+            self._items.append((sub, lay, part, outs, r0, r1, describe))
 
     def build(self) -> list:
         """Lay out every request's buffers (one scratch arena for all) -> ``[(ByteRange, [buffers])]``."""
@@ -362,7 +376,33 @@ class ReadTargets:
         Raises:
             IntegrityError: short read or crc mismatch, message from the request's ``describe((i, f))``.
         """
-        for (rng, lay, chunks, outs, r0, r1, describe), checks, nread in zip(self._items, self._checks, counts):
+        for k, nread in enumerate(counts):
+            self.check(k, nread)
+
+    def read(self, backend) -> None:
+        """Build, read through ``backend.readinto_ranges`` and check every request; requests are checked on a
+        worker thread as they complete (the worker's crc32c overlaps the next read; both release the GIL).
+
+        Raises:
+            IntegrityError: as :meth:`finish` (the first failing request in request order).
+            ObjectNotFoundError, BackendError: from the backend.
+        """
+        requests = self.build()
+        if len(requests) < 2:
+            self.finish(backend.readinto_ranges(requests))
+            return
+        job = _CheckJob(self, len(requests))
+        try:
+            backend.readinto_ranges(requests, done=job.submit)
+        finally:
+            job.wait()
+        job.raise_first()
+
+    def check(self, k: int, nread: int) -> None:
+        """Check request ``k`` (``nread`` bytes read) and copy its whole-chunk reads into the outputs."""
+        rng, lay, chunks, outs, r0, r1, describe = self._items[k]
+        checks = self._checks[k]
+        if True:
             expect = lay.stored_chunk_nbytes * len(chunks)
             if nread != expect:
                 raise IntegrityError(f"short read: expected {expect} bytes, got {nread} ({describe(chunks[0])})")
@@ -387,6 +427,66 @@ class ReadTargets:
                 else:
                     data = np.frombuffer(parts[0], dtype=lay.spec.dtype).reshape(lay.chunk_shape)
                     outs[0][0][lo - r0 : hi - r0] = data[lo - i * cr : hi - i * cr]
+
+
+class _CheckJob:
+    """The checks of one :meth:`ReadTargets.read`, run by the shared checker thread in completion order."""
+
+    def __init__(self, targets: ReadTargets, n: int) -> None:
+        self.targets = targets
+        self.pending = 0
+        self.errors: dict[int, BaseException] = {}
+        self.cond = threading.Condition()
+
+    def submit(self, k: int, nread: int) -> None:
+        with self.cond:
+            self.pending += 1
+        _checker().put((self, k, nread))
+
+    def run(self, k: int, nread: int) -> None:
+        try:
+            self.targets.check(k, nread)
+        except BaseException as e:  # noqa: BLE001 - handed to the reading thread
+            self.errors[k] = e
+        with self.cond:
+            self.pending -= 1
+            if not self.pending:
+                self.cond.notify_all()
+
+    def wait(self) -> None:
+        with self.cond:
+            while self.pending:
+                self.cond.wait()
+
+    def raise_first(self) -> None:
+        if self.errors:
+            raise self.errors[min(self.errors)]
+
+
+_checker_lock = threading.Lock()
+_checker_queue: queue.SimpleQueue | None = None
+_checker_pid = 0
+
+
+def _checker_loop(q: queue.SimpleQueue) -> None:
+    while True:
+        job, k, nread = q.get()
+        job.run(k, nread)
+        del job
+
+
+def _checker() -> queue.SimpleQueue:
+    """The queue of the process's checker thread (a daemon, started on first use and again after a fork)."""
+    global _checker_queue, _checker_pid
+    q = _checker_queue
+    if q is not None and _checker_pid == os.getpid():
+        return q
+    with _checker_lock:
+        if _checker_queue is None or _checker_pid != os.getpid():
+            q = queue.SimpleQueue()
+            threading.Thread(target=_checker_loop, args=(q,), name="tracestore-crc32c", daemon=True).start()
+            _checker_queue, _checker_pid = q, os.getpid()
+        return _checker_queue
 
 
 def choose_chunk_rows(rows: int, target: int) -> int:

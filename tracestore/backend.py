@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import abc
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .errors import BackendError
@@ -85,11 +85,13 @@ class Backend(abc.ABC):
     coalesce_gap: int = 1 << 20
     coalesce_max: int = 64 << 20
 
-    def readinto_ranges(self, requests: Sequence[tuple[ByteRange, Sequence[memoryview]]]) -> list[int]:
+    def readinto_ranges(self, requests: Sequence[tuple[ByteRange, Sequence[memoryview]]],
+                        done: Callable[[int, int], None] | None = None) -> list[int]:
         """Scatter-read: fill each request's buffers, in order, from its byte range (the buffers' sizes add up to
         the range's length). Returns the number of bytes read per request (less than the range if the object is
-        shorter). Nearby ranges of one object are coalesced into one ``get_ranges`` request; local files read
-        straight into the buffers (``preadv``)."""
+        shorter); ``done(k, nread)``, if given, is called as soon as request ``k`` has been filled (its buffers are
+        not touched again). Nearby ranges of one object are coalesced into one ``get_ranges`` request; local
+        files read straight into the buffers (``preadv``)."""
         order = sorted(range(len(requests)), key=lambda k: (requests[k][0].key, requests[k][0].start))
         groups: list[list] = []  # [key, start, stop, [request index, ...]]
         for k in order:
@@ -116,6 +118,8 @@ class Backend(abc.ABC):
                     b[:n] = view[pos : pos + n]
                     pos += n
                 counts[k] = pos
+                if done is not None:
+                    done(k, pos)
         return counts
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:

@@ -13,12 +13,14 @@
   of ``commit_bytes``; timed from the first write to ``close``); the plain baseline then writes, from one
   preallocated buffer, exactly the objects the store produced (same count, same sizes, same directories),
   one plain ``open().write()`` per file (local) or one s3fs ``pipe`` per segment's objects (S3, as
-  concurrent as the store's ``put_many``). So the ratio isolates tracestore's own work: validation, the copy
+  concurrent as the store's ``put_many``); the side that writes first alternates between repeats. So the ratio isolates tracestore's own work: validation, the copy
   into the write buffer, crc32c, shard index, log commit.
 * **read ratio** = plain time / store time: the store reads every trajectory in full with
-  :meth:`Reader.read` (numpy, trace included, crc32c checked; index built from the log inside the timing);
-  the plain baseline reads every file it wrote into a fresh numpy array (``np.fromfile`` / s3fs ``cat`` per
-  segment group). Both read data written just before (local: from the page cache, both alike).
+  :meth:`Reader.read` (numpy, trace included, crc32c checked; index built from the log inside the timing),
+  dropping each batch before the next read as a trainer consuming micro-batches does (so the reader recycles
+  the previous batch's output memory; a batch that is kept is never overwritten); the plain baseline reads
+  every file it wrote into a fresh numpy array (``np.fromfile`` / s3fs ``cat`` per segment group). Both read
+  data written just before (local: from the page cache, both alike).
   ``read_amplification`` = bytes the store fetched / logical bytes (whole inner chunks at trajectory ends).
 * **tail latency**: a :class:`~tracestore.Stream` tailing in a thread (default poll interval) while a writer
   commits small records at random intervals; latency = time seen - the entry's ``created_unix`` (set just
@@ -244,9 +246,9 @@ def _read_amplification(store, n_traj: int, tokens: int) -> int:
     original = backend.readinto_ranges
     fetched = [0]
 
-    def counting(requests):
+    def counting(requests, *args, **kwargs):
         fetched[0] += sum(r.stop - r.start for r, _ in requests)
-        return original(requests)
+        return original(requests, *args, **kwargs)
 
     backend.readinto_ranges = counting
     try:
@@ -357,6 +359,7 @@ def _phase(store_url_of: Callable[[int], str], plain_root_of: Callable[[int], st
     last_store = None
     objects = None
     logical = 0
+    plain_objects = buf = None
     for r in range(cfg.repeats):
         if progress:
             progress(f"{label} write", r, cfg.repeats)
@@ -364,23 +367,31 @@ def _phase(store_url_of: Callable[[int], str], plain_root_of: Callable[[int], st
         if data is None:
             data = _Data(store, cfg)
         logical = n_traj * cfg.tokens * (store.payload_bytes_per_token + store.trace_bytes_per_token)
+        # alternate which side writes first (as the reads do): the page cache's dirty-page writeback and the
+        # S3 server's memory would otherwise always hit the same side. The plain side writes the objects
+        # (names and sizes) of the store's latest write.
+        plain_first = r % 2 == 1 and plain_objects is not None
+        if plain_first:
+            tw_plain.append(plain_write(plain_root_of(r), plain_objects, buf))
         tw_store.append(_store_write(store, data, n_traj, cfg))
         objects = store.backend.list("")
-        buf = np.random.default_rng(cfg.seed + 2).integers(0, 256, max(o.size for o in objects), dtype=np.uint8)
-        tw_plain.append(plain_write(plain_root_of(r), objects, buf))
+        if not plain_first:
+            plain_objects = objects
+            buf = np.random.default_rng(cfg.seed + 2).integers(0, 256, max(o.size for o in objects), dtype=np.uint8)
+            tw_plain.append(plain_write(plain_root_of(r), plain_objects, buf))
         if r > 0:
             cleanup(r - 1)  # keep the store in memory only once (moto holds objects in RAM)
         last_store = store
-    assert last_store is not None and objects is not None
+    assert last_store is not None and objects is not None and plain_objects is not None
     for r in range(cfg.repeats):
         if progress:
             progress(f"{label} read", r, cfg.repeats)
         # alternate the order so neither side always reads second
         if r % 2 == 0:
             tr_store.append(_store_read(last_store, n_traj, cfg.tokens))
-            tr_plain.append(plain_read(plain_root_of(cfg.repeats - 1), objects))
+            tr_plain.append(plain_read(plain_root_of(cfg.repeats - 1), plain_objects))
         else:
-            tr_plain.append(plain_read(plain_root_of(cfg.repeats - 1), objects))
+            tr_plain.append(plain_read(plain_root_of(cfg.repeats - 1), plain_objects))
             tr_store.append(_store_read(last_store, n_traj, cfg.tokens))
     fetched = _read_amplification(last_store, n_traj, cfg.tokens)
     mb = logical / 1e6
