@@ -89,7 +89,8 @@ class FP4Runtime:
         self.on_route: RouteFn | None = None
         self.provided: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._calib: dict[str, torch.Tensor] | None = None
-        # MoE calls with at most this many (token, expert) slots take the gather/bmm decode path.
+        # MoE calls on CUDA with at most this many (token, expert) slots take the gather/bmm decode path (on
+        # the CPU, gathering expert weights costs more than the grouped GEMMs save).
         self.gather_max_slots = 64
         self._wcache: dict[str, tuple[int, int, torch.Tensor]] = {}
 
@@ -236,7 +237,7 @@ class FP4MoEBlock(nn.Module):
         n, k = idx.shape
         w_gate_up = rt.weight(f"{self.module_name}.experts.gate_up_proj", ex.gate_up_proj)  # (E, 2I, H)
         w_down = rt.weight(f"{self.module_name}.experts.down_proj", ex.down_proj)  # (E, H, I)
-        if n * k <= rt.gather_max_slots:
+        if x_q.is_cuda and n * k <= rt.gather_max_slots:
             return self._routed_gather(x_q, idx, weights, w_gate_up, w_down)
         flat = idx.reshape(-1)  # (N*k,) slot-major within a token
         order = torch.argsort(flat, stable=True)  # slots grouped by expert
