@@ -102,3 +102,24 @@ def test_read_packed_thd_with_cp_and_tp_slices():
     np.testing.assert_array_equal(part.hints["s"], full.hints["s"][rows, 4:8])
     np.testing.assert_array_equal(part.scales["s"], full.scales["s"][rows, 2:4])
     np.testing.assert_array_equal(part.token_ids, full.token_ids[rows])
+
+
+def test_read_packed_from_tracestore_matches_memory_sink(tmp_path):
+    import tracestore as ts
+
+    mem = _sink_with({"a": 10, "bb": 6})
+    store = ts.create_store(str(tmp_path / "s"), [ts.Site("s", 64)])
+    with store.writer() as w:
+        for t in ("a", "bb"):
+            for start, piece in mem._pieces[t]:
+                w.write(t, start, hints=piece.hints, scales=piece.scales, token_ids=piece.token_ids,
+                        logprobs=piece.logprobs)
+    reader = ts.open_store(str(tmp_path / "s")).reader()
+    mb = cp_shard(MicroBatch((Segment("a", 0, 10), Segment("bb", 0, 6))), 1, 2)
+    feats = tp_feature_range(64, 0, 2)
+    got = read_packed(reader, mb, ["s"], features=feats, read_kwargs={"fmt": "numpy"})
+    want = read_packed(mem, mb, ["s"], features=feats)
+    np.testing.assert_array_equal(got.hints["s"], want.hints["s"])
+    np.testing.assert_array_equal(got.scales["s"], want.scales["s"])
+    np.testing.assert_array_equal(got.positions, want.positions)
+    np.testing.assert_array_equal(got.token_ids, want.token_ids)
