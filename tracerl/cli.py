@@ -68,7 +68,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         return 0
     with err.status("starting") as status:
         result = run_demo(cfg, progress=lambda msg: (status.update(msg), err.log(msg)))
-    out = Console()
+    out = Console() if sys.stdout.isatty() else Console(width=160, soft_wrap=True)
     out.print(render_table(result))
     r = result["rollout"]
     out.print(

@@ -172,6 +172,14 @@ class FP4Runtime:
                 self.capture(site, q)
             if self.observe is not None:
                 self.observe(site, kernels.unpack_codes(q.codes), q.scales)
+            if not x.is_cuda:
+                # dequantize(quantize(x)) is fake_quantize(x) bit for bit (kernels' contract); on the CPU reusing
+                # q saves the second reference pass. (On CUDA kernels' dequantize is the torch reference, so one
+                # fused Triton fake_quantize is cheaper.)
+                y = kernels.dequantize(q, dtype=x.dtype)
+                if x.requires_grad and torch.is_grad_enabled():
+                    return _StraightThrough.apply(x, y)
+                return y
         return kernels.fake_quantize(x, fmt="nvfp4", global_scale=g, backend=self.backend)
 
     def weight(self, key: str, w_hp: torch.Tensor) -> torch.Tensor:
