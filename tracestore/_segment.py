@@ -189,13 +189,18 @@ class ArrayLayout:
         ib = index.tobytes()
         return ib + struct.pack("<I", crc32c(ib))
 
-    def encode_parts(self, sources: Sequence[np.ndarray]) -> dict[str, list]:
+    def encode_parts(self, sources: Sequence[np.ndarray], crcs: Sequence[Sequence[int]] | None = None
+                     ) -> dict[str, list]:
         """Encode the array -> ``{shard key: gather list}``; ``[chunk, crc, chunk, crc, ..., index + crc]``.
 
         ``sources``: site arrays: one ``[rows, bytes]`` uint8 array per member site; others: ``[data]`` with
         ``data`` of shape ``[rows, *row_shape]``. Chunks reference the sources without copying where they are
-        contiguous (site arrays without column chunking, all other arrays).
+        contiguous (site arrays without column chunking, all other arrays). ``crcs`` (optional, only without
+        column chunking): per source, the crc32c of its first whole chunks of ``chunk_rows`` rows, computed
+        while the rows were buffered; the other chunks' checksums are computed here.
         """
+        if crcs is not None:
+            assert self.n_col == 1 and len(crcs) == len(sources), (self.n_col, len(crcs), len(sources))
         want = (self.rows, self.width) if self.spec.grouped else (self.rows, *self.spec.row_shape)
         assert len(sources) == (len(self.spec.members) if self.spec.grouped else 1)
         assert all(x.shape == want and x.dtype == self.spec.dtype for x in sources), (want, self.spec)
@@ -210,7 +215,11 @@ class ArrayLayout:
                 for f in range(self.n_inner):
                     chunk = self._chunk(sources, i, f, r1)
                     parts.append(chunk)
-                    parts.append(struct.pack("<I", crc32c(chunk)))
+                    known = crcs[f] if crcs is not None else ()
+                    if i < len(known) and (i + 1) * self.chunk_rows <= r1:
+                        parts.append(struct.pack("<I", known[i]))
+                    else:
+                        parts.append(struct.pack("<I", crc32c(chunk)))
             parts.append(self._index(n_present))
             out[self.shard_key(s)] = parts
         return out
@@ -309,64 +318,66 @@ class ReadTargets:
         """Lay out every request's buffers (one scratch arena for all) -> ``[(ByteRange, [buffers])]``."""
         plans = []
         scratch_total = 0
+        n_chunks = 0
+        direct_of: dict[int, dict] = {}  # id(outs) -> {key: byte view of the output, or None (copy)}
         for rng, lay, chunks, outs, r0, r1, describe in self._items:
             cr, cb = lay.chunk_rows, lay.chunk_nbytes
             row_b = cb // cr
+            grouped, n_col = lay.spec.grouped, lay.n_col
+            direct = direct_of.get(id(outs))
+            if direct is None:
+                direct = {}
+                for key, (out, b0, b1) in outs.items():
+                    full = not grouped or (n_col == 1 and b0 == 0 and b1 == lay.width)
+                    direct[key] = memoryview(out).cast("B") if full and out.flags.c_contiguous else None
+                direct_of[id(outs)] = direct
             plan = []
             for i, f in chunks:
-                lo, hi = max(r0, i * cr), min(r1, (i + 1) * cr)
-                if lay.spec.grouped:
-                    s, _j = divmod(f, lay.n_col)
-                    out, b0, b1 = outs[s]
-                    full = lay.n_col == 1 and b0 == 0 and b1 == lay.width
-                else:
-                    out = outs[0][0]
-                    full = True
-                if full and out.flags.c_contiguous:
-                    head, tail = (lo - i * cr) * row_b, ((i + 1) * cr - hi) * row_b
-                    plan.append(("direct", i, f, lo, hi, head, tail))
+                c0 = i * cr
+                c1 = c0 + cr
+                lo = c0 if c0 > r0 else r0
+                hi = c1 if c1 < r1 else r1
+                dst = direct[f // n_col if grouped else 0]
+                if dst is not None:  # rows [lo, hi) straight into the output, the rest of the chunk to scratch
+                    head, tail = (lo - c0) * row_b, (c1 - hi) * row_b
+                    plan.append((dst[(lo - r0) * row_b : (hi - r0) * row_b], head, tail, i, f))
                     scratch_total += head + tail
-                else:
-                    plan.append(("copy", i, f, lo, hi, cb, 0))
+                else:  # the whole chunk to scratch, copied after the check
+                    plan.append((None, cb, (lo, hi), i, f))
                     scratch_total += cb
+            n_chunks += len(plan)
             plans.append(plan)
-        arena = memoryview(_scratch(scratch_total + 4 * sum(len(p) for p in plans)))
+        arena = memoryview(_scratch(scratch_total + 4 * n_chunks))
         pos = 0
-
-        def take(n: int) -> memoryview:
-            nonlocal pos
-            v = arena[pos : pos + n]
-            pos += n
-            return v
-
         self.requests = []
         self._checks = []
-        for (rng, lay, chunks, outs, r0, r1, describe), plan in zip(self._items, plans):
+        for item, plan in zip(self._items, plans):
             bufs: list = []
             checks: list = []
-            for kind, i, f, lo, hi, a, b in plan:
-                if kind == "direct":
-                    parts = []
-                    if a:
-                        parts.append(take(a))
-                    if lay.spec.grouped:
-                        out = outs[f // lay.n_col][0]
+            for dst, a, b, i, f in plan:
+                if dst is not None:
+                    if a or b:
+                        parts = []
+                        if a:
+                            parts.append(arena[pos : pos + a])
+                            pos += a
+                        parts.append(dst)
+                        if b:
+                            parts.append(arena[pos : pos + b])
+                            pos += b
                     else:
-                        out = outs[0][0]
-                    parts.append(memoryview(out[lo - r0 : hi - r0]).cast("B"))
-                    if b:
-                        parts.append(take(b))
-                    crc = take(4)
-                    bufs.extend(parts)
-                    bufs.append(crc)
-                    checks.append((parts, crc, (i, f), None))
+                        parts = [dst]
+                    copy = None
                 else:
-                    whole = take(a)
-                    crc = take(4)
-                    bufs.append(whole)
-                    bufs.append(crc)
-                    checks.append(([whole], crc, (i, f), (lo, hi)))
-            self.requests.append((rng, bufs))
+                    parts = [arena[pos : pos + a]]
+                    pos += a
+                    copy = b
+                crc = arena[pos : pos + 4]
+                pos += 4
+                bufs.extend(parts)
+                bufs.append(crc)
+                checks.append((parts, crc, (i, f), copy))
+            self.requests.append((item[0], bufs))
             self._checks.append(checks)
         return self.requests
 
