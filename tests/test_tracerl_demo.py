@@ -11,7 +11,8 @@ from tracerl.demo import METRIC_KEYS, REPORT_MODES
 
 def test_demo_json_schema_and_kept_store(tmp_path, capsys):
     url = str(tmp_path / "store")
-    rc = main(["demo", "--json", "--trajectories", "2", "--tokens", "24", "--store", url, "--threads", "2"])
+    rc = main(["demo", "--json", "--trajectories", "2", "--tokens", "24", "--store", url, "--threads", "2",
+               "--hidden", "64", "--layers", "4", "--experts", "4", "--vocab", "128", "--backward"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out["modes"]) == set(REPORT_MODES)
@@ -25,7 +26,7 @@ def test_demo_json_schema_and_kept_store(tmp_path, capsys):
             assert 0 < m["code_agreement"] <= 1 and 0 < m["scale_agreement"] <= 1
     assert out["modes"]["fp4_rne_rollout_scales"]["scale_agreement"] == 1.0
     assert out["rollout"]["trajectories"] == 2 and out["rollout"]["response_tokens"] == 2 * 8
-    assert len(out["config"]["hinted_sites"]) == 4  # MoE input of the latter 4 of 8 layers
+    assert len(out["config"]["hinted_sites"]) == 2  # MoE input of the latter 2 of 4 layers
     store = ts.open_store(url)
     assert set(store.model["global_scales"]) == set(out["config"]["fp4_sites"])
     infos = store.reader().trajectories()

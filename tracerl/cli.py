@@ -59,7 +59,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         kv_fp4=args.kv_fp4,
         seed=args.seed,
         store=args.store,
-        backward=not args.no_backward,
+        backward=args.backward,
+        spec={k: v for k, v in (("hidden_size", args.hidden), ("num_layers", args.layers),
+                                ("num_experts", args.experts), ("vocab_size", args.vocab)) if v is not None},
     )
     err = Console(stderr=True)
     if args.json:
@@ -107,7 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--kv-fp4", action="store_true", help="also store the KV cache in NVFP4 (never hinted)")
     d.add_argument("--model", default="qwen3-moe", choices=("qwen3-moe", "qwen3.5-moe"), help="model family")
     d.add_argument("--seed", type=int, default=0, help="seed of the weights, prompts and sampling")
-    d.add_argument("--no-backward", action="store_true", help="trainer forward only (default: forward+backward)")
+    d.add_argument("--backward", action="store_true",
+                   help="trainer forward + backward (straight-through) in every mode (default: forward only)")
+    d.add_argument("--hidden", type=int, help="model hidden size (default 256)")
+    d.add_argument("--layers", type=int, help="decoder layers (default 8)")
+    d.add_argument("--experts", type=int, help="routed experts per MoE layer (default 16, top-2)")
+    d.add_argument("--vocab", type=int, help="vocabulary size (default 1024)")
     d.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     d.set_defaults(func=_cmd_demo)
     return p
