@@ -208,7 +208,9 @@ def _metrics(cfg, packed, recomputes, roll: RolloutResult, floor: RolloutResult,
         return dense[rows_traj, rows_pos]
 
     modes: dict[str, dict] = {}
-    edges = [0, 64, 128, 192, 256, 1 << 30]
+    # response-position buckets of 64 tokens (the last one open-ended) for the by-position slice
+    last = int(resp_pos.max()) + 1
+    edges = [e for e in range(0, last, 64)] + [last]
     floor_lp = np.full(len(rows_pos), np.nan, dtype=np.float32)
     floor_lp[response] = np.stack(floor.logprobs)[rows_traj[response], resp_pos[response]]
     for mode in REPORT_MODES:
@@ -243,7 +245,7 @@ def _metrics(cfg, packed, recomputes, roll: RolloutResult, floor: RolloutResult,
             entry["mismatch_one_step_share"] = fidelity.one_step_share(np.concatenate(codes_t),
                                                                        np.concatenate(codes_r))
         entry["by_position_mean_abs_dlogp"] = fidelity.by_position(
-            np.abs(train_lp.astype(np.float64) - ref_lp), resp_pos, edges[:-1] + [int(resp_pos.max()) + 1])
+            np.abs(train_lp.astype(np.float64) - ref_lp), resp_pos, edges)
         modes[mode] = _nan_to_none(entry)
     floor_mean = modes["floor"]["mean_abs_dlogp"]
     for m in MODES:
