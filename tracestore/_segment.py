@@ -53,7 +53,7 @@ class ArraySpec:
 
     @property
     def row_nbytes(self) -> int:
-        return int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
+        return math.prod(self.row_shape) * self.dtype.itemsize  # math.prod: np.prod costs ~10 us per call
 
     @functools.cached_property
     def grouped(self) -> bool:

@@ -493,6 +493,14 @@ def run_bench(cfg: BenchConfig | None = None, progress: Progress | None = None) 
     os.makedirs(run_dir)
     t_start = time.perf_counter()
     result: dict = {"config": {k: v for k, v in asdict(cfg).items() if k != "s3_storage_options"}}
+    result["method"] = {
+        "read": "the store reads each trajectory with Reader.read (numpy, trace included, every chunk's crc32c "
+                "checked) and drops the batch before the next read, as a trainer consuming micro-batches does: the "
+                "reader recycles the previous batch's output memory (a batch still referenced is never "
+                "overwritten); the plain side reads each file into a fresh numpy array (np.fromfile / s3fs cat)",
+        "order": "reads alternate which side goes first; so do writes (the plain side writes the objects, names "
+                 "and sizes, of the store's latest write)",
+    }
     try:
         # ---------------- local
         def store_url(r: int) -> str:
