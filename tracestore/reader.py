@@ -177,7 +177,7 @@ _ARENA_ALIGN = _PAGE  # outputs start at page boundaries (see _page_aligned)
 
 
 _POOL_ARENAS = 4  # per thread
-_POOL_MAX_BYTES = 256 << 20  # larger arenas are not kept
+_POOL_MAX_BYTES = 512 << 20  # per thread, in all; larger arenas are not kept
 _pool = threading.local()
 
 
@@ -186,7 +186,7 @@ def _pooled_arena(nbytes: int) -> np.ndarray:
 
     A fresh arena is faulted in page by page while the read fills it (with the checksum pass this made reading
     into fresh outputs ~1.5x slower than into warm memory). Arenas of finished reads are kept per thread (at most
-    :data:`_POOL_ARENAS`, each at most :data:`_POOL_MAX_BYTES`) and handed out again only once no output of
+    :data:`_POOL_ARENAS` holding at most :data:`_POOL_MAX_BYTES`) and handed out again only once no output of
     the read that used them is alive: every output is a numpy view whose ``base`` is the arena (also behind
     torch/arrow conversions), so the arena's reference count says whether anything still uses it. A caller who
     keeps a batch keeps its memory; one who drops it (a trainer consuming micro-batches) reuses warm memory.
@@ -204,10 +204,10 @@ def _pooled_arena(nbytes: int) -> np.ndarray:
             return _page_aligned(a, nbytes)
         del a
     a = np.empty(need, np.uint8)
-    if nbytes <= _POOL_MAX_BYTES:
+    if need <= _POOL_MAX_BYTES:
         arenas.append(a)
-        if len(arenas) > _POOL_ARENAS:
-            del arenas[0]
+        while len(arenas) > _POOL_ARENAS or sum(x.size for x in arenas) > _POOL_MAX_BYTES:
+            del arenas[0]  # the least recently used (still valid for whoever holds its outputs)
     return _page_aligned(a, nbytes)
 
 

@@ -534,7 +534,9 @@ class Writer:
         """Copy rows ``[s, T)`` of the validated ``columns`` (tokens ``token_start + s ..``) into the stage."""
         while s < T:
             if self._stage is None:
-                self._stage = _Staging(self.store.row_columns, self._capacity, self.store.chunk_rows)
+                # (with column chunks a site's inner chunk is not a run of its rows: checksums at flush)
+                crc_rows = 0 if self.store.feature_chunk else self.store.chunk_rows
+                self._stage = _Staging(self.store.row_columns, self._capacity, crc_rows)
             stage = self._stage
             n = min(T - s, stage.capacity - stage.rows)
             r = stage.rows
