@@ -10,7 +10,7 @@ Steps (`run_demo`):
    model metadata carries the model spec, the site plan and the global scales.
 3. Floor run: the same engine's decode path in bf16 with the sampled tokens forced.
 4. Trainer: from a fresh handle on the store, pack the trajectories into THD micro-batches, read hints and
-   scales, and recompute (forward + backward, straight-through) in each mode.
+   scales, and recompute in each mode (forward; with ``backward=True`` also the straight-through backward).
 5. Metrics per mode (`tracerl.fidelity`) over the response tokens: code/scale agreement at hinted sites
    against the rollout's codes, router flip rate per (token, layer), |dlogp| statistics, k3.
 
