@@ -12,6 +12,8 @@ measured):
    asynchronous device-to-host drains every 32 steps; no host sync per step). Runs alternate, median of reps.
 2. ``trainer``: forward + backward time of one packed micro-batch in ``fp4_rne_own_scales`` vs ``fp4_hints``
    (hints and scales already on the device, and from host numpy arrays as a reader hands them out).
+``sync`` (opt-in, CUDA): host synchronizations counted by torch's sync debug mode over 64 decode steps with
+and without capture; the difference is what capture adds (the design adds none per step).
 3. ``fidelity``: `tracerl.demo.run_demo` at this size (FP4 rollout of trajectories of >= 4K tokens recorded to
    a local tracestore store, bf16 floor run, trainer recompute in every mode, metrics).
 """
@@ -90,6 +92,34 @@ def bench_capture(spec, device, batch, prompt, steps, reps, seed):
     }
 
 
+def sync_check(spec, device, batch, prompt, steps, seed):
+    """Host syncs per decode step with and without capture (torch's sync debug mode counts them)."""
+    import warnings
+
+    model = build_model(spec, seed=seed, device=device)
+    plan = plan_sites(model, hint_layers="latter-half")
+    rt = install_fp4(model, plan)
+    prompts = [list(range(1, prompt + 1))] * batch
+    widths = {s.name: s.width for s in plan.hinted_specs()}
+    eng = RolloutEngine(model, rt, collect_routes=False)
+    eng.calibrate(prompts)
+    eng.generate(prompts, 2, seed=seed)
+    counts = {}
+    for name in ("plain", "capture"):
+        eng.recorder = None if name == "plain" else RolloutRecorder(
+            MemorySink(widths), widths, moe_layers=[f"model.layers.{i}.mlp" for i in range(spec.num_layers)],
+            top_k=spec.top_k, drain_every=32)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                eng.generate(prompts, steps, seed=seed, request_ids=[f"{name}-{i}" for i in range(batch)])
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        counts[name] = sum("synchroniz" in str(w.message) for w in caught)
+    return {"steps": steps, "syncs": counts, "extra_syncs_per_step": (counts["capture"] - counts["plain"]) / steps}
+
+
 def bench_trainer(spec, device, seqs, seq_len, reps, seed):
     """fwd+bwd time of one micro-batch (seqs x seq_len tokens) per mode; hints from a real FP4 quantization."""
     model = build_model(spec, seed=seed, device=device)
@@ -151,7 +181,8 @@ def main(argv=None) -> int:
     p.add_argument("--capture-steps", type=int, default=256)
     p.add_argument("--capture-batches", default="4,16")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--sections", default="capture,trainer,fidelity")
+    p.add_argument("--sections", default="capture,trainer,fidelity",
+                   help="comma-separated subset of capture,sync,trainer,fidelity (sync: CUDA only)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
@@ -188,6 +219,10 @@ def main(argv=None) -> int:
         for c in out["capture"]:
             print(f"[{time.perf_counter() - t0:6.0f}s] capture B={c['batch']}: {c['step_ms_plain']:.2f} ms/step plain,"
                   f" {c['step_ms_capture']:.2f} with capture ({c['overhead_pct']:+.2f}%)", flush=True)
+    if "sync" in sections and device.type == "cuda":
+        out["sync_check"] = sync_check(spec, device, batches[0], 64, 64, args.seed)
+        save()
+        print(f"[{time.perf_counter() - t0:6.0f}s] sync check: {out['sync_check']}", flush=True)
     if "trainer" in sections:
         out["trainer"] = bench_trainer(spec, device, train_seqs, train_len, reps, args.seed)
         save()
