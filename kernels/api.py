@@ -124,11 +124,16 @@ def _global_scale(global_scale, fmt: str, device: torch.device, x: torch.Tensor 
                 f"global_scale must be a floating tensor with one element; got dtype {global_scale.dtype}, "
                 f"shape {tuple(global_scale.shape)}"
             )
-        return global_scale.detach().reshape(()).to(device=device, dtype=torch.float32)
+        # No host sync: the value is never read here (a device g stays put; a host g goes to the device with
+        # non_blocking, which for pageable memory stages the 4 bytes at once and does not wait for the device).
+        g = global_scale.detach().reshape(())
+        non_blocking = g.device.type == "cpu" and torch.device(device).type == "cuda"
+        return g.to(device=device, dtype=torch.float32, non_blocking=non_blocking)
     gv = float(global_scale)
     if not (gv > 0.0 and gv < float("inf")):
         raise FormatError(f"global_scale must be a positive finite number; got {global_scale!r}")
-    return torch.tensor(gv, dtype=torch.float32, device=device)
+    # torch.full, not torch.tensor(gv, device=cuda): the latter is a blocking host -> device copy (a host sync).
+    return torch.full((), gv, dtype=torch.float32, device=device)
 
 
 def _triton_importable() -> bool:

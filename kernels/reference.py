@@ -43,7 +43,6 @@ import torch
 
 from .constants import (
     E2M1_HINT_LADDER,
-    E2M1_MAGNITUDES,
     E2M1_MAX,
     E2M1_MIDPOINTS,
     E4M3_MAX,
@@ -143,7 +142,7 @@ def global_scale_ref(x: torch.Tensor) -> torch.Tensor:
     """Dynamic NVFP4 global scale (fp32, 0-d): ``max(amax / 2688, 2^-118)`` over the finite values of x;
     1.0 when there is no finite non-zero value."""
     if x.numel() == 0:
-        return torch.tensor(NVFP4_GLOBAL_SCALE_FALLBACK, dtype=torch.float32, device=x.device)
+        return torch.full((), NVFP4_GLOBAL_SCALE_FALLBACK, dtype=torch.float32, device=x.device)
     amax = _finite_abs(x.float()).amax()
     g = div_rn(amax, NVFP4_GLOBAL_DENOM).clamp(min=NVFP4_GLOBAL_SCALE_MIN)
     return torch.where(amax > 0, g, torch.full_like(g, NVFP4_GLOBAL_SCALE_FALLBACK))
@@ -171,9 +170,15 @@ def e2m1_hint_magnitude(v: torch.Tensor, hint_bits: torch.Tensor) -> torch.Tenso
 
 
 def e2m1_value(mag: torch.Tensor) -> torch.Tensor:
-    """fp32 magnitude E2M1[mag] for magnitude codes 0..7."""
-    table = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=mag.device)
-    return table[mag.long()]
+    """fp32 magnitude E2M1[mag] for magnitude codes 0..7.
+
+    Built from bits rather than looked up in ``torch.tensor(E2M1_MAGNITUDES, device=...)``, which on CUDA is
+    a blocking host -> device copy (a host sync) per call: E2M1[i] for i >= 2 is the float with bits
+    (i + 252) << 22 (1, 1.5, 2, 3, 4, 6), E2M1[1] = 0.5 (0x3F000000), E2M1[0] = 0
+    (tests/test_capture_sync.py checks it against ``kernels.E2M1_MAGNITUDES``)."""
+    m = mag.to(torch.int32)
+    bits = torch.where(m >= 2, (m + 252) << 22, torch.where(m == 1, 0x3F000000, 0).to(torch.int32))
+    return bits.view(torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------------------

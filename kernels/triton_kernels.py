@@ -436,7 +436,8 @@ def _fake_quant_bwd_kernel(
 def _g_arg(g: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     if g is None:
         return torch.ones((), dtype=torch.float32, device=device)
-    return g.to(device=device, dtype=torch.float32).contiguous()
+    # kernels.api passes g on x's device already; a host g goes along without blocking (no host sync).
+    return g.to(device=device, dtype=torch.float32, non_blocking=g.device.type == "cpu").contiguous()
 
 
 def _cfg(name: str, config: tuple | None) -> tuple[int, int, bool, bool]:

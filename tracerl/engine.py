@@ -5,8 +5,11 @@ The model carries an `FP4Runtime` (`tracerl.qat.install_fp4`); the engine runs i
 through the runtime's capture callback and hands hint bits and block scales to a `RolloutRecorder` along with
 the routed expert ids, the sampled tokens and their log-probs. Nothing here synchronizes with the device per
 step except what the model's own expert dispatch does; captured payloads stay on the device until the
-recorder drains them. By default the last sampled token is fed through one more forward (``feed_last``) so
-that every recorded token has its hints, scales and routed experts; its logits are discarded.
+recorder drains them, and what the result returns (tokens, log-probs, routes, codes) comes to the host in one
+transfer at the end of `generate`, whether or not anything is captured, so capture adds no host sync at all.
+Host inputs (prompts, masks, positions) go to the device from pinned memory without blocking. By default the
+last sampled token is fed through one more forward (``feed_last``) so that every recorded token has its hints,
+scales and routed experts; its logits are discarded.
 
 The decode path is the engine's own: by default it runs attention through PyTorch's SDPA kernels while the
 trainer recompute uses eager attention, as a serving engine's paged decode kernels differ from a trainer's
@@ -41,6 +44,41 @@ class RolloutResult:
     prefill_s: float
     decode_s: float
     decode_steps: int
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor -> ``device`` without a host sync (``t.to(cuda)`` from pageable memory blocks the host)."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+_NP_DTYPES = {torch.uint8: np.uint8, torch.int8: np.int8, torch.int16: np.int16, torch.int32: np.int32,
+              torch.int64: np.int64, torch.float16: np.float16, torch.float32: np.float32,
+              torch.float64: np.float64, torch.bool: np.bool_}
+
+
+def _to_host(tensors: Sequence[torch.Tensor]) -> list[np.ndarray]:
+    """numpy copies of ``tensors`` (numpy dtypes only) with one device-to-host transfer per device.
+
+    Each device's tensors are concatenated as raw bytes on the device, copied once and split on the host, so
+    the values are bit for bit the tensors' (a ``.cpu()`` per tensor would be a blocking copy, a host sync,
+    each). Host tensors take the same path, so a CPU run reads values exactly as often as a CUDA run."""
+    out: list[np.ndarray | None] = [None] * len(tensors)
+    by_dev: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dev.setdefault(t.device, []).append(i)
+    for idx in by_dev.values():
+        idx.sort(key=lambda i: -tensors[i].element_size())  # keeps every part's byte offset aligned
+        flat = [tensors[i].contiguous().reshape(-1).view(torch.uint8) for i in idx]
+        host = torch.cat(flat).cpu().numpy()
+        off = 0
+        for i, f in zip(idx, flat):
+            t = tensors[i]
+            n = f.shape[0]
+            out[i] = host[off : off + n].view(_NP_DTYPES[t.dtype]).reshape(tuple(t.shape))
+            off += n
+    return out
 
 
 def _cache_kwarg(model: torch.nn.Module) -> str:
@@ -102,7 +140,7 @@ class RolloutEngine:
         for b, p in enumerate(prompts):
             ids[b, pmax - len(p) :] = torch.as_tensor(list(p), dtype=torch.long)
             mask[b, pmax - len(p) :] = 1
-        return plens, ids.to(device), mask.to(device)
+        return plens, _to_device(ids, device), _to_device(mask, device)
 
     @torch.no_grad()
     def calibrate(self, prompts: Sequence[Sequence[int]]) -> dict[str, float]:
@@ -136,7 +174,9 @@ class RolloutEngine:
         rids = list(request_ids) if request_ids is not None else [f"req-{i}" for i in range(bsz)]
         plens, ids, mask = self._left_pad(prompts, device)
         pos_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-        plens_t = torch.tensor(plens, device=device)
+        plens_t = _to_device(torch.tensor(plens), device)
+        if forced_tokens is not None:
+            forced_tokens = _to_device(torch.as_tensor(forced_tokens), device)  # once, not per step
         gen = torch.Generator(device=device).manual_seed(seed)
 
         rec = self.recorder
@@ -164,8 +204,13 @@ class RolloutEngine:
             from transformers import DynamicCache
 
             cache = fp4_kv_cache(model, rt) or DynamicCache(config=model.config)
-            # Prefill: valid rows of the flattened [B, Pmax] batch.
-            valid = mask.reshape(-1).nonzero().squeeze(-1)
+            # Prefill: valid rows of the flattened [B, Pmax] batch (left-padded), from the host lengths
+            # (``mask.nonzero()`` would read the device mask: a host sync).
+            pmax = max(plens)
+            valid = _to_device(
+                torch.as_tensor(np.concatenate([b * pmax + np.arange(pmax - n, pmax) for b, n in enumerate(plens)])),
+                device,
+            )
             self._rows = (
                 [r for r, n in zip(rids, plens) for _ in range(n)],
                 np.concatenate([np.arange(n) for n in plens]),
@@ -190,7 +235,7 @@ class RolloutEngine:
             for step in range(max_new_tokens):
                 logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # (B, V)
                 if forced_tokens is not None:
-                    tok = forced_tokens[:, step].to(device)
+                    tok = forced_tokens[:, step]
                 else:
                     tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
                 lp = logp.gather(-1, tok[:, None]).squeeze(-1)
@@ -225,16 +270,28 @@ class RolloutEngine:
             model.config._attn_implementation = prev_attn
             self._rows = None
         fed = max_new_tokens if self.feed_last else max_new_tokens - 1
-        gen_toks = torch.stack(toks, dim=1).cpu().numpy()  # (B, G)
-        gen_lps = torch.stack(lps, dim=1).cpu().numpy()
+        # Everything the result holds comes to the host in one transfer per device (per-part copies were a
+        # host sync per MoE layer per forward: the whole cost of capture in the sync check).
+        expert_parts = list(self._experts.items())
+        code_parts = list(self._codes.items())
+        dev = [torch.stack(toks, dim=1) if toks else torch.zeros(bsz, 0, dtype=torch.long),
+               torch.stack(lps, dim=1) if lps else torch.zeros(bsz, 0)]
+        for _, parts in expert_parts + code_parts:
+            dev.extend(val for _, _, val in parts)
+        host = iter(_to_host(dev))
+        gen_toks, gen_lps = next(host), next(host)  # (B, G) each
+        experts = {la: self._assemble([(r, p, next(host)) for r, p, _ in parts], rids, plens, fed)
+                   for la, parts in expert_parts}
+        codes = {s: self._assemble([(r, p, next(host)) for r, p, _ in parts], rids, plens, fed)
+                 for s, parts in code_parts}
         seqs = [np.concatenate([np.asarray(p, dtype=np.int64), gen_toks[b]]) for b, p in enumerate(prompts)]
         return RolloutResult(
             request_ids=rids,
             prompt_lens=plens,
             sequences=seqs,
             logprobs=[gen_lps[b].astype(np.float32) for b in range(bsz)],
-            experts={la: self._assemble(parts, rids, plens, fed) for la, parts in self._experts.items()},
-            codes={s: self._assemble(parts, rids, plens, fed) for s, parts in self._codes.items()},
+            experts=experts,
+            codes=codes,
             prefill_s=t1 - t0,
             decode_s=t2 - t1,
             decode_steps=max_new_tokens if self.feed_last else max(max_new_tokens - 1, 0),
@@ -242,11 +299,11 @@ class RolloutEngine:
 
     @staticmethod
     def _assemble(parts, rids, plens, gen) -> list[np.ndarray]:
-        """Per-step captures -> per request arrays over the fed positions [0, P_b + fed)."""
+        """Per-step captures (host arrays) -> per request arrays over the fed positions [0, P_b + fed)."""
         index = {r: i for i, r in enumerate(rids)}
         width = tuple(parts[0][2].shape[1:])
         dense = np.zeros((len(rids), max(plens) + gen, *width), dtype=np.uint8)
         for prid, ppos, val in parts:
             b = np.fromiter((index[r] for r in prid), dtype=np.int64, count=len(prid))
-            dense[b, np.asarray(ppos)] = val.cpu().numpy()
+            dense[b, np.asarray(ppos)] = val
         return [dense[i, : plens[i] + gen] for i in range(len(rids))]

@@ -66,10 +66,22 @@ def effective_codes(y: torch.Tensor, scale_e4m3: torch.Tensor, global_scale: tor
     """
     s = scale_e4m3.view(torch.float8_e4m3fn).float().repeat_interleave(BLOCK, dim=-1) * global_scale.float()
     mag = torch.where(s > 0, y.float().abs() / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(s))
-    ladder = torch.tensor(E2M1_LADDER, device=y.device)
+    ladder = _ladder(y.device)
     idx = (mag.unsqueeze(-1) - ladder).abs().argmin(dim=-1).to(torch.uint8)
     sign = ((y < 0) & (idx > 0)).to(torch.uint8) << 3
     return idx | sign
+
+
+_LADDERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _ladder(device: torch.device) -> torch.Tensor:
+    """E2M1_LADDER as an fp32 tensor on ``device``, built once per device: ``torch.tensor(..., device=cuda)``
+    is a blocking host-to-device copy (a host sync) on every call."""
+    t = _LADDERS.get(device)
+    if t is None:
+        t = _LADDERS[device] = torch.tensor(E2M1_LADDER).to(device)
+    return t
 
 
 class FP4Runtime:
@@ -93,6 +105,8 @@ class FP4Runtime:
         # the CPU, gathering expert weights costs more than the grouped GEMMs save).
         self.gather_max_slots = 64
         self._wcache: dict[str, tuple[int, int, torch.Tensor]] = {}
+        # Device copies of the (host) global scales: {(site, device): (host tensor, its version, device copy)}.
+        self._gdev: dict[tuple[str, torch.device], tuple[torch.Tensor, int, torch.Tensor]] = {}
 
     # ---- configuration -------------------------------------------------------------------------------
     def set_mode(self, mode: str) -> None:
@@ -133,6 +147,23 @@ class FP4Runtime:
         """Hinted sites' (scale_e4m3 [N, W/16], hints [N, W/8]) for the rows of the next forward."""
         self.provided = dict(site_data)
 
+    def global_scale_on(self, site: str, device: torch.device) -> torch.Tensor:
+        """``site``'s fp32 global scale on ``device``, copied there once (not per forward).
+
+        The scales live on the host (JSON in, JSON out); ``g.to(cuda)`` in every forward was a blocking
+        host-to-device copy, i.e. one host sync per FP4 site per forward. The copy is cached per device and
+        refreshed when the host tensor is replaced (`set_global_scales`, `calibrating`) or written in place."""
+        src = self.global_scales[site]
+        if src.device == device:
+            return src
+        key = (site, device)
+        hit = self._gdev.get(key)
+        if hit is None or hit[0] is not src or hit[1] != src._version:
+            # Pageable host -> device with non_blocking: the driver stages the 4 bytes at once, no host sync.
+            hit = (src, src._version, src.to(device, non_blocking=True))
+            self._gdev[key] = hit
+        return hit[2]
+
     # ---- the quantization points ---------------------------------------------------------------------
     def quant(self, site: str, x: torch.Tensor) -> torch.Tensor:
         """Quantize activation ``x`` [N, W] at ``site`` per the mode; returns [N, W] in x's dtype."""
@@ -142,7 +173,7 @@ class FP4Runtime:
             self._calib[site] = amax if prev is None else torch.maximum(prev, amax)
         if self.mode == "bf16" or site not in self._fp4:
             return x
-        g = self.global_scales[site].to(x.device)
+        g = self.global_scale_on(site, x.device)
         hinted = site in self._hinted
         if hinted and self.mode in ("fp4_rne_rollout_scales", "fp4_hints"):
             if site not in self.provided:
@@ -245,7 +276,9 @@ class FP4MoEBlock(nn.Module):
         n, k = idx.shape
         w_gate_up = rt.weight(f"{self.module_name}.experts.gate_up_proj", ex.gate_up_proj)  # (E, 2I, H)
         w_down = rt.weight(f"{self.module_name}.experts.down_proj", ex.down_proj)  # (E, H, I)
-        if x_q.is_cuda and n * k <= rt.gather_max_slots:
+        # The grouped path reads the per-expert counts on the host (a sync on a device); decode calls on a
+        # device (CUDA; meta in the no-sync tests) take the gather path, which reads nothing.
+        if x_q.device.type != "cpu" and n * k <= rt.gather_max_slots:
             return self._routed_gather(x_q, idx, weights, w_gate_up, w_down)
         flat = idx.reshape(-1)  # (N*k,) slot-major within a token
         order = torch.argsort(flat, stable=True)  # slots grouped by expert

@@ -10,7 +10,11 @@ An engine (the reference engine here, the SGLang plugin later) calls, for each f
 ``request_ids`` (N strings) and ``positions`` (N ints, the token position in the request) are host data the
 engine already has; the payloads are tensors [N, ...] on any device. The recorder never synchronizes per step:
 payloads stay as device tensors until every ``drain_every`` steps, when they are concatenated per field and
-copied to pinned host memory with ``non_blocking=True``; the copies are read once their CUDA event has fired.
+copied to pinned host memory with ``non_blocking=True``; the copies are read once their CUDA event has fired
+(``event.query()``, which does not wait). Host payloads (the prompt's tokens) never go to the device. Nothing
+on this path reads a device value: no ``.item()``/``.cpu()``/``.tolist()``/``bool(t)``/``nonzero``, no
+blocking copies; the only wait is `end` (the request's last rows must have arrived), on a CUDA event
+(tests/test_capture_sync.py checks this on CPU and on the meta device).
 
 Per request the recorder buffers rows in a fixed-size arena slot (bounded memory) and writes a piece to the
 sink as soon as ``flush_tokens`` leading rows are complete (every field present); ``end(request_id)`` writes
@@ -301,39 +305,46 @@ class RolloutRecorder:
     def _drain(self) -> None:
         if not self._staged:
             return
+        # One group per field and payload device: prompt rows come from the host while decode rows live on the
+        # device; host rows stay on the host (a pageable host -> device copy would block).
         groups: dict[Any, list] = {}
         for key, slots, pos, payload in self._staged:
-            groups.setdefault(key, []).append((slots, pos, payload))
+            dev = next((p.device for p in payload if p.device.type != "cpu"), None)
+            groups.setdefault((key, dev), []).append((slots, pos, payload))
         self._staged = []
-        for key, items in groups.items():
+        for (key, dev), items in groups.items():
             host = []
             event = None
             for j in range(len(items[0][2])):
                 parts = [it[2][j].reshape(it[2][j].shape[0], -1) for it in items]
-                # Prompt rows may come from the host while decode rows live on the device.
-                dev_of = next((t.device for t in parts if t.is_cuda), parts[0].device)
-                dev = torch.cat([t.to(dev_of, non_blocking=True) for t in parts])
-                if dev.is_cuda:
-                    buf = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
-                    buf.copy_(dev, non_blocking=True)
+                if dev is None:
+                    host.append(torch.cat(parts))
+                    continue
+                # (a host tensor staged together with device ones in one record_* call goes along)
+                cat = torch.cat([t.to(dev, non_blocking=True) for t in parts])
+                if dev.type == "cuda":
+                    buf = torch.empty(cat.shape, dtype=cat.dtype, pin_memory=True)
+                    buf.copy_(cat, non_blocking=True)
                     host.append(buf)
                 else:
-                    host.append(dev)
-            if any(h.is_pinned() for h in host):
+                    host.append(cat.cpu())
+            if dev is not None and dev.type == "cuda":
                 event = torch.cuda.Event()
-                event.record()
+                event.record(torch.cuda.current_stream(dev))
             slots = np.concatenate([it[0] for it in items])
             pos = np.concatenate([it[1] for it in items])
             self._inflight.append((key, (slots, pos, host), event))
 
     def _poll(self, *, block: bool) -> None:
+        # In drain order: once one copy is still in flight, later ones wait too (rows land in the order staged).
         keep = []
         for key, data, event in self._inflight:
-            if event is not None and not event.query():
+            if keep or (event is not None and not event.query()):
                 if not block:
                     keep.append((key, data, event))
                     continue
-                event.synchronize()
+                if event is not None:
+                    event.synchronize()
             self._materialize(key, *data)
         self._inflight = keep
 
