@@ -79,29 +79,25 @@ def _describe(value: object) -> str:
     return f"{text[:60]}...{size}"
 
 
+def _check(value: object, what: str, pattern: re.Pattern, allowed: str) -> str:
+    if not isinstance(value, str):
+        raise InvalidIdError(f"{what} must be a str, got {type(value).__name__} {_describe(value)}")
+    if not pattern.fullmatch(value) or ".." in value:
+        raise InvalidIdError(
+            f"invalid {what} {_describe(value)}: allowed are {allowed}, starting with a letter or digit, without '..'"
+        )
+    return value
+
+
 def check_id(value: object, what: str = "trajectory id") -> str:
     """Validate a trajectory/writer id: ``[A-Za-z0-9][A-Za-z0-9._:-]{0,199}`` and no ``..``.
 
     Raises:
         InvalidIdError: anything else (not a str, empty, too long, ``/``, ``..``, NUL, whitespace ...).
     """
-    if not isinstance(value, str):
-        raise InvalidIdError(f"{what} must be a str, got {type(value).__name__} {_describe(value)}")
-    if not _ID_RE.fullmatch(value) or ".." in value:
-        raise InvalidIdError(
-            f"invalid {what} {_describe(value)}: allowed are 1-200 characters of [A-Za-z0-9._:-], "
-            f"starting with a letter or digit, without '..'"
-        )
-    return value
+    return _check(value, what, _ID_RE, "1-200 characters of [A-Za-z0-9._:-]")
 
 
 def check_name(value: object, what: str = "site name") -> str:
     """Validate a site or MoE layer name: ``[A-Za-z0-9][A-Za-z0-9._-]{0,99}`` and no ``..``."""
-    if not isinstance(value, str):
-        raise InvalidIdError(f"{what} must be a str, got {type(value).__name__} {_describe(value)}")
-    if not _NAME_RE.fullmatch(value) or ".." in value:
-        raise InvalidIdError(
-            f"invalid {what} {_describe(value)}: allowed are 1-100 characters of [A-Za-z0-9._-], "
-            f"starting with a letter or digit, without '..'"
-        )
-    return value
+    return _check(value, what, _NAME_RE, "1-100 characters of [A-Za-z0-9._-]")

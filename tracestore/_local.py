@@ -17,6 +17,18 @@ from .errors import BackendError, ObjectNotFoundError
 _IOV_MAX = 512
 
 
+def _advance(views: list[memoryview], n: int) -> list[memoryview]:
+    """The buffers still to transfer after a vectored read/write moved ``n`` bytes: drop the full ones, trim one."""
+    k = 0
+    while k < len(views) and n >= len(views[k]):
+        n -= len(views[k])
+        k += 1
+    views = views[k:]
+    if n:
+        views[0] = views[0][n:]
+    return views
+
+
 def _write_all(fd: int, data: Data) -> None:
     """Write bytes or a gather list of buffers to ``fd`` with ``os.writev`` (no user-space concatenation)."""
     parts = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
@@ -24,15 +36,7 @@ def _write_all(fd: int, data: Data) -> None:
     views = [v for v in views if len(v)]
     while views:
         batch = views[:_IOV_MAX]
-        n = os.writev(fd, batch)
-        # drop fully written buffers, trim a partially written one
-        k = 0
-        while k < len(batch) and n >= len(batch[k]):
-            n -= len(batch[k])
-            k += 1
-        views = views[k:]
-        if n:
-            views[0] = views[0][n:]
+        views = _advance(views, os.writev(fd, batch))
 
 
 class LocalBackend(Backend):
@@ -135,13 +139,7 @@ class LocalBackend(Backend):
                         break
                     total += n
                     offset += n
-                    k = 0
-                    while k < len(views) and n >= len(views[k]):
-                        n -= len(views[k])
-                        k += 1
-                    views = views[k:]
-                    if n:
-                        views[0] = views[0][n:]
+                    views = _advance(views, n)
                 if done is not None:
                     done(len(counts), total)
                 counts.append(total)
