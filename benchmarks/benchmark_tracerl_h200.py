@@ -4,18 +4,21 @@ trainer's cost of hint-guided vs plain FP4 QAT.
     python benchmarks/benchmark_tracerl_h200.py                 # GPU: hidden 2048, 40 layers, 20 hinted
     python benchmarks/benchmark_tracerl_h200.py --smoke         # CPU: a tiny model, same code paths
 
-Sections (each appends to the JSON written to --out as soon as it finishes, so a cut-off run keeps what it
-measured):
+Sections (each saved to the JSON at --out as soon as it finishes; a failing section is logged and the next
+one runs):
 
-1. ``capture``: decode step time of the FP4 rollout at the same batch with and without hint capture
-   (capture = `kernels.quantize` at the hinted sites + routed-expert ids + the recorder's staging and
-   asynchronous device-to-host drains every 32 steps; no host sync per step). Runs alternate, median of reps.
-2. ``trainer``: forward + backward time of one packed micro-batch in ``fp4_rne_own_scales`` vs ``fp4_hints``
+``paths``: the decode paths on one model (``graph``: `tracerl.decode.StaticDecoder` replayed as a CUDA graph;
+   ``static``: the same step run eagerly; ``hf``: the model's own forward with a `DynamicCache`): step time,
+   and graph == static bit for bit (tokens, log-probs, codes, recorded hints and scales).
+``sync`` (CUDA): host synchronizations counted by torch's sync debug mode over 64 decode steps with and
+   without capture, for the hf path and the --decode path; the difference is what capture adds (none by design).
+``capture``: decode step time of the FP4 rollout at the same batch with and without hint capture (capture =
+   `kernels.quantize` at the hinted sites + routed-expert ids + ring buffers / recorder staging and
+   asynchronous device-to-host drains; no host sync per step). Runs alternate, median of --reps.
+``trainer``: forward + backward time of one packed micro-batch in ``fp4_rne_own_scales`` vs ``fp4_hints``
    (hints and scales already on the device, and from host numpy arrays as a reader hands them out).
-``sync`` (opt-in, CUDA): host synchronizations counted by torch's sync debug mode over 64 decode steps with
-and without capture; the difference is what capture adds (the design adds none per step).
-3. ``fidelity``: `tracerl.demo.run_demo` at this size (FP4 rollout of trajectories of >= 4K tokens recorded to
-   a local tracestore store, bf16 floor run, trainer recompute in every mode, metrics).
+``fidelity``: `tracerl.demo.run_demo` at this size (FP4 rollout of trajectories of >= 4K tokens recorded to a
+   local tracestore store, bf16 floor run, trainer recompute in every mode, metrics).
 """
 
 from __future__ import annotations
@@ -55,8 +58,8 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def bench_capture(spec, device, batch, prompt, steps, reps, seed):
-    """Median decode step time (ms) with and without hint capture, same model, batch and prompts."""
+def bench_capture(spec, device, batch, prompt, steps, reps, seed, decode="auto"):
+    """Median decode step time (ms) with and without hint capture, same model, batch, prompts and decode path."""
     model = build_model(spec, seed=seed, device=device)
     plan = plan_sites(model, hint_layers="latter-half")
     rt = install_fp4(model, plan)
@@ -64,12 +67,14 @@ def bench_capture(spec, device, batch, prompt, steps, reps, seed):
     prompts = [torch.randint(1, spec.vocab_size, (prompt,), generator=g).tolist() for _ in range(batch)]
     widths = {s.name: s.width for s in plan.hinted_specs()}
     layers = [f"model.layers.{i}.mlp" for i in range(spec.num_layers)]
-    plain = RolloutEngine(model, rt, collect_routes=False)
+    plain = RolloutEngine(model, rt, collect_routes=False, decode=decode)
     plain.calibrate(prompts)
-    cap = RolloutEngine(model, rt, collect_routes=False)
+    cap = RolloutEngine(model, rt, collect_routes=False, decode=decode)
     plain.generate(prompts, 4, seed=seed)  # warm-up: weight cache, kernels' compilation
     times = {"plain": [], "capture": []}
+    prepare = {"plain": [], "capture": []}
     bytes_recorded = 0
+    path = None
     for rep in range(reps):
         for name in ("plain", "capture"):
             eng = plain
@@ -81,18 +86,21 @@ def bench_capture(spec, device, batch, prompt, steps, reps, seed):
             ids = [f"r{rep}-{i}" for i in range(batch)]
             res = eng.generate(prompts, steps, seed=seed, request_ids=ids)
             times[name].append(res.decode_s / res.decode_steps * 1e3)
+            prepare[name].append(res.prepare_s)
+            path = res.decode_path
             if name == "capture":
                 bytes_recorded = cap.recorder.bytes_written
     med = {k: statistics.median(v) for k, v in times.items()}
     return {
-        "batch": batch, "prompt_tokens": prompt, "decode_steps": steps, "reps": reps,
+        "batch": batch, "prompt_tokens": prompt, "decode_steps": steps, "reps": reps, "decode_path": path,
+        "prepare_s": prepare,
         "hinted_sites": len(widths), "step_ms_plain": med["plain"], "step_ms_capture": med["capture"],
         "overhead_pct": 100 * (med["capture"] / med["plain"] - 1), "all_ms": times,
         "hint_bytes_recorded_last_rep": bytes_recorded,
     }
 
 
-def sync_check(spec, device, batch, prompt, steps, seed):
+def sync_check(spec, device, batch, prompt, steps, seed, decode="auto"):
     """Host syncs per decode step with and without capture (torch's sync debug mode counts them)."""
     import warnings
 
@@ -101,10 +109,11 @@ def sync_check(spec, device, batch, prompt, steps, seed):
     rt = install_fp4(model, plan)
     prompts = [list(range(1, prompt + 1))] * batch
     widths = {s.name: s.width for s in plan.hinted_specs()}
-    eng = RolloutEngine(model, rt, collect_routes=False)
+    eng = RolloutEngine(model, rt, collect_routes=False, decode=decode)
     eng.calibrate(prompts)
     eng.generate(prompts, 2, seed=seed)
     counts = {}
+    path = eng.decode_path(device)
     for name in ("plain", "capture"):
         eng.recorder = None if name == "plain" else RolloutRecorder(
             MemorySink(widths), widths, moe_layers=[f"model.layers.{i}.mlp" for i in range(spec.num_layers)],
@@ -117,7 +126,60 @@ def sync_check(spec, device, batch, prompt, steps, seed):
             finally:
                 torch.cuda.set_sync_debug_mode(0)
         counts[name] = sum("synchroniz" in str(w.message) for w in caught)
-    return {"steps": steps, "syncs": counts, "extra_syncs_per_step": (counts["capture"] - counts["plain"]) / steps}
+    return {"steps": steps, "decode_path": path, "syncs": counts,
+            "extra_syncs_per_step": (counts["capture"] - counts["plain"]) / steps}
+
+
+def compare_paths(spec, device, batch, prompt, steps, seed):
+    """The three decode paths on one model: step time, and whether graph replay computes what eager does.
+
+    ``static`` and ``graph`` run the same kernels (one eagerly, one replayed), so tokens, log-probs, codes and
+    the recorded hints must be identical; ``hf`` is a different attention/cache implementation (agreement
+    reported, not required)."""
+    model = build_model(spec, seed=seed, device=device)
+    plan = plan_sites(model, hint_layers="latter-half")
+    rt = install_fp4(model, plan)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, spec.vocab_size, (prompt + 7 * b,), generator=g).tolist() for b in range(batch)]
+    widths = {s.name: s.width for s in plan.hinted_specs()}
+    layers = [f"model.layers.{i}.mlp" for i in range(spec.num_layers)]
+    out, runs = {}, {}
+    # graph twice: the first pays Triton's compilation (on the CPU, where there are no graphs, static twice)
+    rep = "graph" if device.type == "cuda" else "static"
+    for path in (rep, "static", "hf", rep):
+        eng = RolloutEngine(model, rt, keep_codes=True, decode=path)
+        if not rt.global_scales:
+            eng.calibrate(prompts)
+        sink = MemorySink(widths)
+        eng.recorder = RolloutRecorder(sink, widths, moe_layers=layers, top_k=spec.top_k, flush_tokens=1024)
+        res = eng.generate(prompts, steps, seed=seed, request_ids=[f"{path}-{i}" for i in range(batch)])
+        eng.recorder.close()
+        runs[path] = (res, sink)
+        out[path] = {"step_ms": res.decode_s / res.decode_steps * 1e3, "prepare_s": res.prepare_s,
+                     "prefill_s": res.prefill_s}
+    (gr, gs), (st, ss), (hf, _) = runs[rep], runs["static"], runs["hf"]
+
+    def agree(a, b):
+        return float(np.mean([(x == y).mean() for s in a.codes for x, y in zip(a.codes[s], b.codes[s])]))
+
+    stored_equal = all(
+        all(np.array_equal(gs.read(f"{rep}-{i}").hints[s], ss.read(f"static-{i}").hints[s]) and
+            np.array_equal(gs.read(f"{rep}-{i}").scales[s], ss.read(f"static-{i}").scales[s]) for s in widths)
+        and np.array_equal(gs.read(f"{rep}-{i}").token_ids, ss.read(f"static-{i}").token_ids)
+        for i in range(batch))
+    out["replayed_path"] = rep
+    out["graph_vs_static"] = {
+        "tokens_equal": all(np.array_equal(a, b) for a, b in zip(gr.sequences, st.sequences)),
+        "max_abs_dlogp": float(max(np.abs(a - b).max() for a, b in zip(gr.logprobs, st.logprobs))),
+        "code_agreement": agree(gr, st),
+        "stored_hints_scales_tokens_equal": bool(stored_equal),
+    }
+    out["graph_vs_hf"] = {
+        "tokens_equal_fraction": float(np.mean([(a == b).mean() for a, b in zip(gr.sequences, hf.sequences)])),
+        "code_agreement": agree(gr, hf),
+    }
+    out.update(batch=batch, steps=steps, prompt_tokens=prompt)
+    return out
 
 
 def bench_trainer(spec, device, seqs, seq_len, reps, seed):
@@ -180,9 +242,10 @@ def main(argv=None) -> int:
     p.add_argument("--trajectories", type=int, default=4)
     p.add_argument("--capture-steps", type=int, default=256)
     p.add_argument("--capture-batches", default="4,16")
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--sections", default="capture,trainer,fidelity",
-                   help="comma-separated subset of capture,sync,trainer,fidelity (sync: CUDA only)")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--sections", default="paths,sync,capture,trainer,fidelity",
+                   help="comma-separated subset of paths,sync,capture,trainer,fidelity (sync: CUDA only)")
+    p.add_argument("--decode", default="auto", help="decode path of capture/sync/fidelity: auto|hf|static|graph")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
@@ -213,32 +276,58 @@ def main(argv=None) -> int:
 
     sections = args.sections.split(",")
     t0 = time.perf_counter()
-    if "capture" in sections:
-        out["capture"] = [bench_capture(spec, device, b, 64, cap_steps, reps, args.seed) for b in batches]
+
+    def say(msg):
+        print(f"[{time.perf_counter() - t0:6.0f}s] {msg}", flush=True)
+
+    def section(name, fn):
+        """Run one section; a failure is logged and saved, and the next section still runs."""
+        if name not in sections:
+            return
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - a benchmark keeps what the other sections measure
+            import traceback
+
+            traceback.print_exc()
+            out.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"
+            say(f"section {name} failed: {type(e).__name__}: {e}")
         save()
-        for c in out["capture"]:
-            print(f"[{time.perf_counter() - t0:6.0f}s] capture B={c['batch']}: {c['step_ms_plain']:.2f} ms/step plain,"
-                  f" {c['step_ms_capture']:.2f} with capture ({c['overhead_pct']:+.2f}%)", flush=True)
-    if "sync" in sections and device.type == "cuda":
-        out["sync_check"] = sync_check(spec, device, batches[0], 64, 64, args.seed)
-        save()
-        print(f"[{time.perf_counter() - t0:6.0f}s] sync check: {out['sync_check']}", flush=True)
-    if "trainer" in sections:
+
+    def run_paths():
+        out["paths"] = compare_paths(spec, device, batches[0], 64, min(cap_steps, 128), args.seed)
+        say(f"decode paths: {out['paths']}")
+
+    def run_sync():
+        if device.type == "cuda":
+            out["sync_check"] = [sync_check(spec, device, batches[0], 64, 64, args.seed, decode=d)
+                                 for d in dict.fromkeys(("hf", args.decode))]
+            for c in out["sync_check"]:
+                say(f"sync check: {c}")
+
+    def run_capture():
+        out["capture"] = []
+        for b in batches:
+            c = bench_capture(spec, device, b, 64, cap_steps, reps, args.seed, decode=args.decode)
+            out["capture"].append(c)
+            save()
+            say(f"capture B={c['batch']} ({c['decode_path']}): {c['step_ms_plain']:.3f} ms/step plain, "
+                f"{c['step_ms_capture']:.3f} with capture ({c['overhead_pct']:+.2f}%); all {c['all_ms']}")
+
+    def run_trainer():
         out["trainer"] = bench_trainer(spec, device, train_seqs, train_len, reps, args.seed)
-        save()
         t = out["trainer"]
-        print(f"[{time.perf_counter() - t0:6.0f}s] trainer fwd+bwd {t['tokens']} tokens: {t['fwd_bwd_ms']} "
-              f"(hints {t['hints_overhead_pct_on_device']:+.2f}% on device, "
-              f"{t['hints_overhead_pct_from_host']:+.2f}% from host)", flush=True)
-    if "fidelity" in sections:
+        say(f"trainer fwd+bwd {t['tokens']} tokens: {t['fwd_bwd_ms']} (hints {t['hints_overhead_pct_on_device']:+.2f}%"
+            f" on device, {t['hints_overhead_pct_from_host']:+.2f}% from host); all {t['all_ms']}")
+
+    def run_fidelity():
         with tempfile.TemporaryDirectory() as tmp:
             cfg = DemoConfig(model="qwen3-moe", trajectories=trajs, tokens=tokens, prompt_tokens=(64, 64),
-                             seed=args.seed, store=f"{tmp}/store", device=str(device),
+                             seed=args.seed, store=f"{tmp}/store", device=str(device), decode=args.decode,
                              micro_batch_tokens=2 * tokens, flush_tokens=1024, spec=dict(spec.__dict__))
             cfg.spec.pop("family")
-            res = run_demo(cfg, progress=lambda m: print(f"[{time.perf_counter() - t0:6.0f}s] {m}", flush=True))
+            res = run_demo(cfg, progress=say)
         out["fidelity"] = res
-        save()
         print(f"{'mode':24s} {'code':>9s} {'scale':>9s} {'flips':>8s} {'mean|d|':>10s} {'excess':>10s} "
               f"{'p99|d|':>10s} {'max|d|':>10s} {'k3':>10s}")
         for mode, m in res["modes"].items():
@@ -249,8 +338,12 @@ def main(argv=None) -> int:
                   f"{f(m.get('excess_over_floor')):>10s} {f(m['p99_abs_dlogp']):>10s} {f(m['max_abs_dlogp']):>10s} "
                   f"{f(m['k3']):>10s}")
         r = res["rollout"]
-        print(f"rollout: {r['tokens']} tokens, decode {r['decode_s']:.1f}s for {r['decode_steps']} steps; "
-              f"total {res['seconds']:.1f}s")
+        print(f"rollout: {r['tokens']} tokens, decode {r['decode_s']:.1f}s for {r['decode_steps']} steps "
+              f"({r['decode_path']}, prepare {r['decode_prepare_s']:.1f}s); total {res['seconds']:.1f}s")
+
+    for name, fn in (("paths", run_paths), ("sync", run_sync), ("capture", run_capture), ("trainer", run_trainer),
+                     ("fidelity", run_fidelity)):
+        section(name, fn)
     out["seconds"] = time.perf_counter() - t0
     save()
     print(f"saved {args.out}")

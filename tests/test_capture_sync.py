@@ -68,6 +68,9 @@ READS = {
 }
 # Code that runs per decode step only when capturing: none of it may read a device value.
 CAPTURE_CODE = [("tracerl/recorder.py", None), ("tracerl/engine.py", "_on_capture"), ("tracerl/engine.py", "_on_route"),
+                ("tracerl/engine.py", "_deliver_site"), ("tracerl/engine.py", "_deliver_route"),
+                ("tracerl/engine.py", "_take_ring"), ("tracerl/decode.py", "_ring_write"),
+                ("tracerl/decode.py", "_on_capture"), ("tracerl/decode.py", "_on_route"), ("tracerl/decode.py", "take"),
                 ("tracerl/qat.py", "quant"), ("tracerl/qat.py", "global_scale_on"), ("kernels/", None)]
 
 
@@ -171,10 +174,10 @@ def _setup(seed=0):
     return spec, model, rt, widths, layers
 
 
-def _host_reads(sabotage: bool = False, steps: int = 9) -> dict[str, Counter]:
+def _host_reads(sabotage: bool = False, steps: int = 9, decode: str = "hf") -> dict[str, Counter]:
     """HostTraffic of one plain and one capturing `generate`, as the benchmark's sync_check runs them."""
     spec, model, rt, widths, layers = _setup()
-    eng = RolloutEngine(model, rt, collect_routes=False)
+    eng = RolloutEngine(model, rt, collect_routes=False, decode=decode, ring=4)
     eng.calibrate(PROMPTS)
     eng.generate(PROMPTS, 2, seed=0)  # warm-up, as in the sync check
     if sabotage:
@@ -206,8 +209,9 @@ def _diff(a: Counter, b: Counter) -> str:
     return "\n".join(f"{k}: capture {a[k]} vs plain {b[k]}" for k in keys if a[k] != b[k])
 
 
-def test_generate_capture_adds_no_host_reads():
-    reads = _host_reads()
+@pytest.mark.parametrize("decode", ["hf", "static"])
+def test_generate_capture_adds_no_host_reads(decode):
+    reads = _host_reads(decode=decode)
     plain = reads["plain"]
     cap = Counter({k: v for k, v in reads["capture"].items() if k[2] != "_materialize"})
     # The detector sees the engine's one result transfer (tokens, log-probs, routes, codes) in both runs.

@@ -60,6 +60,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         seed=args.seed,
         store=args.store,
         backward=args.backward,
+        decode=args.decode,
         spec={k: v for k, v in (("hidden_size", args.hidden), ("num_layers", args.layers),
                                 ("num_experts", args.experts), ("vocab_size", args.vocab)) if v is not None},
     )
@@ -75,7 +76,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     r = result["rollout"]
     out.print(
         f"excess = mean |dlogp| - floor's. Rollout: prefill {r['prefill_s']:.1f}s, {r['decode_steps']} decode "
-        f"steps in {r['decode_s']:.1f}s, {r['hint_bytes_per_token']} hint+scale bytes/token. "
+        f"steps in {r['decode_s']:.1f}s ({r['decode_path']} decode), {r['hint_bytes_per_token']} hint+scale "
+        f"bytes/token. "
         f"Total {result['seconds']:.1f}s."
     )
     if args.store:
@@ -115,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--layers", type=int, help="decoder layers (default 8)")
     d.add_argument("--experts", type=int, help="routed experts per MoE layer (default 16, top-2)")
     d.add_argument("--vocab", type=int, help="vocabulary size (default 1024)")
+    d.add_argument("--decode", default="auto", choices=("auto", "hf", "static", "graph"),
+                   help="rollout decode path: static KV cache (CPU default; 'graph' replays it as a CUDA graph, "
+                        "the CUDA default) or the model's own Hugging Face forward ('hf'; Qwen3.5-MoE always)")
     d.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     d.set_defaults(func=_cmd_demo)
     return p

@@ -63,6 +63,7 @@ class DemoConfig:
     flush_tokens: int = 128
     device: str = "cpu"
     backend: str = "auto"
+    decode: str = "auto"  # RolloutEngine decode path: auto | hf | static | graph
     spec: dict[str, Any] = dataclasses.field(default_factory=dict)  # TinyMoESpec overrides
 
 
@@ -92,7 +93,7 @@ def run_demo(cfg: DemoConfig, progress: Callable[[str], None] | None = None) -> 
     if max_new < 2:
         raise ValueError(f"tokens={cfg.tokens} leaves no room for a response after prompts of up to "
                          f"{cfg.prompt_tokens[1]} tokens")
-    engine = RolloutEngine(model, runtime, keep_codes=True)
+    engine = RolloutEngine(model, runtime, keep_codes=True, decode=cfg.decode)
     global_scales = engine.calibrate(prompts)
     hinted = plan.hinted_specs()
     moe_layers = [f"model.layers.{i}.mlp" for i in range(spec.num_layers)]
@@ -160,6 +161,8 @@ def run_demo(cfg: DemoConfig, progress: Callable[[str], None] | None = None) -> 
                 "prefill_s": roll.prefill_s,
                 "decode_s": roll.decode_s,
                 "decode_steps": roll.decode_steps,
+                "decode_path": roll.decode_path,
+                "decode_prepare_s": roll.prepare_s,
                 "hint_bytes_per_token": hint_bytes,
                 "store_url": url if cfg.store else None,
             },

@@ -29,8 +29,12 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from tracerl.decode import StaticDecoder, supports_static_decode
+from tracerl.errors import ConfigError
 from tracerl.qat import FP4Runtime, fp4_kv_cache
 from tracerl.recorder import RolloutRecorder
+
+DECODE_PATHS = ("auto", "hf", "static", "graph")
 
 
 @dataclasses.dataclass
@@ -44,6 +48,8 @@ class RolloutResult:
     prefill_s: float
     decode_s: float
     decode_steps: int
+    decode_path: str = "hf"  # see `RolloutEngine.decode_path`
+    prepare_s: float = 0.0  # tracing / CUDA-graph capture of the decode step (not in decode_s)
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -100,7 +106,11 @@ class RolloutEngine:
         feed_last: bool = True,
         attn_implementation: str | None = "sdpa",
         collect_routes: bool = True,
+        decode: str = "auto",
+        ring: int = 32,
     ):
+        if decode not in DECODE_PATHS:
+            raise ConfigError(f"unknown decode path {decode!r}; supported: {', '.join(DECODE_PATHS)}")
         self.model = model
         self.runtime = runtime
         self.recorder = recorder
@@ -109,28 +119,60 @@ class RolloutEngine:
         self.feed_last = feed_last
         self.attn_implementation = attn_implementation
         self.collect_routes = collect_routes
+        self.decode = decode
+        self.ring = ring
         self._cache_kw = _cache_kwarg(model)
         self._rows: tuple[list[str], np.ndarray, torch.Tensor] | None = None
         self._codes: dict[str, list] = {}
         self._experts: dict[int, list] = {}
+        self.last_prepare_s = 0.0  # seconds the last `generate` spent tracing / capturing its decode step
 
     # Callbacks from the runtime: rows of the current forward -> (request ids, positions).
     def _on_capture(self, site: str, q) -> None:
         rids, pos, rows = self._rows
-        hints = q.hints if rows is None else q.hints.index_select(0, rows)
-        scales = q.scales if rows is None else q.scales.index_select(0, rows)
-        if self.recorder is not None:
-            self.recorder.record_sites(rids, pos, site, hints, scales)
-        if self.keep_codes:
-            self._codes.setdefault(site, []).append((rids, pos, q.codes if rows is None else q.codes.index_select(0, rows)))
+        pick = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
+        self._deliver_site(rids, pos, site, pick(q.hints), pick(q.scales), pick(q.codes) if self.keep_codes else None)
 
     def _on_route(self, layer: int, idx: torch.Tensor) -> None:
         rids, pos, rows = self._rows
-        ids = (idx if rows is None else idx.index_select(0, rows)).to(torch.uint8)
+        self._deliver_route(rids, pos, layer, (idx if rows is None else idx.index_select(0, rows)).to(torch.uint8))
+
+    def _deliver_site(self, rids, pos, site: str, hints, scales, codes) -> None:
+        if self.recorder is not None:
+            self.recorder.record_sites(rids, pos, site, hints, scales)
+        if self.keep_codes:
+            self._codes.setdefault(site, []).append((rids, pos, codes))
+
+    def _deliver_route(self, rids, pos, layer: int, ids: torch.Tensor) -> None:
         name = f"model.layers.{layer}.mlp"
         if self.recorder is not None and self.record_experts and name in self.recorder.moe_layers:
             self.recorder.record_experts(rids, pos, name, ids)
         self._experts.setdefault(layer, []).append((rids, pos, ids))
+
+    def _take_ring(self, dec: StaticDecoder, window: list[np.ndarray], rids: list[str]) -> None:
+        """Hand the decoder's ring (``len(window)`` steps) to the recorder and the result's parts."""
+        n = len(window)
+        prid, ppos = rids * n, np.concatenate(window)  # ring row = step * B + batch row
+        for (kind, name), bufs in dec.take(n).items():
+            if kind == "site":
+                self._deliver_site(prid, ppos, name, bufs[0], bufs[1], bufs[2] if self.keep_codes else None)
+            else:
+                self._deliver_route(prid, ppos, int(name), bufs[0])
+
+    def decode_path(self, device: torch.device) -> str:
+        """The decode path ``generate`` takes on ``device``: ``hf`` (the model's own forward with a
+        `DynamicCache`), ``static`` (`StaticDecoder`, eager) or ``graph`` (`StaticDecoder` as a CUDA graph).
+        ``auto`` picks ``graph`` on CUDA and ``static`` elsewhere for models the static decoder supports (full
+        attention: qwen3-moe), else ``hf`` (Qwen3.5-MoE's linear attention)."""
+        if self.decode == "auto":
+            if not supports_static_decode(self.model):
+                return "hf"
+            return "graph" if device.type == "cuda" else "static"
+        if self.decode != "hf" and not supports_static_decode(self.model):
+            raise ConfigError(f"decode={self.decode!r} needs a full-attention model (qwen3-moe); use 'hf'")
+        if self.decode == "graph" and device.type != "cuda":
+            raise ConfigError(f"decode='graph' needs a CUDA device, the model is on {device}")
+        return self.decode
 
     def _left_pad(self, prompts, device):
         plens = [len(p) for p in prompts]
@@ -216,6 +258,16 @@ class RolloutEngine:
                 np.concatenate([np.arange(n) for n in plens]),
                 valid,
             )
+            path = self.decode_path(device)
+            n_fed = max_new_tokens if self.feed_last else max(max_new_tokens - 1, 0)
+            dec = None
+            if path != "hf" and n_fed > 0:
+                tp = time.perf_counter()
+                dec = StaticDecoder(model, rt, batch=bsz, max_len=pmax + n_fed, ring=self.ring,
+                                    capture=rt.capture is not None, keep_codes=self.keep_codes,
+                                    routes=rt.on_route is not None, use_graph=path == "graph")
+                dec.prepare()
+                self.last_prepare_s = time.perf_counter() - tp
             t0 = time.perf_counter()
             out = model(
                 input_ids=ids,
@@ -227,11 +279,15 @@ class RolloutEngine:
             )
             if rec is not None:
                 rec.step()
+            logits = out.logits[:, -1, :]  # (B, V)
+            if dec is not None:
+                dec.load_prefill(cache, mask, plens_t)
+                del out, cache  # the static cache holds the prompt now
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t1 = time.perf_counter()
-            logits = out.logits[:, -1, :]  # (B, V)
             toks, lps = [], []
+            window: list[np.ndarray] = []  # positions of the steps in the decoder's ring
             for step in range(max_new_tokens):
                 logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # (B, V)
                 if forced_tokens is not None:
@@ -246,18 +302,27 @@ class RolloutEngine:
                     rec.record_tokens(rids, positions, tok, lp)
                 if step == max_new_tokens - 1 and not self.feed_last:
                     break
-                mask = torch.cat([mask, torch.ones(bsz, 1, dtype=mask.dtype, device=device)], dim=-1)
-                self._rows = (rids, positions, None)  # decode: every batch row is a request's token
-                out = model(
-                    input_ids=tok[:, None],
-                    attention_mask=mask,
-                    position_ids=(plens_t + step)[:, None],
-                    use_cache=True,
-                    **{self._cache_kw: cache},
-                )
-                logits = out.logits[:, -1, :]
+                if dec is not None:
+                    logits = dec.step(tok)
+                    window.append(positions)
+                    if len(window) == dec.ring:
+                        self._take_ring(dec, window, rids)
+                        window = []
+                else:
+                    mask = torch.cat([mask, torch.ones(bsz, 1, dtype=mask.dtype, device=device)], dim=-1)
+                    self._rows = (rids, positions, None)  # decode: every batch row is a request's token
+                    out = model(
+                        input_ids=tok[:, None],
+                        attention_mask=mask,
+                        position_ids=(plens_t + step)[:, None],
+                        use_cache=True,
+                        **{self._cache_kw: cache},
+                    )
+                    logits = out.logits[:, -1, :]
                 if rec is not None:
                     rec.step()
+            if window:
+                self._take_ring(dec, window, rids)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t2 = time.perf_counter()
@@ -295,6 +360,8 @@ class RolloutEngine:
             prefill_s=t1 - t0,
             decode_s=t2 - t1,
             decode_steps=max_new_tokens if self.feed_last else max(max_new_tokens - 1, 0),
+            decode_path=path,
+            prepare_s=self.last_prepare_s if dec is not None else 0.0,
         )
 
     @staticmethod

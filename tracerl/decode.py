@@ -1,0 +1,259 @@
+"""Static-shape decode for the reference rollout engine, replayable as one CUDA graph per step.
+
+Serving engines (SGLang, vLLM) decode under CUDA graphs: one step of the whole model is captured once and
+replayed, so the host launches one graph instead of thousands of kernels. A hint recorder that works inside a
+serving engine therefore has to work inside a graph: no host sync, no host-side bookkeeping per kernel, and no
+tensor that the next replay overwrites before it is copied out. `StaticDecoder` is the reference engine's
+version of that decode path:
+
+- a preallocated KV cache per layer (``[B, kv_heads, max_len, head_dim]``) written in place at a device-side
+  column counter, and a ``valid [B, max_len]`` mask (left padding and not-yet-written columns are invalid);
+- attention over the whole buffer with SDPA and the mask, the query heads grouped per KV head (GQA without
+  copying K/V);
+- the step's own state (input token, per-row position, column, ring slot) as device tensors advanced in place
+  at the end of the step, so a replay needs no host input but the sampled token;
+- captures (hint bits, block scales, codes at hinted sites; routed expert ids per MoE layer) written into
+  device ring buffers of ``ring`` steps at the ring slot; the engine hands the filled rings to the recorder
+  every ``ring`` steps (one clone per field), where the recorder's asynchronous drains take over.
+
+The same code runs eagerly (``use_graph=False``: CPU, or to compare against the graph) and captured.
+Supported: the ``qwen3-moe`` family (full attention in every layer). Models with linear attention keep the
+Hugging Face decode path (`RolloutEngine` picks it).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tracerl.errors import ConfigError
+from tracerl.models import has_linear_attention
+from tracerl.qat import FP4Runtime
+
+log = logging.getLogger(__name__)
+
+RingKey = tuple[str, str]  # ("site", site name) or ("route", layer index as str)
+
+
+def supports_static_decode(model: nn.Module) -> bool:
+    """True when `StaticDecoder` can run ``model`` (decoder layers with full softmax attention only)."""
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or has_linear_attention(model):
+        return False
+    need = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+    return all(all(hasattr(getattr(la, "self_attn", None), n) for n in need) for la in inner.layers) and not getattr(
+        model.config, "use_sliding_window", False
+    )
+
+
+def _rope_fn() -> Callable:
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import apply_rotary_pos_emb
+
+    return apply_rotary_pos_emb
+
+
+def _cache_layer(cache, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys, values) [B, kv_heads, T, D] of layer ``i`` of a transformers `DynamicCache` (4.x or 5.x layout)."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return layers[i].keys, layers[i].values
+    return cache.key_cache[i], cache.value_cache[i]
+
+
+class StaticDecoder:
+    """One decode step of ``model`` over a preallocated KV cache; optionally captured as a CUDA graph.
+
+    Parameters
+    ----------
+    model: a Hugging Face causal LM accepted by `supports_static_decode`, with an installed `FP4Runtime`.
+    runtime: that runtime. Its mode and its ``capture`` / ``on_route`` callbacks are read when the step is
+        traced (`prepare`): a graph replays what was traced, so the engine builds one decoder per configuration.
+    batch: rows B. max_len: KV columns (prompt columns + decode steps).
+    ring: steps per capture ring (the engine hands rings to the recorder when full).
+    capture: record hinted sites (hint bits and scales, plus codes when ``keep_codes``).
+    routes: record routed expert ids of every MoE layer (uint8 [B, top_k] per step).
+    use_graph: capture the step as a CUDA graph (CUDA only).
+
+    Raises `ConfigError` for an unsupported model or ``use_graph`` off CUDA.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        runtime: FP4Runtime,
+        *,
+        batch: int,
+        max_len: int,
+        ring: int = 32,
+        capture: bool = False,
+        keep_codes: bool = False,
+        routes: bool = False,
+        use_graph: bool = False,
+    ):
+        if not supports_static_decode(model):
+            raise ConfigError("static decode supports full-attention decoder models (qwen3-moe); "
+                              f"got {type(model).__name__}")
+        device = next(model.parameters()).device
+        if use_graph and device.type != "cuda":
+            raise ConfigError(f"CUDA-graph decode needs a CUDA model, got device {device}")
+        if ring < 1 or batch < 1 or max_len < 1:
+            raise ConfigError(f"batch={batch}, max_len={max_len}, ring={ring} must be >= 1")
+        cfg = model.config
+        self.model, self.runtime, self.device = model, runtime, device
+        self.batch, self.max_len, self.ring = batch, max_len, ring
+        self.capture, self.keep_codes, self.routes, self.use_graph = capture, keep_codes, routes, use_graph
+        self.num_layers = cfg.num_hidden_layers
+        self.kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.groups = cfg.num_attention_heads // self.kv_heads
+        dtype = next(model.parameters()).dtype
+        shape = (batch, self.kv_heads, max_len, self.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
+        self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
+        self.tok = torch.zeros(batch, dtype=torch.long, device=device)  # input token of the next step
+        self.pos = torch.zeros(batch, dtype=torch.long, device=device)  # its position per row
+        self.col = torch.zeros(1, dtype=torch.long, device=device)  # its KV column (same for every row)
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)  # ring slot this step writes
+        self.logits: torch.Tensor | None = None  # [B, V] of the last step (overwritten by the next one)
+        self.rings: dict[RingKey, list[torch.Tensor]] = {}
+        self._kv_sites = any(s.kind == "kv" for s in runtime.plan.sites)
+        self._rope = _rope_fn()
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._ready = False
+
+    # ---- callbacks (called while the step is traced or run eagerly) --------------------------------------
+    def _ring_write(self, key: RingKey, parts: tuple[torch.Tensor, ...]) -> None:
+        bufs = self.rings.get(key)
+        if bufs is None:
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise ConfigError(f"capture {key} first seen while a graph was being captured (no warm-up?)")
+            bufs = self.rings[key] = [torch.zeros((self.ring, *p.shape), dtype=p.dtype, device=p.device)
+                                      for p in parts]
+        for b, p in zip(bufs, parts):
+            b.index_copy_(0, self.slot, p.unsqueeze(0))
+
+    def _on_capture(self, site: str, q) -> None:
+        parts = (q.hints, q.scales) + ((q.codes,) if self.keep_codes else ())
+        self._ring_write(("site", site), parts)
+
+    def _on_route(self, layer: int, idx: torch.Tensor) -> None:
+        self._ring_write(("route", str(layer)), (idx.to(torch.uint8),))
+
+    # ---- the step ----------------------------------------------------------------------------------------
+    def _forward(self) -> None:
+        """One decode step over ``tok`` at ``pos`` / ``col``; writes ``logits`` and advances the state."""
+        m = self.model.model
+        rt = self.runtime
+        b, d, kvh, grp = self.batch, self.head_dim, self.kv_heads, self.groups
+        h = m.embed_tokens(self.tok[:, None])  # [B, 1, H]
+        cos, sin = m.rotary_emb(h, self.pos[:, None])
+        self.valid.index_fill_(1, self.col, True)
+        mask = self.valid[:, None, None, :]  # [B, 1, 1, max_len]
+        for i, layer in enumerate(m.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.q_norm(attn.q_proj(x).view(b, 1, -1, d)).transpose(1, 2)  # [B, heads, 1, D]
+            k = attn.k_norm(attn.k_proj(x).view(b, 1, -1, d)).transpose(1, 2)  # [B, kv_heads, 1, D]
+            v = attn.v_proj(x).view(b, 1, -1, d).transpose(1, 2)
+            q, k = self._rope(q, k, cos, sin)
+            if self._kv_sites:  # FP4 KV cache: the same sites and rows as `qat.fp4_kv_cache`
+                prefix = f"model.layers.{i}.self_attn"
+                k = rt.quant(f"{prefix}.k_cache", k.reshape(-1, d)).reshape(k.shape)
+                v = rt.quant(f"{prefix}.v_cache", v.reshape(-1, d)).reshape(v.shape)
+            self.k[i].index_copy_(2, self.col, k)
+            self.v[i].index_copy_(2, self.col, v)
+            # Query head j*G + g reads KV head j (HF's repeat_kv order): G queries per KV head.
+            o = F.scaled_dot_product_attention(q.reshape(b, kvh, grp, d), self.k[i], self.v[i], attn_mask=mask,
+                                               scale=attn.scaling)  # [B, kv_heads, G, D]
+            h = h + attn.o_proj(o.reshape(b, 1, kvh * grp * d))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        self.logits = self.model.lm_head(m.norm(h)[:, 0])  # [B, V]
+        self.pos.add_(1)
+        self.col.add_(1)
+        self.slot.add_(1).remainder_(self.ring)
+
+    def _callbacks(self):
+        rt = self.runtime
+        prev = (rt.capture, rt.on_route, rt.gather_max_slots)
+        rt.capture = self._on_capture if self.capture else None
+        rt.on_route = self._on_route if self.routes else None
+        # Decode MoE calls take the gather path at any batch (the grouped path reads expert counts on the host).
+        rt.gather_max_slots = max(rt.gather_max_slots, self.batch * 64)
+        return prev
+
+    def _restore(self, prev) -> None:
+        self.runtime.capture, self.runtime.on_route, self.runtime.gather_max_slots = prev
+
+    @torch.no_grad()
+    def prepare(self, warmup: int = 2) -> None:
+        """With ``use_graph``: run the step ``warmup`` times eagerly on a side stream (compiles kernels, fills the
+        runtime's weight cache, allocates the rings), then capture it as a CUDA graph. Resets the state after.
+        Eager decoders need no tracing (rings are allocated at the first step)."""
+        prev = self._callbacks()
+        try:
+            if self.use_graph:
+                side = torch.cuda.Stream(self.device)
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):
+                    for _ in range(warmup):
+                        self._forward()
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                self._graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self._graph):
+                    self._forward()
+        finally:
+            self._restore(prev)
+        self.reset()
+        self._ready = True
+
+    def reset(self) -> None:
+        """Empty KV cache and rings, state at column 0."""
+        self.valid.zero_()
+        for t in (self.tok, self.pos, self.col, self.slot):
+            t.zero_()
+
+    @torch.no_grad()
+    def load_prefill(self, cache, attention_mask: torch.Tensor, prompt_lens: torch.Tensor) -> None:
+        """Copy a prefill's `DynamicCache` (left-padded ``[B, P]``) into the static cache; the next step is
+        column P, row b at position ``prompt_lens[b]`` (int64 [B] on the device)."""
+        p = attention_mask.shape[1]
+        if p >= self.max_len:
+            raise ConfigError(f"prompt columns {p} leave no room in max_len={self.max_len}")
+        for i in range(self.num_layers):
+            k, v = _cache_layer(cache, i)
+            self.k[i][:, :, :p].copy_(k)
+            self.v[i][:, :, :p].copy_(v)
+        self.valid.zero_()
+        self.valid[:, :p].copy_(attention_mask.bool())
+        self.col.fill_(p)
+        self.pos.copy_(prompt_lens)
+        self.slot.zero_()
+
+    @torch.no_grad()
+    def step(self, tok: torch.Tensor) -> torch.Tensor:
+        """Feed ``tok`` (int64 [B], on the device) and return the logits [B, V] (valid until the next step)."""
+        if not self._ready:
+            raise ConfigError("StaticDecoder.step before prepare()")
+        self.tok.copy_(tok)
+        if self._graph is not None:
+            self._graph.replay()
+        else:
+            prev = self._callbacks()
+            try:
+                self._forward()
+            finally:
+                self._restore(prev)
+        return self.logits
+
+    def take(self, n: int) -> dict[RingKey, list[torch.Tensor]]:
+        """Copies of the first ``n`` ring slots, each ``[n * B, ...]`` (row = step * B + batch row), in the
+        order the steps ran since the ring was last taken. Call after every ``ring`` steps and at the end."""
+        if not 0 <= n <= self.ring:
+            raise ConfigError(f"take({n}): the ring holds {self.ring} steps")
+        return {key: [b[:n].reshape(n * self.batch, *b.shape[2:]).clone() for b in bufs]
+                for key, bufs in self.rings.items()}
