@@ -130,6 +130,36 @@ def sync_check(spec, device, batch, prompt, steps, seed, decode="auto"):
             "extra_syncs_per_step": (counts["capture"] - counts["plain"]) / steps}
 
 
+def first_step_agreement(spec, device, batch, prompt, seed, dtype=torch.bfloat16):
+    """One decode step from the same prefill state on each path: FP4 code agreement at the hinted sites and
+    routed-expert agreement of that step, graph vs static and graph vs graph (is replay deterministic, and does it
+    compute what the eager step does, up to cuBLAS's choice of kernels under capture?)."""
+    model = build_model(spec, seed=seed, device=device).to(dtype)
+    plan = plan_sites(model, hint_layers="latter-half")
+    rt = install_fp4(model, plan)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, spec.vocab_size, (prompt + 7 * b,), generator=g).tolist() for b in range(batch)]
+    rep = "graph" if device.type == "cuda" else "static"
+    res = {}
+    for i, path in enumerate((rep, rep, "static", "hf")):
+        eng = RolloutEngine(model, rt, keep_codes=True, decode=path)
+        if not rt.global_scales:
+            eng.calibrate(prompts)
+        r = eng.generate(prompts, 1, seed=seed)  # prefill + one fed step (the sampled token)
+        res[("r0", "r1", "static", "hf")[i]] = r
+
+    def last(r):
+        codes = np.concatenate([np.stack([c[-1] for c in r.codes[s]]) for s in sorted(r.codes)])
+        experts = np.concatenate([np.stack([e[-1] for e in r.experts[la]]) for la in sorted(r.experts)])
+        return codes, experts
+
+    a0, a1, st, hf = (last(res[k]) for k in ("r0", "r1", "static", "hf"))
+    return {"dtype": str(dtype), "replayed_path": rep,
+            "replay_vs_replay": {"codes": float((a0[0] == a1[0]).mean()), "experts": float((a0[1] == a1[1]).mean())},
+            "replay_vs_static": {"codes": float((a0[0] == st[0]).mean()), "experts": float((a0[1] == st[1]).mean())},
+            "static_vs_hf": {"codes": float((st[0] == hf[0]).mean()), "experts": float((st[1] == hf[1]).mean())}}
+
+
 def compare_paths(spec, device, batch, prompt, steps, seed):
     """The three decode paths on one model: step time, and whether graph replay computes what eager does.
 
@@ -226,9 +256,27 @@ def bench_trainer(spec, device, seqs, seq_len, reps, seed):
                 times[name].append(r.seconds * 1e3)
     med = {k: statistics.median(v) for k, v in times.items()}
     base = med["fp4_rne_own_scales"]
+    # Device time (sum of the kernels' own time, torch.profiler): what the hints cost on the GPU, without the
+    # host-side jitter of the trainer's Python loop (wall-clock reps spread by tens of percent).
+    dev_ms = {}
+    if device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        for name, (mode, src) in variants.items():
+            if src is not None:
+                packed.hints = {s: v[0] for s, v in src.items()}
+                packed.scales = {s: v[1] for s, v in src.items()}
+            _sync(device)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                tr.recompute(packed, mode, backward=True, observe=False)
+                _sync(device)
+            dev_ms[name] = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
     return {
         "tokens": seqs * seq_len, "sequences": seqs, "reps": reps,
-        "fwd_bwd_ms": med, "all_ms": times,
+        "fwd_bwd_ms": med, "all_ms": times, "min_ms": {k: min(v) for k, v in times.items()},
+        "device_kernel_ms": dev_ms,
+        "hints_device_overhead_pct": (100 * (dev_ms["fp4_hints_on_device"] / dev_ms["fp4_rne_own_scales"] - 1)
+                                      if dev_ms else None),
         "hints_overhead_pct_on_device": 100 * (med["fp4_hints_on_device"] / base - 1),
         "hints_overhead_pct_from_host": 100 * (med["fp4_hints_from_host"] / base - 1),
     }
@@ -243,8 +291,8 @@ def main(argv=None) -> int:
     p.add_argument("--capture-steps", type=int, default=256)
     p.add_argument("--capture-batches", default="4,16")
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--sections", default="paths,sync,capture,trainer,fidelity",
-                   help="comma-separated subset of paths,sync,capture,trainer,fidelity (sync: CUDA only)")
+    p.add_argument("--sections", default="paths,first_step,sync,capture,trainer,fidelity",
+                   help="comma-separated subset of paths,first_step,sync,capture,trainer,fidelity (sync: CUDA only)")
     p.add_argument("--decode", default="auto", help="decode path of capture/sync/fidelity: auto|hf|static|graph")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -282,8 +330,6 @@ def main(argv=None) -> int:
 
     def section(name, fn):
         """Run one section; a failure is logged and saved, and the next section still runs."""
-        if name not in sections:
-            return
         try:
             fn()
         except Exception as e:  # noqa: BLE001 - a benchmark keeps what the other sections measure
@@ -297,6 +343,12 @@ def main(argv=None) -> int:
     def run_paths():
         out["paths"] = compare_paths(spec, device, batches[0], 64, min(cap_steps, 128), args.seed)
         say(f"decode paths: {out['paths']}")
+
+    def run_first_step():
+        out["first_step"] = [first_step_agreement(spec, device, batches[0], 64, args.seed, dtype=dt)
+                             for dt in (torch.bfloat16, torch.float32)]
+        for r in out["first_step"]:
+            say(f"first decode step: {r}")
 
     def run_sync():
         if device.type == "cuda":
@@ -341,9 +393,13 @@ def main(argv=None) -> int:
         print(f"rollout: {r['tokens']} tokens, decode {r['decode_s']:.1f}s for {r['decode_steps']} steps "
               f"({r['decode_path']}, prepare {r['decode_prepare_s']:.1f}s); total {res['seconds']:.1f}s")
 
-    for name, fn in (("paths", run_paths), ("sync", run_sync), ("capture", run_capture), ("trainer", run_trainer),
-                     ("fidelity", run_fidelity)):
-        section(name, fn)
+    runners = {"paths": run_paths, "first_step": run_first_step, "sync": run_sync, "capture": run_capture,
+               "trainer": run_trainer, "fidelity": run_fidelity}
+    unknown = [n for n in sections if n not in runners]
+    if unknown:
+        p.error(f"unknown sections {unknown}; choose from {', '.join(runners)}")
+    for name in sections:  # in the order given
+        section(name, runners[name])
     out["seconds"] = time.perf_counter() - t0
     save()
     print(f"saved {args.out}")
