@@ -306,8 +306,11 @@ class FP4MoEBlock(nn.Module):
             outs.append(F.linear(h_q[off : off + c], w_down[e]))
             off += c
         y_sorted = torch.cat(outs) * weights.reshape(-1)[order].unsqueeze(-1).to(h_q.dtype)
-        out = torch.zeros(n, y_sorted.shape[-1], dtype=x_q.dtype, device=x_q.device)
-        return out.index_add(0, tok, y_sorted.to(out.dtype))
+        # Back to slot order and a sum over each token's k slots: deterministic (``index_add`` on CUDA adds with
+        # atomics in whatever order the threads arrive, so two identical forwards differed in the last bf16 bit,
+        # which 40 layers amplify into different FP4 codes), and the same reduction as the decode path's.
+        y = y_sorted[inv].reshape(n, k, -1)
+        return y.sum(dim=1).to(x_q.dtype)
 
 
     def _routed_gather(self, x_q, idx, weights, w_gate_up, w_down) -> torch.Tensor:
