@@ -294,6 +294,8 @@ def main(argv=None) -> int:
     p.add_argument("--sections", default="paths,first_step,sync,capture,trainer,fidelity",
                    help="comma-separated subset of paths,first_step,sync,capture,trainer,fidelity (sync: CUDA only)")
     p.add_argument("--decode", default="auto", help="decode path of capture/sync/fidelity: auto|hf|static|graph")
+    p.add_argument("--hint-layers", default="latter-half", help="fidelity: hinted layers (latter-half, all, ...)")
+    p.add_argument("--hint-sites", default="moe-input", help="fidelity: hinted sites per layer (moe-input, all-fp4)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
@@ -314,7 +316,8 @@ def main(argv=None) -> int:
         "torch": torch.__version__,
         "kernels_backend": kernels.resolve_backend("auto", device),
         "spec": spec.__dict__,
-        "hinted": "MoE input of the latter half of the layers",
+        "hinted": f"fidelity: hint_layers={args.hint_layers}, hint_sites={args.hint_sites}; other sections: MoE "
+                  "input of the latter half of the layers",
     }
 
     def save():
@@ -376,6 +379,7 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             cfg = DemoConfig(model="qwen3-moe", trajectories=trajs, tokens=tokens, prompt_tokens=(64, 64),
                              seed=args.seed, store=f"{tmp}/store", device=str(device), decode=args.decode,
+                             hint_layers=args.hint_layers, hint_sites=args.hint_sites,
                              micro_batch_tokens=2 * tokens, flush_tokens=1024, spec=dict(spec.__dict__))
             cfg.spec.pop("family")
             res = run_demo(cfg, progress=say)

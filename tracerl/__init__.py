@@ -8,6 +8,9 @@ Rollout side::
     engine = RolloutEngine(model, runtime, recorder=RolloutRecorder(writer, widths, ...))
     engine.calibrate(prompts); result = engine.generate(prompts, max_new_tokens, seed=0)
 
+The engine decodes over a static KV cache (`tracerl.decode.StaticDecoder`), replayed as one CUDA graph per step
+on a GPU, as serving engines do; hint capture writes device ring buffers inside the graph (no host sync).
+
 Trainer side::
 
     packed = read_packed(store.reader(), micro_batch, sites, read_kwargs={"fmt": "numpy"})
@@ -17,6 +20,7 @@ Trainer side::
 ``tracerl demo`` command prints them.
 """
 
+from tracerl.decode import StaticDecoder, supports_static_decode
 from tracerl.engine import RolloutEngine, RolloutResult
 from tracerl.errors import ConfigError, HintMismatchError, RecorderError, TracerlError
 from tracerl.models import TinyMoESpec, build_model
@@ -37,7 +41,7 @@ from tracerl.sites import SitePlan, SiteSpec, plan_sites
 from tracerl.trainer import QATTrainer, RecomputeResult
 
 __all__ = [
-    "RolloutEngine", "RolloutResult", "RolloutRecorder", "TraceSink", "MemorySink",
+    "RolloutEngine", "RolloutResult", "StaticDecoder", "supports_static_decode", "RolloutRecorder", "TraceSink", "MemorySink",
     "TinyMoESpec", "build_model", "SitePlan", "SiteSpec", "plan_sites", "FP4Runtime", "install_fp4", "MODES",
     "QATTrainer", "RecomputeResult", "Segment", "MicroBatch", "PackedHints", "pack_micro_batches", "dp_shard",
     "cp_zigzag_ranges", "cp_shard", "tp_feature_range", "read_packed",
