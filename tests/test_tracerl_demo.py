@@ -40,3 +40,21 @@ def test_demo_help_and_bad_args(capsys):
     assert "--hint-layers" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["demo", "--model", "llama"])
+
+
+def test_demo_routing_replay_and_decode_paths(capsys, tmp_path):
+    """--replay-routes: the trainer replays the stored routes (the floor row the floor run's); --decode hf and the
+    default static path both run and report their path."""
+    common = ["demo", "--json", "--trajectories", "2", "--tokens", "24", "--threads", "2", "--hidden", "64",
+              "--layers", "4", "--experts", "4", "--vocab", "128"]
+    assert main([*common, "--replay-routes"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["config"]["replay_routes"] is True and "floor" in rep["trainer_seconds"]
+    assert rep["rollout"]["decode_path"] == "static"
+    assert rep["modes"]["fp4_hints"]["code_agreement"] >= 0.99
+    assert main([*common, "--decode", "hf"]) == 0
+    hf = json.loads(capsys.readouterr().out)
+    assert hf["rollout"]["decode_path"] == "hf" and "floor" not in hf["trainer_seconds"]
+    url = tmp_path / "never"
+    assert main([*common, "--decode", "graph", "--store", str(url)]) == 2  # CPU: a clear error, no traceback
+    assert "CUDA" in capsys.readouterr().err and not url.exists()  # and no half-made store

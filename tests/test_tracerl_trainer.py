@@ -127,3 +127,40 @@ def test_parse_layers_and_plan():
     assert plan.hinted == (moe_input_site(1),)
     assert "model.layers.0.self_attn.q_proj.input" in plan.by_name
     assert plan_sites(model, hint_sites=["*down_proj*"]).hinted == (moe_down_site(0), moe_down_site(1))
+
+
+def _with_experts(packed, experts):
+    import dataclasses
+
+    return dataclasses.replace(packed, experts=experts)
+
+
+def test_routing_replay_uses_the_given_experts(setup):
+    """Replaying the trainer's own routes changes nothing; replaying other experts changes the log-probs while
+    the reported routes stay the router's own choice; the gate still gets gradients."""
+    spec, model, rt, tr, packed = setup
+    base = tr.recompute(packed, "fp4_rne_own_scales")
+    own = {f"model.layers.{la}.mlp": r for la, r in base.routes.items()}
+    same = tr.recompute(_with_experts(packed, own), "fp4_rne_own_scales", replay_routes=True)
+    np.testing.assert_allclose(same.logprobs, base.logprobs, atol=1e-6, equal_nan=True)
+    # a different but valid expert set per token: shift every id by one (mod E), keep ascending order
+    other = {k: np.sort((v.astype(np.int64) + 1) % spec.num_experts, axis=-1).astype(np.uint8) for k, v in own.items()}
+    moved = tr.recompute(_with_experts(packed, other), "fp4_rne_own_scales", replay_routes=True, backward=True)
+    ok = ~np.isnan(base.logprobs)
+    assert np.abs(moved.logprobs[ok] - base.logprobs[ok]).max() > 1e-3
+    for la in base.routes:  # routes report what the router chose, not what was replayed
+        np.testing.assert_array_equal(moved.routes[la], base.routes[la])
+    gate = model.model.layers[0].mlp.gate.weight
+    assert gate.grad is not None and float(gate.grad.abs().sum()) > 0
+    assert rt.forced_routes == {}  # reset after the call
+
+
+def test_routing_replay_checks_its_input(setup):
+    spec, model, rt, tr, packed = setup
+    with pytest.raises(ConfigError, match="routed experts of model.layers.0.mlp"):
+        tr.recompute(_with_experts(packed, {}), "bf16", replay_routes=True)
+    bad = {f"model.layers.{i}.mlp": np.zeros((len(packed.token_ids), spec.top_k + 1), np.uint8)
+           for i in range(spec.num_layers)}
+    with pytest.raises(HintMismatchError, match="replayed routes"):
+        tr.recompute(_with_experts(packed, bad), "bf16", replay_routes=True)
+    assert rt.forced_routes == {}

@@ -61,6 +61,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         store=args.store,
         backward=args.backward,
         decode=args.decode,
+        replay_routes=args.replay_routes,
         spec={k: v for k, v in (("hidden_size", args.hidden), ("num_layers", args.layers),
                                 ("num_experts", args.experts), ("vocab_size", args.vocab)) if v is not None},
     )
@@ -120,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--decode", default="auto", choices=("auto", "hf", "static", "graph"),
                    help="rollout decode path: static KV cache (CPU default; 'graph' replays it as a CUDA graph, "
                         "the CUDA default) or the model's own Hugging Face forward ('hf'; Qwen3.5-MoE always)")
+    d.add_argument("--replay-routes", action="store_true",
+                   help="routing replay: the trainer's MoE layers use the rollout's routed experts from the store "
+                        "(router flips then count how often the trainer's router would have chosen otherwise)")
     d.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     d.set_defaults(func=_cmd_demo)
     return p

@@ -64,6 +64,7 @@ class DemoConfig:
     device: str = "cpu"
     backend: str = "auto"
     decode: str = "auto"  # RolloutEngine decode path: auto | hf | static | graph
+    replay_routes: bool = False  # trainer uses the rollout's routed experts (the floor: the floor run's)
     spec: dict[str, Any] = dataclasses.field(default_factory=dict)  # TinyMoESpec overrides
 
 
@@ -94,6 +95,7 @@ def run_demo(cfg: DemoConfig, progress: Callable[[str], None] | None = None) -> 
         raise ValueError(f"tokens={cfg.tokens} leaves no room for a response after prompts of up to "
                          f"{cfg.prompt_tokens[1]} tokens")
     engine = RolloutEngine(model, runtime, keep_codes=True, decode=cfg.decode)
+    engine.decode_path(torch.device(cfg.device))  # an unusable --decode fails here, before a store exists
     global_scales = engine.calibrate(prompts)
     hinted = plan.hinted_specs()
     moe_layers = [f"model.layers.{i}.mlp" for i in range(spec.num_layers)]
@@ -151,11 +153,22 @@ def run_demo(cfg: DemoConfig, progress: Callable[[str], None] | None = None) -> 
             tally = tallies[mode] = _CodeTally(roll, rids, [s.name for s in hinted])
             recomputes[mode] = []
             for p in packed:
-                r = trainer.recompute(p, mode, backward=cfg.backward)
+                r = trainer.recompute(p, mode, backward=cfg.backward, replay_routes=cfg.replay_routes)
                 if mode != "bf16":
                     tally.add(p, r)
                 r.codes = {}  # counted; [T, W] per hinted site is too much to keep for every micro-batch
                 recomputes[mode].append(r)
+        if cfg.replay_routes:
+            # The floor compares the bf16 decode path with the bf16 trainer; under routing replay the trainer
+            # replays the floor run's routes (the stored ones are the FP4 rollout's).
+            say("trainer recompute: bf16 with the floor run's routes")
+            index = {r: i for i, r in enumerate(rids)}
+            recomputes["floor"] = [
+                trainer.recompute(dataclasses.replace(p, experts={
+                    f"model.layers.{la}.mlp": np.concatenate(
+                        [per[index[g.traj_id]][g.start : g.stop] for g in p.segments])
+                    for la, per in floor.experts.items()}), "bf16", backward=cfg.backward, replay_routes=True)
+                for p in packed]
         result = _metrics(cfg, packed, recomputes, tallies, roll, floor, rids, hinted, spec)
         hint_bytes = sum(s.width // 8 + s.width // 16 for s in hinted)
         result.update({
@@ -270,7 +283,7 @@ def _metrics(cfg, packed, recomputes, tallies, roll: RolloutResult, floor: Rollo
     floor_lp = np.full(len(rows_pos), np.nan, dtype=np.float32)
     floor_lp[response] = np.stack(floor.logprobs)[rows_traj[response], resp_pos[response]]
     for mode in REPORT_MODES:
-        src = "bf16" if mode == "floor" else mode
+        src = mode if mode in recomputes else "bf16"  # the floor row: "floor" under routing replay
         train_lp = cat(src, lambda r: r.logprobs)
         ref_lp = floor_lp if mode == "floor" else roll_lp
         st = fidelity.dlogp_stats(train_lp[response], ref_lp[response])

@@ -100,6 +100,9 @@ class FP4Runtime:
         self.observe: ObserveFn | None = None
         self.on_route: RouteFn | None = None
         self.provided: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        # Routing replay: {layer: expert ids [N, top_k] (int64, forward rows)} that MoE blocks use instead of
+        # their router's top-k (the router's probabilities still weight them, so the gate gets gradients).
+        self.forced_routes: dict[int, torch.Tensor] = {}
         self._calib: dict[str, torch.Tensor] | None = None
         # MoE calls on CUDA with at most this many (token, expert) slots take the gather/bmm decode path (on
         # the CPU, gathering expert weights costs more than the grouped GEMMs save).
@@ -256,12 +259,22 @@ class FP4MoEBlock(nn.Module):
         bsz, seq, hidden = hidden_states.shape
         rt = self.runtime
         x = hidden_states.reshape(-1, hidden)  # (N, H), N = B*T
-        _, weights, idx = self.gate(x)  # router in bf16 on the unquantized input; (N, k) each
+        logits, weights, idx = self.gate(x)  # router in bf16 on the unquantized input; (N, k) each
         # Ascending expert id per token: the down-input site's slot order, and order-free routing records.
         idx, perm = idx.sort(dim=-1)
         weights = weights.gather(-1, perm)
         if rt.on_route is not None:
-            rt.on_route(self.layer, idx)
+            rt.on_route(self.layer, idx)  # the router's own choice (also under routing replay)
+        forced = rt.forced_routes.get(self.layer)
+        if forced is not None:  # routing replay: the rollout's experts, weighted by this router's probabilities
+            if forced.shape != idx.shape:
+                raise HintMismatchError(f"layer {self.layer}: replayed routes {tuple(forced.shape)} for a forward "
+                                        f"of {tuple(idx.shape)} (tokens, top_k)")
+            idx = forced.to(device=idx.device, dtype=idx.dtype)  # ascending, as recorded
+            probs = torch.softmax(logits.float(), dim=-1).gather(-1, idx)
+            if getattr(self.gate, "norm_topk_prob", True):
+                probs = probs / probs.sum(dim=-1, keepdim=True)
+            weights = probs.to(weights.dtype)
         out = self._routed(rt.quant(self.input_site, x), idx, weights)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)

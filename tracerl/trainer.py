@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from tracerl.errors import ConfigError
-from tracerl.models import has_linear_attention
+from tracerl.models import has_linear_attention, moe_blocks
 from tracerl.packing import PackedHints
 from tracerl.engine import _cache_kwarg
 from tracerl.qat import MODES, FP4Runtime, fp4_kv_cache
@@ -85,8 +85,15 @@ class QATTrainer:
         return inputs, torch.as_tensor(rows, device=device)
 
     def recompute(
-        self, packed: PackedHints, mode: str, *, backward: bool = False, observe: bool = True
+        self, packed: PackedHints, mode: str, *, backward: bool = False, observe: bool = True,
+        replay_routes: bool = False,
     ) -> RecomputeResult:
+        """Forward (and with ``backward`` the straight-through backward of a mean-NLL loss) of ``packed`` in
+        ``mode``; with ``replay_routes`` every MoE layer uses the rollout's routed experts from
+        ``packed.experts`` (routing replay), weighted by the trainer router's own probabilities.
+
+        Raises `ConfigError` for an unknown mode, missing hinted sites (rollout-scale modes) or missing routes
+        (``replay_routes``), and `HintMismatchError` for hints/scales/routes of the wrong shape."""
         if mode not in MODES:
             raise ConfigError(f"unknown QAT mode {mode!r}; supported: {', '.join(MODES)}")
         model, rt = self.model, self.runtime
@@ -104,6 +111,14 @@ class QATTrainer:
                     self._scatter(packed.scales[site], rows, nrows, device),
                     self._scatter(packed.hints[site], rows, nrows, device) if mode == "fp4_hints" else None,
                 )
+        forced = {}
+        if replay_routes:
+            for layer, name, _ in moe_blocks(model):
+                ids = packed.experts.get(name) if packed.experts else None
+                if ids is None:
+                    raise ConfigError(f"replay_routes needs the routed experts of {name} in the packed batch; it has "
+                                      f"{sorted(packed.experts or {})[:4]}")
+                forced[layer] = self._scatter(ids, rows, nrows, device).long()
         codes: dict[str, list] = {}
         scales: dict[str, list] = {}
         routes: dict[int, torch.Tensor] = {}
@@ -118,6 +133,7 @@ class QATTrainer:
         prev = rt.mode
         rt.set_mode(mode)
         rt.provide(provided)
+        rt.forced_routes = forced
         rt.observe = on_observe if observe else None
         rt.on_route = on_route
         try:
@@ -155,6 +171,7 @@ class QATTrainer:
         finally:
             rt.set_mode(prev)
             rt.provide({})
+            rt.forced_routes = {}
             rt.observe = rt.on_route = None
         return RecomputeResult(
             mode=mode,
