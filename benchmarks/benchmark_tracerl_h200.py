@@ -296,6 +296,7 @@ def main(argv=None) -> int:
     p.add_argument("--decode", default="auto", help="decode path of capture/sync/fidelity: auto|hf|static|graph")
     p.add_argument("--hint-layers", default="latter-half", help="fidelity: hinted layers (latter-half, all, ...)")
     p.add_argument("--hint-sites", default="moe-input", help="fidelity: hinted sites per layer (moe-input, all-fp4)")
+    p.add_argument("--replay-routes", action="store_true", help="fidelity: trainer replays the rollout's routes")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
@@ -380,6 +381,7 @@ def main(argv=None) -> int:
             cfg = DemoConfig(model="qwen3-moe", trajectories=trajs, tokens=tokens, prompt_tokens=(64, 64),
                              seed=args.seed, store=f"{tmp}/store", device=str(device), decode=args.decode,
                              hint_layers=args.hint_layers, hint_sites=args.hint_sites,
+                             replay_routes=args.replay_routes,
                              micro_batch_tokens=2 * tokens, flush_tokens=1024, spec=dict(spec.__dict__))
             cfg.spec.pop("family")
             res = run_demo(cfg, progress=say)
