@@ -11,9 +11,13 @@ Host inputs (prompts, masks, positions) go to the device from pinned memory with
 last sampled token is fed through one more forward (``feed_last``) so that every recorded token has its hints,
 scales and routed experts; its logits are discarded.
 
-The decode path is the engine's own: by default it runs attention through PyTorch's SDPA kernels while the
-trainer recompute uses eager attention, as a serving engine's paged decode kernels differ from a trainer's
-varlen attention; ``attn_implementation=None`` keeps whatever the model is configured with.
+Decode paths (``decode=``): ``static`` and ``graph`` run `tracerl.decode.StaticDecoder` (a preallocated KV
+cache, SDPA over it; ``graph`` replays each step as one CUDA graph, as serving engines decode, with hint
+capture written to device rings inside the graph); ``hf`` calls the model's own forward with a `DynamicCache`
+(attention through SDPA by default, ``attn_implementation=None`` keeps the model's setting). ``auto`` picks
+``graph`` on CUDA, ``static`` on the CPU, and ``hf`` for models with linear attention (Qwen3.5-MoE). The trainer
+recompute uses the model's own forward either way, as a trainer's varlen attention differs from a serving
+engine's decode kernels; the ``floor`` of the demo measures that gap.
 
 Batches are left-padded; positions are per request (``cumsum(mask) - 1``), so a request's token at position
 t sees the same rotary phase as in the trainer's unpadded recompute.
