@@ -58,3 +58,6 @@ def test_demo_routing_replay_and_decode_paths(capsys, tmp_path):
     url = tmp_path / "never"
     assert main([*common, "--decode", "graph", "--store", str(url)]) == 2  # CPU: a clear error, no traceback
     assert "CUDA" in capsys.readouterr().err and not url.exists()  # and no half-made store
+    for bad in ("gpu0", "meta"):
+        assert main([*common, "--device", bad, "--store", str(url)]) == 2
+        assert "device" in capsys.readouterr().err and not url.exists()

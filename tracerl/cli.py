@@ -61,6 +61,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         store=args.store,
         backward=args.backward,
         decode=args.decode,
+        device=args.device,
         replay_routes=args.replay_routes,
         spec={k: v for k, v in (("hidden_size", args.hidden), ("num_layers", args.layers),
                                 ("num_experts", args.experts), ("vocab_size", args.vocab)) if v is not None},
@@ -118,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--layers", type=int, help="decoder layers (default 8)")
     d.add_argument("--experts", type=int, help="routed experts per MoE layer (default 16, top-2)")
     d.add_argument("--vocab", type=int, help="vocabulary size (default 1024)")
+    d.add_argument("--device", default="cpu",
+                   help="torch device of the model, rollout and trainer (default cpu; e.g. cuda, cuda:1)")
     d.add_argument("--decode", default="auto", choices=("auto", "hf", "static", "graph"),
                    help="rollout decode path: static KV cache (CPU default; 'graph' replays it as a CUDA graph, "
                         "the CUDA default) or the model's own Hugging Face forward ('hf'; Qwen3.5-MoE always)")

@@ -34,6 +34,7 @@ import kernels
 import tracestore as ts
 from tracerl import fidelity
 from tracerl.engine import RolloutEngine, RolloutResult
+from tracerl.errors import ConfigError
 from tracerl.models import TinyMoESpec, build_model, model_metadata
 from tracerl.packing import pack_micro_batches, read_packed
 from tracerl.qat import MODES, install_fp4
@@ -79,10 +80,24 @@ def _nan_to_none(d: dict) -> dict:
     return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in d.items()}
 
 
+def _check_device(name: str) -> None:
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"device {name!r} is not a torch device ({e}); e.g. cpu, cuda, cuda:1") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r}: this torch ({torch.__version__}) sees no CUDA device")
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device {name!r}: the demo runs on cpu or cuda")
+
+
 def run_demo(cfg: DemoConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Run the demo; returns ``{"modes": {mode: metrics}, "config": ..., "rollout": ..., ...}``."""
+    """Run the demo; returns ``{"modes": {mode: metrics}, "config": ..., "rollout": ..., ...}``.
+
+    Raises `ConfigError` for an unusable device or decode path (before any store is created)."""
     say = progress or (lambda msg: None)
     t_start = time.perf_counter()
+    _check_device(cfg.device)
     torch.manual_seed(cfg.seed)
     spec = TinyMoESpec(family=cfg.model, **cfg.spec)
     model = build_model(spec, seed=cfg.seed, device=cfg.device)
