@@ -97,7 +97,22 @@ def _cache_kwarg(model: torch.nn.Module) -> str:
 
 
 class RolloutEngine:
-    """Generates batches with ``model`` (an HF MoE causal LM with an installed `FP4Runtime`)."""
+    """Generates batches with ``model`` (an HF MoE causal LM with an installed `FP4Runtime`).
+
+    Parameters
+    ----------
+    recorder: where hint bits, scales, routed experts, tokens and log-probs go (None: nothing is recorded).
+    record_experts: also record routed expert ids (uint8 [T, top_k] per MoE layer).
+    keep_codes: keep the hinted sites' packed codes (uint8 [T, W/2]) in the result (metrics).
+    feed_last: feed the last sampled token through one more forward so it has hints and routes too.
+    attn_implementation: attention of the ``hf`` path (None keeps the model's).
+    collect_routes: keep routed experts in the result even without a recorder.
+    decode: ``auto`` | ``hf`` | ``static`` | ``graph`` (see the module docstring and `decode_path`).
+    ring: decode steps per capture ring of the static/graph paths.
+
+    Raises `ConfigError` for an unknown decode path here, and from `generate` for a path the model or device
+    cannot run (``graph`` off CUDA, ``static``/``graph`` with linear attention).
+    """
 
     def __init__(
         self,
