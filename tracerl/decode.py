@@ -110,6 +110,7 @@ class StaticDecoder:
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.groups = cfg.num_attention_heads // self.kv_heads
+        self.top_k = cfg.num_experts_per_tok
         dtype = next(model.parameters()).dtype
         shape = (batch, self.kv_heads, max_len, self.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
@@ -183,7 +184,7 @@ class StaticDecoder:
         rt.capture = self._on_capture if self.capture else None
         rt.on_route = self._on_route if self.routes else None
         # Decode MoE calls take the gather path at any batch (the grouped path reads expert counts on the host).
-        rt.gather_max_slots = max(rt.gather_max_slots, self.batch * 64)
+        rt.gather_max_slots = max(rt.gather_max_slots, self.batch * self.top_k)
         return prev
 
     def _restore(self, prev) -> None:

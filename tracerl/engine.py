@@ -144,7 +144,6 @@ class RolloutEngine:
         self._rows: tuple[list[str], np.ndarray, torch.Tensor] | None = None
         self._codes: dict[str, list] = {}
         self._experts: dict[int, list] = {}
-        self.last_prepare_s = 0.0  # seconds the last `generate` spent tracing / capturing its decode step
 
     # Callbacks from the runtime: rows of the current forward -> (request ids, positions).
     def _on_capture(self, site: str, q) -> None:
@@ -280,13 +279,14 @@ class RolloutEngine:
             path = self.decode_path(device)
             n_fed = max_new_tokens if self.feed_last else max(max_new_tokens - 1, 0)
             dec = None
+            prepare_s = 0.0  # tracing / capturing the decode step (not part of decode_s)
             if path != "hf" and n_fed > 0:
                 tp = time.perf_counter()
                 dec = StaticDecoder(model, rt, batch=bsz, max_len=pmax + n_fed, ring=self.ring,
                                     capture=rt.capture is not None, keep_codes=self.keep_codes,
                                     routes=rt.on_route is not None, use_graph=path == "graph")
                 dec.prepare()
-                self.last_prepare_s = time.perf_counter() - tp
+                prepare_s = time.perf_counter() - tp
             t0 = time.perf_counter()
             out = model(
                 input_ids=ids,
@@ -380,7 +380,7 @@ class RolloutEngine:
             decode_s=t2 - t1,
             decode_steps=max_new_tokens if self.feed_last else max(max_new_tokens - 1, 0),
             decode_path=path,
-            prepare_s=self.last_prepare_s if dec is not None else 0.0,
+            prepare_s=prepare_s,
         )
 
     @staticmethod
