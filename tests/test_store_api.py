@@ -203,6 +203,35 @@ def test_stream_cursor_resume_exactly_once(location):
         store.stream(f"v9:{store.store_id}:0:0")
 
 
+def test_stream_cursor_past_the_head_is_rejected(location):
+    store = make_store(location)
+    with store.writer("w", commit_interval_s=0) as w:
+        w.write("a", 0, **rows(store, "a", 0, 4))
+        w.write("b", 0, **rows(store, "b", 0, 4))
+        w.flush()  # entry 0: two records
+        w.write("c", 0, **rows(store, "c", 0, 4))  # entry 1: one record
+    assert store.head() == 2
+    before = location.snapshot()
+    sid = store.store_id
+    # FORMAT §7: a cursor past the head is a SnapshotError, raised by stream() itself (not a silent poll)
+    for seq, index, allowed in [(99, 0, "the log has 2 entries"), (3, 0, "the log has 2 entries"),
+                                (2, 1, "the log has 2 entries"), (0, 3, "holds 2 records (allowed: index 0..2)"),
+                                (1, 2, "holds 1 records (allowed: index 0..1)")]:
+        cursor = f"v1:{sid}:{seq}:{index}"
+        with pytest.raises(ts.SnapshotError) as e:
+            store.stream(cursor, timeout_s=0)
+        msg = str(e.value)
+        assert cursor in msg and f"record {index}" in msg and allowed in msg, msg  # what arrived, what is allowed
+        if seq >= 2:
+            assert f"log entry {seq}" in msg and "seq < 2" in msg and "seq 2 with index 0" in msg, msg
+    # the boundaries are valid: the head itself, and an index at the end of an entry (= the next entry)
+    assert list(store.stream(f"v1:{sid}:2:0", timeout_s=0)) == []
+    assert [r.traj_id for r in store.stream(f"v1:{sid}:0:2", timeout_s=0)] == ["c"]
+    assert [r.traj_id for r in store.stream(f"v1:{sid}:0:1", timeout_s=0)] == ["b", "c"]
+    assert [r.traj_id for r in store.stream(f"v1:{sid}:1:1", timeout_s=0)] == []
+    assert location.snapshot() == before  # rejecting (and reading) changed nothing
+
+
 def test_stream_tails_a_live_writer(location):
     store = make_store(location)
     got = []

@@ -560,6 +560,9 @@ class Stream:
     :attr:`cursor` to :meth:`Store.stream` to resume exactly after the last record consumed. Iteration waits for
     new entries by polling ``log/<seq>`` (a GET, no listing); it ends (StopIteration) once ``timeout_s`` passes
     without a new record (``None``: never). Iterating again continues from the cursor.
+
+    Raises (constructor): SnapshotError (malformed cursor, another store's, or past the log head: an entry
+    beyond the head, or an index beyond its entry's records), SchemaVersionError (unknown cursor version).
     """
 
     def __init__(self, store, cursor: str | None = None, *, poll_interval_s: float = 0.05,
@@ -567,10 +570,10 @@ class Stream:
         self.store = store
         self.poll_interval_s = float(poll_interval_s)
         self.timeout_s = timeout_s
-        self._seq, self._index = (0, 0) if cursor is None else self._parse(cursor)
         self._records: list[CommittedRecord] | None = None
         self._caught_up = False
         self._prefetched: dict[int, LogEntry] = {}
+        self._seq, self._index = (0, 0) if cursor is None else self._parse(cursor)
 
     def _parse(self, cursor: str) -> tuple[int, int]:
         if not isinstance(cursor, str):
@@ -588,7 +591,26 @@ class Stream:
             raise SnapshotError(f"malformed cursor {cursor!r:.80}") from e
         if seq < 0 or index < 0:
             raise SnapshotError(f"malformed cursor {cursor!r:.80}")
+        self._check_position(cursor, seq, index)
         return seq, index
+
+    def _check_position(self, cursor: str, seq: int, index: int) -> None:
+        """Reject a cursor past the log head (FORMAT §7): it names record ``index`` of entry ``seq``, so it must
+        satisfy ``seq < head`` and ``index <= `` the entry's record count, or be ``(head, 0)``."""
+        store = self.store
+        head = store.head()
+        if seq > head or (seq == head and index > 0):
+            raise SnapshotError(
+                f"cursor {cursor!r:.80} is past the log head of {store.url}: it names record {index} of log entry "
+                f"{seq}, but the log has {head} entries (allowed: seq < {head} with index up to the entry's "
+                f"record count, or seq {head} with index 0)")
+        if index > 0:
+            entry = store.read_entry(seq)
+            if index > len(entry):
+                raise SnapshotError(
+                    f"cursor {cursor!r:.80} is past the end of log entry {seq} in {store.url}: it names record "
+                    f"{index}, the entry holds {len(entry)} records (allowed: index 0..{len(entry)})")
+            self._prefetched[seq] = entry  # the first entry the stream reads: no second GET
 
     @property
     def cursor(self) -> str:
@@ -617,11 +639,8 @@ class Stream:
             except ObjectNotFoundError:
                 self._caught_up = True
                 return False
-        self._records = records_of(entry)
+        self._records = records_of(entry)  # (self._index <= len(self._records): checked with the cursor)
         self.store._note_head(self._seq + 1)
-        if self._index > len(self._records):
-            raise SnapshotError(f"cursor index {self._index} is past the {len(self._records)} records of log entry "
-                                f"{self._seq} in {self.store.url}")
         return True
 
     def _take(self) -> CommittedRecord | None:
