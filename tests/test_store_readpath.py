@@ -1,5 +1,6 @@
-"""The read path at sizes where its optimizations engage: requests split into pieces checked on the checker
-thread while the next piece is read, and output arenas recycled once nothing references them."""
+"""The read path at sizes where its optimizations engage: requests split into pieces (~1 MiB of whole chunks),
+each checked on the reading thread as soon as the backend has filled it, and output arenas recycled once nothing
+references them."""
 
 from __future__ import annotations
 

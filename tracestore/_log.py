@@ -8,9 +8,10 @@ An entry is an Arrow IPC file (``schemas.log_entry_schema()``) with two schema-m
 * ``tracestore.crc32c`` — 8 lowercase hex digits: crc32c of the ``tracestore.entry`` bytes followed by the
   canonical column bytes (per column in schema order: strings as u32-LE length + UTF-8, int64 as LE bytes).
 
-Readers check, in this order: the Arrow file decodes (truncation is caught by the IPC footer), the format
-version is supported (:class:`SchemaVersionError`), the crc matches, the columns and the ``seq`` match the key
-(:class:`IntegrityError` for everything else).
+Readers check, in this order: the Arrow file decodes (truncation is caught by the IPC footer), both metadata keys
+are present and the entry metadata is JSON, the format version is supported (:class:`SchemaVersionError`), the
+columns match ``log_entry_schema()``, the crc matches, the ``seq`` matches the key and the segment path and
+records are well formed (:class:`IntegrityError` for everything but the version).
 """
 
 from __future__ import annotations

@@ -4,10 +4,10 @@
 ``benchmarks/benchmark_store.py`` call it. What is measured (every timing is the median of ``repeats`` runs):
 
 * **bytes per token** (``info`` of the benchmark store): ``payload`` (hint + scale shards), ``trace`` (token ids,
-  log-probs, routed experts), ``index_log`` (zarr metadata, log entries, manifest), reported separately, with
-  two overhead definitions: ``overhead_payload`` = (payload + index_log) / logical payload - 1 (framing cost of
-  the hints: crc32c per inner chunk, shard index, metadata, log) and ``overhead_total`` = all stored bytes /
-  logical (payload + trace) - 1.
+  log-probs, routed experts), ``index_log`` (zarr metadata, log entries, log checkpoints, manifest), reported
+  separately, with two overhead definitions: ``overhead_payload`` = (payload + index_log) / logical payload - 1
+  (framing cost of the hints: crc32c per inner chunk, shard index, metadata, log) and ``overhead_total`` = all
+  stored bytes / logical (payload + trace) - 1.
 * **write ratio** = plain time / store time for the same logical bytes: the store writes ``trajectories`` x
   ``tokens`` rows through a :class:`~tracestore.Writer` (``write_tokens`` tokens per ``write`` call, commits
   of ``commit_bytes``; timed from the first write to ``close``); the plain baseline then writes, from one

@@ -275,11 +275,11 @@ def collect_garbage(store, *, grace_s: float | None = None, dry_run: bool = Fals
 
     Deletes (a) every object of a segment ``data/<writer>/<segment>/`` that no log entry names, once the
     segment's newest object is older than the grace period, and (b) ``*.partial`` temporary files older than it.
-    Log entries and the manifest are never deleted. Data is listed *before* the log is read, so a segment that
-    commits meanwhile is seen as referenced; writers re-write a segment rather than commit one whose first
-    object is older than half the grace period (``store.gc_grace_s``, default 1 h). Safe to run while writers
-    and readers work, as long as ``grace_s`` exceeds the time a writer takes from its first data object to its
-    log entry.
+    Log entries, checkpoints and the manifest are never deleted. Data is listed *before* the log is read, so a
+    segment that commits meanwhile is seen as referenced; a writer whose segment write took longer than half
+    the grace period (``store.gc_grace_s``, default 1 h) writes the segment again under a new name before
+    committing (FORMAT §6). Safe to run while writers and readers work, as long as ``grace_s`` exceeds the time
+    a writer takes from its first data object to its log entry.
 
     Raises:
         IntegrityError / SchemaVersionError: a log entry cannot be decoded (nothing is deleted then: the
