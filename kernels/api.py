@@ -34,10 +34,11 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 class QuantizedFP4:
     """Result of `quantize`: the packed FP4 tensor of an input of shape ``[..., D]``.
 
-    codes_u8:     uint8 [..., D/2]  (two E2M1 codes per byte, element 2i low nibble)
-    scales_u8:    uint8 [..., D/B]  (E4M3FN bits for NVFP4, E8M0 bits for MXFP4)
-    hints_packed: uint8 [..., D/8] or None (when quantized with ``emit_hints=False``)
+    codes:        uint8 [..., D/2]  (two E2M1 codes per byte, element 2i low nibble)
+    scales:       uint8 [..., D/B]  (E4M3FN bits for NVFP4, E8M0 bits for MXFP4)
+    hints:        uint8 [..., D/8] or None (when quantized with ``emit_hints=False``)
     global_scale: float32 0-d tensor for NVFP4, None for MXFP4
+    fmt:          "nvfp4" or "mxfp4"
     """
 
     codes: torch.Tensor

@@ -216,8 +216,9 @@ def _e2m1_bits(mag):
 
 @triton.jit
 def _to_bf16_rne(val):
-    """fp32 -> bf16 with round-to-nearest-even on the integer bits, NaN -> 0x7FC0 (as torch's CPU cast).
-    Used under the interpreter, whose fp32 -> bf16 cast truncates; on GPU the hardware cast (RNE) is used."""
+    """fp32 -> bf16 with round-to-nearest-even on the integer bits, NaN -> 0x7FC0 (a NaN; NaN payloads are
+    unspecified, see NUMERICS.md section 7). Used under the interpreter, whose fp32 -> bf16 cast truncates; on
+    GPU the hardware cast (RNE) is used."""
     bits = val.to(tl.int32, bitcast=True)
     rb = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
     rb = tl.where(val != val, 0x7FC0, rb)
