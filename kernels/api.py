@@ -120,11 +120,10 @@ def _global_scale(global_scale, fmt: str, device: torch.device, x: torch.Tensor 
             raise FormatError("nvfp4 needs the global_scale that the codes/scales were made with; got None")
         return ref.global_scale_ref(x)
     if isinstance(global_scale, torch.Tensor):
-        if global_scale.numel() != 1 or not global_scale.dtype.is_floating_point:
-            raise ShapeError(
-                f"global_scale must be a floating tensor with one element; got dtype {global_scale.dtype}, "
-                f"shape {tuple(global_scale.shape)}"
-            )
+        if not global_scale.dtype.is_floating_point:
+            raise DTypeError(f"global_scale must be a floating tensor; got dtype {global_scale.dtype}")
+        if global_scale.numel() != 1:
+            raise ShapeError(f"global_scale must have one element; got shape {tuple(global_scale.shape)}")
         # No host sync: the value is never read here (a device g stays put; a host g goes to the device with
         # non_blocking, which for pageable memory stages the 4 bytes at once and does not wait for the device).
         g = global_scale.detach().reshape(())

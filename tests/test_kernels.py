@@ -334,6 +334,10 @@ def test_wrong_dtypes_and_arguments():
         kernels.fake_quantize(torch.zeros(16), scales=torch.zeros(1, dtype=torch.uint8))  # no global scale
     with pytest.raises(FP4Error):
         kernels.fake_quantize(torch.zeros(16), ste="nope")
+    with pytest.raises(DTypeError, match="int32"):
+        kernels.quantize(torch.zeros(16), global_scale=torch.tensor(1, dtype=torch.int32))
+    with pytest.raises(ShapeError, match=r"\(2,\)"):
+        kernels.quantize(torch.zeros(16), global_scale=torch.ones(2))
     assert issubclass(ShapeError, ValueError)
 
 
