@@ -150,36 +150,39 @@ def test_truncated_log_entry(location, store):
         ts.collect_garbage(store, grace_s=0)  # refuses to delete anything while an entry is unreadable
 
 
-def test_corrupt_log_entry_crc(location, store):
+def _rewrite_log_entry(location, key: str, edit) -> None:
+    """Replace the Arrow table of log entry ``key`` with ``edit(table)``, written raw (no tracestore code)."""
     import pyarrow as pa
 
-    key = "log/000000000000.arrow"
-    table = pa.ipc.open_file(pa.BufferReader(location.read(key))).read_all()
-    cols = table.columns
-    table = pa.table([cols[0], pa.array([5], pa.int64()), *cols[2:]], schema=table.schema)  # token_start 0 -> 5
+    table = edit(pa.ipc.open_file(pa.BufferReader(location.read(key))).read_all())
     sink = pa.BufferOutputStream()
     with pa.ipc.new_file(sink, table.schema) as wr:
         wr.write_table(table)
     location.write(key, sink.getvalue().to_pybytes())
+
+
+def test_corrupt_log_entry_crc(location, store):
+    import pyarrow as pa
+
+    def bump_token_start(table):  # token_start 0 -> 5, crc left as it was
+        cols = table.columns
+        return pa.table([cols[0], pa.array([5], pa.int64()), *cols[2:]], schema=table.schema)
+
+    _rewrite_log_entry(location, "log/000000000000.arrow", bump_token_start)
     with pytest.raises(ts.IntegrityError) as e:
         store.reader()
     assert "crc32c" in str(e.value)
 
 
 def test_unsupported_versions(location, store):
-    entry_key = "log/000000000000.arrow"
-    import pyarrow as pa
+    def version_2(table):
+        meta = dict(table.schema.metadata)
+        d = json.loads(meta[b"tracestore.entry"])
+        d["format_version"] = 2
+        meta[b"tracestore.entry"] = json.dumps(d).encode()
+        return table.replace_schema_metadata(meta)
 
-    table = pa.ipc.open_file(pa.BufferReader(location.read(entry_key))).read_all()
-    meta = dict(table.schema.metadata)
-    d = json.loads(meta[b"tracestore.entry"])
-    d["format_version"] = 2
-    meta[b"tracestore.entry"] = json.dumps(d).encode()
-    table = table.replace_schema_metadata(meta)
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_file(sink, table.schema) as wr:
-        wr.write_table(table)
-    location.write(entry_key, sink.getvalue().to_pybytes())
+    _rewrite_log_entry(location, "log/000000000000.arrow", version_2)
     with pytest.raises(ts.SchemaVersionError) as e:
         store.reader()
     assert "2" in str(e.value) and "[1]" in str(e.value)

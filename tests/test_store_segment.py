@@ -51,13 +51,7 @@ def test_segment_roundtrip_odd_sizes(tmp_path, rows, chunk_target, shard_bytes):
                 for members in ([0], [len(spec.members) - 1], list(range(len(spec.members)))):
                     for b0, b1 in {(0, width), (2, 6), (0, 2), (4, 8)}:
                         outs = {k: (np.full((r1 - r0, b1 - b0), 7, np.uint8), b0, b1) for k in members}
-                        flats = []
-                        for k in members:
-                            f0, f1 = k * lay.n_col + b0 // lay.col_chunk, k * lay.n_col + -(-b1 // lay.col_chunk)
-                            if flats and flats[-1][1] >= f0:
-                                flats[-1] = (flats[-1][0], f1)
-                            else:
-                                flats.append((f0, f1))
+                        flats = lay.flat_ranges((k, b0, b1) for k in members)  # what the reader requests
                         t = ReadTargets()
                         for rng_, chunks in lay.plan("seg", r0, r1, flats):
                             t.add(rng_, lay, chunks, outs, r0, r1, str)
@@ -83,3 +77,12 @@ def test_choose_chunk_rows_pads_little():
         cr = choose_chunk_rows(rows, target)
         n = -(-rows // cr)
         assert cr <= target and n * cr - rows < n
+
+
+def test_flat_ranges_request_only_the_needed_column_chunks():
+    lay = layout(SPECS[1], 10, 4, 1 << 20)  # 2 sites x 4 column chunks of 2 bytes
+    assert (lay.n_col, lay.col_chunk) == (4, 2)
+    assert lay.flat_ranges([(0, 0, 8), (1, 0, 8)]) == [(0, 8)]  # whole rows of both sites: one range
+    assert lay.flat_ranges([(1, 2, 6), (0, 2, 6)]) == [(1, 3), (5, 7)]  # a slice of each site, in site order
+    assert lay.flat_ranges([(0, 3, 8), (1, 0, 1)]) == [(1, 5)]  # partial chunks round outwards; touching merge
+    assert lay.flat_ranges([(1, 0, 2)]) == [(4, 5)]

@@ -5,12 +5,11 @@ from __future__ import annotations
 import errno
 import os
 import uuid
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ._format import PARTIAL_SUFFIX
-from .backend import Backend, ByteRange, Data, ObjectInfo, _check_key
+from .backend import Backend, Data, ObjectInfo, _check_key
 from .errors import BackendError, ObjectNotFoundError
 
 
@@ -91,26 +90,6 @@ class LocalBackend(Backend):
         except OSError as e:
             raise self._wrap(e, key) from e
 
-    def get_ranges(self, ranges: Sequence[ByteRange]) -> list[bytes]:
-        out: list[bytes] = []
-        handle = None
-        current = None
-        try:
-            for r in ranges:
-                if r.key != current:
-                    if handle is not None:
-                        handle.close()
-                    current = r.key
-                    handle = open(self._path(r.key), "rb")
-                handle.seek(r.start)
-                out.append(handle.read(max(0, r.stop - r.start)))
-        except OSError as e:
-            raise self._wrap(e, current or "") from e
-        finally:
-            if handle is not None:
-                handle.close()
-        return out
-
     def readinto_ranges(self, requests, done=None) -> list[int]:
         counts: list[int] = []
         fd = -1
@@ -155,17 +134,22 @@ class LocalBackend(Backend):
             os.makedirs(directory, exist_ok=True)
             self._dirs.add(directory)
 
-    def _write_partial(self, path: str, data: Data) -> str:
-        directory, name = os.path.split(path)
-        self._mkdirs(directory)
-        tmp = os.path.join(directory, f".{name}.{uuid.uuid4().hex}{PARTIAL_SUFFIX}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    def _write_new(self, path: str, data: Data) -> None:
+        """Create ``path`` (``O_EXCL``: it must not exist already) holding ``data``, fsync'd if :attr:`fsync`.
+        Raises OSError (callers wrap it)."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             _write_all(fd, data)
             if self.fsync:
                 os.fsync(fd)
         finally:
             os.close(fd)
+
+    def _write_partial(self, path: str, data: Data) -> str:
+        directory, name = os.path.split(path)
+        self._mkdirs(directory)
+        tmp = os.path.join(directory, f".{name}.{uuid.uuid4().hex}{PARTIAL_SUFFIX}")
+        self._write_new(tmp, data)
         return tmp
 
     def put(self, key: str, data: Data) -> None:
@@ -196,15 +180,8 @@ class LocalBackend(Backend):
             self._create(key, data)
 
     def _create(self, key: str, data: Data) -> None:
-        path = self._path(key)
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                _write_all(fd, data)
-                if self.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
+            self._write_new(self._path(key), data)
         except OSError as e:
             raise self._wrap(e, key) from e
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import json
 import struct
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -31,7 +32,6 @@ from ._format import (
     FORMAT_VERSION,
     SUPPORTED_FORMAT_VERSIONS,
     check_id,
-    log_key,
 )
 from ._segment import crc32c
 from .errors import IntegrityError, InvalidIdError, SchemaVersionError
@@ -65,10 +65,25 @@ class LogEntry:
     token_stop: np.ndarray  # [n] int64
     row_offset: np.ndarray  # [n] int64
     policy_version: np.ndarray  # [n] int64
-    extra: dict = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.traj_ids)
+
+    def records(self) -> Iterator[tuple[str, int, int, int, int]]:
+        """Per record, in order: ``(traj_id, token_start, token_stop, row_offset, policy_version)`` (Python ints)."""
+        return zip(self.traj_ids, self.token_start.tolist(), self.token_stop.tolist(), self.row_offset.tolist(),
+                   self.policy_version.tolist())
+
+
+def merge_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted, non-overlapping ``[start, stop)`` ranges with touching ones joined: ``[0, 5), [5, 9)`` -> ``[0, 9)``."""
+    out: list[tuple[int, int]] = []
+    for s, e in ranges:
+        if out and out[-1][1] == s:
+            out[-1] = (out[-1][0], e)
+        else:
+            out.append((s, e))
+    return out
 
 
 def _canonical(traj_ids: list[str], ints: list[np.ndarray]) -> bytes:
@@ -167,8 +182,6 @@ def decode_entry(data: bytes, seq: int, where: str) -> LogEntry:
             policy_version=ints[3].astype(np.int64),
         )
     except (KeyError, TypeError, ValueError, InvalidIdError) as e:
-        if isinstance(e, IntegrityError):
-            raise
         raise IntegrityError(f"log entry {where}: bad metadata: {e}") from e
     _check_entry(entry, where)
     return entry
@@ -197,13 +210,8 @@ def _check_entry(entry: LogEntry, where: str) -> None:
             raise IntegrityError(f"log entry {where}: {e}") from e
 
 
-def entry_key(seq: int) -> str:
-    return log_key(seq)
-
-
 # ---------------------------------------------------------------------- checkpoints
 _CKPT_META_KEY = b"tracestore.checkpoint"
-_ENTRY_INT_FIELDS = ("seq", "writer_seq", "rows", "chunk_rows", "shard_bytes", "segment_nbytes")
 _RECORD_INT_FIELDS = ("token_start", "token_stop", "row_offset", "policy_version")
 
 

@@ -18,7 +18,7 @@ import json
 import math
 import struct
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import crc32c as _crc32c
@@ -122,6 +122,12 @@ class ArrayLayout:
     def n_shards(self) -> int:
         return math.ceil(self.rows / self.shard_rows)
 
+    def shard_rows_of(self, shard: int) -> tuple[int, int, int]:
+        """Rows ``[r0, r1)`` of ``shard`` and its number of row chunks present (the last shard may be short)."""
+        r0 = shard * self.shard_rows
+        r1 = min(r0 + self.shard_rows, self.rows)
+        return r0, r1, math.ceil((r1 - r0) / self.chunk_rows)
+
     def shard_key(self, shard: int) -> str:
         # chunk_key_encoding "v2" with separator ".": one directory per array, shards named "<i>[.0[.0]]"
         return f"{self.name}/{shard}" + ".0" * len(self.spec.row_shape)
@@ -204,9 +210,7 @@ class ArrayLayout:
         assert all(x.shape == want and x.dtype == self.spec.dtype for x in sources), (want, self.spec)
         out: dict[str, list] = {}
         for s in range(self.n_shards):
-            r0 = s * self.shard_rows
-            r1 = min(r0 + self.shard_rows, self.rows)
-            n_present = math.ceil((r1 - r0) / self.chunk_rows)
+            r0, r1, n_present = self.shard_rows_of(s)
             parts: list = []
             i0 = r0 // self.chunk_rows
             for i in range(i0, i0 + n_present):
@@ -222,18 +226,27 @@ class ArrayLayout:
             out[self.shard_key(s)] = parts
         return out
 
-    def encode(self, sources: Sequence[np.ndarray]) -> dict[str, bytes]:
-        return {k: b"".join(v) for k, v in self.encode_parts(sources).items()}
-
     def expected_index(self, shard: int) -> tuple[int, bytes]:
         """(shard size in bytes, index bytes incl. crc) that tracestore writes for ``shard`` (for ``verify``)."""
-        r0 = shard * self.shard_rows
-        r1 = min(r0 + self.shard_rows, self.rows)
-        n_present = math.ceil((r1 - r0) / self.chunk_rows)
+        _r0, _r1, n_present = self.shard_rows_of(shard)
         ib = self._index(n_present)
         return n_present * self.n_inner * self.stored_chunk_nbytes + len(ib), ib
 
     # ------------------------------------------------------------------ reading
+    def flat_ranges(self, columns: Iterable[tuple[int, int, int]]) -> list[tuple[int, int]]:
+        """The inner-chunk index ranges ``[f0, f1)`` (for :meth:`plan`) that hold bytes ``[b0, b1)`` of the sites
+        ``k`` in ``columns`` (``(k, b0, b1)`` per site of a site array), in order, overlapping or touching ones
+        merged so that each becomes one range request per row chunk."""
+        flats: list[tuple[int, int]] = []
+        for k, b0, b1 in sorted(columns):
+            f0 = k * self.n_col + b0 // self.col_chunk
+            f1 = k * self.n_col + -(-b1 // self.col_chunk)
+            if flats and flats[-1][1] >= f0:
+                flats[-1] = (flats[-1][0], max(flats[-1][1], f1))
+            else:
+                flats.append((f0, f1))
+        return flats
+
     def plan(self, prefix: str, r0: int, r1: int, flats: Sequence[tuple[int, int]] | None = None
              ) -> list[tuple[ByteRange, list]]:
         """Byte ranges covering rows ``[r0, r1)`` and the inner-chunk index ranges ``flats`` (default all).

@@ -46,7 +46,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -94,7 +94,6 @@ class BenchConfig:
     tail_commits: int = 20
     durable: bool = True  # also measure fsync'd writes and cold (page cache evicted) reads, local
     seed: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -321,8 +320,9 @@ def _plain_read_s3(fs, root: str, groups) -> float:
 
 def _tail_latency(url: str, cfg: BenchConfig, storage_options: dict | None, commits: int) -> dict:
     """Commit ``commits`` small records (16 tokens) at random 50-150 ms intervals while a Stream tails."""
-    store = _make_store(url, BenchConfig(**{**asdict(cfg), "tokens": 16, "write_tokens": 16}), storage_options)
-    small = _Data(store, BenchConfig(**{**asdict(cfg), "tokens": 16, "write_tokens": 16}))
+    small_cfg = BenchConfig(**{**asdict(cfg), "tokens": 16, "write_tokens": 16})
+    store = _make_store(url, small_cfg, storage_options)
+    small = _Data(store, small_cfg)
     stream = store.stream(None, timeout_s=10.0)
     seen: list[float] = []
 
@@ -350,6 +350,18 @@ def _tail_latency(url: str, cfg: BenchConfig, storage_options: dict | None, comm
 
 
 # ---------------------------------------------------------------------------------------------- phases
+def _rates(logical: int, tw_store: list[float], tw_plain: list[float], tr_store: list[float],
+           tr_plain: list[float]) -> dict:
+    """The timings of one phase, its throughputs (MB/s of ``logical`` bytes) and plain/store ratios (medians)."""
+    mb = logical / 1e6
+    return {
+        "write_s_store": tw_store, "write_s_plain": tw_plain, "read_s_store": tr_store, "read_s_plain": tr_plain,
+        "write_MBps_store": mb / _median(tw_store), "write_MBps_plain": mb / _median(tw_plain),
+        "read_MBps_store": mb / _median(tr_store), "read_MBps_plain": mb / _median(tr_plain),
+        "write_ratio": _median(tw_plain) / _median(tw_store), "read_ratio": _median(tr_plain) / _median(tr_store),
+    }
+
+
 def _phase(store_url_of: Callable[[int], str], plain_root_of: Callable[[int], str], cfg: BenchConfig,
            n_traj: int, storage_options: dict | None, plain_write, plain_read, cleanup, progress: Progress | None,
            label: str) -> tuple[dict, object]:
@@ -394,14 +406,10 @@ def _phase(store_url_of: Callable[[int], str], plain_root_of: Callable[[int], st
             tr_plain.append(plain_read(plain_root_of(cfg.repeats - 1), plain_objects))
             tr_store.append(_store_read(last_store, n_traj, cfg.tokens))
     fetched = _read_amplification(last_store, n_traj, cfg.tokens)
-    mb = logical / 1e6
     res = {
         "trajectories": n_traj, "tokens": n_traj * cfg.tokens, "logical_bytes": logical,
         "stored_bytes": sum(o.size for o in objects), "objects": len(objects),
-        "write_s_store": tw_store, "write_s_plain": tw_plain, "read_s_store": tr_store, "read_s_plain": tr_plain,
-        "write_MBps_store": mb / _median(tw_store), "write_MBps_plain": mb / _median(tw_plain),
-        "read_MBps_store": mb / _median(tr_store), "read_MBps_plain": mb / _median(tr_plain),
-        "write_ratio": _median(tw_plain) / _median(tw_store), "read_ratio": _median(tr_plain) / _median(tr_store),
+        **_rates(logical, tw_store, tw_plain, tr_store, tr_plain),
         "read_fetched_bytes": fetched, "read_amplification": fetched / logical,
     }
     if progress:
@@ -443,12 +451,8 @@ def _durable_phase(run_dir: str, cfg: BenchConfig, progress: Progress | None) ->
             else:
                 tr_plain.append(_plain_read_local(p_root, objects))
     store.close()
-    mb = logical / 1e6
     return {
-        "write_s_store": tw_store, "write_s_plain": tw_plain, "read_s_store": tr_store, "read_s_plain": tr_plain,
-        "write_MBps_store": mb / _median(tw_store), "write_MBps_plain": mb / _median(tw_plain),
-        "read_MBps_store": mb / _median(tr_store), "read_MBps_plain": mb / _median(tr_plain),
-        "write_ratio": _median(tw_plain) / _median(tw_store), "read_ratio": _median(tr_plain) / _median(tr_store),
+        **_rates(logical, tw_store, tw_plain, tr_store, tr_plain),
         "page_cache_evicted": evicted,
     }
 

@@ -23,7 +23,7 @@ from ._format import (
     parse_log_key,
 )
 from ._log import LogEntry, decode_checkpoint, same_entry
-from ._segment import array_metadata, layout
+from ._segment import array_metadata, crc32c, layout
 from .errors import IntegrityError, ObjectNotFoundError, SchemaVersionError, TraceStoreError
 
 __all__ = ["info", "verify", "collect_garbage", "compact", "VerifyReport", "GcReport"]
@@ -181,16 +181,13 @@ def _verify_segment(store, entry: LogEntry, report: VerifyReport) -> None:
             n_chunks = (size - len(index)) // lay.stored_chunk_nbytes
             arr = np.frombuffer(data, np.uint8, count=n_chunks * lay.stored_chunk_nbytes).reshape(
                 n_chunks, lay.stored_chunk_nbytes)
-            from ._segment import crc32c
-
             stored = arr[:, lay.chunk_nbytes:].copy().view("<u4").reshape(-1)
             for k in range(n_chunks):
                 report.chunks += 1
                 if crc32c(arr[k, : lay.chunk_nbytes]) != int(stored[k]):
                     i = s * lay.chunks_per_shard + k // lay.n_inner
                     rows = (i * lay.chunk_rows, (i + 1) * lay.chunk_rows)
-                    hit = [f"{t}[{a}:{b})" for t, a, b, ro in zip(entry.traj_ids, entry.token_start.tolist(),
-                                                               entry.token_stop.tolist(), entry.row_offset.tolist())
+                    hit = [f"{t}[{a}:{b})" for t, a, b, ro, _pv in entry.records()
                            if ro < rows[1] and ro + (b - a) > rows[0]]
                     report.errors.append(f"crc32c mismatch: object {store.url}/{key} chunk ({i}, {k % lay.n_inner}) "
                                          f"(rows {rows[0]}..{rows[1]}, trajectories {hit[:5]}, {where})")
@@ -206,7 +203,7 @@ def verify(store, *, progress: Progress | None = None) -> VerifyReport:
     report.records = sum(len(e) for e in entries)
     ranges: dict[str, list[tuple[int, int, int]]] = {}
     for e in entries:
-        for t, a, b in zip(e.traj_ids, e.token_start.tolist(), e.token_stop.tolist()):
+        for t, a, b, _ro, _pv in e.records():
             ranges.setdefault(t, []).append((a, b, e.seq))
     for t, rs in ranges.items():
         rs.sort()

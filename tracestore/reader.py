@@ -24,7 +24,7 @@ import pyarrow as pa
 from schemas import record_schema, token_schema, trajectory_schema
 
 from ._format import check_id
-from ._log import LogEntry, SegmentRef
+from ._log import LogEntry, SegmentRef, merge_ranges
 from ._segment import ReadTargets, layout
 from .errors import (
     HintNotFoundError,
@@ -65,13 +65,8 @@ class CommittedRecord:
 
 
 def records_of(entry: LogEntry) -> list[CommittedRecord]:
-    return [
-        CommittedRecord(t, int(s), int(e), int(pv), entry.writer_id, entry.seq, i, int(ro), entry.segment,
-                        entry.created_unix)
-        for i, (t, s, e, ro, pv) in enumerate(zip(entry.traj_ids, entry.token_start.tolist(),
-                                                   entry.token_stop.tolist(), entry.row_offset.tolist(),
-                                                   entry.policy_version.tolist()))
-    ]
+    return [CommittedRecord(t, s, e, pv, entry.writer_id, entry.seq, i, ro, entry.segment, entry.created_unix)
+            for i, (t, s, e, ro, pv) in enumerate(entry.records())]
 
 
 @dataclass(frozen=True)
@@ -321,6 +316,7 @@ def read_pieces(store, traj_id: str, start: int, stop: int, pieces: Sequence[_Pi
         if unknown:
             raise UnknownSiteError(f"unknown site(s) {unknown!r}; the store declares {list(store.sites)}")
     feats = _check_features(store, sites, features)
+    trace_arrays = (("token_ids", "logprobs") + (("experts",) if store.moe_layers else ())) if trace else ()
     T = stop - start
     alloc = _Alloc(fmt, pin_memory)
     nbytes = 8  # per token: policy version
@@ -328,9 +324,7 @@ def read_pieces(store, traj_id: str, start: int, stop: int, pieces: Sequence[_Pi
         site = store.sites[name]
         lo, hi = feats if feats else (0, site.width)
         nbytes += (hi - lo) // 8 + (hi - lo) // site.block_size
-    if trace:
-        nbytes += sum(store.array_specs[n].row_nbytes
-                      for n in ("token_ids", "logprobs") + (("experts",) if store.moe_layers else ()))
+    nbytes += sum(store.array_specs[n].row_nbytes for n in trace_arrays)
     alloc.reserve(T * nbytes + _ARENA_ALIGN * (2 * len(sites) + 4))
     outs: dict[str, tuple[np.ndarray, object, int, int]] = {}  # array -> (numpy view, torch, b0, b1)
     for name in sites:
@@ -340,20 +334,18 @@ def read_pieces(store, traj_id: str, start: int, stop: int, pieces: Sequence[_Pi
             b0, b1 = lo // per, hi // per
             arr, t = alloc.empty((T, b1 - b0), np.uint8)
             outs[f"{kind}.{name}"] = (arr, t, b0, b1)
-    if trace:
-        for name in ("token_ids", "logprobs") + (("experts",) if store.moe_layers else ()):
-            spec = store.array_specs[name]
-            arr, t = alloc.empty((T, *spec.row_shape), spec.dtype)
-            outs[name] = (arr, t, 0, 0)
+    for name in trace_arrays:
+        spec = store.array_specs[name]
+        arr, t = alloc.empty((T, *spec.row_shape), spec.dtype)
+        outs[name] = (arr, t, 0, 0)
     # which stored arrays to read, and where each of their sites / columns goes
     wanted: dict[str, list[tuple[int, str]]] = {}  # array name -> [(index along axis 1, output column)]
     for name in sites:
         h, sc, k = store.site_arrays[name]
         wanted.setdefault(h, []).append((k, f"hints.{name}"))
         wanted.setdefault(sc, []).append((k, f"scales.{name}"))
-    if trace:
-        for name in ("token_ids", "logprobs") + (("experts",) if store.moe_layers else ()):
-            wanted[name] = [(0, name)]
+    for name in trace_arrays:
+        wanted[name] = [(0, name)]
     pv, pv_t = alloc.empty((T,), np.int64)
     targets = ReadTargets()
     for p in pieces:
@@ -370,18 +362,7 @@ def read_pieces(store, traj_id: str, start: int, stop: int, pieces: Sequence[_Pi
             spec = store.array_specs[name]
             lay = layout(spec, p.segment.rows, p.segment.chunk_rows, p.segment.shard_bytes)
             views = {k: (outs[col][0][dest:dest + (r1 - r0)], outs[col][2], outs[col][3]) for k, col in members}
-            if spec.grouped:
-                flats: list[tuple[int, int]] | None = []
-                for k, col in sorted(members):
-                    _, _, b0, b1 = outs[col]
-                    f0 = k * lay.n_col + b0 // lay.col_chunk
-                    f1 = k * lay.n_col + -(-b1 // lay.col_chunk)
-                    if flats and flats[-1][1] >= f0:
-                        flats[-1] = (flats[-1][0], max(flats[-1][1], f1))
-                    else:
-                        flats.append((f0, f1))
-            else:
-                flats = None
+            flats = lay.flat_ranges((k, outs[col][2], outs[col][3]) for k, col in members) if spec.grouped else None
             for rng, chunks in lay.plan(p.segment.path, r0, r1, flats):
                 targets.add(rng, lay, chunks, views, r0, r1, functools.partial(describe, key=rng.key))
     try:
@@ -442,8 +423,7 @@ class Reader:
         self._entries = store.read_entries(0, self.snapshot.log_end)
         index: dict[str, list[tuple]] = {}
         for entry in self._entries:
-            for t, s, e, ro, pv in zip(entry.traj_ids, entry.token_start.tolist(), entry.token_stop.tolist(),
-                                       entry.row_offset.tolist(), entry.policy_version.tolist()):
+            for t, s, e, ro, pv in entry.records():
                 index.setdefault(t, []).append((s, e, entry.seq, ro, pv))
         self._index: dict[str, tuple[np.ndarray, ...]] = {}
         for t, recs in index.items():
@@ -468,18 +448,20 @@ class Reader:
     def traj_ids(self) -> list[str]:
         return sorted(self._index)
 
-    def info(self, traj_id: str) -> TrajectoryInfo:
-        check_id(traj_id)
-        if traj_id not in self._index:
+    def _records(self, traj_id: str) -> tuple[np.ndarray, ...]:
+        """``(starts, stops, seqs, row_offsets, policy_versions)`` of ``traj_id``'s records, sorted by start.
+
+        Raises HintNotFoundError: the snapshot holds no record of ``traj_id``."""
+        recs = self._index.get(traj_id)
+        if recs is None:
             raise HintNotFoundError(f"trajectory {traj_id!r} has no committed records in {self.store.url} "
                                     f"(snapshot log_end {self.snapshot.log_end})")
-        starts, stops, seqs, _ro, pvs = self._index[traj_id]
-        ranges: list[tuple[int, int]] = []
-        for s, e in zip(starts.tolist(), stops.tolist()):
-            if ranges and ranges[-1][1] == s:
-                ranges[-1] = (ranges[-1][0], e)
-            else:
-                ranges.append((s, e))
+        return recs
+
+    def info(self, traj_id: str) -> TrajectoryInfo:
+        check_id(traj_id)
+        starts, stops, seqs, _ro, pvs = self._records(traj_id)
+        ranges = merge_ranges(zip(starts.tolist(), stops.tolist()))
         num = ranges[0][1] if ranges and ranges[0][0] == 0 else 0
         writers = sorted({self._entries[q].writer_id for q in set(seqs.tolist())})
         return TrajectoryInfo(traj_id, num, int((stops - starts).sum()), tuple(ranges), len(starts),
@@ -507,10 +489,7 @@ class Reader:
             raise ShapeError(f"start must be an int >= 0, got {start!r}")
         if stop is not None and (isinstance(stop, bool) or not isinstance(stop, (int, np.integer)) or stop <= start):
             raise ShapeError(f"stop must be an int > start ({start}), got {stop!r}")
-        if traj_id not in self._index:
-            raise HintNotFoundError(f"trajectory {traj_id!r} has no committed records in {self.store.url} "
-                                    f"(snapshot log_end {self.snapshot.log_end})")
-        starts, stops, seqs, ros, pvs = self._index[traj_id]
+        starts, stops, seqs, ros, pvs = self._records(traj_id)
         i = int(np.searchsorted(starts, start, side="right")) - 1
         pieces: list[_Piece] = []
         pos = start

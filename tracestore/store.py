@@ -12,7 +12,6 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -229,7 +228,6 @@ class Store:
             if not spec.grouped:
                 self.row_columns[spec.name] = (spec.dtype, spec.row_shape)
         self._head_hint = 0
-        self._pool: ThreadPoolExecutor | None = None
         self._entries: list[LogEntry] = []  # decoded log entries 0..n-1 (immutable, so cached)
         self._cache_lock = threading.Lock()
 
@@ -243,9 +241,6 @@ class Store:
         self.close()
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
-            self._pool = None
         self.backend.close()
 
     @property
@@ -346,7 +341,7 @@ class Store:
             key = checkpoint_key(n)
             try:
                 entries = decode_checkpoint(self.backend.get(key), n, f"{self.url}/{key}")
-            except (TraceStoreError, SchemaVersionError) as e:
+            except TraceStoreError as e:  # IntegrityError, SchemaVersionError, BackendError
                 log.warning("ignoring checkpoint %s/%s: %s", self.url, key, e)
                 continue
             with self._cache_lock:

@@ -35,7 +35,7 @@ import crc32c as _crc32c
 import numpy as np
 
 from ._format import check_id, log_key
-from ._log import LogEntry, SegmentRef, encode_entry
+from ._log import LogEntry, SegmentRef, encode_entry, merge_ranges
 from ._segment import array_metadata, choose_chunk_rows, group_metadata, layout
 from .errors import (
     BackendError,
@@ -288,13 +288,7 @@ class _Ranges:
             del self._starts[traj], self._stops[traj]
 
     def get(self, traj: str) -> list[tuple[int, int]]:
-        out: list[tuple[int, int]] = []
-        for s, e in zip(self._starts.get(traj, []), self._stops.get(traj, [])):
-            if out and out[-1][1] == s:
-                out[-1] = (out[-1][0], e)
-            else:
-                out.append((s, e))
-        return out
+        return merge_ranges(zip(self._starts.get(traj, []), self._stops.get(traj, [])))
 
 
 class Writer:
@@ -639,7 +633,7 @@ class Writer:
         entries = self.store.read_entries(self._synced, head)
         with self._state:
             for entry in entries:
-                for t, s, e in zip(entry.traj_ids, entry.token_start.tolist(), entry.token_stop.tolist()):
+                for t, s, e, _ro, _pv in entry.records():
                     self._committed.add(t, s, e)
             self._synced = head
 
