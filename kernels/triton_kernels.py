@@ -7,7 +7,8 @@ numbers of blocks, so block k is simply elements [kB, (k+1)B)); every program ow
 - `_fake_quant_kernel`: x [NB, B] (+ scale bytes, hint bytes) -> out [NB, B] in x.dtype (RTN or hint-guided)
 - `_fake_quant_bwd_kernel`: clipped straight-through gradient (grad where not |x * r| > 6)
 
-Two tile layouts (constexpr SPLIT; the default per kernel is in CONFIG):
+Two tile layouts for the forward kernels (constexpr SPLIT; the default per kernel is in CONFIG; the backward
+kernel has the split layout only):
 - one thread per block (SPLIT=False): a block is loaded as G = B/8 tiles [BN, 8] of identical shape, so the
   block amax, the 32-bit word of 8 packed codes and the hint byte are in-thread reductions and a block's
   codes/hints/scale leave in one 8-/2-/1-byte store (NVFP4). Each warp load instruction uses half of every
@@ -49,14 +50,15 @@ import triton.language as tl
 
 __all__ = ["quantize_blocks_triton", "fake_quantize_blocks_triton", "fake_quantize_bwd_blocks_triton", "CONFIG"]
 
-#: default launch configuration per kernel: (blocks per program BN, num_warps, split layout, fp-adder rounding),
-#: the best of the sweep on an H200 at hidden 2048 and 7168 (benchmarks/results/kernels-h200.json). "split":
-#: a block's values spread over adjacent threads (coalesced 16-byte pieces) instead of one thread per block.
-CONFIG: dict[str, tuple[int, int, bool, bool]] = {
+#: default launch configuration per kernel, the best of the sweep on an H200 at hidden 2048 and 7168
+#: (benchmarks/results/kernels-h200.json). Forward kernels: (blocks per program BN, num_warps, split layout,
+#: fp-adder rounding); "split": a block's values spread over adjacent threads (coalesced 16-byte pieces) instead
+#: of one thread per block. The backward kernel (split layout only, no rounding): (BN, num_warps).
+CONFIG: dict[str, tuple] = {
     "quantize": (128, 4, False, True),
     "fake_quant": (128, 4, False, False),  # hint-guided
     "fake_quant_rtn": (256, 4, True, False),  # round to nearest (no hints)
-    "fake_quant_bwd": (256, 4, True, False),
+    "fake_quant_bwd": (256, 4),
 }
 
 
@@ -441,10 +443,19 @@ def _g_arg(g: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     return g.to(device=device, dtype=torch.float32, non_blocking=g.device.type == "cpu").contiguous()
 
 
-def _cfg(name: str, config: tuple | None) -> tuple[int, int, bool, bool]:
-    """(blocks per program, num_warps, split layout, fp-adder rounding) of a kernel launch."""
-    bn, warps, *rest = config if config is not None else CONFIG[name]
-    return bn, warps, bool(rest[0]) if rest else True, bool(rest[1]) if len(rest) > 1 else False
+def _bwd_cfg(config: tuple | None) -> tuple[int, int]:
+    """(BN, num_warps) of the backward kernel. config: (BN, num_warps), or None for CONFIG; a forward-style
+    4-tuple (as benchmarks/benchmark_kernels.py sweeps) is taken only if its layout fields are what the backward
+    kernel does (split layout, no fp-adder rounding)."""
+    if config is None:
+        return CONFIG["fake_quant_bwd"]
+    if len(config) == 4:
+        bn, warps, split, fp_rne = config
+        if not split or fp_rne:
+            raise ValueError(f"the backward kernel has the split layout only and no fp-adder rounding; got {config}")
+        return bn, warps
+    bn, warps = config
+    return bn, warps
 
 
 def _big(t: torch.Tensor) -> bool:
@@ -465,7 +476,8 @@ def quantize_blocks_triton(
     config: tuple | None = None,
 ):
     """Triton twin of `reference.quantize_blocks_ref`: xb [NB, B] -> (codes [NB, B/2], scales [NB],
-    hints [NB, B/8] or None). config: (blocks per program, num_warps, split layout) or None for CONFIG."""
+    hints [NB, B/8] or None). config: (blocks per program, num_warps, split layout, fp-adder rounding), or None
+    for CONFIG["quantize"]."""
     xb = xb.contiguous()
     nb, b = xb.shape
     dev = xb.device
@@ -473,7 +485,7 @@ def quantize_blocks_triton(
     scales = torch.empty((nb,), dtype=torch.uint8, device=dev)
     hints = torch.empty((nb, b // 8), dtype=torch.uint8, device=dev) if emit_hints else None
     if nb:
-        bn, warps, split, fp_rne = _cfg("quantize", config)
+        bn, warps, split, fp_rne = config or CONFIG["quantize"]
         if split:
             codes_arg, hints_arg = codes.view(torch.int32), hints if emit_hints else scales
         else:
@@ -493,7 +505,8 @@ def fake_quantize_blocks_triton(
     config: tuple | None = None,
 ):
     """Triton twin of `reference.fake_quantize_blocks_ref` with packed hints [NB, B/8].
-    Returns (out [NB, B], scale bytes [NB] used, or None when own scales were not asked for)."""
+    Returns (out [NB, B], scale bytes [NB] used, or None when own scales were not asked for). config: as for
+    `quantize_blocks_triton`, or None for CONFIG["fake_quant"] (hints given) / CONFIG["fake_quant_rtn"]."""
     xb = xb.contiguous()
     nb, b = xb.shape
     dev = xb.device
@@ -502,7 +515,7 @@ def fake_quantize_blocks_triton(
     store_scales = (not has_scales) and return_scales
     scales_out = torch.empty((nb,), dtype=torch.uint8, device=dev) if store_scales else None
     if nb:
-        bn, warps, split, fp_rne = _cfg("fake_quant" if hints_packed is not None else "fake_quant_rtn", config)
+        bn, warps, split, fp_rne = config or CONFIG["fake_quant" if hints_packed is not None else "fake_quant_rtn"]
         dummy = torch.empty((1,), dtype=torch.int32, device=dev)
         hints_arg = dummy
         if hints_packed is not None:
@@ -527,13 +540,14 @@ def fake_quantize_bwd_blocks_triton(
     grad_b: torch.Tensor, xb: torch.Tensor, fmt: str, g: torch.Tensor | None, scales_u8: torch.Tensor,
     config: tuple | None = None,
 ) -> torch.Tensor:
-    """Triton twin of `reference.fake_quantize_bwd_blocks_ref` (clipped straight-through gradient)."""
+    """Triton twin of `reference.fake_quantize_bwd_blocks_ref` (clipped straight-through gradient).
+    config: (blocks per program, num_warps), or None for CONFIG["fake_quant_bwd"] (see `_bwd_cfg`)."""
     grad_b = grad_b.contiguous()
     xb = xb.contiguous()
     nb, b = xb.shape
     out = torch.empty_like(grad_b)
     if nb:
-        bn, warps, _, _ = _cfg("fake_quant_bwd", config)
+        bn, warps = _bwd_cfg(config)
         _fake_quant_bwd_kernel[(triton.cdiv(nb, bn),)](
             grad_b, xb, scales_u8.contiguous(), _g_arg(g, xb.device), out, nb,
             G=b // 8, BN=bn, IS_NV=fmt == "nvfp4", BIG=_big(xb), num_warps=warps,

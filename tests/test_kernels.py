@@ -527,19 +527,26 @@ def test_dequantize_equals_round_to_nearest_fake_quantize(fmt):
     assert_bits_equal(d[finite], y[finite])
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="no triton")
-@pytest.mark.parametrize("fmt", FMTS)
-@pytest.mark.parametrize("split,fp_rne", [(False, False), (True, False), (False, True)])
-def test_triton_layout_variants_match_reference(split, fp_rne, fmt):
-    # both tile layouts (one thread per block / coalesced, a block shared by threads) and a ragged last program
-    from kernels import triton_kernels as tk
-
+def _ties_x(fmt: str):
+    """(x [13, 4B] bf16 whose first block holds every tie at scale 1, and g = 1 for NVFP4 / None for MXFP4)."""
     b = BLOCK[fmt]
     x = _random_x(13, 4 * b, torch.bfloat16, seed=21)
     specials = [6.0, *E2M1_MIDPOINTS, *[-m for m in E2M1_MIDPOINTS], 7.0, 1e30, float("inf"), float("nan")]
     x[0, :b] = torch.tensor((specials + [0.0] * b)[:b])  # the first block: every tie at scale 1 (g = 1 below)
+    return x, (torch.tensor(1.0) if fmt == "nvfp4" else None)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="no triton")
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("split,fp_rne", [(False, False), (True, False), (False, True)])
+def test_triton_layout_variants_match_reference(split, fp_rne, fmt):
+    # both tile layouts of the forward kernels (one thread per block / coalesced, a block shared by threads),
+    # both roundings, and a ragged last program
+    from kernels import triton_kernels as tk
+
+    b = BLOCK[fmt]
+    x, g = _ties_x(fmt)
     xb = x.reshape(-1, b)
-    g = torch.tensor(1.0) if fmt == "nvfp4" else None
     cfg = (32, 1, split, fp_rne)
     want = ref.quantize_blocks_ref(xb, fmt, g)
     got = tk.quantize_blocks_triton(xb, fmt, g, config=cfg)
@@ -553,6 +560,24 @@ def test_triton_layout_variants_match_reference(split, fp_rne, fmt):
         yr = ref.fake_quantize_blocks_ref(xn, fmt, g, scales, None if hints is None else kernels.unpack_hints(hints))
         yt, _ = tk.fake_quantize_blocks_triton(xn, fmt, g, scales, hints, config=cfg)
         assert_bits_equal(yt, yr)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="no triton")
+@pytest.mark.parametrize("fmt", FMTS)
+def test_triton_backward_kernel_ragged_matches_reference(fmt):
+    # the backward kernel has one layout (split, no rounding): its config is (BN, num_warps); a forward-style
+    # 4-tuple is accepted only when it names that layout
+    from kernels import triton_kernels as tk
+
+    b = BLOCK[fmt]
+    x, g = _ties_x(fmt)
+    xb = x.reshape(-1, b)
+    scales = ref.quantize_blocks_ref(xb, fmt, g)[1]
+    xn = _noisy(x, 0.02, seed=22).reshape(-1, b)
     grad = torch.randn(xn.shape).to(torch.bfloat16).to(xn.device)
-    assert_bits_equal(tk.fake_quantize_bwd_blocks_triton(grad, xn, fmt, g, want[1], config=cfg),
-                      ref.fake_quantize_bwd_blocks_ref(grad, xn, fmt, g, want[1]))
+    want = ref.fake_quantize_bwd_blocks_ref(grad, xn, fmt, g, scales)
+    assert_bits_equal(tk.fake_quantize_bwd_blocks_triton(grad, xn, fmt, g, scales, config=(32, 1)), want)
+    assert_bits_equal(tk.fake_quantize_bwd_blocks_triton(grad, xn, fmt, g, scales, config=(32, 1, True, False)), want)
+    for cfg in ((32, 1, False, False), (32, 1, True, True)):
+        with pytest.raises(ValueError, match="split layout only"):
+            tk.fake_quantize_bwd_blocks_triton(grad, xn, fmt, g, scales, config=cfg)
