@@ -59,8 +59,9 @@ def pack_hints(bits: torch.Tensor) -> torch.Tensor:
     _check_int(bits, "hint bits", allow_bool=True)
     _check_last(bits, "hint bits", HINTS_PER_BYTE)
     b = (bits.to(torch.uint8) & 1).reshape(*bits.shape[:-1], bits.shape[-1] // HINTS_PER_BYTE, HINTS_PER_BYTE)
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.int32, device=bits.device)
-    return (b.to(torch.int32) * weights).sum(dim=-1).to(torch.uint8)
+    # shifts made on the device (torch.tensor(..., device=cuda) would be a blocking host -> device copy)
+    shifts = torch.arange(HINTS_PER_BYTE, dtype=torch.uint8, device=b.device)
+    return (b << shifts).sum(dim=-1).to(torch.uint8)  # disjoint bits: sum == or
 
 
 def unpack_hints(hints_packed: torch.Tensor) -> torch.Tensor:
