@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import types
 
 import numpy as np
 import pyarrow as pa
@@ -89,6 +90,32 @@ def test_create_open_roundtrip_all_fields(location):
     tokens = r.read("traj-a", 3, 9).to_arrow_tokens()
     assert tokens.column("token_id").to_pylist() == want["token_ids"].tolist()
     assert r.trajectories_table().num_rows == 2
+
+
+def _token_bytes(x) -> list[bytes]:
+    """Per token, the bytes of a hints/scales output of any ``fmt``."""
+    if isinstance(x, pa.FixedSizeBinaryArray):
+        return [v.as_py() for v in x]
+    return [row.tobytes() for row in (x.numpy() if isinstance(x, torch.Tensor) else x)]
+
+
+def test_to_arrow_every_row_matches_the_batch(tmp_path):
+    store = make_store(types.SimpleNamespace(url=str(tmp_path / "s"), options=None))
+    with store.writer("w", commit_interval_s=0) as w:
+        w.write("t", 0, **rows(store, "t", 0, 37))
+    r = store.reader()
+    for kw in [{}, {"fmt": "arrow"}, {"fmt": "torch"}, {"sites": ["l22.attn_o", "l20.moe_in"]},
+               {"sites": ["l20.moe_in", "l21.moe_in"], "features": (32, 64)}, {"sites": []}]:
+        b = r.read("t", 5, 36, **kw)
+        table = b.to_arrow()
+        hints = {s: _token_bytes(v) for s, v in b.hints.items()}
+        scales = {s: _token_bytes(v) for s, v in b.scales.items()}
+        # the reference, built row by row: one row per (position, site), token-major, sites in batch order
+        want = [{"traj_id": "t", "position": 5 + i, "site": s, "hints": hints[s][i], "scales": scales[s][i]}
+                for i in range(31) for s in b.hints]
+        assert table.schema.equals(__import__("schemas").record_schema()), kw
+        assert table.to_pylist() == want, kw
+        table.validate(full=True)
 
 
 class _nullcontext:

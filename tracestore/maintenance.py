@@ -198,6 +198,11 @@ def verify(store, *, progress: Progress | None = None) -> VerifyReport:
     ranges, zarr metadata, shard sizes and indexes, every chunk's crc32c. Lists orphaned segments and partial
     files (not errors). Never raises for bad data: problems go into ``report.errors``."""
     report = VerifyReport()
+    try:  # one listing, before the log is read (as gc): every checkpoint in it covers entries read below
+        objects = store.backend.list("")
+    except TraceStoreError as e:
+        report.errors.append(f"listing failed: {e}")
+        objects = []
     entries = _all_entries(store, report.errors)
     report.entries = len(entries)
     report.records = sum(len(e) for e in entries)
@@ -211,7 +216,7 @@ def verify(store, *, progress: Progress | None = None) -> VerifyReport:
             if a1 < b0:
                 report.errors.append(f"trajectory {t!r}: [{a0}, {b0}) (entry {q0}) overlaps [{a1}, {b1}) (entry {q1})")
     by_seq = {e.seq: e for e in entries}
-    for n in store.checkpoints():
+    for n in sorted(n for o in objects if (n := parse_checkpoint_key(o.key)) is not None):
         key = checkpoint_key(n)
         try:
             ck = decode_checkpoint(store.backend.get(key), n, f"{store.url}/{key}")
@@ -233,11 +238,6 @@ def verify(store, *, progress: Progress | None = None) -> VerifyReport:
         _verify_segment(store, e, report)
     if progress is not None:
         progress(len(entries), len(entries), "done")
-    try:
-        objects = store.backend.list("")
-    except TraceStoreError as e:
-        report.errors.append(f"listing failed: {e}")
-        objects = []
     orphans = set()
     for o in objects:
         if o.key.endswith(PARTIAL_SUFFIX):

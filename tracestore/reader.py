@@ -124,15 +124,17 @@ class TraceBatch:
         site_col = pa.DictionaryArray.from_arrays(pa.array(site_idx, pa.int32()), pa.array(sites, pa.string()))
 
         def interleave(d: dict) -> pa.Array:
+            # row (t, k) holds site k's bytes of token t: the rows of [T, sum of widths] laid end to end
             mats = [_np(d[s]) for s in sites]
-            values, offsets, off = [], np.zeros(T * len(sites) + 1, np.int32), 0
-            for t in range(T):
-                for k, m in enumerate(mats):
-                    values.append(m[t].tobytes())
-                    off += m.shape[1]
-                    offsets[t * len(sites) + k + 1] = off
+            widths = np.array([m.shape[1] for m in mats], np.int64)
+            row_bytes = int(widths.sum())
+            if T * row_bytes > np.iinfo(np.int32).max:
+                raise OverflowError(f"{T * row_bytes} bytes do not fit one Arrow binary column")
+            values = np.concatenate(mats, axis=1) if mats else np.zeros((T, 0), np.uint8)
+            ends = (np.arange(T, dtype=np.int64)[:, None] * row_bytes + np.cumsum(widths)[None, :]).ravel()
+            offsets = np.concatenate([np.zeros(1, np.int64), ends]).astype(np.int32)
             return pa.Array.from_buffers(pa.binary(), T * len(sites),
-                                         [None, pa.py_buffer(offsets), pa.py_buffer(b"".join(values))])
+                                         [None, pa.py_buffer(offsets), pa.py_buffer(np.ascontiguousarray(values))])
 
         return pa.Table.from_arrays([rows_traj, pa.array(pos), site_col, interleave(self.hints),
                                      interleave(self.scales)], schema=record_schema())
