@@ -290,6 +290,7 @@ def test_overlap_and_restart(location):
         before = location.snapshot()
         with pytest.raises(ts.OverlapError):
             w.write("a", 9, **rows(store, "a", 9, 11))  # overlaps a committed range
+        assert w.buffered_bytes == 0 and location.snapshot() == before  # the failed write left no trace
         w.write("a", 10, **rows(store, "a", 10, 12))
     # a restarted writer with the same id: duplicates are refused, or skipped when asked
     with store.writer("w", commit_interval_s=0) as w2:
@@ -302,7 +303,6 @@ def test_overlap_and_restart(location):
     r = store.reader()
     assert r.info("a").ranges == ((0, 15),) and r.info("a").committed_tokens == 15
     check_batch(store, r.read("a"), "a", 0, 15)
-    assert before  # the failed write left no trace: checked in test_store_errors
 
 
 def test_racing_writers_first_commit_wins(location):
