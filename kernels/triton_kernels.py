@@ -436,9 +436,13 @@ def _fake_quant_bwd_kernel(
     tl.store(out_ptr + offs, tl.reshape(out, (BN, 8 * G)), mask=m2)
 
 
-def _g_arg(g: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+def _g_arg(g: torch.Tensor | None, fmt: str, device: torch.device, unused: torch.Tensor) -> torch.Tensor:
+    """The g_ptr argument: g as fp32 on `device`; for MXFP4 without g (the kernels never load g_ptr then) the
+    tensor `unused`, already on the device, so that a launch allocates and fills nothing for it."""
     if g is None:
-        return torch.ones((), dtype=torch.float32, device=device)
+        if fmt == "nvfp4":
+            raise ValueError("nvfp4 needs the global scale g (fp32 0-d tensor); got None")
+        return unused
     # kernels.api passes g on x's device already; a host g goes along without blocking (no host sync).
     return g.to(device=device, dtype=torch.float32, non_blocking=g.device.type == "cpu").contiguous()
 
@@ -492,7 +496,7 @@ def quantize_blocks_triton(
             codes_arg = codes.view(torch.int64)
             hints_arg = _per_block_view(hints, b // 8) if emit_hints else scales
         _quantize_kernel[(triton.cdiv(nb, bn),)](
-            xb, codes_arg, scales, hints_arg, _g_arg(g, dev), nb,
+            xb, codes_arg, scales, hints_arg, _g_arg(g, fmt, dev, scales), nb,
             G=b // 8, BN=bn, IS_NV=fmt == "nvfp4", RCEIL=scale_rule == "rceil", EMIT_HINTS=emit_hints,
             BIG=_big(xb), SPLIT=split, FP_RNE=fp_rne, NAN_IGNORING_MAX=not _interpreting(), num_warps=warps,
         )
@@ -526,7 +530,7 @@ def fake_quantize_blocks_triton(
             xb, out,
             scales_u8.contiguous() if has_scales else dummy,
             hints_arg,
-            _g_arg(g, dev),
+            _g_arg(g, fmt, dev, dummy),
             scales_out if store_scales else dummy,
             nb, G=b // 8, BN=bn, IS_NV=fmt == "nvfp4", RCEIL=scale_rule == "rceil",
             HAS_SCALES=has_scales, HAS_HINTS=hints_packed is not None, STORE_SCALES=store_scales,
@@ -548,8 +552,9 @@ def fake_quantize_bwd_blocks_triton(
     out = torch.empty_like(grad_b)
     if nb:
         bn, warps = _bwd_cfg(config)
+        scales_u8 = scales_u8.contiguous()
         _fake_quant_bwd_kernel[(triton.cdiv(nb, bn),)](
-            grad_b, xb, scales_u8.contiguous(), _g_arg(g, xb.device), out, nb,
+            grad_b, xb, scales_u8, _g_arg(g, fmt, xb.device, scales_u8), out, nb,
             G=b // 8, BN=bn, IS_NV=fmt == "nvfp4", BIG=_big(xb), num_warps=warps,
         )
     return out
