@@ -58,15 +58,27 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def bench_capture(spec, device, batch, prompt, steps, reps, seed, decode="auto"):
-    """Median decode step time (ms) with and without hint capture, same model, batch, prompts and decode path."""
-    model = build_model(spec, seed=seed, device=device)
+def _setup(spec, device, seed, dtype=torch.bfloat16):
+    """The benchmark model with FP4 installed (MoE input of the latter half hinted): model, runtime, hinted
+    site widths and MoE layer names."""
+    model = build_model(spec, seed=seed, device=device).to(dtype)
     plan = plan_sites(model, hint_layers="latter-half")
     rt = install_fp4(model, plan)
-    g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(1, spec.vocab_size, (prompt,), generator=g).tolist() for _ in range(batch)]
     widths = {s.name: s.width for s in plan.hinted_specs()}
-    layers = [f"model.layers.{i}.mlp" for i in range(spec.num_layers)]
+    return model, rt, widths, [f"model.layers.{i}.mlp" for i in range(spec.num_layers)]
+
+
+def _prompts(spec, batch, prompt, seed, ragged=False):
+    """Seeded random prompts of ``prompt`` tokens (``ragged``: + 7 per row, so the batch is left-padded)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, spec.vocab_size, (prompt + (7 * b if ragged else 0),), generator=g).tolist()
+            for b in range(batch)]
+
+
+def bench_capture(spec, device, batch, prompt, steps, reps, seed, decode="auto"):
+    """Median decode step time (ms) with and without hint capture, same model, batch, prompts and decode path."""
+    model, rt, widths, layers = _setup(spec, device, seed)
+    prompts = _prompts(spec, batch, prompt, seed)
     plain = RolloutEngine(model, rt, collect_routes=False, decode=decode)
     plain.calibrate(prompts)
     cap = RolloutEngine(model, rt, collect_routes=False, decode=decode)
@@ -104,11 +116,8 @@ def sync_check(spec, device, batch, prompt, steps, seed, decode="auto"):
     """Host syncs per decode step with and without capture (torch's sync debug mode counts them)."""
     import warnings
 
-    model = build_model(spec, seed=seed, device=device)
-    plan = plan_sites(model, hint_layers="latter-half")
-    rt = install_fp4(model, plan)
+    model, rt, widths, layers = _setup(spec, device, seed)
     prompts = [list(range(1, prompt + 1))] * batch
-    widths = {s.name: s.width for s in plan.hinted_specs()}
     eng = RolloutEngine(model, rt, collect_routes=False, decode=decode)
     eng.calibrate(prompts)
     eng.generate(prompts, 2, seed=seed)
@@ -116,7 +125,7 @@ def sync_check(spec, device, batch, prompt, steps, seed, decode="auto"):
     path = eng.decode_path(device)
     for name in ("plain", "capture"):
         eng.recorder = None if name == "plain" else RolloutRecorder(
-            MemorySink(widths), widths, moe_layers=[f"model.layers.{i}.mlp" for i in range(spec.num_layers)],
+            MemorySink(widths), widths, moe_layers=layers,
             top_k=spec.top_k, drain_every=32)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -134,11 +143,8 @@ def first_step_agreement(spec, device, batch, prompt, seed, dtype=torch.bfloat16
     """One decode step from the same prefill state on each path: FP4 code agreement at the hinted sites and
     routed-expert agreement of that step, graph vs static and graph vs graph (is replay deterministic, and does it
     compute what the eager step does, up to cuBLAS's choice of kernels under capture?)."""
-    model = build_model(spec, seed=seed, device=device).to(dtype)
-    plan = plan_sites(model, hint_layers="latter-half")
-    rt = install_fp4(model, plan)
-    g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(1, spec.vocab_size, (prompt + 7 * b,), generator=g).tolist() for b in range(batch)]
+    model, rt, _, _ = _setup(spec, device, seed, dtype)
+    prompts = _prompts(spec, batch, prompt, seed, ragged=True)
     rep = "graph" if device.type == "cuda" else "static"
     res = {}
     for i, path in enumerate((rep, rep, "static", "hf")):
@@ -166,13 +172,8 @@ def compare_paths(spec, device, batch, prompt, steps, seed):
     ``static`` and ``graph`` run the same kernels (one eagerly, one replayed), so tokens, log-probs, codes and
     the recorded hints must be identical; ``hf`` is a different attention/cache implementation (agreement
     reported, not required)."""
-    model = build_model(spec, seed=seed, device=device)
-    plan = plan_sites(model, hint_layers="latter-half")
-    rt = install_fp4(model, plan)
-    g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(1, spec.vocab_size, (prompt + 7 * b,), generator=g).tolist() for b in range(batch)]
-    widths = {s.name: s.width for s in plan.hinted_specs()}
-    layers = [f"model.layers.{i}.mlp" for i in range(spec.num_layers)]
+    model, rt, widths, layers = _setup(spec, device, seed)
+    prompts = _prompts(spec, batch, prompt, seed, ragged=True)
     out, runs = {}, {}
     # graph twice: the first pays Triton's compilation (on the CPU, where there are no graphs, static twice)
     rep = "graph" if device.type == "cuda" else "static"
@@ -214,10 +215,8 @@ def compare_paths(spec, device, batch, prompt, steps, seed):
 
 def bench_trainer(spec, device, seqs, seq_len, reps, seed):
     """fwd+bwd time of one micro-batch (seqs x seq_len tokens) per mode; hints from a real FP4 quantization."""
-    model = build_model(spec, seed=seed, device=device)
+    model, rt, _, _ = _setup(spec, device, seed)
     model.train()
-    plan = plan_sites(model, hint_layers="latter-half")
-    rt = install_fp4(model, plan)
     g = torch.Generator().manual_seed(seed)
     toks = torch.randint(1, spec.vocab_size, (seqs, seq_len), generator=g)
     packed = PackedHints(
@@ -237,11 +236,10 @@ def bench_trainer(spec, device, seqs, seq_len, reps, seed):
     rt.capture = lambda site, q: got.__setitem__(site, (q.hints, q.scales))
     tr.recompute(packed, "fp4_rne_own_scales", observe=False)
     rt.capture = None
-    on_dev = {s: (h, sc) for s, (h, sc) in got.items()}
     host = {s: (h.cpu().numpy(), sc.cpu().numpy()) for s, (h, sc) in got.items()}
     variants = {
         "fp4_rne_own_scales": ("fp4_rne_own_scales", None),
-        "fp4_hints_on_device": ("fp4_hints", on_dev),
+        "fp4_hints_on_device": ("fp4_hints", got),
         "fp4_hints_from_host": ("fp4_hints", host),
     }
     times = {k: [] for k in variants}
@@ -386,15 +384,11 @@ def main(argv=None) -> int:
             cfg.spec.pop("family")
             res = run_demo(cfg, progress=say)
         out["fidelity"] = res
-        print(f"{'mode':24s} {'code':>9s} {'scale':>9s} {'flips':>8s} {'mean|d|':>10s} {'excess':>10s} "
-              f"{'p99|d|':>10s} {'max|d|':>10s} {'k3':>10s}")
-        for mode, m in res["modes"].items():
-            def f(v, pct=False):
-                return "-" if v is None else (f"{100 * v:.3f}%" if pct else f"{v:.3e}")
-            print(f"{mode:24s} {f(m['code_agreement'], 1):>9s} {f(m['scale_agreement'], 1):>9s} "
-                  f"{f(m['router_flip_rate'], 1):>8s} {f(m['mean_abs_dlogp']):>10s} "
-                  f"{f(m.get('excess_over_floor')):>10s} {f(m['p99_abs_dlogp']):>10s} {f(m['max_abs_dlogp']):>10s} "
-                  f"{f(m['k3']):>10s}")
+        from rich.console import Console
+
+        from tracerl.cli import render_table
+
+        Console(width=160).print(render_table(res))
         r = res["rollout"]
         print(f"rollout: {r['tokens']} tokens, decode {r['decode_s']:.1f}s for {r['decode_steps']} steps "
               f"({r['decode_path']}, prepare {r['decode_prepare_s']:.1f}s); total {res['seconds']:.1f}s")

@@ -61,3 +61,5 @@ def test_demo_routing_replay_and_decode_paths(capsys, tmp_path):
     for bad in ("gpu0", "meta"):
         assert main([*common, "--device", bad, "--store", str(url)]) == 2
         assert "device" in capsys.readouterr().err and not url.exists()
+    assert main([*common, "--tokens", "16", "--store", str(url)]) == 2  # prompts take up to 16 tokens
+    assert "no room for a response" in capsys.readouterr().err and not url.exists()

@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="FP4 rollout -> hints in a store -> trainer recompute in every mode -> fidelity table",
         description=(
-            "Runs a tiny random-init MoE model on CPU: an NVFP4 rollout (routed experts' GEMMs in FP4, attention "
+            "Runs a tiny random-init MoE model (on CPU unless --device says otherwise): an NVFP4 rollout (routed experts' GEMMs in FP4, attention "
             "and router in bf16) that records hints, a bf16 floor run of the same decode path, and the trainer's "
             "recompute in the modes bf16, fp4_rne_own_scales, fp4_rne_rollout_scales and fp4_hints; prints code/"
             "scale agreement at hinted sites, router flip rate and |dlogp| statistics per mode."

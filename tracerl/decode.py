@@ -122,7 +122,7 @@ class StaticDecoder:
         self.slot = torch.zeros(1, dtype=torch.long, device=device)  # ring slot this step writes
         self.logits: torch.Tensor | None = None  # [B, V] of the last step (overwritten by the next one)
         self.rings: dict[RingKey, list[torch.Tensor]] = {}
-        self._kv_sites = any(s.kind == "kv" for s in runtime.plan.sites)
+        self._kv_sites = runtime.plan.has_kv
         self._rope = _rope_fn()
         self._graph: torch.cuda.CUDAGraph | None = None
         self._ready = False
@@ -162,10 +162,8 @@ class StaticDecoder:
             k = attn.k_norm(attn.k_proj(x).view(b, 1, -1, d)).transpose(1, 2)  # [B, kv_heads, 1, D]
             v = attn.v_proj(x).view(b, 1, -1, d).transpose(1, 2)
             q, k = self._rope(q, k, cos, sin)
-            if self._kv_sites:  # FP4 KV cache: the same sites and rows as `qat.fp4_kv_cache`
-                prefix = f"model.layers.{i}.self_attn"
-                k = rt.quant(f"{prefix}.k_cache", k.reshape(-1, d)).reshape(k.shape)
-                v = rt.quant(f"{prefix}.v_cache", v.reshape(-1, d)).reshape(v.shape)
+            if self._kv_sites:  # FP4 KV cache, as `qat.fp4_kv_cache` stores it
+                k, v = rt.quant_kv(i, k, v)
             self.k[i].index_copy_(2, self.col, k)
             self.v[i].index_copy_(2, self.col, v)
             # Query head j*G + g reads KV head j (HF's repeat_kv order): G queries per KV head.
@@ -213,7 +211,7 @@ class StaticDecoder:
         self._ready = True
 
     def reset(self) -> None:
-        """Empty KV cache and rings, state at column 0."""
+        """State at column 0 with no valid KV column (stale K/V and ring values stay, masked / overwritten)."""
         self.valid.zero_()
         for t in (self.tok, self.pos, self.col, self.slot):
             t.zero_()

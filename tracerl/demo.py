@@ -94,10 +94,14 @@ def _check_device(name: str) -> None:
 def run_demo(cfg: DemoConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run the demo; returns ``{"modes": {mode: metrics}, "config": ..., "rollout": ..., ...}``.
 
-    Raises `ConfigError` for an unusable device or decode path (before any store is created)."""
+    Raises `ConfigError` for an unusable device, decode path or token budget (before any store is created)."""
     say = progress or (lambda msg: None)
     t_start = time.perf_counter()
     _check_device(cfg.device)
+    max_new = cfg.tokens - cfg.prompt_tokens[1]
+    if max_new < 2:
+        raise ConfigError(f"tokens={cfg.tokens} leaves no room for a response after prompts of up to "
+                          f"{cfg.prompt_tokens[1]} tokens; use tokens >= {cfg.prompt_tokens[1] + 2}")
     torch.manual_seed(cfg.seed)
     spec = TinyMoESpec(family=cfg.model, **cfg.spec)
     model = build_model(spec, seed=cfg.seed, device=cfg.device)
@@ -105,10 +109,6 @@ def run_demo(cfg: DemoConfig, progress: Callable[[str], None] | None = None) -> 
                       kv_fp4=cfg.kv_fp4)
     runtime = install_fp4(model, plan, backend=cfg.backend)
     prompts = _prompts(cfg, spec.vocab_size)
-    max_new = cfg.tokens - cfg.prompt_tokens[1]
-    if max_new < 2:
-        raise ValueError(f"tokens={cfg.tokens} leaves no room for a response after prompts of up to "
-                         f"{cfg.prompt_tokens[1]} tokens")
     engine = RolloutEngine(model, runtime, keep_codes=True, decode=cfg.decode)
     engine.decode_path(torch.device(cfg.device))  # an unusable --decode fails here, before a store exists
     global_scales = engine.calibrate(prompts)
@@ -140,7 +140,7 @@ def run_demo(cfg: DemoConfig, progress: Callable[[str], None] | None = None) -> 
         rids = [f"traj-{i:04d}" for i in range(cfg.trajectories)]
         with store.writer() as writer:
             recorder = RolloutRecorder(
-                writer if hinted else _NoHintSink(writer),
+                writer,
                 {s.name: s.width for s in hinted} if hinted else {"none": 16},
                 moe_layers=moe_layers,
                 top_k=spec.top_k,
@@ -165,12 +165,13 @@ def run_demo(cfg: DemoConfig, progress: Callable[[str], None] | None = None) -> 
         tallies: dict[str, _CodeTally] = {}
         for mode in MODES:
             say(f"trainer recompute: {mode}")
-            tally = tallies[mode] = _CodeTally(roll, rids, [s.name for s in hinted])
+            if mode != "bf16":
+                tallies[mode] = _CodeTally(roll, rids, site_names)
             recomputes[mode] = []
             for p in packed:
                 r = trainer.recompute(p, mode, backward=cfg.backward, replay_routes=cfg.replay_routes)
-                if mode != "bf16":
-                    tally.add(p, r)
+                if mode in tallies:
+                    tallies[mode].add(p, r)
                 r.codes = {}  # counted; [T, W] per hinted site is too much to keep for every micro-batch
                 recomputes[mode].append(r)
         if cfg.replay_routes:
@@ -209,19 +210,6 @@ def run_demo(cfg: DemoConfig, progress: Callable[[str], None] | None = None) -> 
     finally:
         if tmp is not None:
             tmp.cleanup()
-
-
-class _NoHintSink:
-    """Sink wrapper for runs with no hinted site: the store still needs one declared site (all-zero)."""
-
-    def __init__(self, writer):
-        self.writer = writer
-
-    def write(self, traj_id, token_start, **kw):
-        self.writer.write(traj_id, token_start, **kw)
-
-    def flush(self):
-        self.writer.flush()
 
 
 class _CodeTally:

@@ -239,6 +239,7 @@ class RolloutEngine:
             forced_tokens = _to_device(torch.as_tensor(forced_tokens), device)  # once, not per step
         gen = torch.Generator(device=device).manual_seed(seed)
 
+        path = self.decode_path(device)  # raises before anything is begun or changed
         rec = self.recorder
         prev_mode = rt.mode
         prev_attn = model.config._attn_implementation
@@ -249,11 +250,12 @@ class RolloutEngine:
         rt.capture = self._on_capture if (rec is not None or self.keep_codes) else None
         rt.on_route = self._on_route if collect else None
         self._codes, self._experts = {}, {}
+        prompt_pos = np.concatenate([np.arange(n) for n in plens])  # the prompt rows' (request, position)
+        prompt_rids = [r for r, n in zip(rids, plens) for _ in range(n)]
+        n_fed = max_new_tokens if self.feed_last else max(max_new_tokens - 1, 0)  # decode steps fed
         if rec is not None:
             for r in rids:
                 rec.begin(r, policy_version)
-            prompt_pos = np.concatenate([np.arange(n) for n in plens])
-            prompt_rids = [r for r, n in zip(rids, plens) for _ in range(n)]
             rec.record_tokens(
                 prompt_rids,
                 prompt_pos,
@@ -271,13 +273,7 @@ class RolloutEngine:
                 torch.as_tensor(np.concatenate([b * pmax + np.arange(pmax - n, pmax) for b, n in enumerate(plens)])),
                 device,
             )
-            self._rows = (
-                [r for r, n in zip(rids, plens) for _ in range(n)],
-                np.concatenate([np.arange(n) for n in plens]),
-                valid,
-            )
-            path = self.decode_path(device)
-            n_fed = max_new_tokens if self.feed_last else max(max_new_tokens - 1, 0)
+            self._rows = (prompt_rids, prompt_pos, valid)
             dec = None
             prepare_s = 0.0  # tracing / capturing the decode step (not part of decode_s)
             if path != "hf" and n_fed > 0:
@@ -353,7 +349,6 @@ class RolloutEngine:
             rt.set_mode(prev_mode)
             model.config._attn_implementation = prev_attn
             self._rows = None
-        fed = max_new_tokens if self.feed_last else max_new_tokens - 1
         # Everything the result holds comes to the host in one transfer per device (per-part copies were a
         # host sync per MoE layer per forward: the whole cost of capture in the sync check).
         expert_parts = list(self._experts.items())
@@ -364,9 +359,9 @@ class RolloutEngine:
             dev.extend(val for _, _, val in parts)
         host = iter(_to_host(dev))
         gen_toks, gen_lps = next(host), next(host)  # (B, G) each
-        experts = {la: self._assemble([(r, p, next(host)) for r, p, _ in parts], rids, plens, fed)
+        experts = {la: self._assemble([(r, p, next(host)) for r, p, _ in parts], rids, plens, n_fed)
                    for la, parts in expert_parts}
-        codes = {s: self._assemble([(r, p, next(host)) for r, p, _ in parts], rids, plens, fed)
+        codes = {s: self._assemble([(r, p, next(host)) for r, p, _ in parts], rids, plens, n_fed)
                  for s, parts in code_parts}
         seqs = [np.concatenate([np.asarray(p, dtype=np.int64), gen_toks[b]]) for b, p in enumerate(prompts)]
         return RolloutResult(
@@ -378,7 +373,7 @@ class RolloutEngine:
             codes=codes,
             prefill_s=t1 - t0,
             decode_s=t2 - t1,
-            decode_steps=max_new_tokens if self.feed_last else max(max_new_tokens - 1, 0),
+            decode_steps=n_fed,
             decode_path=path,
             prepare_s=prepare_s,
         )

@@ -114,10 +114,6 @@ def model_metadata(spec: TinyMoESpec, seed: int) -> dict[str, Any]:
     return {"builder": "tracerl.models.build_model", "seed": seed, "spec": dataclasses.asdict(spec)}
 
 
-def spec_from_metadata(meta: dict[str, Any]) -> tuple[TinyMoESpec, int]:
-    return TinyMoESpec(**meta["spec"]), int(meta["seed"])
-
-
 def has_linear_attention(model: torch.nn.Module) -> bool:
     """True for models whose token mixer cannot run packed sequences on the torch path (Gated DeltaNet)."""
     return any(getattr(layer, "block_type", None) == "linear_attention" for layer in model.model.layers)

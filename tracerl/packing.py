@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 
 from tracerl.errors import ConfigError
+from tracerl.sites import BLOCK
 
-BLOCK = 16
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,7 +32,7 @@ from torch import nn
 import kernels
 from tracerl.errors import ConfigError, HintMismatchError
 from tracerl.models import moe_blocks
-from tracerl.sites import BLOCK, SitePlan
+from tracerl.sites import BLOCK, SitePlan, kv_cache_sites, linear_input_site, moe_down_site, moe_input_site
 
 MODES = ("bf16", "fp4_rne_own_scales", "fp4_rne_rollout_scales", "fp4_hints")
 FP4_MAX = 6.0
@@ -207,14 +207,23 @@ class FP4Runtime:
             if self.observe is not None:
                 self.observe(site, kernels.unpack_codes(q.codes), q.scales)
             if not x.is_cuda:
-                # dequantize(quantize(x)) is fake_quantize(x) bit for bit (kernels' contract); on the CPU reusing
-                # q saves the second reference pass. (On CUDA kernels' dequantize is the torch reference, so one
-                # fused Triton fake_quantize is cheaper.)
-                y = kernels.dequantize(q, dtype=x.dtype)
+                # dequantize(quantize(x)) is fake_quantize(x) bit for bit for non-NaN x (kernels' contract; a NaN
+                # is coded as magnitude 6, fake_quantize returns NaN); on the CPU reusing q saves the second
+                # reference pass. (On CUDA kernels' dequantize is the torch reference, so one fused Triton
+                # fake_quantize is cheaper.)
+                y = torch.where(torch.isnan(x), x, kernels.dequantize(q, dtype=x.dtype))
                 if x.requires_grad and torch.is_grad_enabled():
                     return _StraightThrough.apply(x, y)
                 return y
         return kernels.fake_quantize(x, fmt="nvfp4", global_scale=g, backend=self.backend)
+
+    def quant_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [..., head_dim] as the FP4 KV cache of ``layer`` stores them (`quant` at its
+        ``k_cache`` / ``v_cache`` sites, rows along head_dim); same shapes and dtype back."""
+        k_site, v_site = kv_cache_sites(layer)
+        d = k.shape[-1]
+        return (self.quant(k_site, k.reshape(-1, d)).reshape(k.shape),
+                self.quant(v_site, v.reshape(-1, v.shape[-1])).reshape(v.shape))
 
     def weight(self, key: str, w_hp: torch.Tensor) -> torch.Tensor:
         """NVFP4 fake-quantized weight (per-matrix dynamic global scale), cached until the parameter changes."""
@@ -252,8 +261,8 @@ class FP4MoEBlock(nn.Module):
         self.layer = layer
         self.module_name = module_name
         self.runtime = runtime
-        self.input_site = f"{module_name}.experts.input"
-        self.down_site = f"{module_name}.experts.down_proj.input"
+        self.input_site = moe_input_site(layer)
+        self.down_site = moe_down_site(layer)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         bsz, seq, hidden = hidden_states.shape
@@ -355,7 +364,7 @@ class FP4Linear(nn.Module):
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.module_name = module_name
-        self.site = f"{module_name}.input"
+        self.site = linear_input_site(module_name)
         self.runtime = runtime
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -367,17 +376,14 @@ def fp4_kv_cache(model: nn.Module, runtime: FP4Runtime):
     """A `DynamicCache` that fake-quantizes keys and values (NVFP4 along head_dim) as they are stored, at the
     plan's ``...self_attn.{k,v}_cache`` sites; None when the plan has no KV sites. A full-sequence forward that
     is given one (the trainer) quantizes its K/V the same way."""
-    if not any(s.kind == "kv" for s in runtime.plan.sites):
+    if not runtime.plan.has_kv:
         return None
     from transformers import DynamicCache
 
     class FP4KVCache(DynamicCache):
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            prefix = f"model.layers.{layer_idx}.self_attn"
-            k = runtime.quant(f"{prefix}.k_cache", key_states.reshape(-1, key_states.shape[-1]))
-            v = runtime.quant(f"{prefix}.v_cache", value_states.reshape(-1, value_states.shape[-1]))
-            return super().update(k.reshape(key_states.shape), v.reshape(value_states.shape), layer_idx,
-                                  *args, **kwargs)
+            k, v = runtime.quant_kv(layer_idx, key_states, value_states)
+            return super().update(k, v, layer_idx, *args, **kwargs)
 
     return FP4KVCache(config=model.config)
 

@@ -45,9 +45,15 @@ def linear_input_site(module_name: str) -> str:
     return f"{module_name}.input"
 
 
+def kv_cache_sites(layer: int) -> tuple[str, str]:
+    """(key, value) cache sites of decoder layer ``layer`` (NVFP4 along head_dim, never hinted)."""
+    prefix = f"model.layers.{layer}.self_attn"
+    return f"{prefix}.k_cache", f"{prefix}.v_cache"
+
+
 @dataclasses.dataclass(frozen=True)
 class SiteSpec:
-    """One FP4 activation site. ``layer`` is the decoder layer index; ``kind`` is moe_input|moe_down|linear."""
+    """One FP4 activation site. ``layer`` is the decoder layer index; ``kind`` is moe_input|moe_down|linear|kv."""
 
     name: str
     width: int
@@ -73,6 +79,11 @@ class SitePlan:
         missing = [h for h in self.hinted if h not in names]
         if missing:
             raise ConfigError(f"hinted sites {missing} are not FP4 sites of this plan")
+
+    @property
+    def has_kv(self) -> bool:
+        """True when the KV cache is FP4 (``kv`` sites)."""
+        return any(s.kind == "kv" for s in self.sites)
 
     @property
     def by_name(self) -> dict[str, SiteSpec]:
@@ -160,9 +171,8 @@ def plan_sites(
             if getattr(layer, "self_attn", None) is None:
                 continue
             hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-            for kv in ("k_cache", "v_cache"):
-                mod = f"model.layers.{i}.self_attn"
-                sites.append(SiteSpec(f"{mod}.{kv}", hd, i, "kv", mod))
+            for name in kv_cache_sites(i):
+                sites.append(SiteSpec(name, hd, i, "kv", f"model.layers.{i}.self_attn"))
     sites.sort(key=lambda s: (s.layer, s.name))
     names = [s.name for s in sites]
     if isinstance(hint_sites, str):

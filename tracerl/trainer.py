@@ -27,7 +27,7 @@ import torch
 from tracerl.errors import ConfigError
 from tracerl.models import has_linear_attention, moe_blocks
 from tracerl.packing import PackedHints
-from tracerl.engine import _cache_kwarg
+from tracerl.engine import _cache_kwarg, _to_device, _to_host
 from tracerl.qat import MODES, FP4Runtime, fp4_kv_cache
 
 
@@ -147,24 +147,25 @@ class QATTrainer:
                     logits = model(**inputs, use_cache=True, **{_cache_kwarg(model): kv}).logits
                 logits = logits.reshape(-1, logits.shape[-1]).index_select(0, rows)  # (T, V)
                 logp_all = torch.log_softmax(logits.float(), dim=-1)
-                tok = torch.as_tensor(packed.token_ids, device=device)
-                # Token t is scored by the logits at t-1 of the same segment.
-                nxt = torch.ones(len(tok), dtype=torch.bool, device=device)
-                nxt[torch.as_tensor(packed.cu_seqlens[:-1], device=device)] = False
-                idx = torch.nonzero(nxt).squeeze(-1)
-                lp = logp_all.index_select(0, idx - 1).gather(-1, tok[idx, None]).squeeze(-1)
+                # Token t is scored by the logits at t-1 of the same segment. Which tokens (and which of them are
+                # response tokens) is known on the host: computed there and sent once, so nothing between the
+                # forward and the backward waits for the device.
+                ntok = len(packed.token_ids)
+                idx_np = np.setdiff1d(np.arange(ntok), packed.cu_seqlens[:-1])
+                idx, tok = (_to_device(torch.as_tensor(a), device)
+                            for a in (idx_np, np.asarray(packed.token_ids, dtype=np.int64)[idx_np]))
+                lp = logp_all.index_select(0, idx - 1).gather(-1, tok[:, None]).squeeze(-1)
                 loss_v = grad_norm = None
                 if backward:
                     # Stand-in for the policy-gradient loss: mean NLL of the response tokens.
-                    resp = torch.as_tensor(~np.isnan(packed.logprobs), device=device)[idx]
-                    loss = -(lp[resp].mean() if resp.any() else lp.mean())
+                    resp = np.flatnonzero(~np.isnan(np.asarray(packed.logprobs)[idx_np]))
+                    loss = -(lp.index_select(0, _to_device(torch.as_tensor(resp), device)).mean() if resp.size
+                             else lp.mean())
                     model.zero_grad(set_to_none=True)
                     loss.backward()
                     norms = [p.grad.float().norm() for p in model.parameters() if p.grad is not None]
                     grad_norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
                     loss_v = float(loss.detach())
-            out = torch.full((len(tok),), float("nan"), device=device)
-            out[idx] = lp.detach()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             secs = time.perf_counter() - t0
@@ -173,12 +174,17 @@ class QATTrainer:
             rt.provide({})
             rt.forced_routes = {}
             rt.observe = rt.on_route = None
+        # Everything comes to the host in one transfer (a .cpu() per layer and site was one blocking copy each).
+        parts = [lp.detach().float(), *routes.values(), *codes.values(), *scales.values()]
+        host = iter(_to_host(parts))
+        out = np.full(ntok, np.nan, dtype=np.float32)
+        out[idx_np] = next(host)
         return RecomputeResult(
             mode=mode,
-            logprobs=out.cpu().numpy().astype(np.float32),
-            routes={k: v.cpu().numpy() for k, v in routes.items()},
-            codes={k: v.cpu().numpy() for k, v in codes.items()},
-            scales={k: v.cpu().numpy() for k, v in scales.items()},
+            logprobs=out,
+            routes={k: next(host) for k in routes},
+            codes={k: next(host) for k in codes},
+            scales={k: next(host) for k in scales},
             loss=loss_v,
             grad_norm=grad_norm,
             seconds=secs,
