@@ -47,18 +47,6 @@ class QuantizedFP4:
     global_scale: torch.Tensor | None
     fmt: str
 
-    @property
-    def shape(self) -> torch.Size:
-        """Shape of the unquantized tensor."""
-        return torch.Size((*self.codes.shape[:-1], self.codes.shape[-1] * 2))
-
-    @property
-    def block_size(self) -> int:
-        return BLOCK_SIZES[self.fmt]
-
-    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        return dequantize(self, dtype=dtype)
-
 
 # ---------------------------------------------------------------------------------------------------------
 # argument checks
@@ -69,11 +57,15 @@ def _check_fmt(fmt: str) -> int:
     return BLOCK_SIZES[fmt]
 
 
-def _check_x(x: torch.Tensor, fmt: str, name: str = "x") -> int:
+def _check_float(x: torch.Tensor, name: str = "x") -> None:
     if not isinstance(x, torch.Tensor):
         raise DTypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:
         raise DTypeError(f"{name} must be one of {FLOAT_DTYPES}; got {x.dtype}")
+
+
+def _check_x(x: torch.Tensor, fmt: str, name: str = "x") -> int:
+    _check_float(x, name)
     block = _check_fmt(fmt)
     if x.dim() == 0 or x.shape[-1] % block != 0:
         raise ShapeError(
@@ -169,8 +161,7 @@ def _triton():
 
 def compute_global_scale(x: torch.Tensor) -> torch.Tensor:
     """Dynamic NVFP4 global scale of x (fp32 0-d): max(amax/2688, 2^-118) over finite values, 1.0 if amax == 0."""
-    if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
-        raise DTypeError(f"x must be a tensor of one of {FLOAT_DTYPES}; got {getattr(x, 'dtype', type(x))}")
+    _check_float(x)
     return ref.global_scale_ref(x)
 
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 #: magnitudes of codes 0..7 (code | 8 is the negative of code)
 E2M1_MAGNITUDES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_MAX: float = 6.0
-E2M1_SIGN_BIT: int = 0x8
-E2M1_NUM_CODES: int = 16
 #: round-to-nearest-even decision points between magnitude codes i and i+1 (midpoints), with the rule at an
 #: exact tie: the tie goes to the even code, i.e. down when i is even (strict `>`), up when i is odd (`>=`).
 E2M1_MIDPOINTS: tuple[float, ...] = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)

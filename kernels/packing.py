@@ -28,11 +28,11 @@ def _check_int(t: torch.Tensor, name: str, allow_bool: bool = False) -> None:
         raise DTypeError(f"{name} must be {allowed}; got {t.dtype}")
 
 
-def _check_last(t: torch.Tensor, name: str, multiple: int) -> None:
+def _check_last(t: torch.Tensor, name: str, multiple: int = 1) -> None:
+    """At least one dimension, the last a multiple of `multiple`."""
     if t.dim() == 0 or t.shape[-1] % multiple != 0:
-        raise ShapeError(
-            f"{name} must have a last dimension that is a multiple of {multiple}; got shape {tuple(t.shape)}"
-        )
+        want = "at least one dimension" if multiple == 1 else f"a last dimension that is a multiple of {multiple}"
+        raise ShapeError(f"{name} must have {want}; got shape {tuple(t.shape)}")
 
 
 def pack_codes(codes_u8: torch.Tensor) -> torch.Tensor:
@@ -46,8 +46,7 @@ def pack_codes(codes_u8: torch.Tensor) -> torch.Tensor:
 def unpack_codes(codes_packed: torch.Tensor) -> torch.Tensor:
     """Unpack bytes ``[..., D/2]`` into 4-bit codes ``[..., D]`` (uint8, values 0..15)."""
     _check_int(codes_packed, "codes_packed")
-    if codes_packed.dim() == 0:
-        raise ShapeError(f"codes_packed must have at least one dimension; got shape {tuple(codes_packed.shape)}")
+    _check_last(codes_packed, "codes_packed")
     p = codes_packed.to(torch.uint8)
     out = torch.stack((p & 0xF, p >> 4), dim=-1)  # [..., D/2, 2]
     return out.reshape(*p.shape[:-1], p.shape[-1] * CODES_PER_BYTE)
@@ -67,8 +66,7 @@ def pack_hints(bits: torch.Tensor) -> torch.Tensor:
 def unpack_hints(hints_packed: torch.Tensor) -> torch.Tensor:
     """Unpack hint bytes ``[..., D/8]`` into bits ``[..., D]`` (uint8 0/1)."""
     _check_int(hints_packed, "hints_packed")
-    if hints_packed.dim() == 0:
-        raise ShapeError(f"hints_packed must have at least one dimension; got shape {tuple(hints_packed.shape)}")
+    _check_last(hints_packed, "hints_packed")
     p = hints_packed.to(torch.uint8)
     shifts = torch.arange(HINTS_PER_BYTE, dtype=torch.uint8, device=p.device)
     out = (p.unsqueeze(-1) >> shifts) & 1  # [..., D/8, 8]

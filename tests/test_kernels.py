@@ -107,6 +107,9 @@ def test_pack_errors():
         kernels.pack_codes(torch.zeros(3, dtype=torch.uint8))
     with pytest.raises(DTypeError):
         kernels.pack_codes(torch.zeros(4))
+    for unpack in (kernels.unpack_codes, kernels.unpack_hints):
+        with pytest.raises(ShapeError, match="at least one dimension"):
+            unpack(torch.tensor(1, dtype=torch.uint8))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -322,6 +325,8 @@ def test_wrong_dtypes_and_arguments():
         kernels.quantize(torch.zeros(16, dtype=torch.int32))
     with pytest.raises(DTypeError, match="float64"):
         kernels.fake_quantize(torch.zeros(16, dtype=torch.float64))
+    with pytest.raises(DTypeError, match="int32"):
+        kernels.compute_global_scale(torch.zeros(16, dtype=torch.int32))
     with pytest.raises(FormatError, match="fp8"):
         kernels.quantize(torch.zeros(16), "fp8")
     with pytest.raises(FormatError):
