@@ -30,9 +30,8 @@ give the same results as the reference's comparisons (tested bit for bit):
   value bits are (b & 0xFFC00000) + ((((b >> 22) ^ hint) & 1) << 22).
 - E2M1 value of index i >= 2 is the float with bits (i + 252) << 22; the hint byte is gathered from the code
   word by three carry-free multiplications; the sign by a high multiply (x_bits >> 28).
-- On GPU the block amax of the one-thread-per-block layout uses a + (a - a) (NaN for +-Inf/NaN) and the
-  NaN-ignoring hardware max; the split layout and the interpreter (whose max propagates NaN) use a select
-  instead. Both ignore non-finite values.
+- On GPU the block amax uses a + (a - a) (NaN for +-Inf/NaN) and the NaN-ignoring hardware max; the
+  interpreter (whose max propagates NaN) uses a select instead. Both ignore non-finite values.
 
 Exactness rules that keep them bit-identical to the reference:
 - every division is `tl.math.div_rn` (correctly rounded; Triton's `/` on fp32 is the approximate div.full.f32);
@@ -189,10 +188,11 @@ def _gather_hint_bits(word):
 
 
 @triton.jit
-def _pack8(code):
-    """(32-bit word of 8 codes, value i in nibble i; hint byte = bit 0 of each code) of every group of 8 along
-    the last axis of a code tile [..., 8] ([BN, 8] or [BN, G, 8]) -> two int32 tensors [...]."""
-    word = tl.sum(code << (tl.arange(0, 8) * 4), axis=-1)  # disjoint nibbles: sum == or
+def _pack_groups(code):
+    """(32-bit word of 8 codes, value i in nibble i; hint byte = bit 0 of each code) per group of a
+    [BN, G, 8] code tile -> two [BN, G] int32 tensors."""
+    lane = tl.arange(0, 8)
+    word = tl.sum(code << (lane[None, None, :] * 4), axis=2)  # disjoint nibbles: sum == or
     return word, _gather_hint_bits(word)
 
 
@@ -244,8 +244,8 @@ def _offsets8(blk, j: tl.constexpr, G: tl.constexpr):
 
 
 @triton.jit
-def _amax_rows(x_in, NAN_IGNORING_MAX: tl.constexpr):
-    """max |x| over the finite values of each row of a tile [BN, K] (K = 8 or B), as fp32 [BN].
+def _amax8(x_in, NAN_IGNORING_MAX: tl.constexpr):
+    """max |x| over the finite values of each row of [BN, 8], as fp32.
 
     NAN_IGNORING_MAX (GPU): a + (a - a) is a for finite a and NaN for +-Inf/NaN, and the hardware max ignores
     NaN: two adds on the FMA pipe instead of a compare and a select on the integer pipe. The interpreter's max
@@ -255,6 +255,13 @@ def _amax_rows(x_in, NAN_IGNORING_MAX: tl.constexpr):
         return tl.maximum(tl.max(a + (a - a), axis=1), 0.0)
     else:
         return tl.max(tl.where(a < float("inf"), a, 0.0), axis=1)
+
+
+@triton.jit
+def _word8(code):
+    """(32-bit word of the 8 codes of each row of [BN, 8], hint byte) as int32 [BN]."""
+    word = tl.sum(code << (tl.arange(0, 8)[None, :] * 4), axis=1)  # disjoint nibbles: sum == or
+    return word, _gather_hint_bits(word)
 
 
 @triton.jit
@@ -270,10 +277,11 @@ def _quantize_kernel(
         gidx = blk[:, None] * G + tl.arange(0, G)[None, :]  # [BN, G] group index
         offs = blk[:, None] * (8 * G) + tl.arange(0, 8 * G)[None, :]  # [BN, B]
         x_in = tl.load(x_ptr + offs, mask=bmask[:, None], other=0.0)
-        # the select form of the amax, which this layout has always used (the add trick is untried here)
-        sbyte, _, r, _ = _own_scale(_amax_rows(x_in, False), g_ptr, IS_NV, RCEIL)  # [BN]
+        ax = tl.abs(x_in)
+        amax = tl.max(tl.where(ax < float("inf"), ax, 0.0), axis=1)  # finite values only, exact in x's dtype
+        sbyte, _, r, _ = _own_scale(amax.to(tl.float32), g_ptr, IS_NV, RCEIL)  # [BN]
         code = tl.reshape(_rne_code(x_in.to(tl.float32), r[:, None], FP_RNE), (BN, G, 8))
-        word, hbyte = _pack8(code)  # [BN, G] each
+        word, hbyte = _pack_groups(code)  # [BN, G] each
         # One code word and one hint byte per thread, adjacent threads holding adjacent groups: already
         # coalesced, so store flat with contiguity 1; a vectorized store would go through shared memory.
         flat = tl.max_contiguous(tl.reshape(gidx, (BN * G,)), 1)
@@ -290,14 +298,14 @@ def _quantize_kernel(
         m2 = bmask[:, None]
         x0_in = tl.load(x_ptr + _offsets8(blk, 0, G), mask=m2, other=0.0)
         x1_in = tl.load(x_ptr + _offsets8(blk, 1, G), mask=m2, other=0.0)
-        amax = tl.maximum(_amax_rows(x0_in, NAN_IGNORING_MAX), _amax_rows(x1_in, NAN_IGNORING_MAX))
+        amax = tl.maximum(_amax8(x0_in, NAN_IGNORING_MAX), _amax8(x1_in, NAN_IGNORING_MAX))
         if G == 4:
             x2_in = tl.load(x_ptr + _offsets8(blk, 2, G), mask=m2, other=0.0)
             x3_in = tl.load(x_ptr + _offsets8(blk, 3, G), mask=m2, other=0.0)
-            amax = tl.maximum(amax, tl.maximum(_amax_rows(x2_in, NAN_IGNORING_MAX), _amax_rows(x3_in, NAN_IGNORING_MAX)))
-        sbyte, _, r, _ = _own_scale(amax, g_ptr, IS_NV, RCEIL)  # [BN]
-        w0, h0 = _pack8(_rne_code(x0_in.to(tl.float32), r[:, None], FP_RNE))
-        w1, h1 = _pack8(_rne_code(x1_in.to(tl.float32), r[:, None], FP_RNE))
+            amax = tl.maximum(amax, tl.maximum(_amax8(x2_in, NAN_IGNORING_MAX), _amax8(x3_in, NAN_IGNORING_MAX)))
+        sbyte, _, r, _ = _own_scale(amax.to(tl.float32), g_ptr, IS_NV, RCEIL)  # [BN]
+        w0, h0 = _word8(_rne_code(x0_in.to(tl.float32), r[:, None], FP_RNE))
+        w1, h1 = _word8(_rne_code(x1_in.to(tl.float32), r[:, None], FP_RNE))
         words01 = w0.to(tl.uint32, bitcast=True).to(tl.int64) | (w1.to(tl.int64) << 32)
         tl.store(scales_ptr + blk, sbyte.to(tl.uint8), mask=bmask)
         if G == 2:
@@ -305,8 +313,8 @@ def _quantize_kernel(
             if EMIT_HINTS:
                 tl.store(hints_ptr + blk, (h0 | (h1 << 8)).to(tl.int16), mask=bmask)
         else:
-            w2, h2 = _pack8(_rne_code(x2_in.to(tl.float32), r[:, None], FP_RNE))
-            w3, h3 = _pack8(_rne_code(x3_in.to(tl.float32), r[:, None], FP_RNE))
+            w2, h2 = _word8(_rne_code(x2_in.to(tl.float32), r[:, None], FP_RNE))
+            w3, h3 = _word8(_rne_code(x3_in.to(tl.float32), r[:, None], FP_RNE))
             words23 = w2.to(tl.uint32, bitcast=True).to(tl.int64) | (w3.to(tl.int64) << 32)
             tl.store(codes_ptr + 2 * blk, words01, mask=bmask)
             tl.store(codes_ptr + 2 * blk + 1, words23, mask=bmask)
@@ -363,7 +371,9 @@ def _fake_quant_kernel(
         if HAS_SCALES:
             s, r, g = _scale_factor(_per_group(scales_ptr, blk, G, BN, NB, True), g_ptr, IS_NV)  # [BN, G]
         else:
-            sb, s1, r1, g = _own_scale(_amax_rows(x_in, False), g_ptr, IS_NV, RCEIL)  # [BN], select form as above
+            ax = tl.abs(x3_in)
+            amax = tl.max(tl.max(tl.where(ax < float("inf"), ax, 0.0), axis=2), axis=1)  # [BN]
+            sb, s1, r1, g = _own_scale(amax.to(tl.float32), g_ptr, IS_NV, RCEIL)
             if STORE_SCALES:
                 tl.store(scales_out_ptr + blk, sb.to(tl.uint8), mask=bmask)
             zeros = tl.zeros((BN, G), dtype=tl.float32)
@@ -390,10 +400,10 @@ def _fake_quant_kernel(
         if HAS_SCALES:
             s, r, g = _scale_factor(tl.load(scales_ptr + blk, mask=bmask, other=0).to(tl.int32), g_ptr, IS_NV)
         else:
-            amax = tl.maximum(_amax_rows(x0_in, NAN_IGNORING_MAX), _amax_rows(x1_in, NAN_IGNORING_MAX))
+            amax = tl.maximum(_amax8(x0_in, NAN_IGNORING_MAX), _amax8(x1_in, NAN_IGNORING_MAX))
             if G == 4:
-                amax = tl.maximum(amax, tl.maximum(_amax_rows(x2_in, NAN_IGNORING_MAX), _amax_rows(x3_in, NAN_IGNORING_MAX)))
-            sb, s, r, g = _own_scale(amax, g_ptr, IS_NV, RCEIL)
+                amax = tl.maximum(amax, tl.maximum(_amax8(x2_in, NAN_IGNORING_MAX), _amax8(x3_in, NAN_IGNORING_MAX)))
+            sb, s, r, g = _own_scale(amax.to(tl.float32), g_ptr, IS_NV, RCEIL)
             if STORE_SCALES:
                 tl.store(scales_out_ptr + blk, sb.to(tl.uint8), mask=bmask)
         if HAS_HINTS:
