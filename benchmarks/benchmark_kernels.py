@@ -33,8 +33,8 @@ if "--smoke" in sys.argv:
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import kernels  # noqa: E402
-from kernels import reference as ref  # noqa: E402
+import tracefp4  # noqa: E402
+from tracefp4 import reference as ref  # noqa: E402
 
 # (blocks per program, num_warps, split layout, fp-adder rounding); the backward kernel: split layout only
 CONFIGS = [(128, 4, False, False), (256, 8, False, False), (512, 8, False, False), (128, 4, False, True),
@@ -105,7 +105,7 @@ def make_ties(rows: int, hidden: int, dtype, device, seed: int) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------------------
 def run_size(hidden, rows, dtype, device, cuda, configs, do_compile, log):
-    from kernels import triton_kernels as tk
+    from tracefp4 import triton_kernels as tk
 
     res: dict = {"hidden": hidden, "rows": rows, "dtype": str(dtype).replace("torch.", "")}
     x = make_x(rows, hidden, dtype, device, seed=hidden)
@@ -120,7 +120,7 @@ def run_size(hidden, rows, dtype, device, cuda, configs, do_compile, log):
     codes_r, scales_r, hints_r = ref.quantize_blocks_ref(xb, "nvfp4", g)
     xn = (x.float() * (1 + 0.01 * (2 * torch.rand(x.shape, device=device) - 1))).to(dtype)  # trainer activations
     xnb = xn.view(-1, 16)
-    hint_bits = kernels.unpack_hints(hints_r)  # [NB, 16]
+    hint_bits = tracefp4.unpack_hints(hints_r)  # [NB, 16]
     fq_r = ref.fake_quantize_blocks_ref(xnb, "nvfp4", g, scales_r, hint_bits)
     rtn_r = ref.fake_quantize_blocks_ref(xnb, "nvfp4", g)
     grad = torch.randn(x.shape, device=device, dtype=dtype).view(-1, 16)
@@ -143,7 +143,7 @@ def run_size(hidden, rows, dtype, device, cuda, configs, do_compile, log):
         cr = ref.quantize_blocks_ref(xx.view(-1, 16), "nvfp4", gg)
         ct = tk.quantize_blocks_triton(xx.view(-1, 16), "nvfp4", gg)
         exact_t[f"{name}_codes_scales_hints"] = sum(mismatches(a, b) for a, b in zip(ct, cr))
-        fr = ref.fake_quantize_blocks_ref(xx.view(-1, 16), "nvfp4", gg, cr[1], kernels.unpack_hints(cr[2]))
+        fr = ref.fake_quantize_blocks_ref(xx.view(-1, 16), "nvfp4", gg, cr[1], tracefp4.unpack_hints(cr[2]))
         ft, _ = tk.fake_quantize_blocks_triton(xx.view(-1, 16), "nvfp4", gg, cr[1], cr[2])
         exact_t[f"{name}_fake_quant_hinted"] = mismatches(ft, fr)
     for fmt_, rule in (("mxfp4", "floor"), ("mxfp4", "rceil")):
@@ -151,7 +151,7 @@ def run_size(hidden, rows, dtype, device, cuda, configs, do_compile, log):
         cr = ref.quantize_blocks_ref(xm, fmt_, None, rule)
         ct = tk.quantize_blocks_triton(xm, fmt_, None, rule)
         exact_t[f"{fmt_}_{rule}_codes_scales_hints"] = sum(mismatches(a, b) for a, b in zip(ct, cr))
-        fr = ref.fake_quantize_blocks_ref(xm, fmt_, None, cr[1], kernels.unpack_hints(cr[2]))
+        fr = ref.fake_quantize_blocks_ref(xm, fmt_, None, cr[1], tracefp4.unpack_hints(cr[2]))
         ft, _ = tk.fake_quantize_blocks_triton(xm, fmt_, None, cr[1], cr[2])
         exact_t[f"{fmt_}_{rule}_fake_quant_hinted"] = mismatches(ft, fr)
     res["exact_triton_vs_eager_mismatches"] = exact_t

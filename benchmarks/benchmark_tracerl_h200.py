@@ -13,7 +13,7 @@ one runs):
 ``sync`` (CUDA): host synchronizations counted by torch's sync debug mode over 64 decode steps with and
    without capture, for the hf path and the --decode path; the difference is what capture adds (none by design).
 ``capture``: decode step time of the FP4 rollout at the same batch with and without hint capture (capture =
-   `kernels.quantize` at the hinted sites + routed-expert ids + ring buffers / recorder staging and
+   `tracefp4.quantize` at the hinted sites + routed-expert ids + ring buffers / recorder staging and
    asynchronous device-to-host drains; no host sync per step). Runs alternate, median of --reps.
 ``trainer``: forward + backward time of one packed micro-batch in ``fp4_rne_own_scales`` vs ``fp4_hints``
    (hints and scales already on the device, and from host numpy arrays as a reader hands them out).
@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import kernels  # noqa: E402
+import tracefp4  # noqa: E402
 from tracerl.demo import DemoConfig, run_demo  # noqa: E402
 from tracerl.engine import RolloutEngine  # noqa: E402
 from tracerl.models import TinyMoESpec, build_model  # noqa: E402
@@ -313,7 +313,7 @@ def main(argv=None) -> int:
         "benchmark": "tracerl-h200",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
-        "kernels_backend": kernels.resolve_backend("auto", device),
+        "kernels_backend": tracefp4.resolve_backend("auto", device),
         "spec": spec.__dict__,
         "hinted": f"fidelity: hint_layers={args.hint_layers}, hint_sites={args.hint_sites}; other sections: MoE "
                   "input of the latter half of the layers",

@@ -1,14 +1,14 @@
 """FP4 numerics of TRACE: bit-exact NVFP4/MXFP4 quantization, hint bits and hint-guided fake quantization.
 
-Public API (see `kernels.api` and NUMERICS.md for formulas and byte layouts)::
+Public API (see `tracefp4.api` and NUMERICS.md for formulas and byte layouts)::
 
-    q = kernels.quantize(x, fmt="nvfp4", global_scale=None, backend="auto")   # -> QuantizedFP4
+    q = tracefp4.quantize(x, fmt="nvfp4", global_scale=None, backend="auto")   # -> QuantizedFP4
     q.codes, q.scales, q.hints, q.global_scale                                 # uint8, uint8, uint8, fp32
-    y = kernels.dequantize(q, dtype=torch.bfloat16)
-    y = kernels.fake_quantize(x, fmt="nvfp4", global_scale=g, scales=s, hints=h)  # hint-guided, STE backward
-    kernels.pack_hints / unpack_hints / pack_codes / unpack_codes / hints_from_codes
+    y = tracefp4.dequantize(q, dtype=torch.bfloat16)
+    y = tracefp4.fake_quantize(x, fmt="nvfp4", global_scale=g, scales=s, hints=h)  # hint-guided, STE backward
+    tracefp4.pack_hints / unpack_hints / pack_codes / unpack_codes / hints_from_codes
 
-`kernels.reference` is the pure-torch definition (no Triton needed); `kernels.triton_kernels` is imported
+`tracefp4.reference` is the pure-torch definition (no Triton needed); `tracefp4.triton_kernels` is imported
 lazily. This package imports nothing of tracestore or tracerl.
 """
 

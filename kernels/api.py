@@ -1,7 +1,7 @@
 """Public entry points of the FP4 numerics: `quantize`, `dequantize`, `fake_quantize`.
 
 Each takes ``backend="auto" | "reference" | "triton"``: "reference" is the pure-torch definition
-(`kernels.reference`), "triton" the fused kernels (`kernels.triton_kernels`, bit-identical to the reference),
+(`tracefp4.reference`), "triton" the fused kernels (`tracefp4.triton_kernels`, bit-identical to the reference),
 "auto" picks Triton when x is on CUDA and Triton imports, else the reference. Triton on CPU runs only under
 ``TRITON_INTERPRET=1`` (that is how the tests exercise it).
 

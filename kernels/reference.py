@@ -33,7 +33,7 @@ Hint-guided rounding (fake quantization with the rollout's scales and hints), pe
 
 Scale byte 0 gives output +-0; a NaN scale byte (E4M3 0x7F/0xFF, E8M0 0xFF) gives NaN.
 
-Tensors here are 2-D block views ``[NB, B]`` (NB blocks of B values) unless stated; `kernels.api` does the
+Tensors here are 2-D block views ``[NB, B]`` (NB blocks of B values) unless stated; `tracefp4.api` does the
 argument checks and the reshaping.
 """
 

@@ -1,4 +1,4 @@
-"""Triton kernels of the FP4 numerics, bit-identical to `kernels.reference` (imported lazily by `kernels.api`).
+"""Triton kernels of the FP4 numerics, bit-identical to `tracefp4.reference` (imported lazily by `tracefp4.api`).
 
 Three kernels over a flat view of the input as NB blocks of B values (B = 16 NVFP4, 32 MXFP4; rows are whole
 numbers of blocks, so block k is simply elements [kB, (k+1)B)); every program owns BN whole blocks:
@@ -443,7 +443,7 @@ def _g_arg(g: torch.Tensor | None, fmt: str, device: torch.device, unused: torch
         if fmt == "nvfp4":
             raise ValueError("nvfp4 needs the global scale g (fp32 0-d tensor); got None")
         return unused
-    # kernels.api passes g on x's device already; a host g goes along without blocking (no host sync).
+    # tracefp4.api passes g on x's device already; a host g goes along without blocking (no host sync).
     return g.to(device=device, dtype=torch.float32, non_blocking=g.device.type == "cpu").contiguous()
 
 

@@ -13,12 +13,12 @@ mode over 64 decode steps, plain vs capture). These tests check the same propert
    ``torch.tensor`` built from tensors), keyed by the op and the calling line (first frame outside torch).
    The multiset with capture must equal the one without, apart from `RolloutRecorder._materialize`, which
    only ever reads host buffers (on CUDA the pinned buffers of the asynchronous drains, read after their
-   event fired). No call may come from the capture code itself (recorder, engine callbacks, `kernels`).
+   event fired). No call may come from the capture code itself (recorder, engine callbacks, `tracefp4`).
    `test_detector_sees_a_sync_in_the_capture_path` shows that a single ``.tolist()`` added to the capture
    callback fails that comparison.
 2. `test_capture_step_reads_no_device_value_on_meta` runs one decode step's capture path (an `FP4MoEBlock`
    forward: router, `FP4Runtime.quant` at the hinted MoE input with the capture callback, i.e.
-   `kernels.quantize` + dequantize, the gather decode path, the down-proj site; the engine's capture and
+   `tracefp4.quantize` + dequantize, the gather decode path, the down-proj site; the engine's capture and
    route callbacks; ``record_sites/record_experts/record_tokens`` and ``step()``) on meta tensors, which have
    shapes but no data: any read of a value raises, including reads inside ATen (e.g. ``repeat_interleave``
    or ``bincount`` that compute an output size). `HostTraffic(meta=True)` also flags host-to-device copies
@@ -47,8 +47,8 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-import kernels
-from kernels import reference
+import tracefp4
+from tracefp4 import reference
 from tracerl.engine import RolloutEngine
 from tracerl.models import TinyMoESpec, build_model
 from tracerl.qat import install_fp4
@@ -276,7 +276,7 @@ def test_capture_step_reads_no_device_value_on_meta():
 
 def test_e2m1_value_equals_the_table():
     mag = torch.arange(8, dtype=torch.int32)
-    want = torch.tensor(kernels.E2M1_MAGNITUDES, dtype=torch.float32)
+    want = torch.tensor(tracefp4.E2M1_MAGNITUDES, dtype=torch.float32)
     got = reference.e2m1_value(mag)
     assert got.dtype == torch.float32
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
@@ -286,10 +286,10 @@ def test_e2m1_value_equals_the_table():
 
 @pytest.mark.parametrize("g", [0.0123, torch.tensor(0.0123)])
 def test_quantize_global_scale_is_not_read_on_meta(g):
-    """`kernels.quantize`'s global scale handling (float or host tensor) does not read a device value."""
+    """`tracefp4.quantize`'s global scale handling (float or host tensor) does not read a device value."""
     x = torch.empty(4, 64, dtype=torch.bfloat16, device="meta")
     g = g.to("meta") if isinstance(g, torch.Tensor) else g  # a device-resident g, as FP4Runtime passes it
     with HostTraffic(meta=True) as ht:
-        q = kernels.quantize(x, global_scale=g)
+        q = tracefp4.quantize(x, global_scale=g)
     assert q.global_scale.device.type == "meta" and q.codes.shape == (4, 32)
     assert not ht.calls, ht.calls

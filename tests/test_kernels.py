@@ -1,4 +1,4 @@
-"""Tests of the FP4 numerics (`kernels`): exactness of the reference against hand-built expectations, and of
+"""Tests of the FP4 numerics (`tracefp4`, folder kernels/): exactness of the reference against hand-built expectations, and of
 the Triton kernels (under TRITON_INTERPRET=1 on CPU) against the reference, bit for bit.
 
 Expected values here are built by hand (block maxima chosen so that the block scale is exactly 1) and do
@@ -16,10 +16,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import kernels  # noqa: E402
-from kernels import reference as ref  # noqa: E402
-from kernels.constants import E2M1_MAGNITUDES, E2M1_MIDPOINTS  # noqa: E402
-from kernels.errors import BackendError, DTypeError, FormatError, FP4Error, ShapeError  # noqa: E402
+import tracefp4  # noqa: E402
+from tracefp4 import reference as ref  # noqa: E402
+from tracefp4.constants import E2M1_MAGNITUDES, E2M1_MIDPOINTS  # noqa: E402
+from tracefp4.errors import BackendError, DTypeError, FormatError, FP4Error, ShapeError  # noqa: E402
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -67,7 +67,7 @@ def one_scale(fmt: str, nblocks: int = 1) -> torch.Tensor:
 
 
 def codes_of(q) -> torch.Tensor:
-    return kernels.unpack_codes(q.codes)
+    return tracefp4.unpack_codes(q.codes)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -75,9 +75,9 @@ def codes_of(q) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------
 def test_pack_codes_layout_low_nibble_first():
     codes = torch.tensor([[1, 2, 15, 0]], dtype=torch.uint8)
-    packed = kernels.pack_codes(codes)
+    packed = tracefp4.pack_codes(codes)
     assert packed.tolist() == [[0x21, 0x0F]]
-    assert torch.equal(kernels.unpack_codes(packed), codes)
+    assert torch.equal(tracefp4.unpack_codes(packed), codes)
 
 
 def test_pack_hints_layout_little_endian():
@@ -85,29 +85,29 @@ def test_pack_hints_layout_little_endian():
     b[0, 0] = 1
     b[0, 7] = 1
     b[0, 9] = 1
-    packed = kernels.pack_hints(b)
+    packed = tracefp4.pack_hints(b)
     assert packed.tolist() == [[0x81, 0x02]]
-    assert torch.equal(kernels.unpack_hints(packed), b)
+    assert torch.equal(tracefp4.unpack_hints(packed), b)
 
 
 @pytest.mark.parametrize("shape", [(8,), (3, 16), (2, 5, 64)])
 def test_pack_roundtrip_random(shape):
     g = torch.Generator().manual_seed(1)
     codes = torch.randint(0, 16, shape, generator=g, dtype=torch.uint8)
-    assert torch.equal(kernels.unpack_codes(kernels.pack_codes(codes)), codes)
+    assert torch.equal(tracefp4.unpack_codes(tracefp4.pack_codes(codes)), codes)
     hb = torch.randint(0, 2, shape, generator=g, dtype=torch.uint8)
-    assert torch.equal(kernels.unpack_hints(kernels.pack_hints(hb)), hb)
-    assert torch.equal(kernels.hints_from_codes(kernels.pack_codes(codes)), kernels.pack_hints(codes & 1))
+    assert torch.equal(tracefp4.unpack_hints(tracefp4.pack_hints(hb)), hb)
+    assert torch.equal(tracefp4.hints_from_codes(tracefp4.pack_codes(codes)), tracefp4.pack_hints(codes & 1))
 
 
 def test_pack_errors():
     with pytest.raises(ShapeError, match="multiple of 8"):
-        kernels.pack_hints(torch.zeros(12, dtype=torch.uint8))
+        tracefp4.pack_hints(torch.zeros(12, dtype=torch.uint8))
     with pytest.raises(ShapeError, match="multiple of 2"):
-        kernels.pack_codes(torch.zeros(3, dtype=torch.uint8))
+        tracefp4.pack_codes(torch.zeros(3, dtype=torch.uint8))
     with pytest.raises(DTypeError):
-        kernels.pack_codes(torch.zeros(4))
-    for unpack in (kernels.unpack_codes, kernels.unpack_hints):
+        tracefp4.pack_codes(torch.zeros(4))
+    for unpack in (tracefp4.unpack_codes, tracefp4.unpack_hints):
         with pytest.raises(ShapeError, match="at least one dimension"):
             unpack(torch.tensor(1, dtype=torch.uint8))
 
@@ -154,13 +154,13 @@ def test_every_one_of_the_16_codes(fmt, backend):
     mags = list(E2M1_MAGNITUDES)
     vals = mags[1:] + [-m for m in mags]  # codes 1..7 then 8..15 (-0.0 is code 8)
     x = anchored_block(vals, fmt)
-    q = kernels.quantize(x, fmt, global_scale=g_for(fmt), backend=backend)
+    q = tracefp4.quantize(x, fmt, global_scale=g_for(fmt), backend=backend)
     expected = [7] + list(range(1, 8)) + list(range(8, 16))
     assert codes_of(q)[0, : len(expected)].tolist() == expected
     assert q.scales.flatten().tolist()[0] == (E4M3_ONE if fmt == "nvfp4" else E8M0_ONE)
-    deq = kernels.dequantize(q, dtype=torch.float32)
+    deq = tracefp4.dequantize(q, dtype=torch.float32)
     assert_bits_equal(deq, x)  # every code dequantizes to its exact value, -0.0 included
-    assert torch.equal(q.hints, kernels.pack_hints(codes_of(q) & 1))
+    assert torch.equal(q.hints, tracefp4.pack_hints(codes_of(q) & 1))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -173,10 +173,10 @@ def test_each_tie_rounds_to_the_even_code(tie_index, fmt, backend):
     below = torch.nextafter(torch.tensor(mid), torch.tensor(0.0)).item()
     above = torch.nextafter(torch.tensor(mid), torch.tensor(10.0)).item()
     x = anchored_block([mid, -mid, below, above], fmt)
-    q = kernels.quantize(x, fmt, global_scale=g_for(fmt), backend=backend)
+    q = tracefp4.quantize(x, fmt, global_scale=g_for(fmt), backend=backend)
     assert codes_of(q)[0, 1:5].tolist() == [even, even | 8, lower, lower + 1]
     # fake quantization rounds the same way
-    y = kernels.fake_quantize(x, fmt, global_scale=g_for(fmt), backend=backend)
+    y = tracefp4.fake_quantize(x, fmt, global_scale=g_for(fmt), backend=backend)
     assert y[0, 1].item() == E2M1_MAGNITUDES[even] and y[0, 2].item() == -E2M1_MAGNITUDES[even]
 
 
@@ -185,12 +185,12 @@ def test_each_tie_rounds_to_the_even_code(tie_index, fmt, backend):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_signed_zero_round_trips(fmt, dtype, backend):
     x = anchored_block([0.0, -0.0, -0.1, 0.1], fmt, dtype)
-    q = kernels.quantize(x, fmt, global_scale=g_for(fmt), backend=backend)
+    q = tracefp4.quantize(x, fmt, global_scale=g_for(fmt), backend=backend)
     assert codes_of(q)[0, 1:5].tolist() == [0, 8, 8, 0]  # tiny values keep their sign as +-0
-    y = kernels.fake_quantize(x, fmt, global_scale=g_for(fmt), backend=backend)
+    y = tracefp4.fake_quantize(x, fmt, global_scale=g_for(fmt), backend=backend)
     assert torch.signbit(y[0, 1:5]).tolist() == [False, True, True, False]
     assert (y[0, 1:5] == 0).all()
-    deq = kernels.dequantize(q, dtype=dtype)
+    deq = tracefp4.dequantize(q, dtype=dtype)
     assert_bits_equal(deq, y)
 
 
@@ -199,7 +199,7 @@ def test_signed_zero_round_trips(fmt, dtype, backend):
 def test_all_zero_block(fmt, backend):
     x = torch.zeros(3, 2 * BLOCK[fmt], device=DEVICE)
     x[1] = -0.0
-    q = kernels.quantize(x, fmt, backend=backend)
+    q = tracefp4.quantize(x, fmt, backend=backend)
     if fmt == "nvfp4":
         assert q.global_scale.item() == 1.0  # amax == 0 fallback
         assert (q.scales == 0x01).all()  # clamp((0/6)/g, 2^-9, 448) = 2^-9
@@ -207,14 +207,14 @@ def test_all_zero_block(fmt, backend):
         assert (q.scales == 0).all()  # amax 0 -> e clamped to -127
     c = codes_of(q)
     assert (c[0] == 0).all() and (c[1] == 8).all() and (c[2] == 0).all()
-    assert_bits_equal(kernels.fake_quantize(x, fmt, backend=backend), x)
+    assert_bits_equal(tracefp4.fake_quantize(x, fmt, backend=backend), x)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fmt", FMTS)
 def test_saturation_at_6_and_beyond_with_given_scales(fmt, backend):
     x = torch.tensor([[5.0, 5.5, 6.0, 7.0, 100.0, 3e38, -7.0, -1e30] * (BLOCK[fmt] // 8)], device=DEVICE)
-    y = kernels.fake_quantize(x, fmt, global_scale=g_for(fmt), scales=one_scale(fmt), backend=backend)
+    y = tracefp4.fake_quantize(x, fmt, global_scale=g_for(fmt), scales=one_scale(fmt), backend=backend)
     want = torch.tensor([[4.0, 6.0, 6.0, 6.0, 6.0, 6.0, -6.0, -6.0] * (BLOCK[fmt] // 8)], device=DEVICE)
     assert_bits_equal(y, want)
 
@@ -225,7 +225,7 @@ def test_nvfp4_saturates_when_the_block_scale_rounds_down(backend):
     x = anchored_block([], "nvfp4")
     x[0, 0] = 6.375
     x[0, 1] = -6.375
-    q = kernels.quantize(x, "nvfp4", global_scale=1.0, backend=backend)
+    q = tracefp4.quantize(x, "nvfp4", global_scale=1.0, backend=backend)
     assert q.scales.item() == E4M3_ONE
     assert codes_of(q)[0, :2].tolist() == [7, 15]
 
@@ -235,10 +235,10 @@ def test_nvfp4_block_scale_saturates_at_448(backend):
     x = anchored_block([], "nvfp4")
     x[0, 0] = 6000.0  # (6000/6)/1 = 1000 -> clamped to 448 (0x7E)
     x[0, 1] = 448.0 * 3.0  # v = 3 exactly
-    q = kernels.quantize(x, "nvfp4", global_scale=1.0, backend=backend)
+    q = tracefp4.quantize(x, "nvfp4", global_scale=1.0, backend=backend)
     assert q.scales.item() == 0x7E
     assert codes_of(q)[0, :2].tolist() == [7, 5]  # 6000/448 = 13.4 saturates; 1344/448 = 3
-    assert kernels.dequantize(q, dtype=torch.float32)[0, 0].item() == 6.0 * 448.0
+    assert tracefp4.dequantize(q, dtype=torch.float32)[0, 0].item() == 6.0 * 448.0
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -247,7 +247,7 @@ def test_nvfp4_block_scale_underflows_to_2_pow_minus_9(backend):
     x[0, 0] = 1.0  # sets g = 1/2688 ...
     x[0, 16] = 1e-7  # ... and this block's (amax/6)/g = 4.5e-4 < 2^-9 -> clamped to 2^-9 (byte 0x01)
     x[0, 17] = 3e-7
-    q = kernels.quantize(x, "nvfp4", backend=backend)
+    q = tracefp4.quantize(x, "nvfp4", backend=backend)
     assert q.scales.tolist() == [[0x7E, 0x01]]
     # r = (1/g) / 2^-9 = 2688 * 512: v(1e-7) = 0.138 -> code 0, v(3e-7) = 0.413 -> code 1 (0.5)
     assert codes_of(q)[0, 16:18].tolist() == [0, 1]
@@ -268,7 +268,7 @@ def test_mxfp4_scale_rules(rule, backend):
     x[1, 0] = 6.5  # floor: 2^0              rceil: 2^ceil(log2 1.083) = 2
     x[2, 0] = 1.0  # floor: 2^(0-2)          rceil: 2^ceil(log2 1/6) = 2^-2
     x[3, 0] = 1e-40  # subnormal amax -> clamped to 2^-127 (byte 0) both ways
-    q = kernels.quantize(x, "mxfp4", backend=backend, scale_rule=rule)
+    q = tracefp4.quantize(x, "mxfp4", backend=backend, scale_rule=rule)
     want = [127, 127, 125, 0] if rule == "floor" else [127, 128, 125, 0]
     assert q.scales.flatten().tolist() == want
 
@@ -280,14 +280,14 @@ def test_mxfp4_scale_rules(rule, backend):
 @pytest.mark.parametrize("fmt", FMTS)
 def test_nan_and_inf(fmt, backend):
     x = anchored_block([float("nan"), float("inf"), float("-inf"), 1.0, -2.0, -float("nan")], fmt)
-    q = kernels.quantize(x, fmt, global_scale=g_for(fmt), backend=backend)
+    q = tracefp4.quantize(x, fmt, global_scale=g_for(fmt), backend=backend)
     # amax ignores NaN/Inf (scale stays exactly 1); Inf saturates to +-6; NaN -> magnitude 7 with its sign bit
     assert q.scales.flatten()[0].item() == (E4M3_ONE if fmt == "nvfp4" else E8M0_ONE)
     assert codes_of(q)[0, :7].tolist() == [7, 7, 7, 15, 2, 12, 15]
-    y = kernels.fake_quantize(x, fmt, global_scale=g_for(fmt), backend=backend)
+    y = tracefp4.fake_quantize(x, fmt, global_scale=g_for(fmt), backend=backend)
     assert torch.isnan(y[0, 1]) and y[0, 2].item() == 6.0 and y[0, 3].item() == -6.0
     assert y[0, 4].item() == 1.0 and y[0, 5].item() == -2.0
-    yh = kernels.fake_quantize(x, fmt, global_scale=g_for(fmt), scales=q.scales, hints=q.hints, backend=backend)
+    yh = tracefp4.fake_quantize(x, fmt, global_scale=g_for(fmt), scales=q.scales, hints=q.hints, backend=backend)
     assert torch.isnan(yh[0, 1]) and torch.isnan(yh[0, 6]) and torch.equal(yh[0, 2:6], y[0, 2:6])
 
 
@@ -295,16 +295,16 @@ def test_global_scale_ignores_non_finite_and_falls_back():
     # amax over the finite values is 5376 -> g = 5376 / 2688 = 2.0 exactly; an amax that propagated NaN would
     # fall back to 1.0, one that kept Inf would give Inf
     x = torch.tensor([[float("nan"), float("inf"), 5376.0] + [0.0] * 13])
-    assert kernels.compute_global_scale(x).item() == 2.0
-    assert kernels.compute_global_scale(torch.full((1, 16), float("nan"))).item() == 1.0
-    assert kernels.compute_global_scale(torch.zeros(2, 16)).item() == 1.0
-    assert kernels.compute_global_scale(torch.full((1, 16), 1e-38)).item() == 2.0**-118
+    assert tracefp4.compute_global_scale(x).item() == 2.0
+    assert tracefp4.compute_global_scale(torch.full((1, 16), float("nan"))).item() == 1.0
+    assert tracefp4.compute_global_scale(torch.zeros(2, 16)).item() == 1.0
+    assert tracefp4.compute_global_scale(torch.full((1, 16), 1e-38)).item() == 2.0**-118
 
 
 def test_nan_scale_byte_gives_nan_and_zero_scale_gives_zero():
     x = torch.ones(1, 32)
     s = torch.tensor([[0x7F, 0x00]], dtype=torch.uint8)
-    y = kernels.fake_quantize(x, "nvfp4", global_scale=1.0, scales=s, backend="reference")
+    y = tracefp4.fake_quantize(x, "nvfp4", global_scale=1.0, scales=s, backend="reference")
     assert torch.isnan(y[0, :16]).all() and (y[0, 16:] == 0).all()
 
 
@@ -313,59 +313,59 @@ def test_nan_scale_byte_gives_nan_and_zero_scale_gives_zero():
 # ---------------------------------------------------------------------------------------------------------
 def test_last_dim_not_a_multiple_of_the_block_size():
     with pytest.raises(ShapeError, match=r"block size 16.*\(3, 24\)"):
-        kernels.quantize(torch.zeros(3, 24))
+        tracefp4.quantize(torch.zeros(3, 24))
     with pytest.raises(ShapeError, match=r"block size 32"):
-        kernels.fake_quantize(torch.zeros(48), "mxfp4")
+        tracefp4.fake_quantize(torch.zeros(48), "mxfp4")
     with pytest.raises(ShapeError):
-        kernels.quantize(torch.tensor(1.0))
+        tracefp4.quantize(torch.tensor(1.0))
 
 
 def test_wrong_dtypes_and_arguments():
     with pytest.raises(DTypeError, match="int32"):
-        kernels.quantize(torch.zeros(16, dtype=torch.int32))
+        tracefp4.quantize(torch.zeros(16, dtype=torch.int32))
     with pytest.raises(DTypeError, match="float64"):
-        kernels.fake_quantize(torch.zeros(16, dtype=torch.float64))
+        tracefp4.fake_quantize(torch.zeros(16, dtype=torch.float64))
     with pytest.raises(DTypeError, match="int32"):
-        kernels.compute_global_scale(torch.zeros(16, dtype=torch.int32))
+        tracefp4.compute_global_scale(torch.zeros(16, dtype=torch.int32))
     with pytest.raises(FormatError, match="fp8"):
-        kernels.quantize(torch.zeros(16), "fp8")
+        tracefp4.quantize(torch.zeros(16), "fp8")
     with pytest.raises(FormatError):
-        kernels.quantize(torch.zeros(32), "mxfp4", global_scale=2.0)
+        tracefp4.quantize(torch.zeros(32), "mxfp4", global_scale=2.0)
     with pytest.raises(FormatError):
-        kernels.quantize(torch.zeros(16), global_scale=float("nan"))
+        tracefp4.quantize(torch.zeros(16), global_scale=float("nan"))
     with pytest.raises(FormatError):
-        kernels.fake_quantize(torch.zeros(16), hints=torch.zeros(2, dtype=torch.uint8))
+        tracefp4.fake_quantize(torch.zeros(16), hints=torch.zeros(2, dtype=torch.uint8))
     with pytest.raises(FormatError):
-        kernels.fake_quantize(torch.zeros(16), scales=torch.zeros(1, dtype=torch.uint8))  # no global scale
+        tracefp4.fake_quantize(torch.zeros(16), scales=torch.zeros(1, dtype=torch.uint8))  # no global scale
     with pytest.raises(FP4Error):
-        kernels.fake_quantize(torch.zeros(16), ste="nope")
+        tracefp4.fake_quantize(torch.zeros(16), ste="nope")
     with pytest.raises(DTypeError, match="int32"):
-        kernels.quantize(torch.zeros(16), global_scale=torch.tensor(1, dtype=torch.int32))
+        tracefp4.quantize(torch.zeros(16), global_scale=torch.tensor(1, dtype=torch.int32))
     with pytest.raises(ShapeError, match=r"\(2,\)"):
-        kernels.quantize(torch.zeros(16), global_scale=torch.ones(2))
+        tracefp4.quantize(torch.zeros(16), global_scale=torch.ones(2))
     assert issubclass(ShapeError, ValueError)
 
 
 def test_scales_and_hints_with_wrong_shapes():
     x = torch.zeros(2, 32)
     with pytest.raises(ShapeError, match=r"\(2, 2\)"):
-        kernels.fake_quantize(x, global_scale=1.0, scales=torch.zeros(2, 3, dtype=torch.uint8))
+        tracefp4.fake_quantize(x, global_scale=1.0, scales=torch.zeros(2, 3, dtype=torch.uint8))
     with pytest.raises(ShapeError, match=r"\(2, 4\)"):
-        kernels.fake_quantize(
+        tracefp4.fake_quantize(
             x, global_scale=1.0, scales=torch.zeros(2, 2, dtype=torch.uint8), hints=torch.zeros(2, 2, dtype=torch.uint8)
         )
     with pytest.raises(DTypeError):
-        kernels.fake_quantize(x, global_scale=1.0, scales=torch.zeros(2, 2))
+        tracefp4.fake_quantize(x, global_scale=1.0, scales=torch.zeros(2, 2))
 
 
 def test_backend_choice(monkeypatch):
-    assert kernels.resolve_backend("auto", torch.device("cpu")) == "reference"
+    assert tracefp4.resolve_backend("auto", torch.device("cpu")) == "reference"
     with pytest.raises(BackendError, match="nope"):
-        kernels.resolve_backend("nope", torch.device("cpu"))
+        tracefp4.resolve_backend("nope", torch.device("cpu"))
     if HAS_TRITON:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
         with pytest.raises(BackendError, match="TRITON_INTERPRET"):
-            kernels.resolve_backend("triton", torch.device("cpu"))
+            tracefp4.resolve_backend("triton", torch.device("cpu"))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -396,8 +396,8 @@ def _noisy(x: torch.Tensor, rel: float, seed: int) -> torch.Tensor:
 def test_triton_matches_reference(rows, d, dtype, fmt):
     x = _random_x(rows, d, dtype, seed=rows * 1000 + d)
     for g in ([None, 0.37] if fmt == "nvfp4" else [None]):
-        qr = kernels.quantize(x, fmt, global_scale=g, backend="reference")
-        qt = kernels.quantize(x, fmt, global_scale=g, backend="triton")
+        qr = tracefp4.quantize(x, fmt, global_scale=g, backend="reference")
+        qt = tracefp4.quantize(x, fmt, global_scale=g, backend="triton")
         assert_bits_equal(qt.codes, qr.codes)
         assert_bits_equal(qt.scales, qr.scales)
         assert_bits_equal(qt.hints, qr.hints)
@@ -412,10 +412,10 @@ def test_triton_matches_reference(rows, d, dtype, fmt):
                 kw["global_scale"] = gs
             elif fmt == "nvfp4":
                 kw["global_scale"] = g
-            yr = kernels.fake_quantize(xn, fmt, backend="reference", **kw)
-            yt = kernels.fake_quantize(xn, fmt, backend="triton", **kw)
+            yr = tracefp4.fake_quantize(xn, fmt, backend="reference", **kw)
+            yt = tracefp4.fake_quantize(xn, fmt, backend="triton", **kw)
             assert_bits_equal(yt, yr)
-    q_no = kernels.quantize(x, fmt, global_scale=g, backend="triton", emit_hints=False)
+    q_no = tracefp4.quantize(x, fmt, global_scale=g, backend="triton", emit_hints=False)
     assert q_no.hints is None
     assert_bits_equal(q_no.codes, qr.codes)
     assert_bits_equal(q_no.scales, qr.scales)
@@ -425,15 +425,15 @@ def test_triton_matches_reference(rows, d, dtype, fmt):
 @pytest.mark.parametrize("fmt", FMTS)
 def test_triton_mxfp4_rceil_and_empty(fmt):
     x = _random_x(5, 64, torch.bfloat16, seed=3)
-    qr = kernels.quantize(x, fmt, backend="reference", scale_rule="rceil")
-    qt = kernels.quantize(x, fmt, backend="triton", scale_rule="rceil")
+    qr = tracefp4.quantize(x, fmt, backend="reference", scale_rule="rceil")
+    qt = tracefp4.quantize(x, fmt, backend="triton", scale_rule="rceil")
     assert_bits_equal(qt.codes, qr.codes)
     assert_bits_equal(qt.scales, qr.scales)
     empty = torch.zeros(0, 64, dtype=torch.bfloat16, device=DEVICE)
     for be in ("reference", "triton"):
-        q = kernels.quantize(empty, fmt, backend=be)
+        q = tracefp4.quantize(empty, fmt, backend=be)
         assert q.codes.shape == (0, 32) and q.hints.shape == (0, 8)
-        assert kernels.fake_quantize(empty, fmt, backend=be).shape == (0, 64)
+        assert tracefp4.fake_quantize(empty, fmt, backend=be).shape == (0, 64)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -441,11 +441,11 @@ def test_triton_mxfp4_rceil_and_empty(fmt):
 @pytest.mark.parametrize("rel", [1e-3, 1e-2, 5e-2])
 def test_hint_guided_code_equals_rollout_code_when_it_brackets(rel, fmt, backend):
     x = _random_x(64, 64, torch.float32, seed=7, specials=False)
-    q = kernels.quantize(x, fmt, backend="reference")
+    q = tracefp4.quantize(x, fmt, backend="reference")
     xn = _noisy(x, rel, seed=11)
     g = q.global_scale if fmt == "nvfp4" else None
-    yh = kernels.fake_quantize(xn, fmt, global_scale=g, scales=q.scales, hints=q.hints, backend=backend)
-    rollout = kernels.dequantize(q, dtype=torch.float32)
+    yh = tracefp4.fake_quantize(xn, fmt, global_scale=g, scales=q.scales, hints=q.hints, backend=backend)
+    rollout = tracefp4.dequantize(q, dtype=torch.float32)
     # bracket test computed independently: the rollout magnitude is one of the two ladder values around |v|
     b = BLOCK[fmt]
     s = ref.e4m3_decode(q.scales) * g if fmt == "nvfp4" else ref.e8m0_decode(q.scales)
@@ -453,7 +453,7 @@ def test_hint_guided_code_equals_rollout_code_when_it_brackets(rel, fmt, backend
     a = v.abs().clamp(max=6.0)
     ladder = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float64, device=a.device)
     k = (a.unsqueeze(-1) >= ladder[1:7]).sum(-1)
-    c = kernels.unpack_codes(q.codes).reshape(-1, b).long()
+    c = tracefp4.unpack_codes(q.codes).reshape(-1, b).long()
     same_sign = torch.signbit(xn.reshape(-1, b)) == ((c & 8) != 0)
     brackets = (((c & 7) == k) | ((c & 7) == k + 1)) & same_sign
     # the fp64 bracket test can disagree with the fp32 kernel only within an ulp of a ladder value
@@ -470,12 +470,12 @@ def test_hint_agreement_at_1_percent_noise_large():
     # 2^18 values, bf16: the mismatch rate must be <= 1e-4; the expected count of mismatches is 0 here because
     # a 1% move cannot skip a ladder step (adjacent magnitudes differ by >= 33%)
     x = _random_x(512, 512, torch.bfloat16, seed=5, specials=False)
-    q = kernels.quantize(x, "nvfp4", backend="reference")
+    q = tracefp4.quantize(x, "nvfp4", backend="reference")
     xn = _noisy(x, 1e-2, seed=6)
-    yh = kernels.fake_quantize(xn, "nvfp4", global_scale=q.global_scale, scales=q.scales, hints=q.hints,
+    yh = tracefp4.fake_quantize(xn, "nvfp4", global_scale=q.global_scale, scales=q.scales, hints=q.hints,
                                backend="reference")
-    ynn = kernels.fake_quantize(xn, "nvfp4", global_scale=q.global_scale, scales=q.scales, backend="reference")
-    rollout = kernels.dequantize(q, dtype=torch.bfloat16)
+    ynn = tracefp4.fake_quantize(xn, "nvfp4", global_scale=q.global_scale, scales=q.scales, backend="reference")
+    rollout = tracefp4.dequantize(q, dtype=torch.bfloat16)
     agree_hint = (bits(yh) == bits(rollout)).float().mean().item()
     agree_rtn = (bits(ynn) == bits(rollout)).float().mean().item()
     assert agree_hint >= 0.9999
@@ -490,13 +490,13 @@ def test_hint_agreement_at_1_percent_noise_large():
 @pytest.mark.parametrize("ste", ["identity", "clip"])
 def test_backward_is_straight_through(ste, fmt, backend):
     x = _random_x(3, 64, torch.float32, seed=9, specials=False)
-    q = kernels.quantize(x, fmt, backend="reference")
+    q = tracefp4.quantize(x, fmt, backend="reference")
     g = q.global_scale if fmt == "nvfp4" else None
     xn = (x * 1.3).requires_grad_(True)  # push some values past 6 so that "clip" has work
     grad_out = torch.randn_like(xn)
     for kw in (dict(scales=q.scales, hints=q.hints), dict(scales=q.scales)):
         xn.grad = None
-        y = kernels.fake_quantize(xn, fmt, global_scale=g, backend=backend, ste=ste, **kw)
+        y = tracefp4.fake_quantize(xn, fmt, global_scale=g, backend=backend, ste=ste, **kw)
         y.backward(grad_out)
         if ste == "identity":
             assert_bits_equal(xn.grad, grad_out)
@@ -517,7 +517,7 @@ def test_triton_backward_matches_reference(dtype):
     grads = []
     for be in ("reference", "triton"):
         xx = x.clone().requires_grad_(True)
-        kernels.fake_quantize(xx, "nvfp4", backend=be, ste="clip").backward(grad_out)  # own scales
+        tracefp4.fake_quantize(xx, "nvfp4", backend=be, ste="clip").backward(grad_out)  # own scales
         grads.append(xx.grad)
     assert_bits_equal(grads[1], grads[0])
 
@@ -525,9 +525,9 @@ def test_triton_backward_matches_reference(dtype):
 @pytest.mark.parametrize("fmt", FMTS)
 def test_dequantize_equals_round_to_nearest_fake_quantize(fmt):
     x = _random_x(7, 64, torch.bfloat16, seed=12)
-    q = kernels.quantize(x, fmt, backend="reference")
-    y = kernels.fake_quantize(x, fmt, global_scale=q.global_scale, backend="reference")
-    d = kernels.dequantize(q.codes, q.scales, fmt=fmt, global_scale=q.global_scale, dtype=torch.bfloat16)
+    q = tracefp4.quantize(x, fmt, backend="reference")
+    y = tracefp4.fake_quantize(x, fmt, global_scale=q.global_scale, backend="reference")
+    d = tracefp4.dequantize(q.codes, q.scales, fmt=fmt, global_scale=q.global_scale, dtype=torch.bfloat16)
     finite = torch.isfinite(x)
     assert_bits_equal(d[finite], y[finite])
 
@@ -547,7 +547,7 @@ def _ties_x(fmt: str):
 def test_triton_layout_variants_match_reference(split, fp_rne, fmt):
     # both tile layouts of the forward kernels (one thread per block / coalesced, a block shared by threads),
     # both roundings, and a ragged last program
-    from kernels import triton_kernels as tk
+    from tracefp4 import triton_kernels as tk
 
     b = BLOCK[fmt]
     x, g = _ties_x(fmt)
@@ -562,7 +562,7 @@ def test_triton_layout_variants_match_reference(split, fp_rne, fmt):
     assert_bits_equal(got_nh[0], want[0])
     xn = _noisy(x, 0.02, seed=22).reshape(-1, b)
     for scales, hints in ((want[1], want[2]), (want[1], None), (None, None)):
-        yr = ref.fake_quantize_blocks_ref(xn, fmt, g, scales, None if hints is None else kernels.unpack_hints(hints))
+        yr = ref.fake_quantize_blocks_ref(xn, fmt, g, scales, None if hints is None else tracefp4.unpack_hints(hints))
         yt, _ = tk.fake_quantize_blocks_triton(xn, fmt, g, scales, hints, config=cfg)
         assert_bits_equal(yt, yr)
 
@@ -572,7 +572,7 @@ def test_triton_layout_variants_match_reference(split, fp_rne, fmt):
 def test_triton_backward_kernel_ragged_matches_reference(fmt):
     # the backward kernel has one layout (split, no rounding): its config is (BN, num_warps); a forward-style
     # 4-tuple is accepted only when it names that layout
-    from kernels import triton_kernels as tk
+    from tracefp4 import triton_kernels as tk
 
     b = BLOCK[fmt]
     x, g = _ties_x(fmt)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import zarr
 
-import schemas
+import traceschemas
 import tracestore as ts
 from helpers_store import rows
 
@@ -17,8 +17,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_schema_json_matches_code():
-    assert json.loads((ROOT / "schemas" / "tracestore_v1.json").read_text()) == schemas.describe()
-    assert ts.FORMAT_VERSION == schemas.FORMAT_VERSION == 1
+    assert json.loads((ROOT / "schemas" / "tracestore_v1.json").read_text()) == traceschemas.describe()
+    assert ts.FORMAT_VERSION == traceschemas.FORMAT_VERSION == 1
 
 
 def test_format_md_exists_and_names_the_version():

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-import kernels
+import tracefp4
 from tracerl import fidelity
 from tracerl.engine import RolloutEngine
 from tracerl.models import TinyMoESpec, build_model
@@ -96,7 +96,7 @@ def test_recorded_hints_equal_quantize_of_captured_activation():
     res = eng.generate(PROMPTS, 5, seed=0)
     g = rt.global_scales[site]
     # decode step 0 feeds each request's first sampled token (position P_b): rows of seen[1] in batch order
-    q = kernels.quantize(seen[1], global_scale=g)
+    q = tracefp4.quantize(seen[1], global_scale=g)
     for b, p in enumerate(PROMPTS):
         got = sink.read(f"req-{b}", len(p), len(p) + 1)
         np.testing.assert_array_equal(got.hints[site][0], q.hints[b].numpy())
@@ -124,7 +124,7 @@ def test_fp4_hints_reproduce_rollout_codes_and_store_roundtrip():
         out = tr.recompute(packed, mode)
         ok = tot = 0
         for s in names:
-            rc = np.concatenate([kernels.unpack_codes(torch.as_tensor(c)).numpy() for c in res.codes[s]])
+            rc = np.concatenate([tracefp4.unpack_codes(torch.as_tensor(c)).numpy() for c in res.codes[s]])
             m = fidelity.code_matches(out.codes[s], rc)
             ok, tot = ok + m.sum(), tot + m.size
         agree[mode] = ok / tot

@@ -169,7 +169,7 @@ def test_routing_replay_checks_its_input(setup):
 def test_capturing_quant_equals_fake_quantize_with_nan_and_inf(setup):
     """At a hinted site the CPU capture path reuses quantize's codes; its output must still be fake_quantize's,
     NaN included (a NaN is coded as magnitude 6 but comes out as NaN)."""
-    import kernels
+    import tracefp4
 
     spec, model, rt, tr, packed = setup
     site = rt.plan.hinted[0]
@@ -177,7 +177,7 @@ def test_capturing_quant_equals_fake_quantize_with_nan_and_inf(setup):
     x = torch.randn(5, w, dtype=torch.bfloat16)
     x[0, 3], x[1, 7], x[2, 0] = float("nan"), float("inf"), -float("inf")
     g = rt.global_scale_on(site, x.device)
-    want = kernels.fake_quantize(x, fmt="nvfp4", global_scale=g)
+    want = tracefp4.fake_quantize(x, fmt="nvfp4", global_scale=g)
     rt.set_mode("fp4_rne_own_scales")
     got_q = []
     rt.capture = lambda s, q: got_q.append(s)

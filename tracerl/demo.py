@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-import kernels
+import tracefp4
 import tracestore as ts
 from tracerl import fidelity
 from tracerl.engine import RolloutEngine, RolloutResult
@@ -190,7 +190,7 @@ def run_demo(cfg: DemoConfig, progress: Callable[[str], None] | None = None) -> 
         result.update({
             "config": {**dataclasses.asdict(cfg), "spec": dataclasses.asdict(spec),
                        "hinted_sites": site_names, "fp4_sites": [s.name for s in plan.sites],
-                       "kernels_backend": kernels.resolve_backend(cfg.backend, torch.device(cfg.device))},
+                       "kernels_backend": tracefp4.resolve_backend(cfg.backend, torch.device(cfg.device))},
             "rollout": {
                 "trajectories": len(rids),
                 "tokens": int(sum(len(s) for s in roll.sequences)),
@@ -229,11 +229,11 @@ class _CodeTally:
             per_req = self.roll.codes[s]
             rcp = np.concatenate([per_req[self.index[g.traj_id]][g.start : g.stop] for g in p.segments])[response]
             tc = r.codes[s][response]  # [R, W] unpacked
-            # Compare packed bytes first (value 2j in the low nibble of byte j, as kernels packs them); only
+            # Compare packed bytes first (value 2j in the low nibble of byte j, as tracefp4 packs them); only
             # differing bytes are unpacked (at full coverage and 32K tokens this is most of the metric's time).
             rows, cols = np.nonzero((tc[:, 0::2] | (tc[:, 1::2] << 4)) != rcp)
             a = np.stack([tc[rows, 2 * cols], tc[rows, 2 * cols + 1]], axis=-1)
-            b = kernels.unpack_codes(torch.from_numpy(rcp[rows, cols][:, None])).numpy()
+            b = tracefp4.unpack_codes(torch.from_numpy(rcp[rows, cols][:, None])).numpy()
             bad = ~fidelity.code_matches(a, b)  # +0 / -0 differ as bytes but match as codes
             n_bad = int(bad.sum())
             c = self.counts[s]

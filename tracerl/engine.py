@@ -1,7 +1,7 @@
 """Reference FP4 rollout engine: batched prefill + token-by-token decode with a KV cache, seeded sampling.
 
 The model carries an `FP4Runtime` (`tracerl.qat.install_fp4`); the engine runs it in ``fp4_rne_own_scales``
-(the FP4 rollout) or ``bf16`` (the floor run) and, at hinted sites, receives each `kernels.quantize` result
+(the FP4 rollout) or ``bf16`` (the floor run) and, at hinted sites, receives each `tracefp4.quantize` result
 through the runtime's capture callback and hands hint bits and block scales to a `RolloutRecorder` along with
 the routed expert ids, the sampled tokens and their log-probs. Nothing here synchronizes with the device per
 step except what the model's own expert dispatch does; captured payloads stay on the device until the

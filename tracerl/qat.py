@@ -12,11 +12,11 @@ The runtime's ``mode`` decides what a site does:
 | ``fp4_hints`` | RNE, own scales | hint-guided rounding with the rollout's scales | NVFP4 (STE) |
 
 The rollout runs ``fp4_rne_own_scales`` with a ``capture`` callback: at hinted sites the runtime calls
-``kernels.quantize`` and hands the result (codes, hints, scales) to the callback, so what is recorded is
+``tracefp4.quantize`` and hands the result (codes, hints, scales) to the callback, so what is recorded is
 exactly what the rollout's forward used. Per-site global scales are static (calibrated once, stored in the
 store's model metadata) so rollout and trainer divide by the same fp32 ``g``.
 
-All numerics are `kernels`' (`quantize`, `fake_quantize`); gradients are straight-through.
+All numerics are `tracefp4`'s (`quantize`, `fake_quantize`); gradients are straight-through.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
+import tracefp4
 from tracerl.errors import ConfigError, HintMismatchError
 from tracerl.models import moe_blocks
 from tracerl.sites import BLOCK, SitePlan, kv_cache_sites, linear_input_site, moe_down_site, moe_input_site
@@ -40,7 +40,7 @@ E4M3_MAX = 448.0
 # E2M1 magnitudes of codes 0..7 (bit 3 is the sign).
 E2M1_LADDER = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
-CaptureFn = Callable[[str, Any], None]  # (site, kernels.quantize result [N, W]) at hinted sites
+CaptureFn = Callable[[str, Any], None]  # (site, tracefp4.quantize result [N, W]) at hinted sites
 ObserveFn = Callable[[str, torch.Tensor, torch.Tensor], None]  # (site, codes_u8 [N, W], scale_e4m3 [N, W/16])
 RouteFn = Callable[[int, torch.Tensor], None]  # (layer, expert ids [N, top_k], ascending per row)
 
@@ -189,7 +189,7 @@ class FP4Runtime:
                     f"[{n}, {w // 8}], got {tuple(scale_e4m3.shape)} and "
                     f"{None if hints is None else tuple(hints.shape)}"
                 )
-            y = kernels.fake_quantize(
+            y = tracefp4.fake_quantize(
                 x,
                 fmt="nvfp4",
                 global_scale=g,
@@ -201,21 +201,21 @@ class FP4Runtime:
                 self.observe(site, effective_codes(y.detach(), scale_e4m3, g), scale_e4m3)
             return y
         if hinted and (self.capture is not None or self.observe is not None):
-            q = kernels.quantize(x.detach(), fmt="nvfp4", global_scale=g, backend=self.backend)
+            q = tracefp4.quantize(x.detach(), fmt="nvfp4", global_scale=g, backend=self.backend)
             if self.capture is not None:
                 self.capture(site, q)
             if self.observe is not None:
-                self.observe(site, kernels.unpack_codes(q.codes), q.scales)
+                self.observe(site, tracefp4.unpack_codes(q.codes), q.scales)
             if not x.is_cuda:
-                # dequantize(quantize(x)) is fake_quantize(x) bit for bit for non-NaN x (kernels' contract; a NaN
+                # dequantize(quantize(x)) is fake_quantize(x) bit for bit for non-NaN x (tracefp4's contract; a NaN
                 # is coded as magnitude 6, fake_quantize returns NaN); on the CPU reusing q saves the second
-                # reference pass. (On CUDA kernels' dequantize is the torch reference, so one fused Triton
+                # reference pass. (On CUDA tracefp4's dequantize is the torch reference, so one fused Triton
                 # fake_quantize is cheaper.)
-                y = torch.where(torch.isnan(x), x, kernels.dequantize(q, dtype=x.dtype))
+                y = torch.where(torch.isnan(x), x, tracefp4.dequantize(q, dtype=x.dtype))
                 if x.requires_grad and torch.is_grad_enabled():
                     return _StraightThrough.apply(x, y)
                 return y
-        return kernels.fake_quantize(x, fmt="nvfp4", global_scale=g, backend=self.backend)
+        return tracefp4.fake_quantize(x, fmt="nvfp4", global_scale=g, backend=self.backend)
 
     def quant_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [..., head_dim] as the FP4 KV cache of ``layer`` stores them (`quant` at its
@@ -235,7 +235,7 @@ class FP4Runtime:
             with torch.no_grad():
                 flat = w_hp.detach().reshape(-1, *w_hp.shape[-2:])  # [E, out, in] or [1, out, in]
                 wq = torch.stack(
-                    [kernels.fake_quantize(m, fmt="nvfp4", global_scale=None, backend=self.backend) for m in flat]
+                    [tracefp4.fake_quantize(m, fmt="nvfp4", global_scale=None, backend=self.backend) for m in flat]
                 ).reshape(w_hp.shape)
             self._wcache[key] = (*stamp, wq)
             hit = self._wcache[key]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from schemas import FORMAT_VERSION, SUPPORTED_FORMAT_VERSIONS
+from traceschemas import FORMAT_VERSION, SUPPORTED_FORMAT_VERSIONS
 
 from .errors import InvalidIdError
 

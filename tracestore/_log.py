@@ -1,6 +1,6 @@
 """Commit-log entries: encoding, decoding and checking (mirror images of each other).
 
-An entry is an Arrow IPC file (``schemas.log_entry_schema()``) with two schema-metadata keys:
+An entry is an Arrow IPC file (``traceschemas.log_entry_schema()``) with two schema-metadata keys:
 
 * ``tracestore.entry`` — compact JSON: ``format_version``, ``seq``, ``writer_id``, ``writer_seq``, ``segment``
   (key prefix of the segment group), ``rows``, ``chunk_rows``, ``shard_bytes``, ``created_unix``,
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from schemas import log_entry_schema
+from traceschemas import log_entry_schema
 
 from ._format import (
     ENTRY_CRC_KEY,

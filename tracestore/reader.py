@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from schemas import record_schema, token_schema, trajectory_schema
+from traceschemas import record_schema, token_schema, trajectory_schema
 
 from ._format import check_id
 from ._log import LogEntry, SegmentRef, merge_ranges
@@ -115,7 +115,7 @@ class TraceBatch:
         return self.stop - self.start
 
     def to_arrow(self) -> pa.Table:
-        """The logical records, one row per (position, site), in ``schemas.record_schema()``."""
+        """The logical records, one row per (position, site), in ``traceschemas.record_schema()``."""
         sites = list(self.hints)
         T = len(self)
         rows_traj = pa.array([self.traj_id] * (T * len(sites)), pa.string())
@@ -140,7 +140,7 @@ class TraceBatch:
                                      interleave(self.scales)], schema=record_schema())
 
     def to_arrow_tokens(self) -> pa.Table:
-        """The per-token trace, one row per position, in ``schemas.token_schema()``."""
+        """The per-token trace, one row per position, in ``traceschemas.token_schema()``."""
         T = len(self)
         if self.experts:
             ex = np.stack([_np(v) for v in self.experts.values()], axis=1).reshape(T, -1).astype(np.uint16)
@@ -474,7 +474,7 @@ class Reader:
         return [self.info(t) for t in sorted(self._index)]
 
     def trajectories_table(self) -> pa.Table:
-        """:meth:`trajectories` as Arrow, in ``schemas.trajectory_schema()``."""
+        """:meth:`trajectories` as Arrow, in ``traceschemas.trajectory_schema()``."""
         infos = self.trajectories()
         cols = {
             "traj_id": [i.traj_id for i in infos], "num_tokens": [i.num_tokens for i in infos],
