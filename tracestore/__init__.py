@@ -12,10 +12,20 @@ The on-disk format is specified in ``schemas/FORMAT.md``.
 """
 
 from ._format import FORMAT_VERSION, SUPPORTED_FORMAT_VERSIONS
-from .backend import Backend, ByteRange, ObjectInfo, open_backend
+from .backend import Backend, ByteRange, ObjectInfo, RetryPolicy, open_backend
 from .errors import (
+    AccessDeniedError,
     BackendError,
+    CommitError,
+    CredentialsError,
+    DeclarationError,
     DTypeError,
+    EndpointError,
+    GcRefusedError,
+    LocationError,
+    StorageTimeoutError,
+    ThrottledError,
+    TransientStorageError,
     HintNotFoundError,
     IntegrityError,
     InvalidIdError,
@@ -41,8 +51,10 @@ __all__ = [
     "Site", "Store", "Snapshot", "create_store", "open_store",
     "Writer", "Reader", "Stream", "TraceBatch", "TrajectoryInfo", "CommittedRecord", "read_record",
     "verify", "collect_garbage", "compact", "info", "VerifyReport", "GcReport",
-    "Backend", "ByteRange", "ObjectInfo", "open_backend",
+    "Backend", "ByteRange", "ObjectInfo", "RetryPolicy", "open_backend",
     "TraceStoreError", "SchemaVersionError", "IntegrityError", "HintNotFoundError", "OverlapError",
     "InvalidIdError", "ShapeError", "DTypeError", "UnknownSiteError", "StoreExistsError", "StoreNotFoundError",
-    "SnapshotError", "BackendError", "ObjectNotFoundError",
+    "SnapshotError", "BackendError", "ObjectNotFoundError", "TransientStorageError", "ThrottledError",
+    "StorageTimeoutError", "EndpointError", "CredentialsError", "AccessDeniedError", "LocationError", "CommitError",
+    "DeclarationError", "GcRefusedError",
 ]

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ._format import PARTIAL_SUFFIX
 from .backend import Backend, Data, ObjectInfo, _check_key
-from .errors import BackendError, ObjectNotFoundError
+from .errors import AccessDeniedError, BackendError, LocationError, ObjectNotFoundError
 
 
 _IOV_MAX = 512
@@ -73,7 +74,24 @@ class LocalBackend(Backend):
     def _wrap(self, e: OSError, key: str) -> BackendError:
         if isinstance(e, FileNotFoundError):
             return ObjectNotFoundError(f"object {key!r} not found in {self.url}")
+        if isinstance(e, PermissionError):
+            return AccessDeniedError(f"permission denied on {key!r} in {self.url}: {e.strerror or e}")
+        if e.errno in (errno.ENOTDIR, errno.EROFS, errno.ELOOP):
+            return LocationError(f"{self.url} cannot hold a store ({key!r}): {e.strerror or e}")
         return BackendError(f"I/O error on {key!r} in {self.url}: {e}")
+
+    def _wrap_write(self, e: OSError, key: str) -> BackendError:
+        """A write that fails with ENOENT/ENOTDIR could not create the object's directory: the location is bad
+        (``/proc/x``, a path through a file), not a missing object."""
+        if isinstance(e, (FileNotFoundError, NotADirectoryError)):
+            return LocationError(f"cannot create {key!r} in {self.url}: {e.strerror or e} "
+                                 f"({e.filename or self.url})")
+        return self._wrap(e, key)
+
+    def classify(self, error: BaseException, what: str) -> BackendError:
+        if isinstance(error, OSError):
+            return self._wrap(error, what)
+        return super().classify(error, what)
 
     def get(self, key: str) -> bytes:
         try:
@@ -158,7 +176,7 @@ class LocalBackend(Backend):
             tmp = self._write_partial(path, data)
             os.replace(tmp, path)
         except OSError as e:
-            raise self._wrap(e, key) from e
+            raise self._wrap_write(e, key) from e
 
     def put_many(self, items, *, atomic: bool = True) -> None:
         """Write many objects; ``atomic=False`` writes fresh objects in place (``O_EXCL``, no rename), for
@@ -168,7 +186,10 @@ class LocalBackend(Backend):
                 self.put(key, data)
             return
         for key in items:
-            self._mkdirs(os.path.dirname(self._path(key)))
+            try:
+                self._mkdirs(os.path.dirname(self._path(key)))
+            except OSError as e:
+                raise self._wrap_write(e, key) from e
         if self.put_threads > 1 and len(items) > 1:
             if self._pool is None or self._pool_pid != os.getpid():  # (a forked child has no pool threads)
                 self._pool = ThreadPoolExecutor(self.put_threads, thread_name_prefix="tracestore-put")
@@ -183,14 +204,14 @@ class LocalBackend(Backend):
         try:
             self._write_new(self._path(key), data)
         except OSError as e:
-            raise self._wrap(e, key) from e
+            raise self._wrap_write(e, key) from e
 
     def put_if_absent(self, key: str, data: Data) -> bool:
         path = self._path(key)
         try:
             tmp = self._write_partial(path, data)
         except OSError as e:
-            raise self._wrap(e, key) from e
+            raise self._wrap_write(e, key) from e
         try:
             os.link(tmp, path)
             return True
@@ -210,7 +231,27 @@ class LocalBackend(Backend):
                 pass
 
     def exists(self, key: str) -> bool:
-        return os.path.isfile(self._path(key))
+        # os.path.isfile would answer False for any error (EACCES, EIO): only ENOENT/ENOTDIR mean absent
+        try:
+            return stat.S_ISREG(os.stat(self._path(key)).st_mode)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        except OSError as e:
+            raise self._wrap(e, key) from e
+
+    def list_after(self, prefix: str, start_after: str, limit: int = 1000) -> list[str]:
+        # one directory read when the prefix names a directory (the log): no walk of the whole store
+        if not prefix.endswith("/"):
+            return super().list_after(prefix, start_after, limit)
+        directory = os.path.join(self.url, prefix)
+        try:
+            names = os.listdir(directory)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        except OSError as e:
+            raise self._wrap(e, prefix) from e
+        keys = sorted(k for n in names if (k := prefix + n) > start_after and os.path.isfile(os.path.join(directory, n)))
+        return keys[:limit]
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         base = self.root
@@ -219,7 +260,11 @@ class LocalBackend(Backend):
         start = base / prefix.rsplit("/", 1)[0] if "/" in prefix else base
         if not start.is_dir():
             return out
-        for dirpath, _dirnames, filenames in os.walk(start):
+        def failed(e: OSError) -> None:  # a directory that cannot be read is an error, not an empty one
+            if not isinstance(e, FileNotFoundError):
+                raise self._wrap(e, os.path.relpath(e.filename or str(start), base)) from e
+
+        for dirpath, _dirnames, filenames in os.walk(start, onerror=failed):
             for name in filenames:
                 full = os.path.join(dirpath, name)
                 key = os.path.relpath(full, base).replace(os.sep, "/")

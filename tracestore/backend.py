@@ -13,19 +13,31 @@ What the store needs from a backend:
   (local: ``os.link`` of a finished ``.partial`` file, which fails if the target exists; S3: ``PUT`` with
   ``If-None-Match: *``).
 * ``get`` / ``get_range`` / ``get_ranges`` — whole object or byte ranges ``[start, stop)``.
-* ``list`` — a fresh listing (caches bypassed), ``exists``, ``delete``.
+* ``list`` / ``list_after`` — a fresh listing (caches bypassed), ``exists``, ``delete``.
+
+"Absent" and "could not tell" are different answers: ``exists`` returns False and ``get`` raises
+:class:`~tracestore.errors.ObjectNotFoundError` only when the storage said the object does not exist. Every other
+failure is retried (transient ones: throttling, 5xx, timeouts, resets, refused connections) under the backend's
+:class:`RetryPolicy` and then raised as a typed :class:`~tracestore.errors.BackendError` subclass naming the URL,
+the object and the cause in one line.
 """
 
 from __future__ import annotations
 
 import abc
 import logging
+import math
+import random
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
-from .errors import BackendError
+from .errors import BackendError, StorageTimeoutError, TraceStoreError, TransientStorageError
 
-__all__ = ["Backend", "ByteRange", "ObjectInfo", "open_backend", "join_parts"]
+__all__ = ["Backend", "ByteRange", "ObjectInfo", "RetryPolicy", "open_backend", "join_parts"]
+
+T = TypeVar("T")
 
 #: what ``put`` accepts: one bytes-like object, or a list of them to be concatenated
 Data = bytes | bytearray | memoryview | Sequence[bytes | bytearray | memoryview]
@@ -58,6 +70,39 @@ class ObjectInfo:
     mtime: float
 
 
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """How a backend retries transient storage errors: at most ``attempts`` tries of one operation, sleeping a
+    random ("full jitter") time in ``[0, min(max_delay_s, base_delay_s * 2**k)]`` after the k-th failure, and never
+    past ``deadline_s`` from the first try. Errors that are not transient (absent, denied, bad credentials,
+    integrity) are raised at once.
+
+    Raises:
+        ValueError: ``attempts < 1`` or a delay/deadline that is negative, NaN or infinite.
+    """
+
+    attempts: int = 5
+    base_delay_s: float = 0.1
+    max_delay_s: float = 5.0
+    deadline_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.attempts, bool) or not isinstance(self.attempts, int) or self.attempts < 1:
+            raise ValueError(f"RetryPolicy.attempts must be an int >= 1, got {self.attempts!r}")
+        for name in ("base_delay_s", "max_delay_s", "deadline_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"RetryPolicy.{name} must be a finite number >= 0, got {v!r}")
+
+    def delay(self, failures: int) -> float:
+        """Seconds to sleep after ``failures`` consecutive failures (>= 1)."""
+        return random.uniform(0.0, min(self.max_delay_s, self.base_delay_s * 2.0 ** (failures - 1)))
+
+
+#: what a backend uses when none is given
+DEFAULT_RETRY = RetryPolicy()
+
+
 class Backend(abc.ABC):
     """Abstract object store rooted at :attr:`url`.
 
@@ -68,6 +113,47 @@ class Backend(abc.ABC):
     url: str
     supports_put_if_absent: bool = True
     supports_listing: bool = True
+    retry: RetryPolicy = DEFAULT_RETRY
+
+    def classify(self, error: BaseException, what: str) -> BackendError:
+        """The typed error for a failure of operation ``what`` (e.g. ``"GET 'log/000000000007.arrow'"``).
+        Backends override this to recognise their storage's errors; the default wraps anything as BackendError."""
+        if isinstance(error, BackendError):
+            return error
+        return BackendError(f"{what} in {self.url} failed: {type(error).__name__}: {error}")
+
+    def call(self, what: str, fn: Callable[[], T]) -> T:
+        """Run ``fn`` under :attr:`retry`: transient failures are retried with backoff until the attempts or the
+        deadline run out, then raised as :class:`TransientStorageError` (with the attempt count); other failures
+        are raised at once, typed by :meth:`classify`."""
+        policy = self.retry
+        start = time.monotonic()
+        failures = 0
+        while True:
+            try:
+                return fn()
+            except TraceStoreError as e:
+                err: BackendError | TraceStoreError = e
+            except Exception as e:  # noqa: BLE001 - storage clients raise anything; classify() types it
+                err = self.classify(e, what)
+                err.__cause__ = e
+            if not isinstance(err, TransientStorageError):
+                raise err
+            failures += 1
+            pause = policy.delay(failures)
+            elapsed = time.monotonic() - start
+            if failures >= policy.attempts or elapsed + pause > policy.deadline_s:
+                if failures > 1:
+                    kind = type(err)
+                    if elapsed + pause > policy.deadline_s and failures < policy.attempts:
+                        kind = StorageTimeoutError
+                    again = kind(f"{err} (gave up after {failures} attempts in {elapsed:.1f} s)")
+                    again.__cause__ = err.__cause__
+                    raise again
+                raise err
+            log.debug("%s in %s: transient failure %d/%d (%s); retrying in %.2f s", what, self.url, failures,
+                      policy.attempts, err, pause)
+            time.sleep(pause)
 
     @abc.abstractmethod
     def get(self, key: str) -> bytes:
@@ -160,6 +246,11 @@ class Backend(abc.ABC):
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         """All objects whose key starts with ``prefix`` (a fresh listing), sorted by key."""
 
+    def list_after(self, prefix: str, start_after: str, limit: int = 1000) -> list[str]:
+        """Up to ``limit`` keys that start with ``prefix`` and sort after ``start_after``, ascending (a fresh
+        listing). Object stores answer this with one request (S3 ``StartAfter``); the default lists the prefix."""
+        return [o.key for o in self.list(prefix) if o.key > start_after][:limit]
+
     @abc.abstractmethod
     def delete(self, key: str) -> None:
         """Delete an object; absent objects are ignored."""
@@ -180,7 +271,7 @@ def _check_key(key: str) -> None:
     assert key and not key.startswith("/") and ".." not in key.split("/"), key
 
 
-def open_backend(url: str, storage_options: Mapping | None = None) -> Backend:
+def open_backend(url: str, storage_options: Mapping | None = None, *, retry: RetryPolicy | None = None) -> Backend:
     """Open the backend for ``url``.
 
     * a plain path or ``file://`` URL -> local directory backend,
@@ -188,24 +279,31 @@ def open_backend(url: str, storage_options: Mapping | None = None) -> Backend:
     * any other fsspec URL (``s3://bucket/prefix`` ...) -> the fsspec backend; writers need a filesystem that
       can create-if-absent atomically (S3 through s3fs: conditional PUT).
 
+    ``retry`` (default :data:`DEFAULT_RETRY`) says how transient storage errors are retried.
+
     Raises:
         BackendError: the URL's protocol cannot be opened (fsspec implementation missing, bad options).
     """
     options = dict(storage_options or {})
+    backend: Backend
     if "://" not in url or url.startswith("file://"):
         from ._local import LocalBackend
 
-        return LocalBackend(url[len("file://") :] if url.startswith("file://") else url, **options)
-    if url.startswith("memory://"):
+        backend = LocalBackend(url[len("file://") :] if url.startswith("file://") else url, **options)
+    elif url.startswith("memory://"):
         from ._memory import MemoryBackend
 
-        return MemoryBackend(url)
-    from ._fsspec import FsspecBackend
+        backend = MemoryBackend(url)
+    else:
+        from ._fsspec import FsspecBackend
 
-    try:
-        import fsspec.core
+        try:
+            import fsspec.core
 
-        fs, root = fsspec.core.url_to_fs(url, **options)
-    except (ImportError, ValueError, TypeError, OSError) as e:
-        raise BackendError(f"cannot open a filesystem for {url!r}: {e}") from e
-    return FsspecBackend(fs, root, url)
+            fs, root = fsspec.core.url_to_fs(url, **options)
+        except (ImportError, ValueError, TypeError, OSError) as e:
+            raise BackendError(f"cannot open a filesystem for {url!r}: {e}") from e
+        backend = FsspecBackend(fs, root, url)
+    if retry is not None:
+        backend.retry = retry
+    return backend

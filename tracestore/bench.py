@@ -50,6 +50,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from ._argtypes import nonneg_int, positive_int
 from .maintenance import info
 from .store import Site, create_store
 
@@ -683,30 +684,33 @@ def to_json(result: dict) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The benchmark's command-line flags (shared by ``tracestore bench`` and ``benchmarks/benchmark_store.py``)."""
     d = BenchConfig()
-    p.add_argument("--trajectories", type=int, default=d.trajectories, help=f"trajectories (default {d.trajectories})")
-    p.add_argument("--tokens", type=int, default=d.tokens, help=f"tokens per trajectory (default {d.tokens})")
-    p.add_argument("--sites", type=int, default=d.sites, help=f"hinted sites (default {d.sites})")
-    p.add_argument("--width", type=int, default=d.width, help=f"values per site (default {d.width})")
-    p.add_argument("--fp4-format", choices=("nvfp4", "mxfp4"), default=d.fp4_format)
-    p.add_argument("--moe-layers", type=int, default=d.moe_layers,
+    p.add_argument("--trajectories", type=positive_int, default=d.trajectories, help=f"trajectories (default {d.trajectories})")
+    p.add_argument("--tokens", type=positive_int, default=d.tokens, help=f"tokens per trajectory (default {d.tokens})")
+    p.add_argument("--sites", type=positive_int, default=d.sites, help=f"hinted sites (default {d.sites})")
+    p.add_argument("--width", type=positive_int, default=d.width, help=f"values per site (default {d.width})")
+    p.add_argument("--fp4-format", choices=("nvfp4", "mxfp4"), default=d.fp4_format,
+                   help=f"FP4 format of the sites (default {d.fp4_format})")
+    p.add_argument("--moe-layers", type=nonneg_int, default=d.moe_layers,
                    help=f"MoE layers in the trace (default {d.moe_layers}; 0 = no routed experts)")
-    p.add_argument("--top-k", type=int, default=d.top_k)
-    p.add_argument("--num-experts", type=int, default=d.num_experts)
-    p.add_argument("--write-tokens", type=int, default=d.write_tokens,
+    p.add_argument("--top-k", type=positive_int, default=d.top_k,
+                   help=f"routed experts per token and MoE layer (default {d.top_k})")
+    p.add_argument("--num-experts", type=positive_int, default=d.num_experts,
+                   help=f"experts per MoE layer (default {d.num_experts})")
+    p.add_argument("--write-tokens", type=positive_int, default=d.write_tokens,
                    help=f"tokens per Writer.write call (default {d.write_tokens})")
-    p.add_argument("--commit-bytes", type=int, default=d.commit_bytes, help="writer commit size (default 64 MiB)")
-    p.add_argument("--chunk-rows", type=int, default=None, help="store layout (default: the store default)")
-    p.add_argument("--shard-bytes", type=int, default=None, help="store layout (default: the store default)")
-    p.add_argument("--repeats", type=int, default=d.repeats, help=f"repeats, median reported (default {d.repeats})")
+    p.add_argument("--commit-bytes", type=positive_int, default=d.commit_bytes, help="writer commit size (default 64 MiB)")
+    p.add_argument("--chunk-rows", type=positive_int, default=None, help="store layout (default: the store default)")
+    p.add_argument("--shard-bytes", type=positive_int, default=None, help="store layout (default: the store default)")
+    p.add_argument("--repeats", type=positive_int, default=d.repeats, help=f"repeats, median reported (default {d.repeats})")
     p.add_argument("--url", help="local benchmark directory (default: a temporary directory)")
     p.add_argument("--s3", action=argparse.BooleanOptionalAction, default=True,
                    help="also benchmark S3 (default: yes, against a moto server on 127.0.0.1)")
     p.add_argument("--s3-endpoint", help="S3 endpoint URL (default: start a moto server)")
     p.add_argument("--s3-bucket", default=d.s3_bucket, help=f"bucket for --s3-endpoint (default {d.s3_bucket})")
-    p.add_argument("--s3-trajectories", type=int, help="trajectories on S3 (default trajectories // 4)")
+    p.add_argument("--s3-trajectories", type=positive_int, help="trajectories on S3 (default trajectories // 4)")
     p.add_argument("--durable", action=argparse.BooleanOptionalAction, default=True,
                    help="also measure fsync'd writes and cold reads locally (default: yes)")
-    p.add_argument("--tail-commits", type=int, default=d.tail_commits,
+    p.add_argument("--tail-commits", type=positive_int, default=d.tail_commits,
                    help=f"commits timed for the tail latency (default {d.tail_commits})")
     p.add_argument("--out", metavar="FILE", help="save the JSON result here")
 

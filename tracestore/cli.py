@@ -22,6 +22,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 
+from ._argtypes import nonneg_float, nonneg_int, positive_float, positive_int
 from .errors import TraceStoreError
 
 __all__ = ["main", "build_parser"]
@@ -160,6 +161,18 @@ def _sites_from_table(table) -> tuple[list, dict]:
         raise UsageError(f"site table: each site needs 'name' and 'width' ({e!r})") from e
 
 
+def _names(template: str, n: int, option: str) -> list[str]:
+    """``template`` formatted with ``i = 0 .. n-1``; one name each (a pattern without ``{i}`` is refused)."""
+    try:
+        names = [template.format(i=i) for i in range(n)]
+    except (KeyError, IndexError, ValueError, AttributeError, TypeError) as e:
+        raise UsageError(f"{option} {template!r} is not a name pattern: use {{i}} for the index (e.g. "
+                         f"'layers.{{i}}.mlp'); {type(e).__name__}: {e}") from e
+    if n > 1 and len(set(names)) != n:
+        raise UsageError(f"{option} {template!r} gives the same name twice: it must contain {{i}}")
+    return names
+
+
 def _cmd_create(args: argparse.Namespace) -> int:
     from .maintenance import info
     from .store import Site, create_store
@@ -167,16 +180,13 @@ def _cmd_create(args: argparse.Namespace) -> int:
     if args.site_table:
         sites, extra = _sites_from_table(_load_json_arg("@" + args.site_table, "--site-table"))
     elif args.sites:
-        try:
-            sites = [Site(args.site_name.format(i=i), args.width, fp4_format=args.fp4_format)
-                     for i in range(args.sites)]
-        except (KeyError, IndexError) as e:
-            raise UsageError(f"--site-name {args.site_name!r} must use {{i}} only") from e
+        sites = [Site(name, args.width, fp4_format=args.fp4_format)
+                 for name in _names(args.site_name, args.sites, "--site-name")]
         extra = {}
     else:
         raise UsageError("give --site-table FILE or --sites N [--width W]")
     if args.moe_layers is not None:
-        extra["moe_layers"] = [args.moe_layer_name.format(i=i) for i in range(args.moe_layers)]
+        extra["moe_layers"] = _names(args.moe_layer_name, args.moe_layers, "--moe-layer-name")
         extra["top_k"] = args.top_k
         extra["num_experts"] = args.num_experts
     for k in ("chunk_rows", "shard_bytes", "feature_chunk"):
@@ -444,7 +454,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 
     store = _open(args)
     with _progress(args, "gc") as update:
-        report = collect_garbage(store, grace_s=args.grace, dry_run=args.dry_run, progress=update)
+        report = collect_garbage(store, grace_s=args.grace, dry_run=args.dry_run, progress=update, force=args.force)
     if args.json:
         _json_out(report.to_dict())
         return 0
@@ -530,17 +540,23 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--site-table", metavar="FILE", help="JSON: a list of sites {name, width, [kind, fp4_format, "
                      "block_size]} or an object with 'sites' (+ model, moe_layers, top_k, num_experts, layout)")
-    src.add_argument("--sites", type=int, metavar="N", help="N sites of --width values each")
-    p.add_argument("--width", type=int, default=2048, help="values per site with --sites (default 2048)")
-    p.add_argument("--fp4-format", choices=("nvfp4", "mxfp4"), default="nvfp4")
-    p.add_argument("--site-name", default="layers.{i}.moe_in", help="site name pattern with --sites")
-    p.add_argument("--moe-layers", type=int, metavar="L", help="declare L MoE layers (routed-expert trace)")
-    p.add_argument("--moe-layer-name", default="layers.{i}.mlp", help="MoE layer name pattern")
-    p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--num-experts", type=int, default=256)
-    p.add_argument("--chunk-rows", type=int, help="rows per inner chunk (store default 1024)")
-    p.add_argument("--shard-bytes", type=int, help="target bytes per shard object (store default 16 MiB)")
-    p.add_argument("--feature-chunk", type=int, help="values per column chunk (tensor-parallel slicing)")
+    src.add_argument("--sites", type=positive_int, metavar="N", help="N sites of --width values each")
+    p.add_argument("--width", type=positive_int, default=2048, help="values per site with --sites (default 2048)")
+    p.add_argument("--fp4-format", choices=("nvfp4", "mxfp4"), default="nvfp4",
+                   help="FP4 format of every site with --sites: nvfp4 (blocks of 16, E4M3 scales) or mxfp4 "
+                        "(blocks of 32, E8M0 scales); default nvfp4")
+    p.add_argument("--site-name", default="layers.{i}.moe_in",
+                   help="site name pattern with --sites; {i} is replaced by 0..N-1 (default layers.{i}.moe_in)")
+    p.add_argument("--moe-layers", type=positive_int, metavar="L", help="declare L MoE layers (routed-expert trace)")
+    p.add_argument("--moe-layer-name", default="layers.{i}.mlp",
+                   help="MoE layer name pattern with --moe-layers; {i} is replaced by 0..L-1 (default layers.{i}.mlp)")
+    p.add_argument("--top-k", type=positive_int, default=8,
+                   help="routed experts per token and MoE layer, with --moe-layers (default 8)")
+    p.add_argument("--num-experts", type=positive_int, default=256,
+                   help="experts per MoE layer, with --moe-layers (default 256; ids stored as uint8 up to 256)")
+    p.add_argument("--chunk-rows", type=positive_int, help="rows per inner chunk (store default 1024)")
+    p.add_argument("--shard-bytes", type=positive_int, help="target bytes per shard object (store default 16 MiB)")
+    p.add_argument("--feature-chunk", type=nonneg_int, help="values per column chunk (tensor-parallel slicing)")
     p.add_argument("--model", metavar="JSON", help="free-form model metadata (JSON or @file.json)")
     p.add_argument("--exist-ok", action="store_true", help="open an existing store with the same declaration")
     p.add_argument("--json", action="store_true", help="print the new store's info as JSON")
@@ -554,7 +570,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("ls", "list trajectories: committed tokens, records, policy versions, writers")
     p.add_argument("url")
     p.add_argument("--prefix", help="only trajectory ids starting with this")
-    p.add_argument("--limit", type=int, help="at most this many trajectories")
+    p.add_argument("--limit", type=positive_int, help="at most this many trajectories")
     p.add_argument("--snapshot", metavar="JSON", help="pin a snapshot (JSON or @file) instead of the log head")
     p.add_argument("--json", action="store_true",
                    help="one JSON object: {snapshot, trajectories: [...]}")
@@ -566,7 +582,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("traj_id")
     p.add_argument("--tokens", metavar="A:B", help="read tokens [A, B) (A: = to the end of the contiguous run)")
     p.add_argument("--site", action="append", metavar="NAME", help="site(s) to show (repeatable; default all)")
-    p.add_argument("--rows", type=int, default=4, help="rows to print (0 = all of --tokens; default 4)")
+    p.add_argument("--rows", type=nonneg_int, default=4, help="rows to print (0 = all of --tokens; default 4)")
     p.add_argument("--full", action="store_true", help="print whole hint/scale rows (default: first 24 bytes)")
     p.add_argument("--snapshot", metavar="JSON", help="pin a snapshot (JSON or @file)")
     p.add_argument("--json", action="store_true")
@@ -579,9 +595,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("url")
     p.add_argument("--cursor", help="resume position v1:<store_id>:<seq>:<index> (printed by a previous tail)")
     p.add_argument("--from-start", action="store_true", help="start at log entry 0")
-    p.add_argument("--timeout", type=float, default=None, help="stop after this many seconds without a new record")
-    p.add_argument("--max-records", type=int, default=None, help="stop after this many records")
-    p.add_argument("--poll", type=float, default=0.05, help="poll interval in seconds (default 0.05)")
+    p.add_argument("--timeout", type=nonneg_float, default=None, help="stop after this many seconds without a new record")
+    p.add_argument("--max-records", type=positive_int, default=None, help="stop after this many records")
+    p.add_argument("--poll", type=positive_float, default=0.05, help="poll interval in seconds (default 0.05)")
     p.add_argument("--json", action="store_true", help="JSON lines: one per record (with the cursor after it), "
                    "then {cursor, records}")
     p.set_defaults(func=_cmd_tail)
@@ -595,8 +611,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("gc", "delete uncommitted segments and partial files older than the grace period")
     p.add_argument("url")
     p.add_argument("--dry-run", action="store_true", help="only report what would be deleted")
-    p.add_argument("--grace", type=float, default=None, metavar="SECONDS",
-                   help="grace period (default: the store's gc_grace_s, 3600)")
+    p.add_argument("--grace", type=positive_float, default=None, metavar="SECONDS",
+                   help="grace period in seconds, > 0 (default: the store's gc_grace_s, 3600); shorter than the "
+                        "store's needs --force")
+    p.add_argument("--force", action="store_true",
+                   help="allow a grace period shorter than the store's gc_grace_s (only when no writer is running)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_gc)
 

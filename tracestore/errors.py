@@ -22,6 +22,16 @@ __all__ = [
     "SnapshotError",
     "BackendError",
     "ObjectNotFoundError",
+    "TransientStorageError",
+    "ThrottledError",
+    "StorageTimeoutError",
+    "EndpointError",
+    "CredentialsError",
+    "AccessDeniedError",
+    "LocationError",
+    "CommitError",
+    "DeclarationError",
+    "GcRefusedError",
 ]
 
 
@@ -89,4 +99,53 @@ class BackendError(TraceStoreError, OSError):
 
 
 class ObjectNotFoundError(BackendError, FileNotFoundError):
-    """A backend object does not exist (internal; public APIs translate it to a more specific error)."""
+    """A backend object does not exist (internal; public APIs translate it to a more specific error).
+
+    Raised only when the storage answered "absent" (local ENOENT, S3 404 NoSuchKey); a storage that could not
+    be asked raises a :class:`TransientStorageError` or another :class:`BackendError` instead, never this."""
+
+
+class TransientStorageError(BackendError):
+    """The storage could not answer now (throttling, 5xx, timeout, connection reset or refused) and kept failing
+    through the retries and the deadline. The operation's outcome is unknown; nothing was read as absent."""
+
+
+class ThrottledError(TransientStorageError):
+    """The storage asked to slow down (S3 503 SlowDown / ServiceUnavailable, 429) through every retry."""
+
+
+class StorageTimeoutError(TransientStorageError, TimeoutError):
+    """A request or the operation's deadline timed out."""
+
+
+class EndpointError(TransientStorageError, ConnectionError):
+    """The storage endpoint could not be reached, or closed or reset the connection."""
+
+
+class CredentialsError(BackendError, PermissionError):
+    """No credentials, or credentials the storage rejects (unknown key, bad signature, expired token)."""
+
+
+class AccessDeniedError(BackendError, PermissionError):
+    """The credentials are valid but not allowed to do this (S3 403 AccessDenied, local EACCES/EPERM)."""
+
+
+class LocationError(BackendError):
+    """The store URL cannot hold a store: the bucket does not exist, the path is not a directory, or a parent
+    cannot be created."""
+
+
+class CommitError(TransientStorageError):
+    """A writer could not claim a log position before its commit deadline (the storage kept failing); the rows
+    stay buffered and a later ``flush`` retries them."""
+
+
+class DeclarationError(TraceStoreError, ValueError):
+    """A store declaration or manifest value is invalid (site table, layout, MoE declaration, gc grace period,
+    name template): the message says which value arrived and what is allowed."""
+
+
+class GcRefusedError(TraceStoreError, ValueError):
+    """``collect_garbage`` refused to delete anything: its grace period is not safe for this store (not a finite
+    number > 0, shorter than the store's ``gc_grace_s`` that writers rely on, or not longer than twice the
+    longest commit the store has seen)."""

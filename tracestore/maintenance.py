@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,12 +20,13 @@ from ._format import (
     MANIFEST_KEY,
     PARTIAL_SUFFIX,
     checkpoint_key,
+    log_key,
     parse_checkpoint_key,
     parse_log_key,
 )
 from ._log import LogEntry, decode_checkpoint, same_entry
 from ._segment import array_metadata, crc32c, layout
-from .errors import IntegrityError, ObjectNotFoundError, SchemaVersionError, TraceStoreError
+from .errors import GcRefusedError, IntegrityError, ObjectNotFoundError, SchemaVersionError, TraceStoreError
 
 __all__ = ["info", "verify", "collect_garbage", "compact", "VerifyReport", "GcReport"]
 
@@ -41,15 +43,48 @@ def _segment_of(key: str) -> str | None:
     return "/".join(parts[:3])
 
 
-def _all_entries(store, errors: list[str] | None = None) -> list[LogEntry]:
-    head = store.head()
+def _listed_log(objects) -> list[int]:
+    """Positions of the log entries in a listing, ascending."""
+    return sorted(n for o in objects if (n := parse_log_key(o.key)) is not None)
+
+
+def _holes(listed: list[int]) -> list[int]:
+    """Positions missing below the last listed entry (entries are dense: each is a hole, FORMAT §7)."""
+    have = set(listed)
+    return [n for n in range(listed[-1] + 1) if n not in have] if listed else []
+
+
+def _all_entries(store, errors: list[str] | None = None, objects=None) -> list[LogEntry]:
+    """Every committed entry. With ``errors`` (verify): problems are appended there, unreadable or missing entries
+    skipped; without: the first problem raises. ``objects`` (a listing made before) also reveals holes that
+    existence probes could step over."""
+    listed = _listed_log(objects) if objects is not None else []
+    holes = _holes(listed)
+    if holes and errors is None:
+        raise IntegrityError(
+            f"{store.url}: log entries {[log_key(n) for n in holes[:5]]} are missing below the log head "
+            f"({listed[-1] + 1} entries): holes in the log (FORMAT §7)")
+    try:
+        head = store.head()
+    except IntegrityError as e:
+        if errors is None:
+            raise
+        errors.append(str(e))
+        head = 0
+    head = max(head, listed[-1] + 1 if listed else 0)
     if errors is None:
         return store.read_entries(0, head)
     out = []
     for seq in range(head):
+        if seq in holes:
+            errors.append(f"log entry {store.url}/{log_key(seq)} is missing below the log head ({head} entries): "
+                          f"a hole in the log (FORMAT §7)")
+            continue
         try:
             out.append(store.read_entry(seq, cached=False))
-        except (IntegrityError, SchemaVersionError, ObjectNotFoundError) as e:
+        except ObjectNotFoundError:
+            errors.append(f"log entry {store.url}/{log_key(seq)} is missing below the log head ({head} entries)")
+        except (IntegrityError, SchemaVersionError) as e:
             errors.append(f"log entry {seq}: {e}")
     return out
 
@@ -63,7 +98,7 @@ def info(store) -> dict:
     hint+scale bytes per token; ``overhead`` = everything stored except orphans and trace, over that.
     """
     objects = store.backend.list("")
-    entries = _all_entries(store)
+    entries = _all_entries(store, objects=objects)
     referenced = {e.segment.path for e in entries}
     cats = dict.fromkeys(("payload", "trace", "zarr_metadata", "log", "checkpoints", "manifest", "orphan", "partial",
                           "other"), 0)
@@ -203,7 +238,7 @@ def verify(store, *, progress: Progress | None = None) -> VerifyReport:
     except TraceStoreError as e:
         report.errors.append(f"listing failed: {e}")
         objects = []
-    entries = _all_entries(store, report.errors)
+    entries = _all_entries(store, report.errors, objects)
     report.entries = len(entries)
     report.records = sum(len(e) for e in entries)
     ranges: dict[str, list[tuple[int, int, int]]] = {}
@@ -266,27 +301,83 @@ class GcReport:
                 "young_segments": list(self.young_segments)}
 
 
+#: resolution of object modification times (S3 LastModified has whole seconds)
+MTIME_RESOLUTION_S = 1.0
+
+
+def commit_windows(objects, entries: list[LogEntry]) -> dict[int, float]:
+    """Per log entry, how long its segment was (at least) unreferenced before the entry existed: the larger of
+    (log object mtime - the segment's newest object mtime), both by the storage's clock from one listing, and
+    (log object mtime - the entry's ``created_unix``), the time its conditional PUT was in flight (writer's clock
+    against the storage's: clock skew adds to it). gc's grace must exceed these."""
+    seg_mtime: dict[str, float] = {}
+    log_mtime: dict[int, float] = {}
+    for o in objects:
+        seg = _segment_of(o.key)
+        if seg is not None:
+            seg_mtime[seg] = max(seg_mtime.get(seg, 0.0), o.mtime)
+        elif (n := parse_log_key(o.key)) is not None:
+            log_mtime[n] = o.mtime
+    out = {}
+    for e in entries:
+        if e.seq not in log_mtime:
+            continue
+        landed = log_mtime[e.seq]
+        window = landed - e.created_unix
+        if e.segment.path in seg_mtime:
+            window = max(window, landed - seg_mtime[e.segment.path])
+        # object stores report whole seconds: a fast commit can span a second boundary, so take one second off
+        out[e.seq] = max(0.0, window - MTIME_RESOLUTION_S)
+    return out
+
+
 def collect_garbage(store, *, grace_s: float | None = None, dry_run: bool = False,
-                    progress: Progress | None = None, now: float | None = None) -> GcReport:
+                    progress: Progress | None = None, now: float | None = None, force: bool = False) -> GcReport:
     """Delete data that no committed log entry references and that is older than ``grace_s``.
 
     Deletes (a) every object of a segment ``data/<writer>/<segment>/`` that no log entry names, once the
     segment's newest object is older than the grace period, and (b) ``*.partial`` temporary files older than it.
     Log entries, checkpoints and the manifest are never deleted. Data is listed *before* the log is read, so a
-    segment that commits meanwhile is seen as referenced; a writer whose segment write took longer than half
-    the grace period (``store.gc_grace_s``, default 1 h) writes the segment again under a new name before
-    committing (FORMAT §6). Safe to run while writers and readers work, as long as ``grace_s`` exceeds the time
-    a writer takes from its first data object to its log entry.
+    segment that commits meanwhile is seen as referenced; writers never commit a segment older than half the
+    store's ``gc_grace_s`` (they write it again), and check after a slower commit that its segment survived
+    (FORMAT §6). Safe to run while writers and readers work.
+
+    Nothing is deleted unless the whole log was read: a listing or an entry that cannot be read, or a hole in
+    the log, raises before any deletion.
+
+    Args:
+        grace_s: seconds; default the store's ``gc_grace_s``. Must be finite and > 0, at least the store's
+            ``gc_grace_s`` (writers rely on it) unless ``force``, and more than twice the longest commit seen in
+            the store (from its segment's last write to its log entry, by the storage's clock).
+        force: allow a grace shorter than the store's ``gc_grace_s`` (only when no writer is running).
+        now: the current time (unix seconds; tests).
 
     Raises:
-        IntegrityError / SchemaVersionError: a log entry cannot be decoded (nothing is deleted then: the
-        entry might reference data).
+        GcRefusedError: an unsafe grace period (nothing deleted).
+        IntegrityError / SchemaVersionError: a log entry is missing (a hole) or cannot be decoded (nothing is
+            deleted then: the entry might reference data). BackendError: the storage failed (nothing deleted
+            unless the failure came during deletion).
     """
-    grace = store.gc_grace_s if grace_s is None else float(grace_s)
+    grace = store.gc_grace_s if grace_s is None else grace_s
+    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not math.isfinite(grace) or grace <= 0:
+        raise GcRefusedError(f"gc grace period must be a finite number of seconds > 0, got {grace!r}")
+    grace = float(grace)
+    if grace < store.gc_grace_s and not force:
+        raise GcRefusedError(
+            f"gc grace {grace:g} s is shorter than the store's gc_grace_s {store.gc_grace_s:g} s, which writers rely "
+            f"on (they commit segments younger than half of it); use force (--force) only when no writer runs")
     now = time.time() if now is None else now
     report = GcReport(dry_run=dry_run)
     objects = store.backend.list("")
-    entries = _all_entries(store)  # after listing (see docstring); raises on corrupt entries
+    entries = _all_entries(store, objects=objects)  # after listing (see docstring); raises on any problem
+    windows = commit_windows(objects, entries)
+    if windows:
+        seq, slowest = max(windows.items(), key=lambda kv: kv[1])
+        if grace <= 2 * slowest:
+            raise GcRefusedError(
+                f"gc grace {grace:g} s is not more than twice the longest commit seen in {store.url} "
+                f"(log entry {seq}: about {slowest:.1f} s from its segment's write to its log entry); use a grace "
+                f"> {2 * slowest:.0f} s")
     referenced = {e.segment.path for e in entries}
     segments: dict[str, list] = {}
     doomed: list = []

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import re
 import sys
 import threading
 import time
@@ -23,7 +24,7 @@ import pyarrow as pa
 
 from traceschemas import record_schema, token_schema, trajectory_schema
 
-from ._format import check_id
+from ._format import check_id, log_key
 from ._log import LogEntry, SegmentRef, merge_ranges
 from ._segment import ReadTargets, layout
 from .errors import (
@@ -36,6 +37,11 @@ from .errors import (
     UnknownSiteError,
 )
 from .store import Snapshot
+
+_DIGITS = re.compile(r"[0-9]{1,19}")
+
+#: a tailing stream that keeps finding no next entry lists the log this often to tell a hole from the end
+HOLE_CHECK_INTERVAL_S = 1.0
 
 __all__ = ["Reader", "TraceBatch", "TrajectoryInfo", "Stream", "CommittedRecord"]
 
@@ -554,6 +560,7 @@ class Stream:
         self._records: list[CommittedRecord] | None = None
         self._caught_up = False
         self._prefetched: dict[int, LogEntry] = {}
+        self._hole_checked = -float("inf")
         self._seq, self._index = (0, 0) if cursor is None else self._parse(cursor)
 
     def _parse(self, cursor: str) -> tuple[int, int]:
@@ -566,12 +573,10 @@ class Stream:
             raise SchemaVersionError(f"cursor version {parts[0]!r}; supported: ['v1']")
         if parts[1] != self.store.store_id:
             raise SnapshotError(f"cursor belongs to store {parts[1]}, not {self.store.store_id} ({self.store.url})")
-        try:
-            seq, index = int(parts[2]), int(parts[3])
-        except ValueError as e:
-            raise SnapshotError(f"malformed cursor {cursor!r:.80}") from e
-        if seq < 0 or index < 0:
-            raise SnapshotError(f"malformed cursor {cursor!r:.80}")
+        # plain ASCII digits only (int() would also take " 1", "0_1", "+1" and other scripts' digits)
+        if not all(_DIGITS.fullmatch(x) for x in parts[2:]):
+            raise SnapshotError(f"malformed cursor {cursor!r:.80}: <seq> and <index> must be decimal digits 0-9")
+        seq, index = int(parts[2]), int(parts[3])
         self._check_position(cursor, seq, index)
         return seq, index
 
@@ -615,9 +620,19 @@ class Stream:
             else:
                 self._caught_up = True
         if entry is None:
+            known = store.known_head  # taken before the GET: an entry committed after it may be noted meanwhile
             try:
                 entry = store.read_entry(self._seq)
             except ObjectNotFoundError:
+                if self._seq < known:
+                    raise IntegrityError(
+                        f"log entry {store.url}/{log_key(self._seq)} is missing below the log head "
+                        f"({known} entries): a hole in the log (FORMAT §7)") from None
+                now = time.monotonic()
+                if now - self._hole_checked >= HOLE_CHECK_INTERVAL_S:
+                    # a missing entry with later ones after it is a hole, not the end: head() lists past it
+                    self._hole_checked = now
+                    store.head()
                 self._caught_up = True
                 return False
         self._records = records_of(entry)  # (self._index <= len(self._records): checked with the cursor)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import re
 import threading
 import time
 import uuid
@@ -19,6 +21,8 @@ import numpy as np
 from ._format import (
     CHECKPOINT_MIN_ENTRIES,
     INDEX_PREFIX,
+    LOG_PREFIX,
+    parse_log_key,
     checkpoint_key,
     parse_checkpoint_key,
     DEFAULT_CHUNK_ROWS,
@@ -35,8 +39,9 @@ from ._format import (
 )
 from ._log import LogEntry, decode_checkpoint, decode_entry, encode_checkpoint
 from ._segment import ArraySpec
-from .backend import Backend, open_backend
+from .backend import Backend, RetryPolicy, open_backend
 from .errors import (
+    DeclarationError,
     IntegrityError,
     ObjectNotFoundError,
     SchemaVersionError,
@@ -61,7 +66,7 @@ class Site:
 
     Raises:
         InvalidIdError: bad name. ShapeError: width not a positive multiple of 8 and of ``block_size``.
-        ValueError: unknown ``kind`` or ``fp4_format``.
+        DeclarationError (a ValueError): unknown ``kind`` or ``fp4_format``.
     """
 
     name: str
@@ -72,15 +77,17 @@ class Site:
 
     def __post_init__(self) -> None:
         check_name(self.name, "site name")
-        if self.fp4_format not in FP4_FORMATS:
-            raise ValueError(f"site {self.name!r}: fp4_format {self.fp4_format!r} not in {sorted(FP4_FORMATS)}")
-        if self.kind not in SITE_KINDS:
-            raise ValueError(f"site {self.name!r}: kind {self.kind!r} not in {list(SITE_KINDS)}")
+        if not isinstance(self.fp4_format, str) or self.fp4_format not in FP4_FORMATS:
+            raise DeclarationError(f"site {self.name!r}: fp4_format {self.fp4_format!r} is not one of "
+                                   f"{sorted(FP4_FORMATS)}")
+        if not isinstance(self.kind, str) or self.kind not in SITE_KINDS:
+            raise DeclarationError(f"site {self.name!r}: kind {self.kind!r} is not one of {list(SITE_KINDS)}")
         if self.block_size is None:
             object.__setattr__(self, "block_size", FP4_FORMATS[self.fp4_format])
         if not isinstance(self.width, (int, np.integer)) or isinstance(self.width, bool) or self.width <= 0:
             raise ShapeError(f"site {self.name!r}: width must be a positive int, got {self.width!r}")
-        if not isinstance(self.block_size, (int, np.integer)) or self.block_size <= 0:
+        if (not isinstance(self.block_size, (int, np.integer)) or isinstance(self.block_size, bool)
+                or self.block_size <= 0):
             raise ShapeError(f"site {self.name!r}: block_size must be a positive int, got {self.block_size!r}")
         object.__setattr__(self, "width", int(self.width))
         object.__setattr__(self, "block_size", int(self.block_size))
@@ -106,6 +113,13 @@ class Site:
 
     @classmethod
     def from_dict(cls, d: Mapping) -> Site:
+        """Raises DeclarationError (not a mapping, unknown keys, missing name/width) or as the constructor."""
+        if not isinstance(d, Mapping):
+            raise DeclarationError(f"a site must be a mapping with name and width, got {type(d).__name__} {d!r:.80}")
+        unknown = sorted(set(d) - {"name", "width", "kind", "fp4_format", "block_size"})
+        if unknown or "name" not in d or "width" not in d:
+            raise DeclarationError(f"site {d!r:.120}: needs 'name' and 'width' and may have 'kind', 'fp4_format', "
+                                   f"'block_size'" + (f"; unknown keys {unknown}" if unknown else ""))
         return cls(
             name=d["name"], width=d["width"], kind=d.get("kind", "activation"),
             fp4_format=d.get("fp4_format", "nvfp4"), block_size=d.get("block_size"),
@@ -138,10 +152,10 @@ class Snapshot:
             raise SnapshotError(f"snapshot is not JSON: {text!r:.80}") from e
         if not isinstance(d, dict) or d.get("kind") != "tracestore.snapshot":
             raise SnapshotError(f"not a tracestore snapshot: {text!r:.80}")
-        if d.get("version") != 1:
+        if isinstance(d.get("version"), bool) or d.get("version") != 1:
             raise SchemaVersionError(f"snapshot version {d.get('version')!r}; supported: [1]")
         store_id, log_end = d.get("store_id"), d.get("log_end")
-        if not isinstance(store_id, str) or not isinstance(log_end, int) or log_end < 0:
+        if not isinstance(store_id, str) or isinstance(log_end, bool) or not isinstance(log_end, int) or log_end < 0:
             raise SnapshotError(f"malformed snapshot {text!r:.80}")
         return cls(store_id, log_end)
 
@@ -258,11 +272,34 @@ class Store:
         return self.backend.exists(log_key(seq))
 
     def head(self) -> int:
-        """Number of committed log entries (entries are dense: ``log/0 .. log/head-1`` all exist).
+        """Number of committed log entries: ``log/0 .. log/head-1`` exist and no entry exists after them.
 
-        Found by galloping + binary search over ``exists`` from the last known head (O(log n) requests).
+        Found by galloping + binary search over ``exists`` from the last known head (O(log n) requests), then
+        confirmed with one listing of the log after the candidate (S3: one ``ListObjectsV2`` with ``StartAfter``):
+        an entry after a missing one means a hole, never the end of the log (FORMAT §7).
+
+        Raises:
+            IntegrityError: a log entry is missing while later ones exist (a hole).
+            BackendError: the storage could not answer (after retries); never read as "absent".
         """
         lo = self._head_hint  # invariant: entries < lo exist
+        while True:
+            h = self._probe_head(lo)
+            later = self._entries_after(h)
+            if not later:
+                self._note_head(h)
+                return h
+            # an entry after h: h was committed since it was probed (a race), or h is a hole
+            if self._exists_entry(h):
+                lo = h + 1
+                continue
+            raise IntegrityError(
+                f"log entry {self.url}/{log_key(h)} is missing but later entries exist "
+                f"({', '.join(log_key(n) for n in later[:3])}): a hole in the log, which hides every entry after it "
+                f"(FORMAT §7); restore the entry from a backup or a checkpoint (index/) before reading or writing")
+
+    def _probe_head(self, lo: int) -> int:
+        """First absent position >= ``lo`` found by galloping + bisection (entries < ``lo`` are known to exist)."""
         if not self._exists_entry(lo):
             return lo
         step = 1
@@ -276,8 +313,19 @@ class Store:
                 lo = mid
             else:
                 hi = mid
-        self._head_hint = hi
         return hi
+
+    def _entries_after(self, seq: int) -> list[int]:
+        """Positions of log entries after ``log_key(seq)`` (one listing; empty when the backend cannot list)."""
+        if not self.backend.supports_listing:
+            return []
+        keys = self.backend.list_after(LOG_PREFIX, log_key(seq), limit=16)
+        return [n for k in keys if (n := parse_log_key(k)) is not None and n > seq]
+
+    @property
+    def known_head(self) -> int:
+        """The largest log head seen so far (no request): entries below it exist."""
+        return self._head_hint
 
     def _note_head(self, n: int) -> None:
         self._head_hint = max(self._head_hint, n)
@@ -370,12 +418,13 @@ class Store:
         return Snapshot(self.store_id, self.head())
 
     def writer(self, writer_id: str | None = None, *, commit_bytes: int = 64 << 20, commit_interval_s: float = 5.0,
-               max_buffer_bytes: int = 256 << 20, skip_committed: bool = False):
+               max_buffer_bytes: int = 256 << 20, skip_committed: bool = False, commit_timeout_s: float = 120.0):
         """A :class:`~tracestore.writer.Writer` (context manager). See there."""
         from .writer import Writer
 
         return Writer(self, writer_id, commit_bytes=commit_bytes, commit_interval_s=commit_interval_s,
-                      max_buffer_bytes=max_buffer_bytes, skip_committed=skip_committed)
+                      max_buffer_bytes=max_buffer_bytes, skip_committed=skip_committed,
+                      commit_timeout_s=commit_timeout_s)
 
     def reader(self, snapshot: Snapshot | str | None = None):
         """A :class:`~tracestore.reader.Reader` over ``snapshot`` (default: the current head)."""
@@ -419,6 +468,78 @@ def _manifest(sites: Sequence[Site], model: Mapping | None, moe_layers: Sequence
     }
 
 
+#: manifest value limits (a damaged or hostile manifest must not make writers loop or readers crash)
+MAX_CHUNK_ROWS = 1 << 24
+MAX_SHARD_BYTES = 1 << 40
+MAX_EXPERTS = 65536
+_STORE_ID_RE = re.compile(r"[A-Za-z0-9]{1,64}")
+
+
+def _int_in(m: Mapping, key: str, lo: int, hi: int, where: str, default: int | None = None) -> int:
+    value = m.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise DeclarationError(f"{where}{key} must be an integer in [{lo}, {hi}], got {value!r:.80}")
+    return value
+
+
+def check_gc_grace(value: object, what: str = "gc_grace_s") -> float:
+    """A gc grace period: a finite number of seconds > 0. Raises DeclarationError otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise DeclarationError(f"{what} must be a finite number of seconds > 0, got {value!r:.80}")
+    return float(value)
+
+
+def check_manifest(m: object) -> None:
+    """Check every value of a manifest (types and ranges, FORMAT §2.1) before anything trusts it.
+
+    Raises:
+        DeclarationError: the first bad value, with what arrived and what is allowed.
+        SchemaVersionError: an unsupported ``format_version``.
+    """
+    if not isinstance(m, Mapping):
+        raise DeclarationError(f"the manifest must be a JSON object, got {type(m).__name__}")
+    if m.get("format") != FORMAT_NAME:
+        raise DeclarationError(f"format must be {FORMAT_NAME!r}, got {m.get('format')!r:.80}")
+    version = m.get("format_version")
+    if isinstance(version, bool) or version not in SUPPORTED_FORMAT_VERSIONS:
+        raise SchemaVersionError(
+            f"format_version {version!r:.40}; this tracestore writes version {FORMAT_VERSION} and reads versions "
+            f"{list(SUPPORTED_FORMAT_VERSIONS)}")
+    store_id = m.get("store_id")
+    if not isinstance(store_id, str) or not _STORE_ID_RE.fullmatch(store_id):
+        raise DeclarationError(f"store_id must be 1-64 letters/digits, got {store_id!r:.80}")
+    sites = m.get("sites")
+    if not isinstance(sites, list) or not sites:
+        raise DeclarationError(f"sites must be a non-empty list, got {sites!r:.80}")
+    names = [Site.from_dict(d).name for d in sites]
+    if len(set(names)) != len(names):
+        raise DeclarationError(f"duplicate site names in {names}")
+    if not isinstance(m.get("model", {}), Mapping):
+        raise DeclarationError(f"model must be a JSON object, got {m.get('model')!r:.80}")
+    layers = m.get("moe_layers", [])
+    if not isinstance(layers, list):
+        raise DeclarationError(f"moe_layers must be a list of names, got {layers!r:.80}")
+    try:
+        layers = [check_name(n, "MoE layer name") for n in layers]
+    except TraceStoreError as e:
+        raise DeclarationError(str(e)) from e
+    if len(set(layers)) != len(layers):
+        raise DeclarationError(f"duplicate MoE layer names in {layers}")
+    if layers:
+        num_experts = _int_in(m, "num_experts", 1, MAX_EXPERTS, "")
+        _int_in(m, "top_k", 1, num_experts, "")
+    else:
+        _int_in(m, "num_experts", 0, MAX_EXPERTS, "", 0)
+        _int_in(m, "top_k", 0, MAX_EXPERTS, "", 0)
+    lay = m.get("layout", {})
+    if not isinstance(lay, Mapping):
+        raise DeclarationError(f"layout must be a JSON object, got {lay!r:.80}")
+    _int_in(lay, "chunk_rows", 1, MAX_CHUNK_ROWS, "layout.", DEFAULT_CHUNK_ROWS)
+    _int_in(lay, "shard_bytes", 1, MAX_SHARD_BYTES, "layout.", DEFAULT_SHARD_BYTES)
+    _int_in(lay, "feature_chunk", 0, 1 << 20, "layout.", 0)
+    check_gc_grace(m.get("gc_grace_s", DEFAULT_GC_GRACE_S))
+
+
 def _declaration(m: Mapping) -> tuple:
     return (m["sites"], m.get("moe_layers", []), m.get("top_k", 0), m.get("num_experts", 0))
 
@@ -426,7 +547,8 @@ def _declaration(m: Mapping) -> tuple:
 def create_store(url: str, sites: Sequence[Site], *, model: Mapping | None = None, moe_layers: Sequence[str] = (),
                  top_k: int = 0, num_experts: int = 0, storage_options: Mapping | None = None,
                  exist_ok: bool = False, chunk_rows: int = DEFAULT_CHUNK_ROWS, shard_bytes: int = DEFAULT_SHARD_BYTES,
-                 feature_chunk: int = 0, gc_grace_s: float = DEFAULT_GC_GRACE_S) -> Store:
+                 feature_chunk: int = 0, gc_grace_s: float = DEFAULT_GC_GRACE_S,
+                 retry: RetryPolicy | None = None) -> Store:
     """Create a store at ``url`` declaring its sites and model metadata.
 
     ``chunk_rows`` (target rows per inner Zarr chunk), ``shard_bytes`` (target bytes per shard object) and
@@ -451,17 +573,18 @@ def create_store(url: str, sites: Sequence[Site], *, model: Mapping | None = Non
     if chunk_rows <= 0 or shard_bytes <= 0 or feature_chunk < 0:
         raise ShapeError(f"bad layout: chunk_rows={chunk_rows}, shard_bytes={shard_bytes}, feature_chunk={feature_chunk}")
     try:
-        json.dumps(dict(model or {}))
+        json.dumps(dict(model or {}), allow_nan=False)
     except (TypeError, ValueError) as e:
         raise TypeError(f"model metadata must be JSON-serialisable: {e}") from e
-    backend = open_backend(url, storage_options)
     manifest = _manifest(sites, model, moe_layers, top_k, num_experts, chunk_rows, shard_bytes, feature_chunk,
-                         gc_grace_s)
+                         check_gc_grace(gc_grace_s))
+    check_manifest(manifest)
+    backend = open_backend(url, storage_options, retry=retry)
     data = json.dumps(manifest, indent=1, sort_keys=True).encode()
     if backend.put_if_absent(MANIFEST_KEY, data):
         log.info("created store %s (%d sites)", url, len(sites))
         return Store(url, backend, manifest)
-    existing = open_store(url, storage_options=storage_options)
+    existing = open_store(url, storage_options=storage_options, retry=retry)
     if not exist_ok:
         raise StoreExistsError(f"a tracestore store already exists at {url} (pass exist_ok=True to open it)")
     if _declaration(existing.manifest) != _declaration(manifest):
@@ -473,14 +596,17 @@ def create_store(url: str, sites: Sequence[Site], *, model: Mapping | None = Non
     return existing
 
 
-def open_store(url: str, *, storage_options: Mapping | None = None) -> Store:
+def open_store(url: str, *, storage_options: Mapping | None = None, retry: RetryPolicy | None = None) -> Store:
     """Open an existing store, checking the manifest's format version first.
+
+    ``retry`` says how transient storage errors are retried (default :data:`~tracestore.backend.DEFAULT_RETRY`).
 
     Raises:
         StoreNotFoundError: no manifest at ``url``. SchemaVersionError: unsupported format version.
-        IntegrityError: the manifest is not valid JSON / lacks fields. BackendError: storage failure.
+        IntegrityError: the manifest is not valid JSON, or a value has the wrong type or is out of range.
+        BackendError: storage failure (a typed subclass: LocationError, CredentialsError, EndpointError, ...).
     """
-    backend = open_backend(url, storage_options)
+    backend = open_backend(url, storage_options, retry=retry)
     try:
         raw = backend.get(MANIFEST_KEY)
     except ObjectNotFoundError as e:
@@ -491,12 +617,12 @@ def open_store(url: str, *, storage_options: Mapping | None = None) -> Store:
         raise IntegrityError(f"{url}/{MANIFEST_KEY} is not valid JSON: {e}") from e
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         raise IntegrityError(f"{url}/{MANIFEST_KEY} is not a tracestore manifest (format={manifest.get('format') if isinstance(manifest, dict) else None!r})")
-    version = manifest.get("format_version")
-    if version not in SUPPORTED_FORMAT_VERSIONS:
-        raise SchemaVersionError(
-            f"store {url} has format_version {version!r}; this tracestore writes version {FORMAT_VERSION} and "
-            f"reads versions {list(SUPPORTED_FORMAT_VERSIONS)}"
-        )
+    try:
+        check_manifest(manifest)
+    except SchemaVersionError as e:
+        raise SchemaVersionError(f"store {url}: {e}") from None
+    except TraceStoreError as e:
+        raise IntegrityError(f"{url}/{MANIFEST_KEY}: {e}") from e
     try:
         return Store(url, backend, manifest)
     except (KeyError, TypeError, ValueError, TraceStoreError) as e:

@@ -30,19 +30,23 @@ import uuid
 import warnings
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import crc32c as _crc32c
 import numpy as np
 
 from ._format import check_id, log_key
-from ._log import LogEntry, SegmentRef, encode_entry, merge_ranges
+from ._log import LogEntry, SegmentRef, decode_entry, encode_entry, merge_ranges
 from ._segment import array_metadata, choose_chunk_rows, group_metadata, layout
 from .errors import (
     BackendError,
+    CommitError,
     DTypeError,
+    ObjectNotFoundError,
     OverlapError,
     ShapeError,
     TraceStoreError,
+    TransientStorageError,
     UnknownSiteError,
 )
 
@@ -51,6 +55,8 @@ __all__ = ["Writer"]
 log = logging.getLogger(__name__)
 
 _INT32 = np.iinfo(np.int32)
+_INT64 = np.iinfo(np.int64)
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 def _default_writer_id() -> str:
@@ -115,6 +121,27 @@ def _fits(x, lo: int, hi: int) -> bool:
     return info.min >= lo and info.max <= hi
 
 
+def _check_float32_range(x, what: str) -> None:
+    """Finite values beyond float32's range would silently become +-inf when stored as float32: refuse them
+    (NaN and +-inf pass through unchanged)."""
+    if _is_torch(x):
+        import torch
+
+        if x.dtype != torch.float64:
+            return
+        finite = x[torch.isfinite(x)]
+        big = float(finite.abs().max().item()) if finite.numel() else 0.0
+    else:
+        if np.asarray(x).dtype.itemsize <= 4:
+            return
+        a = np.asarray(x, dtype=np.float64)
+        finite = a[np.isfinite(a)]
+        big = float(np.abs(finite).max()) if finite.size else 0.0
+    if big > _F32_MAX:
+        raise DTypeError(f"{what} holds {big!r}, beyond float32's range (max {_F32_MAX:.4g}); values are stored as "
+                         f"float32")
+
+
 def _minmax(x) -> tuple[float, float]:
     if _is_torch(x):
         return float(x.min().item()), float(x.max().item())
@@ -153,6 +180,18 @@ def _staging_array(shape: tuple[int, ...], dtype) -> np.ndarray:
     return raw[off : off + n].view(dtype).reshape(shape)
 
 
+@dataclass
+class _SegmentWrite:
+    """A segment written for a stage: kept across failed commit tries so a retry commits it again (no orphan per
+    try) as long as it is younger than half the gc grace period (``started``: monotonic time of its first write)."""
+
+    path: str
+    nbytes: int
+    rows: int
+    chunk_rows: int
+    started: float
+
+
 class _Staging:
     """The write buffer: one preallocated ``[capacity, *row_shape]`` array per segment array, filled row by
     row, and the records (token ranges) whose rows it holds. A flush encodes straight from these arrays."""
@@ -162,6 +201,7 @@ class _Staging:
         self.arrays = {n: _staging_array((capacity, *shape), dtype) for n, (dtype, shape) in columns.items()}
         self.rows = 0
         self.records: list[list] = []  # [traj_id, token_start, token_stop, row_offset, policy_version]
+        self.segment: _SegmentWrite | None = None  # written, not yet committed
         # crc32c of every whole chunk of ``crc_rows`` rows of each column, computed right after its rows were
         # copied in (while they are in cache; the flusher then has no checksum pass over memory), and the
         # running crc of each column's incomplete chunk. Used when the segment's chunk_rows is ``crc_rows``.
@@ -194,6 +234,7 @@ class _Staging:
         self._crc_run[name] = run
 
     def add_record(self, traj_id: str, start: int, stop: int, row: int, policy_version: int) -> None:
+        assert stop > start, (traj_id, start, stop)  # an empty record would make a log entry invalid
         last = self.records[-1] if self.records else None
         if last and last[0] == traj_id and last[2] == start and last[4] == policy_version \
                 and last[3] + (last[2] - last[1]) == row:
@@ -204,6 +245,7 @@ class _Staging:
     def reset(self) -> None:
         self.rows = 0
         self.records = []
+        self.segment = None
         self.crcs = {n: [] for n in self.arrays}
         self._crc_run = dict.fromkeys(self.arrays, 0)
 
@@ -310,16 +352,27 @@ class Writer:
         commit_interval_s: commit buffered rows at the latest this long after the oldest was written.
         max_buffer_bytes: hard bound of buffered row bytes (a long trajectory spans several segments).
         skip_committed: ``write`` silently skips token positions already committed for the trajectory and
-            buffers only the rest (idempotent re-runs and writers racing on one trajectory); without it any
-            overlap with a committed range raises OverlapError. Overlaps with this writer's own buffered rows
+            buffers only the rest, and positions that another writer commits first while they are buffered are
+            dropped without an error (idempotent re-runs and writers racing on one trajectory). Without it any
+            overlap with a committed range raises OverlapError, and a lost race is reported by the next
+            ``flush``/``close`` (OverlapError with ``.conflicts``). Overlaps with this writer's own buffered rows
             always raise.
+        commit_timeout_s: deadline of one commit (claiming a log position) while the storage fails; then
+            CommitError, the rows stay buffered and the next flush retries. Transient failures within it are
+            retried with backoff; a commit whose answer was lost is recognised by reading the entry back.
+
+    Every commit claims the first free log position with put-if-absent; a segment older than half the store's
+    gc grace period is written again under a new name before it is committed (gc deletes unreferenced segments
+    older than the grace period), and after a commit slower than that the segment is checked and rewritten in
+    place if a gc removed it meanwhile.
 
     Raises:
         BackendError: the store's backend cannot create-if-absent (read-only fsspec filesystems).
     """
 
     def __init__(self, store, writer_id: str | None = None, *, commit_bytes: int = 64 << 20,
-                 commit_interval_s: float = 5.0, max_buffer_bytes: int = 256 << 20, skip_committed: bool = False):
+                 commit_interval_s: float = 5.0, max_buffer_bytes: int = 256 << 20, skip_committed: bool = False,
+                 commit_timeout_s: float = 120.0):
         if not store.backend.supports_put_if_absent:
             raise BackendError(f"{store.url}: backend {store.backend!r} cannot commit (no atomic create-if-absent)")
         self.store = store
@@ -327,6 +380,9 @@ class Writer:
         if commit_bytes <= 0 or max_buffer_bytes <= 0 or commit_interval_s < 0:
             raise ValueError(f"commit_bytes={commit_bytes}, max_buffer_bytes={max_buffer_bytes} must be > 0 and "
                              f"commit_interval_s={commit_interval_s} >= 0")
+        if not (isinstance(commit_timeout_s, (int, float)) and math.isfinite(commit_timeout_s) and commit_timeout_s > 0):
+            raise ValueError(f"commit_timeout_s must be a finite number of seconds > 0, got {commit_timeout_s!r}")
+        self.commit_timeout_s = float(commit_timeout_s)
         self.commit_bytes = int(commit_bytes)
         self.max_buffer_bytes = int(max_buffer_bytes)
         self.commit_interval_s = float(commit_interval_s)
@@ -343,6 +399,10 @@ class Writer:
             self._capacity -= self._capacity % store.chunk_rows
         self._oldest: float | None = None
         self._committed = _Ranges()
+        self._own = _Ranges()  # ranges committed by this writer's own segments
+        self._attempted: set[str] = set()  # segment paths this writer wrote (a log entry naming one is ours)
+        self._landed: set[str] = set()  # those of them that a log entry names
+        self._last_error: BaseException | None = None
         self._pending = _Ranges()
         self._synced = 0
         self._segments = 0
@@ -406,15 +466,22 @@ class Writer:
         Raises:
             InvalidIdError, ShapeError, DTypeError, UnknownSiteError, OverlapError (range overlaps one committed
             or buffered for ``traj_id``), TraceStoreError (writer closed / a background commit failed),
-            BackendError (a commit triggered by this write failed; the rows stay buffered).
+            BackendError (a commit triggered by this write failed; buffered rows stay buffered and are retried).
+            A storage error raised part-way through a long write (a full buffer could not be handed on because
+            the previous commit failed) carries ``buffered_to``: the tokens of this write before that position
+            are buffered and will be committed; write the rest again starting there. Errors raised before
+            anything was buffered have ``buffered_to == token_start``.
         """
         store = self.store
         traj_id = check_id(traj_id)
-        if isinstance(token_start, bool) or not isinstance(token_start, (int, np.integer)) or token_start < 0:
-            raise ShapeError(f"token_start must be an int >= 0, got {token_start!r}")
+        if isinstance(token_start, bool) or not isinstance(token_start, (int, np.integer)) or not (
+                0 <= token_start <= _INT64.max):
+            raise ShapeError(f"token_start must be an int in [0, 2**63 - 1], got {token_start!r:.40}")
         token_start = int(token_start)
         if isinstance(policy_version, bool) or not isinstance(policy_version, (int, np.integer)):
-            raise DTypeError(f"policy_version must be an int, got {type(policy_version).__name__} {policy_version!r}")
+            raise DTypeError(f"policy_version must be an int, got {type(policy_version).__name__} {policy_version!r:.40}")
+        if not _INT64.min <= policy_version <= _INT64.max:
+            raise ShapeError(f"policy_version must fit int64 [-2**63, 2**63 - 1], got {policy_version!r:.40}")
         policy_version = int(policy_version)
 
         columns: dict[str, tuple[object, np.dtype]] = {}
@@ -424,6 +491,9 @@ class Writer:
         T = _shape(token_ids)[0]
         if T == 0:
             raise ShapeError(f"empty write: token_ids has 0 tokens (traj {traj_id!r}, token_start {token_start})")
+        if token_start > _INT64.max - T:
+            raise ShapeError(f"tokens [{token_start}, {token_start} + {T}) end past the largest token position "
+                             f"2**63 - 1 (int64)")
         if _kind(token_ids) not in "iu":
             raise DTypeError(f"token_ids must be integers, got {_dtype_name(token_ids)}")
         if not _fits(token_ids, _INT32.min, _INT32.max):
@@ -436,6 +506,7 @@ class Writer:
             raise ShapeError(f"logprobs must have shape ({T},) like token_ids, got {_shape(logprobs)}")
         if _kind(logprobs) != "f":
             raise DTypeError(f"logprobs must be floating point, got {_dtype_name(logprobs)}")
+        _check_float32_range(logprobs, "logprobs")
         columns["logprobs"] = (logprobs, np.dtype("<f4"))
 
         for what, given, per_site in (("hints", hints, "hint_bytes"), ("scales", scales, "scale_bytes")):
@@ -511,17 +582,22 @@ class Writer:
             done = [0]
             try:
                 for a, b in parts:
-                    done = [a - token_start]
+                    done[0] = a - token_start
                     self._buffer(traj_id, token_start, a - token_start, b - token_start, columns, policy_version,
                                  done)
+                done[0] = T
+                if self._due():
+                    self._handoff()
+            except TraceStoreError as e:
+                # a full buffer could not be handed on (the previous commit failed): say how far this write got
+                e.buffered_to = token_start + done[0]
+                raise
             finally:
                 # after a failure part-way, what never reached the buffer is not pending
                 with self._state:
                     for a, b in parts:
                         if token_start + done[0] < b:
                             self._pending.subtract(traj_id, max(a, token_start + done[0]), b)
-            if self._due():
-                self._handoff()
 
     def _buffer(self, traj_id: str, token_start: int, s: int, T: int, columns: dict, policy_version: int,
                 done: list) -> None:
@@ -532,6 +608,11 @@ class Writer:
                 crc_rows = 0 if self.store.feature_chunk else self.store.chunk_rows
                 self._stage = _Staging(self.store.row_columns, self._capacity, crc_rows)
             stage = self._stage
+            if stage.rows >= stage.capacity:
+                # still full: handing it on failed before (the previous commit failed); try again, now that
+                # nothing of these rows is in it (raises, with these rows unbuffered, if it fails again)
+                self._handoff()
+                continue
             n = min(T - s, stage.capacity - stage.rows)
             r = stage.rows
             crcs = []
@@ -602,7 +683,11 @@ class Writer:
                 f"was committed", lost)
 
     def close(self) -> None:
-        """Commit what is buffered and stop the background thread. Idempotent."""
+        """Commit what is buffered and stop the background threads. Idempotent once it succeeded.
+
+        Raises as :meth:`flush`. After a storage error nothing buffered is lost: the writer stays open (without
+        its commit timer) and ``close()`` (or ``flush()``) can be called again. After an OverlapError the writer
+        is closed (everything else was committed)."""
         if self._closed:
             return
         self._stop.set()
@@ -613,28 +698,41 @@ class Writer:
                 self._check_open()
                 self._handoff(wait=True)
                 self._check_open()
-                self._raise_lost()
-            finally:
-                self._closed = True
-                self._wait_inflight()
-                if self._flusher is not None:
-                    self._flusher.shutdown(wait=True)
-                    self._flusher = None
+            except BaseException:
+                self._shutdown_flusher()
+                raise
+            self._closed = True
+            self._shutdown_flusher()
+            self._raise_lost()
+
+    def _shutdown_flusher(self) -> None:
+        self._wait_inflight()
+        if self._flusher is not None:
+            self._flusher.shutdown(wait=True)
+            self._flusher = None
 
     def _sync(self) -> None:
         with self._sync_lock:
             self._sync_locked()
 
     def _sync_locked(self) -> None:
-        """Read the log entries this writer has not seen (caller holds ``_sync_lock``)."""
+        """Read the log entries this writer has not seen (caller holds ``_sync_lock``). An entry naming a segment
+        this writer wrote is its own commit, even if the answer to its conditional PUT was lost."""
         head = self.store.head()
         if head <= self._synced:
             return
         entries = self.store.read_entries(self._synced, head)
         with self._state:
             for entry in entries:
+                own = entry.writer_id == self.writer_id and entry.segment.path in self._attempted
+                if own and entry.segment.path not in self._landed:
+                    self._landed.add(entry.segment.path)
+                    log.info("%s: segment %s was committed as log entry %d by an earlier try", self.writer_id,
+                             entry.segment.path, entry.seq)
                 for t, s, e, _ro, _pv in entry.records():
                     self._committed.add(t, s, e)
+                    if own:
+                        self._own.add(t, s, e)
             self._synced = head
 
     @property
@@ -683,41 +781,39 @@ class Writer:
             self._error = e
 
     def _flush_stage(self, stage: _Staging) -> None:
-        """Write ``stage`` as a segment and commit it (flusher thread, or caller for a retry)."""
-        store = self.store
-        rows = stage.rows
-        chunk_rows = choose_chunk_rows(rows, store.chunk_rows)
+        """Write ``stage`` as a segment (unless a failed earlier try already wrote it and it is still young) and
+        commit it (flusher thread, or the caller for a retry). Raises on failure; the stage keeps its rows."""
+        if stage.segment is None:
+            self._write_segment(stage)
         records = [list(r) for r in stage.records]
-        started = time.monotonic()
-        path, nbytes = self._write_segment(stage, rows, chunk_rows)
-        if time.monotonic() - started > store.gc_grace_s / 2:
-            log.warning("%s: writing segment %s took longer than half the gc grace period; rewriting it",
-                        self.writer_id, path)
-            path, nbytes = self._write_segment(stage, rows, chunk_rows)
-        segment = SegmentRef(path, self.writer_id, rows, chunk_rows, store.shard_bytes)
-        conflicts = self._commit(segment, records, nbytes)
+        conflicts = self._commit(stage, records)
         with self._state:
-            self.stats["segments"] += 1
-            self.stats["rows"] += rows
-            self.stats["data_bytes"] += nbytes
             for r in stage.records:
                 self._pending.subtract(r[0], r[1], r[2])
             if conflicts:
-                # not raised here: reported by the next flush()/close() (OverlapError with the list)
-                log.warning("%s: %d token range(s) lost a commit race and were dropped: %s", self.writer_id,
-                            len(conflicts), conflicts[:5])
-                self._lost.extend(conflicts)
+                if self.skip_committed:  # another writer committed these positions first: nothing to report
+                    log.info("%s: %d token range(s) were committed by another writer first; skipped: %s",
+                             self.writer_id, len(conflicts), conflicts[:5])
+                else:  # reported by the next flush()/close() (OverlapError with the list)
+                    log.warning("%s: %d token range(s) lost a commit race and were dropped: %s", self.writer_id,
+                                len(conflicts), conflicts[:5])
+                    self._lost.extend(conflicts)
         stage.reset()
         if self._spare is None:
             self._spare = stage
 
-    def _write_segment(self, stage: _Staging, rows: int, chunk_rows: int) -> tuple[str, int]:
-        """Encode and write every array of a new segment, then the group ``zarr.json``.
-        Returns (segment path, bytes written)."""
+    def _write_segment(self, stage: _Staging, path: str | None = None) -> _SegmentWrite:
+        """Encode and write every array of ``stage`` as a segment, then the group ``zarr.json``; ``path``: rewrite
+        that existing segment (repair) instead of a new one. Records the write in ``stage.segment``."""
         store = self.store
-        segment_id = f"{self._segments:08d}-{uuid.uuid4().hex[:12]}"
-        self._segments += 1
-        path = f"data/{self.writer_id}/{segment_id}"
+        rows = stage.rows
+        chunk_rows = choose_chunk_rows(rows, store.chunk_rows)
+        started = time.monotonic()
+        if path is None:
+            segment_id = f"{self._segments:08d}-{uuid.uuid4().hex[:12]}"
+            self._segments += 1
+            path = f"data/{self.writer_id}/{segment_id}"
+        segment_id = path.rsplit("/", 1)[1]
 
         # every object of the segment in one put_many: object stores send them concurrently (one round trip
         # per segment instead of one per array); nothing is visible before the log entry references them
@@ -736,40 +832,89 @@ class Writer:
         items[f"{path}/zarr.json"] = group_metadata(
             {"tracestore": {"format_version": store.format_version, "writer_id": self.writer_id,
                             "segment_id": segment_id, "rows": rows, "store_id": store.store_id}})
-        store.backend.put_many(items, atomic=False)
+        self._attempted.add(path)  # from here on a log entry naming it is this writer's
+        # a repair replaces what is left of the segment (atomic puts); a new segment's objects are fresh
+        store.backend.put_many(items, atomic=stage.segment is not None and stage.segment.path == path)
         nbytes = sum(len(v) if isinstance(v, (bytes, bytearray)) else sum(len(x) for x in v) for v in items.values())
-        return path, nbytes
+        stage.segment = _SegmentWrite(path, nbytes, rows, chunk_rows, started)
+        return stage.segment
 
-    def _commit(self, segment: SegmentRef, records: list[list], nbytes: int) -> list[tuple[str, int, int]]:
-        """Claim the next log position for ``segment`` (see the module docstring); returns dropped ranges."""
+    def _split(self, records: list[list]) -> tuple[list[list], list[tuple[str, int, int]]]:
+        """Split ``records`` against the committed ranges (caller holds ``_state``): the parts still to commit,
+        and the parts another writer committed first (conflicts). Parts that an earlier try of this writer
+        committed (an ambiguous commit that did land) are neither."""
+        keep: list[list] = []
         conflicts: list[tuple[str, int, int]] = []
+        for r in records:
+            if self._committed.overlaps(r[0], r[1], r[2]) is None:
+                keep.append(r)
+                continue
+            pos = r[1]
+            for a, b in self._committed.uncovered(r[0], r[1], r[2]):
+                if a > pos:
+                    conflicts.extend((r[0], x, y) for x, y in self._own.uncovered(r[0], pos, a))
+                keep.append([r[0], a, b, r[3] + (a - r[1]), r[4]])
+                pos = b
+            if pos < r[2]:
+                conflicts.extend((r[0], x, y) for x, y in self._own.uncovered(r[0], pos, r[2]))
+        return keep, conflicts
+
+    def _claim(self, seq: int, data: bytes, path: str) -> str:
+        """Try to create log entry ``seq``: ``"ours"`` (it holds our segment), ``"taken"`` (another entry is there)
+        or ``"unknown"`` (the storage failed; the entry may still appear). After a failed or refused conditional
+        PUT the entry is read back: a PUT that was applied although the client saw an error (or whose retry got
+        412) is our commit, not a lost race."""
+        backend = self.store.backend
+        key = log_key(seq)
+        try:
+            if backend.put_if_absent(key, data):
+                return "ours"
+        except TransientStorageError as e:
+            self._last_error = e
+        try:
+            existing = decode_entry(backend.get(key), seq, f"{self.store.url}/{key}")
+        except ObjectNotFoundError:
+            return "unknown"  # not applied (or still in flight): try the same position again
+        except TransientStorageError as e:
+            self._last_error = e
+            return "unknown"
+        return "ours" if existing.writer_id == self.writer_id and existing.segment.path == path else "taken"
+
+    def _commit(self, stage: _Staging, records: list[list]) -> list[tuple[str, int, int]]:
+        """Claim the next log position for ``stage.segment`` (see the module docstring); returns the dropped ranges.
+
+        Raises:
+            CommitError: no position could be claimed before ``commit_timeout_s`` (storage failing); the stage keeps
+                its rows and segment, and a later flush retries (recognising an entry that did land meanwhile).
+            BackendError / IntegrityError: reading the log failed.
+        """
+        store = self.store
+        deadline = time.monotonic() + self.commit_timeout_s
+        failures = 0
+        self._last_error = None
         with self._sync_lock:
             while True:
                 self._sync_locked()
-                keep = []
+                seg = stage.segment
+                assert seg is not None
+                if seg.path in self._landed:  # an earlier try whose answer was lost did commit
+                    return []
                 with self._state:
-                    for r in records:
-                        if self._committed.overlaps(r[0], r[1], r[2]) is None:
-                            keep.append(r)
-                            continue
-                        # another writer committed part of this range first: keep only the uncovered parts
-                        pos = r[1]
-                        for a, b in self._committed.uncovered(r[0], r[1], r[2]):
-                            if a > pos:
-                                conflicts.append((r[0], pos, a))
-                            keep.append([r[0], a, b, r[3] + (a - r[1]), r[4]])
-                            pos = b
-                        if pos < r[2]:
-                            conflicts.append((r[0], pos, r[2]))
+                    records, conflicts = self._split(records)
                     seq = self._synced
-                records = keep
                 if not records:
-                    log.warning("%s: nothing left to commit in %s (all records lost races)", self.writer_id,
-                                segment.path)
+                    log.info("%s: nothing left to commit in %s", self.writer_id, seg.path)
                     return conflicts
+                if time.monotonic() - seg.started > store.gc_grace_s / 2:
+                    # gc may delete an unreferenced segment once it is gc_grace_s old: never commit an old one
+                    log.warning("%s: segment %s is older than half the gc grace period (%.0f s); writing it again",
+                                self.writer_id, seg.path, store.gc_grace_s)
+                    self._write_segment(stage)
+                    continue
                 entry = LogEntry(
-                    seq=seq, writer_id=self.writer_id, writer_seq=int(segment.path.rsplit("/", 1)[1].split("-")[0]),
-                    segment=segment, created_unix=time.time(), segment_nbytes=nbytes,
+                    seq=seq, writer_id=self.writer_id, writer_seq=int(seg.path.rsplit("/", 1)[1].split("-")[0]),
+                    segment=SegmentRef(seg.path, self.writer_id, seg.rows, seg.chunk_rows, store.shard_bytes),
+                    created_unix=time.time(), segment_nbytes=seg.nbytes,
                     traj_ids=[r[0] for r in records],
                     token_start=np.array([r[1] for r in records], np.int64),
                     token_stop=np.array([r[2] for r in records], np.int64),
@@ -777,16 +922,43 @@ class Writer:
                     policy_version=np.array([r[4] for r in records], np.int64),
                 )
                 data = encode_entry(entry)
-                if self.store.backend.put_if_absent(log_key(seq), data):
+                outcome = self._claim(seq, data, seg.path)
+                if outcome == "ours":
                     with self._state:
                         for r in records:
                             self._committed.add(r[0], r[1], r[2])
+                            self._own.add(r[0], r[1], r[2])
+                        self._landed.add(seg.path)
                         self._synced = seq + 1
+                        self.stats["segments"] += 1
+                        self.stats["rows"] += seg.rows
+                        self.stats["data_bytes"] += seg.nbytes
                         self.stats["records"] += len(records)
                         self.stats["log_bytes"] += len(data)
-                    self.store._note_head(seq + 1)
-                    log.debug("%s: committed %s as log entry %d (%d records)", self.writer_id, segment.path, seq,
+                    store._note_head(seq + 1)
+                    log.debug("%s: committed %s as log entry %d (%d records)", self.writer_id, seg.path, seq,
                               len(records))
+                    if time.monotonic() - seg.started > store.gc_grace_s / 2:
+                        self._repair(stage, seg)
                     return conflicts
-                with self._state:
-                    self.stats["lost_races"] += 1
+                if outcome == "taken":
+                    with self._state:
+                        self.stats["lost_races"] += 1
+                    continue
+                failures += 1
+                pause = store.backend.retry.delay(failures)
+                if time.monotonic() + pause > deadline:
+                    raise CommitError(
+                        f"writer {self.writer_id!r} could not commit segment {seg.path} to {store.url} within "
+                        f"{self.commit_timeout_s:.0f} s ({failures} failed tries at log entry {seq}); the rows stay "
+                        f"buffered and the next flush retries; last error: {self._last_error}")
+                time.sleep(pause)
+
+    def _repair(self, stage: _Staging, seg: _SegmentWrite) -> None:
+        """After a commit that took longer than half the gc grace period, a gc that ran meanwhile may have deleted
+        the (then unreferenced) segment: check it, and write it again at the same path if it is gone."""
+        if self.store.backend.exists(f"{seg.path}/zarr.json"):
+            return
+        log.warning("%s: committed segment %s was deleted while its commit was in flight (gc); writing it again",
+                    self.writer_id, seg.path)
+        self._write_segment(stage, path=seg.path)
