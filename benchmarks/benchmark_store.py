@@ -1,5 +1,5 @@
 """Benchmark of the tracestore store: bytes per token, write/read throughput against plain files and plain S3
-objects (moto server), tail latency. A thin program over ``tracestore.bench.run_bench`` (the same function as
+objects (moto server), tail latency. A thin program over ``tracestore.cli.bench.run_bench`` (the same function as
 ``tracestore bench``); see that module's docstring for exactly what is timed and what the baselines are.
 
 Prints a table and saves JSON (default ``benchmarks/results/store-<arch>-<n>cpu.json``).
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tracestore.bench import add_arguments, config_from_args, machine_name, run_bench, summary_rows, to_json  # noqa: E402
+from tracestore.cli.bench import add_arguments, config_from_args, machine_name, run_bench, summary_rows, to_json  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -3,7 +3,7 @@ a writer, a tailing reader and gc work in parallel while the proxy answers a sha
 SlowDown, resets connections before or after applying them, answers 500 after applying them, or delays them.
 
 Each run checks, with the faults off afterwards, that nothing committed was lost, duplicated, hidden from the
-tail or reported as a lost race, and that gc deleted no committed segment (``tests/helpers_faults.chaos_run``).
+tail or reported as a lost race, and that gc deleted no committed segment (``tests/helpers/faults.chaos_run``).
 Prints a table and saves JSON (default ``benchmarks/results/store-faults-<arch>-<n>cpu.json``).
 
 Usage: python3 benchmarks/benchmark_store_faults.py [--runs 3] [--trajectories 40] [--tokens 160] [--smoke]
@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from tracestore._argtypes import positive_int  # noqa: E402
-from tracestore.bench import machine_info, machine_name  # noqa: E402
+from tracestore.cli.argtypes import positive_int  # noqa: E402
+from tracestore.cli.bench import machine_info, machine_name  # noqa: E402
 
 RATES = {"error": 0.04, "reset": 0.02, "apply_error": 0.02, "apply_reset": 0.02, "delay": 0.02}
 
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     import s3fs
 
     import conftest  # the suite's moto setup: dummy credentials, atomic conditional PUTs
-    from helpers_faults import FaultProxy, chaos_run
+    from helpers.faults import FaultProxy, chaos_run
     from moto.server import ThreadedMotoServer
 
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")

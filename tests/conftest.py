@@ -84,7 +84,7 @@ def backend_kind(request) -> str:
 @pytest.fixture
 def location(backend_kind, tmp_path, request):
     """A store location on the parametrized backend, with a raw accessor that bypasses tracestore."""
-    from helpers_store import RawLocal, RawMemory, RawS3
+    from helpers.store import RawLocal, RawMemory, RawS3
 
     if backend_kind == "local":
         root = tmp_path / "store"

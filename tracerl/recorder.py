@@ -14,7 +14,7 @@ copied to pinned host memory with ``non_blocking=True``; the copies are read onc
 (``event.query()``, which does not wait). Host payloads (the prompt's tokens) never go to the device. Nothing
 on this path reads a device value: no ``.item()``/``.cpu()``/``.tolist()``/``bool(t)``/``nonzero``, no
 blocking copies; the only wait is `end` (the request's last rows must have arrived), on a CUDA event
-(tests/test_capture_sync.py checks this on CPU and on the meta device).
+(tests/tracerl/test_capture_sync.py checks this on CPU and on the meta device).
 
 Per request the recorder buffers rows in a fixed-size arena slot (bounded memory) and writes a piece to the
 sink as soon as ``flush_tokens`` leading rows are complete (every field present); ``end(request_id)`` writes

@@ -11,8 +11,8 @@ Quick start::
 The on-disk format is specified in ``schemas/FORMAT.md``.
 """
 
-from ._format import FORMAT_VERSION, SUPPORTED_FORMAT_VERSIONS
-from .backend import Backend, ByteRange, ObjectInfo, RetryPolicy, open_backend
+from .format.keys import FORMAT_VERSION, SUPPORTED_FORMAT_VERSIONS
+from .storage import Backend, ByteRange, ObjectInfo, RetryPolicy, open_backend
 from .errors import (
     AccessDeniedError,
     BackendError,
@@ -40,7 +40,8 @@ from .errors import (
     UnknownSiteError,
 )
 from .maintenance import GcReport, VerifyReport, collect_garbage, compact, info, verify
-from .reader import CommittedRecord, Reader, Stream, TraceBatch, TrajectoryInfo, read_record
+from .reader import Reader, TraceBatch, TrajectoryInfo, read_record
+from .stream import CommittedRecord, Stream
 from .store import Site, Snapshot, Store, create_store, open_store
 from .writer import Writer
 

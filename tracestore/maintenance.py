@@ -13,22 +13,22 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ._format import (
+from .format.keys import (
     DATA_PREFIX,
     INDEX_PREFIX,
     LOG_PREFIX,
     MANIFEST_KEY,
-    PARTIAL_SUFFIX,
     checkpoint_key,
     log_key,
     parse_checkpoint_key,
     parse_log_key,
 )
-from ._log import LogEntry, decode_checkpoint, same_entry
-from ._segment import array_metadata, crc32c, layout
+from .storage import PARTIAL_SUFFIX
+from .format.log import LogEntry, decode_checkpoint, encode_checkpoint, same_entry
+from .format.segment import array_metadata, crc32c, layout
 from .errors import GcRefusedError, IntegrityError, ObjectNotFoundError, SchemaVersionError, TraceStoreError
 
-__all__ = ["info", "verify", "collect_garbage", "compact", "VerifyReport", "GcReport"]
+__all__ = ["info", "verify", "collect_garbage", "compact", "export_records", "VerifyReport", "GcReport"]
 
 log = logging.getLogger(__name__)
 
@@ -184,8 +184,11 @@ def _verify_segment(store, entry: LogEntry, report: VerifyReport) -> None:
     try:
         group = json.loads(store.backend.get(f"{seg.path}/zarr.json"))
         attrs = group["attributes"]["tracestore"]
-        if group.get("zarr_format") != 3 or group.get("node_type") != "group" or attrs["rows"] != seg.rows:
-            report.errors.append(f"{where}: group zarr.json does not match the log entry")
+        want = {"rows": seg.rows, "writer_id": entry.writer_id, "segment_id": seg.path.rsplit("/", 1)[1],
+                "store_id": store.store_id}
+        bad = {k: attrs.get(k) for k, v in want.items() if attrs.get(k) != v}
+        if group.get("zarr_format") != 3 or group.get("node_type") != "group" or bad:
+            report.errors.append(f"{where}: group zarr.json does not match the log entry ({bad or 'not a group'})")
     except (ObjectNotFoundError, ValueError, KeyError, TypeError) as e:
         report.errors.append(f"{where}: bad group zarr.json: {e}")
     trajs = sorted(set(entry.traj_ids))
@@ -408,6 +411,34 @@ def collect_garbage(store, *, grace_s: float | None = None, dry_run: bool = Fals
         log.info("gc %s: deleted %d segments, %d objects, %d bytes", store.url, len(report.deleted_segments),
                  report.deleted_objects, report.deleted_bytes)
     return report
+
+
+def export_records(store, path: str, snapshot=None) -> dict:
+    """Write every committed record of ``snapshot`` (default: the log head) to one Parquet file at ``path`` (a
+    local path): one row per record, in log order, with the columns of a checkpoint (FORMAT §3.1: ``seq``,
+    ``writer_id``, ``writer_seq``, ``segment``, ``rows``, ``chunk_rows``, ``shard_bytes``, ``created_unix``,
+    ``segment_nbytes``, ``traj_id``, ``token_start``, ``token_stop``, ``row_offset``, ``policy_version``) — for SQL
+    engines, which would double-count records by reading every ``index/*.parquet`` (each checkpoint holds the
+    whole log up to its ``log_end``). The snapshot is in the file's metadata (``tracestore.snapshot``).
+
+    Returns ``{"path", "records", "log_end", "snapshot"}``. Raises as :meth:`Store.read_entries`; OSError if
+    ``path`` cannot be written (written to ``path + ".partial"`` first, then renamed).
+    """
+    import os
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    snap = store.check_snapshot(snapshot)
+    entries = store.read_entries(0, snap.log_end)
+    table = pq.read_table(pa.BufferReader(encode_checkpoint(entries)))
+    meta = dict(table.schema.metadata or {})
+    meta[b"tracestore.snapshot"] = snap.to_json().encode()
+    table = table.replace_schema_metadata(meta)
+    tmp = f"{path}.partial"
+    pq.write_table(table, tmp, compression="zstd")
+    os.replace(tmp, path)
+    return {"path": path, "records": table.num_rows, "log_end": snap.log_end, "snapshot": snap.to_json()}
 
 
 def compact(store) -> int | None:

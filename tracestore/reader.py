@@ -8,71 +8,43 @@ chunks. Every chunk's crc32c is checked before its bytes are used.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import functools
 import logging
 import math
-import re
 import sys
 import threading
-import time
 import warnings
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 
 from traceschemas import record_schema, token_schema, trajectory_schema
 
-from ._format import check_id, log_key
-from ._log import LogEntry, SegmentRef, merge_ranges
-from ._segment import ReadTargets, layout
+from ._aligned import PAGE, aligned_view
+from .format.keys import check_id
+from .format.log import LogEntry, SegmentRef, merge_ranges
+from .format.segment import ReadTargets, layout
 from .errors import (
     HintNotFoundError,
     IntegrityError,
     ObjectNotFoundError,
-    SchemaVersionError,
     ShapeError,
-    SnapshotError,
     UnknownSiteError,
 )
 from .store import Snapshot
 
-_DIGITS = re.compile(r"[0-9]{1,19}")
+if TYPE_CHECKING:
+    from .stream import CommittedRecord
 
-#: a tailing stream that keeps finding no next entry lists the log this often to tell a hole from the end
-HOLE_CHECK_INTERVAL_S = 1.0
-
-__all__ = ["Reader", "TraceBatch", "TrajectoryInfo", "Stream", "CommittedRecord"]
+__all__ = ["Reader", "TraceBatch", "TrajectoryInfo", "read_record"]
 
 log = logging.getLogger(__name__)
 
 FORMATS = ("numpy", "torch", "arrow")
-
-
-@dataclass(frozen=True)
-class CommittedRecord:
-    """A committed token range ``[token_start, token_stop)`` of ``traj_id``: record ``index`` of log entry ``seq``."""
-
-    traj_id: str
-    token_start: int
-    token_stop: int
-    policy_version: int
-    writer_id: str
-    seq: int
-    index: int
-    row_offset: int
-    segment: SegmentRef = field(repr=False)
-    created_unix: float = 0.0
-
-    @property
-    def num_tokens(self) -> int:
-        return self.token_stop - self.token_start
-
-
-def records_of(entry: LogEntry) -> list[CommittedRecord]:
-    return [CommittedRecord(t, s, e, pv, entry.writer_id, entry.seq, i, ro, entry.segment, entry.created_unix)
-            for i, (t, s, e, ro, pv) in enumerate(entry.records())]
 
 
 @dataclass(frozen=True)
@@ -175,8 +147,7 @@ def _np(x) -> np.ndarray:
 
 
 _ARENA_MIN_BYTES = 4 << 20  # numpy's huge-page threshold
-_PAGE = 4096
-_ARENA_ALIGN = _PAGE  # outputs start at page boundaries (see _page_aligned)
+_ARENA_ALIGN = PAGE  # outputs start at page boundaries (see tracestore._aligned)
 
 
 _POOL_ARENAS = 4  # per thread
@@ -197,31 +168,21 @@ def _pooled_arena(nbytes: int) -> np.ndarray:
     arenas = getattr(_pool, "arenas", None)
     if arenas is None:
         arenas = _pool.arenas = []
-    need = nbytes + _PAGE
+    need = nbytes + PAGE
     for k in range(len(arenas) - 1, -1, -1):
         a = arenas[k]
         # references: the pool list, ``a`` and getrefcount's argument -> nothing else holds it
         if need <= a.size <= 2 * need and sys.getrefcount(a) == 3:
             del arenas[k]
             arenas.append(a)  # most recently used last
-            return _page_aligned(a, nbytes)
+            return aligned_view(a, nbytes)
         del a
     a = np.empty(need, np.uint8)
     if need <= _POOL_MAX_BYTES:
         arenas.append(a)
         while len(arenas) > _POOL_ARENAS or sum(x.size for x in arenas) > _POOL_MAX_BYTES:
             del arenas[0]  # the least recently used (still valid for whoever holds its outputs)
-    return _page_aligned(a, nbytes)
-
-
-def _page_aligned(raw: np.ndarray, nbytes: int) -> np.ndarray:
-    """``nbytes`` of ``raw`` starting at a page boundary (a view: its ``base`` is ``raw``).
-
-    Outputs start at page boundaries because the kernel's copy into user memory (``preadv`` from the page cache)
-    ran ~3x slower on the benchmark machine (AMD EPYC) when the destination address was 1-31 bytes past the
-    source's page offset, which is where numpy's 16-byte-aligned allocations put every page-aligned chunk."""
-    off = -raw.ctypes.data % _PAGE
-    return raw[off : off + nbytes]
+    return aligned_view(a, nbytes)
 
 
 class _Alloc:
@@ -309,24 +270,23 @@ def _check_features(store, sites: Sequence[str], features) -> tuple[int, int] | 
     return lo, hi
 
 
-def read_pieces(store, traj_id: str, start: int, stop: int, pieces: Sequence[_Piece], *, sites=None, features=None,
-                fmt: str = "numpy", pin_memory: bool = False, trace: bool = True) -> TraceBatch:
-    """Read ``pieces`` (covering ``[start, stop)`` contiguously, in order) into a TraceBatch."""
-    if fmt not in FORMATS:
-        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+def _check_sites(store, sites) -> list[str]:
+    """The sites to read, in order, without duplicates (default: every declared site)."""
     if sites is None:
-        sites = list(store.sites)
-    else:
-        if isinstance(sites, str):
-            sites = [sites]
-        sites = list(dict.fromkeys(sites))
-        unknown = [s for s in sites if s not in store.sites]
-        if unknown:
-            raise UnknownSiteError(f"unknown site(s) {unknown!r}; the store declares {list(store.sites)}")
-    feats = _check_features(store, sites, features)
-    trace_arrays = (("token_ids", "logprobs") + (("experts",) if store.moe_layers else ())) if trace else ()
-    T = stop - start
-    alloc = _Alloc(fmt, pin_memory)
+        return list(store.sites)
+    if isinstance(sites, str):
+        sites = [sites]
+    sites = list(dict.fromkeys(sites))
+    unknown = [s for s in sites if s not in store.sites]
+    if unknown:
+        raise UnknownSiteError(f"unknown site(s) {unknown!r}; the store declares {list(store.sites)}")
+    return sites
+
+
+def _allocate(store, sites: list[str], feats, trace_arrays: tuple[str, ...], T: int, alloc: _Alloc) -> dict:
+    """The outputs of one read, carved from one arena: ``{column: (numpy view, torch tensor | None, b0, b1)}``
+    (``hints.<site>`` / ``scales.<site>`` ``[T, b1 - b0]`` bytes, trace arrays ``[T, *row_shape]``, and
+    ``policy_version`` ``[T]`` int64)."""
     nbytes = 8  # per token: policy version
     for name in sites:
         site = store.sites[name]
@@ -334,19 +294,23 @@ def read_pieces(store, traj_id: str, start: int, stop: int, pieces: Sequence[_Pi
         nbytes += (hi - lo) // 8 + (hi - lo) // site.block_size
     nbytes += sum(store.array_specs[n].row_nbytes for n in trace_arrays)
     alloc.reserve(T * nbytes + _ARENA_ALIGN * (2 * len(sites) + 4))
-    outs: dict[str, tuple[np.ndarray, object, int, int]] = {}  # array -> (numpy view, torch, b0, b1)
+    outs: dict[str, tuple[np.ndarray, object, int, int]] = {}
     for name in sites:
         site = store.sites[name]
         lo, hi = feats if feats else (0, site.width)
         for kind, per in (("hints", 8), ("scales", site.block_size)):
             b0, b1 = lo // per, hi // per
-            arr, t = alloc.empty((T, b1 - b0), np.uint8)
-            outs[f"{kind}.{name}"] = (arr, t, b0, b1)
+            outs[f"{kind}.{name}"] = (*alloc.empty((T, b1 - b0), np.uint8), b0, b1)
     for name in trace_arrays:
         spec = store.array_specs[name]
-        arr, t = alloc.empty((T, *spec.row_shape), spec.dtype)
-        outs[name] = (arr, t, 0, 0)
-    # which stored arrays to read, and where each of their sites / columns goes
+        outs[name] = (*alloc.empty((T, *spec.row_shape), spec.dtype), 0, 0)
+    outs["policy_version"] = (*alloc.empty((T,), np.int64), 0, 0)
+    return outs
+
+
+def _plan(store, traj_id: str, start: int, pieces: Sequence[_Piece], sites: list[str],
+          trace_arrays: tuple[str, ...], outs: dict) -> ReadTargets:
+    """Range reads of every stored array a read needs, each targeting its rows and columns of ``outs``."""
     wanted: dict[str, list[tuple[int, str]]] = {}  # array name -> [(index along axis 1, output column)]
     for name in sites:
         h, sc, k = store.site_arrays[name]
@@ -354,7 +318,7 @@ def read_pieces(store, traj_id: str, start: int, stop: int, pieces: Sequence[_Pi
         wanted.setdefault(sc, []).append((k, f"scales.{name}"))
     for name in trace_arrays:
         wanted[name] = [(0, name)]
-    pv, pv_t = alloc.empty((T,), np.int64)
+    pv = outs["policy_version"][0]
     targets = ReadTargets()
     for p in pieces:
         r0 = p.row0
@@ -373,13 +337,12 @@ def read_pieces(store, traj_id: str, start: int, stop: int, pieces: Sequence[_Pi
             flats = lay.flat_ranges((k, outs[col][2], outs[col][3]) for k, col in members) if spec.grouped else None
             for rng, chunks in lay.plan(p.segment.path, r0, r1, flats):
                 targets.add(rng, lay, chunks, views, r0, r1, functools.partial(describe, key=rng.key))
-    try:
-        targets.read(store.backend)
-    except ObjectNotFoundError as e:
-        raise IntegrityError(f"committed data of trajectory {traj_id!r} tokens [{start}, {stop}) is missing in "
-                             f"{store.url}: {e}") from e
+    return targets
 
-    pos = np.arange(start, stop, dtype=np.int64)
+
+def _assemble(store, traj_id: str, start: int, stop: int, sites: list[str], trace: bool, outs: dict, fmt: str,
+              feats) -> TraceBatch:
+    """The TraceBatch of filled ``outs``, converted to ``fmt`` (numpy views, torch tensors or Arrow arrays)."""
 
     def conv(name: str):
         arr, t, _b0, _b1 = outs[name]
@@ -407,15 +370,36 @@ def read_pieces(store, traj_id: str, start: int, stop: int, pieces: Sequence[_Pi
                     experts[layer] = pa.FixedSizeListArray.from_arrays(pa.array(arr[:, k, :].ravel()), store.top_k)
                 else:
                     experts[layer] = arr[:, k, :]
+    pos = np.arange(start, stop, dtype=np.int64)
     if fmt == "torch":
         import torch
 
-        positions, policy = torch.from_numpy(pos), pv_t
+        positions = torch.from_numpy(pos)
     elif fmt == "arrow":
-        positions, policy = pa.array(pos), pa.array(pv)
+        positions = pa.array(pos)
     else:
-        positions, policy = pos, pv
-    return TraceBatch(traj_id, start, stop, positions, hints, scales, token_ids, logprobs, experts, policy, feats)
+        positions = pos
+    return TraceBatch(traj_id, start, stop, positions, hints, scales, token_ids, logprobs, experts,
+                      conv("policy_version"), feats)
+
+
+def read_pieces(store, traj_id: str, start: int, stop: int, pieces: Sequence[_Piece], *, sites=None, features=None,
+                fmt: str = "numpy", pin_memory: bool = False, trace: bool = True) -> TraceBatch:
+    """Read ``pieces`` (covering ``[start, stop)`` contiguously, in order) into a TraceBatch: allocate the
+    outputs, plan range reads straight into them, read and check every chunk's crc32c, convert to ``fmt``."""
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+    sites = _check_sites(store, sites)
+    feats = _check_features(store, sites, features)
+    trace_arrays = (("token_ids", "logprobs") + (("experts",) if store.moe_layers else ())) if trace else ()
+    outs = _allocate(store, sites, feats, trace_arrays, stop - start, _Alloc(fmt, pin_memory))
+    targets = _plan(store, traj_id, start, pieces, sites, trace_arrays, outs)
+    try:
+        targets.read(store.backend)
+    except ObjectNotFoundError as e:
+        raise IntegrityError(f"committed data of trajectory {traj_id!r} tokens [{start}, {stop}) is missing in "
+                             f"{store.url}: {e}") from e
+    return _assemble(store, traj_id, start, stop, sites, trace, outs, fmt, feats)
 
 
 class Reader:
@@ -538,143 +522,6 @@ class Reader:
         stop_, pieces = self._pieces(traj_id, start, stop)
         return read_pieces(self.store, traj_id, int(start), stop_, pieces, sites=sites, features=features, fmt=fmt,
                            pin_memory=pin_memory, trace=trace)
-
-
-class Stream:
-    """Tails the commit log: yields every committed record exactly once, in log order.
-
-    ``cursor`` is a small string (``"v1:<store_id>:<seq>:<index>"``) naming the next record to yield; pass
-    :attr:`cursor` to :meth:`Store.stream` to resume exactly after the last record consumed. Iteration waits for
-    new entries by polling ``log/<seq>`` (a GET, no listing); it ends (StopIteration) once ``timeout_s`` passes
-    without a new record (``None``: never). Iterating again continues from the cursor.
-
-    Raises (constructor): SnapshotError (malformed cursor, another store's, or past the log head: an entry
-    beyond the head, or an index beyond its entry's records), SchemaVersionError (unknown cursor version).
-    """
-
-    def __init__(self, store, cursor: str | None = None, *, poll_interval_s: float = 0.05,
-                 timeout_s: float | None = None):
-        self.store = store
-        self.poll_interval_s = float(poll_interval_s)
-        self.timeout_s = timeout_s
-        self._records: list[CommittedRecord] | None = None
-        self._caught_up = False
-        self._prefetched: dict[int, LogEntry] = {}
-        self._hole_checked = -float("inf")
-        self._seq, self._index = (0, 0) if cursor is None else self._parse(cursor)
-
-    def _parse(self, cursor: str) -> tuple[int, int]:
-        if not isinstance(cursor, str):
-            raise SnapshotError(f"cursor must be a str, got {type(cursor).__name__}")
-        parts = cursor.split(":")
-        if len(parts) != 4:
-            raise SnapshotError(f"malformed cursor {cursor!r:.80} (expected v1:<store_id>:<seq>:<index>)")
-        if parts[0] != "v1":
-            raise SchemaVersionError(f"cursor version {parts[0]!r}; supported: ['v1']")
-        if parts[1] != self.store.store_id:
-            raise SnapshotError(f"cursor belongs to store {parts[1]}, not {self.store.store_id} ({self.store.url})")
-        # plain ASCII digits only (int() would also take " 1", "0_1", "+1" and other scripts' digits)
-        if not all(_DIGITS.fullmatch(x) for x in parts[2:]):
-            raise SnapshotError(f"malformed cursor {cursor!r:.80}: <seq> and <index> must be decimal digits 0-9")
-        seq, index = int(parts[2]), int(parts[3])
-        self._check_position(cursor, seq, index)
-        return seq, index
-
-    def _check_position(self, cursor: str, seq: int, index: int) -> None:
-        """Reject a cursor past the log head (FORMAT §7): it names record ``index`` of entry ``seq``, so it must
-        satisfy ``seq < head`` and ``index <= `` the entry's record count, or be ``(head, 0)``."""
-        store = self.store
-        head = store.head()
-        if seq > head or (seq == head and index > 0):
-            raise SnapshotError(
-                f"cursor {cursor!r:.80} is past the log head of {store.url}: it names record {index} of log entry "
-                f"{seq}, but the log has {head} entries (allowed: seq < {head} with index up to the entry's "
-                f"record count, or seq {head} with index 0)")
-        if index > 0:
-            entry = store.read_entry(seq)
-            if index > len(entry):
-                raise SnapshotError(
-                    f"cursor {cursor!r:.80} is past the end of log entry {seq} in {store.url}: it names record "
-                    f"{index}, the entry holds {len(entry)} records (allowed: index 0..{len(entry)})")
-            self._prefetched[seq] = entry  # the first entry the stream reads: no second GET
-
-    @property
-    def cursor(self) -> str:
-        """Position of the next record (serializable; resume with ``store.stream(cursor)``)."""
-        return f"v1:{self.store.store_id}:{self._seq}:{self._index}"
-
-    def __iter__(self) -> Iterator[CommittedRecord]:
-        return self
-
-    def _load(self) -> bool:
-        """Load entry ``self._seq`` if committed; False if not (yet)."""
-        store = self.store
-        entry = self._prefetched.pop(self._seq, None)
-        if entry is None and not self._caught_up:
-            # catching up on a long log: fetch entries in batches (and from a checkpoint), not one GET each
-            head = store.head()
-            if head - self._seq > 1:
-                batch = store.read_entries(self._seq, min(head, self._seq + 4096))
-                self._prefetched = {e.seq: e for e in batch}
-                entry = self._prefetched.pop(self._seq)
-            else:
-                self._caught_up = True
-        if entry is None:
-            known = store.known_head  # taken before the GET: an entry committed after it may be noted meanwhile
-            try:
-                entry = store.read_entry(self._seq)
-            except ObjectNotFoundError:
-                if self._seq < known:
-                    raise IntegrityError(
-                        f"log entry {store.url}/{log_key(self._seq)} is missing below the log head "
-                        f"({known} entries): a hole in the log (FORMAT §7)") from None
-                now = time.monotonic()
-                if now - self._hole_checked >= HOLE_CHECK_INTERVAL_S:
-                    # a missing entry with later ones after it is a hole, not the end: head() lists past it
-                    self._hole_checked = now
-                    store.head()
-                self._caught_up = True
-                return False
-        self._records = records_of(entry)  # (self._index <= len(self._records): checked with the cursor)
-        self.store._note_head(self._seq + 1)
-        return True
-
-    def _take(self) -> CommittedRecord | None:
-        while True:
-            if self._records is None and not self._load():
-                return None
-            assert self._records is not None
-            if self._index < len(self._records):
-                rec = self._records[self._index]
-                self._index += 1
-                if self._index == len(self._records):
-                    self._seq, self._index, self._records = self._seq + 1, 0, None
-                return rec
-            self._seq, self._index, self._records = self._seq + 1, 0, None
-
-    def __next__(self) -> CommittedRecord:
-        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
-        while True:
-            rec = self._take()
-            if rec is not None:
-                return rec
-            if deadline is not None and time.monotonic() >= deadline:
-                raise StopIteration
-            time.sleep(self.poll_interval_s)
-
-    def poll(self, max_records: int | None = None) -> list[CommittedRecord]:
-        """The records committed now (without waiting), at most ``max_records``."""
-        out: list[CommittedRecord] = []
-        while max_records is None or len(out) < max_records:
-            rec = self._take()
-            if rec is None:
-                break
-            out.append(rec)
-        return out
-
-    def read(self, record: CommittedRecord, **kwargs) -> TraceBatch:
-        """Read a record's tokens (keyword arguments as :meth:`Reader.read`, without start/stop)."""
-        return read_record(self.store, record, **kwargs)
 
 
 def read_record(store, record: CommittedRecord, *, start: int | None = None, stop: int | None = None,

@@ -35,9 +35,10 @@ from dataclasses import dataclass
 import crc32c as _crc32c
 import numpy as np
 
-from ._format import check_id, log_key
-from ._log import LogEntry, SegmentRef, decode_entry, encode_entry, merge_ranges
-from ._segment import array_metadata, choose_chunk_rows, group_metadata, layout
+from ._aligned import PAGE, aligned_empty
+from .format.keys import check_id, log_key
+from .format.log import LogEntry, Record, SegmentRef, decode_entry, encode_entry, merge_ranges
+from .format.segment import array_metadata, choose_chunk_rows, group_metadata, layout
 from .errors import (
     BackendError,
     CommitError,
@@ -160,24 +161,18 @@ def _host(x, s: int, e: int):
     return x[s:e]
 
 
-_PAGE = 4096
 #: where staging arrays start relative to a page boundary (see _staging_array)
-_STAGING_OFFSET = _PAGE - 64
+_STAGING_OFFSET = PAGE - 64
 
 
 def _staging_array(shape: tuple[int, ...], dtype) -> np.ndarray:
-    """An empty array that starts :data:`_STAGING_OFFSET` bytes past a page boundary.
+    """An empty array that starts :data:`_STAGING_OFFSET` bytes past a page boundary (:mod:`._aligned`).
 
-    The kernel's copy into the page cache (``writev``) ran ~2x slower on the benchmark machine (AMD EPYC) when
-    the destination's offset in its page was 1-31 bytes past the source address's. Inner chunk ``k`` of a
-    shard sits at file offset ``k * (chunk bytes + 4)``; with chunk sizes a multiple of the page size its
-    source starts at the array's page offset, so an array starting 64 bytes before a page boundary keeps
-    every chunk of shards up to ~1000 chunks out of that band (numpy's 16-byte offset hit chunks 5-11)."""
+    Inner chunk ``k`` of a shard sits at file offset ``k * (chunk bytes + 4)``; with chunk sizes a multiple of the
+    page size its source starts at the array's page offset, so an array starting 64 bytes before a page boundary
+    keeps every chunk of shards up to ~1000 chunks out of the slow band (numpy's 16-byte offset hit chunks 5-11)."""
     dtype = np.dtype(dtype)
-    n = math.prod(shape) * dtype.itemsize
-    raw = np.empty(n + 2 * _PAGE, np.uint8)
-    off = (_STAGING_OFFSET - raw.ctypes.data) % _PAGE
-    return raw[off : off + n].view(dtype).reshape(shape)
+    return aligned_empty(math.prod(shape) * dtype.itemsize, _STAGING_OFFSET).view(dtype).reshape(shape)
 
 
 @dataclass
@@ -200,7 +195,7 @@ class _Staging:
         self.capacity = capacity
         self.arrays = {n: _staging_array((capacity, *shape), dtype) for n, (dtype, shape) in columns.items()}
         self.rows = 0
-        self.records: list[list] = []  # [traj_id, token_start, token_stop, row_offset, policy_version]
+        self.records: list[Record] = []
         self.segment: _SegmentWrite | None = None  # written, not yet committed
         # crc32c of every whole chunk of ``crc_rows`` rows of each column, computed right after its rows were
         # copied in (while they are in cache; the flusher then has no checksum pass over memory), and the
@@ -236,11 +231,11 @@ class _Staging:
     def add_record(self, traj_id: str, start: int, stop: int, row: int, policy_version: int) -> None:
         assert stop > start, (traj_id, start, stop)  # an empty record would make a log entry invalid
         last = self.records[-1] if self.records else None
-        if last and last[0] == traj_id and last[2] == start and last[4] == policy_version \
-                and last[3] + (last[2] - last[1]) == row:
-            last[2] = stop  # adjacent rows of one trajectory: one record
+        if last and last.traj_id == traj_id and last.token_stop == start and last.policy_version == policy_version \
+                and last.row_offset + (last.token_stop - last.token_start) == row:
+            self.records[-1] = last._replace(token_stop=stop)  # adjacent rows of one trajectory: one record
         else:
-            self.records.append([traj_id, start, stop, row, policy_version])
+            self.records.append(Record(traj_id, start, stop, row, policy_version))
 
     def reset(self) -> None:
         self.rows = 0
@@ -248,6 +243,99 @@ class _Staging:
         self.segment = None
         self.crcs = {n: [] for n in self.arrays}
         self._crc_run = dict.fromkeys(self.arrays, 0)
+
+
+def _check_position(token_start: object, policy_version: object) -> tuple[int, int]:
+    """``token_start`` in ``[0, 2**63 - 1]`` and ``policy_version`` in int64, as Python ints."""
+    if isinstance(token_start, bool) or not isinstance(token_start, (int, np.integer)) or not (
+            0 <= token_start <= _INT64.max):
+        raise ShapeError(f"token_start must be an int in [0, 2**63 - 1], got {token_start!r:.40}")
+    if isinstance(policy_version, bool) or not isinstance(policy_version, (int, np.integer)):
+        raise DTypeError(f"policy_version must be an int, got {type(policy_version).__name__} {policy_version!r:.40}")
+    if not _INT64.min <= policy_version <= _INT64.max:
+        raise ShapeError(f"policy_version must fit int64 [-2**63, 2**63 - 1], got {policy_version!r:.40}")
+    return int(token_start), int(policy_version)
+
+
+def _check_trace(token_ids, logprobs, token_start: int, traj_id: str) -> tuple[dict, int]:
+    """``token_ids`` (integers in int32, ``[T]``) and ``logprobs`` (floats within float32, ``[T]``) as stage
+    columns, and ``T``."""
+    token_ids = _as_array(token_ids, "token_ids")
+    if len(_shape(token_ids)) != 1:
+        raise ShapeError(f"token_ids must be 1-D [T], got shape {_shape(token_ids)}")
+    T = _shape(token_ids)[0]
+    if T == 0:
+        raise ShapeError(f"empty write: token_ids has 0 tokens (traj {traj_id!r}, token_start {token_start})")
+    if token_start > _INT64.max - T:
+        raise ShapeError(f"tokens [{token_start}, {token_start} + {T}) end past the largest token position "
+                         f"2**63 - 1 (int64)")
+    if _kind(token_ids) not in "iu":
+        raise DTypeError(f"token_ids must be integers, got {_dtype_name(token_ids)}")
+    _check_int_range(token_ids, _INT32.min, _INT32.max, "token_ids", DTypeError)
+    logprobs = _as_array(logprobs, "logprobs")
+    if _shape(logprobs) != (T,):
+        raise ShapeError(f"logprobs must have shape ({T},) like token_ids, got {_shape(logprobs)}")
+    if _kind(logprobs) != "f":
+        raise DTypeError(f"logprobs must be floating point, got {_dtype_name(logprobs)}")
+    _check_float32_range(logprobs, "logprobs")
+    return {"token_ids": (token_ids, np.dtype("<i4")), "logprobs": (logprobs, np.dtype("<f4"))}, T
+
+
+def _check_int_range(x, lo: int, hi: int, what: str, error: type) -> None:
+    if not _fits(x, lo, hi):
+        a, b = _minmax(x)
+        if a < lo or b > hi:
+            raise error(f"{what} values must be in [{lo}, {hi}], got min {a}, max {b}")
+
+
+def _check_names(given: object, declared, what: str, kind: str) -> Mapping:
+    """``given`` must be a mapping with exactly the ``declared`` keys (sites or MoE layers)."""
+    if not isinstance(given, Mapping):
+        raise DTypeError(f"{what} must be a mapping {{{kind}: array}}, got {type(given).__name__}")
+    unknown = [k for k in given if k not in declared]
+    if unknown:
+        raise UnknownSiteError(f"{what}: unknown {kind}(s) {unknown!r}; the store declares {list(declared)}")
+    missing = [k for k in declared if k not in given]
+    if missing:
+        raise ShapeError(f"{what}: missing {kind}(s) {missing}; every declared {kind} is required per write")
+    return given
+
+
+def _check_sites(store, hints, scales, T: int) -> dict:
+    """``hints`` / ``scales``: uint8 ``[T, hint_bytes]`` / ``[T, scale_bytes]`` for every declared site."""
+    columns = {}
+    for what, given, per_site in (("hints", hints, "hint_bytes"), ("scales", scales, "scale_bytes")):
+        given = _check_names(given, store.sites, what, "site")
+        for name, site in store.sites.items():
+            arr = _as_array(given[name], f"{what}[{name!r}]")
+            want = (T, getattr(site, per_site))
+            if not _is_u8(arr):
+                raise DTypeError(f"{what}[{name!r}] must be uint8, got {_dtype_name(arr)}")
+            if _shape(arr) != want:
+                raise ShapeError(f"{what}[{name!r}] must have shape {want} (T={T}, width {site.width}, "
+                                 f"block {site.block_size}), got {_shape(arr)}")
+            columns[f"{what}.{name}"] = (arr, np.dtype(np.uint8))
+    return columns
+
+
+def _check_experts(store, experts, T: int) -> tuple[list, np.dtype]:
+    """``experts``: integers ``[T, top_k]`` in ``[0, num_experts)`` for every declared MoE layer."""
+    if not store.moe_layers:
+        raise UnknownSiteError(f"experts given for {list(experts)!r} but the store declares no MoE layers")
+    if not isinstance(experts, Mapping):
+        raise ShapeError(f"experts {{layer: [T, {store.top_k}]}} are required: the store declares MoE "
+                         f"layers {list(store.moe_layers)}; got {type(experts).__name__}")
+    experts = _check_names(experts, store.moe_layers, "experts", "MoE layer")
+    layer_arrays = []
+    for name in store.moe_layers:
+        arr = _as_array(experts[name], f"experts[{name!r}]")
+        if _shape(arr) != (T, store.top_k):
+            raise ShapeError(f"experts[{name!r}] must have shape ({T}, {store.top_k}), got {_shape(arr)}")
+        if _kind(arr) not in "iu":
+            raise DTypeError(f"experts[{name!r}] must be integers, got {_dtype_name(arr)}")
+        _check_int_range(arr, 0, store.num_experts - 1, f"experts[{name!r}]", ShapeError)
+        layer_arrays.append(arr)
+    return layer_arrays, store.row_columns["experts"][0]
 
 
 class _Ranges:
@@ -472,132 +560,63 @@ class Writer:
             are buffered and will be committed; write the rest again starting there. Errors raised before
             anything was buffered have ``buffered_to == token_start``.
         """
-        store = self.store
         traj_id = check_id(traj_id)
-        if isinstance(token_start, bool) or not isinstance(token_start, (int, np.integer)) or not (
-                0 <= token_start <= _INT64.max):
-            raise ShapeError(f"token_start must be an int in [0, 2**63 - 1], got {token_start!r:.40}")
-        token_start = int(token_start)
-        if isinstance(policy_version, bool) or not isinstance(policy_version, (int, np.integer)):
-            raise DTypeError(f"policy_version must be an int, got {type(policy_version).__name__} {policy_version!r:.40}")
-        if not _INT64.min <= policy_version <= _INT64.max:
-            raise ShapeError(f"policy_version must fit int64 [-2**63, 2**63 - 1], got {policy_version!r:.40}")
-        policy_version = int(policy_version)
-
-        columns: dict[str, tuple[object, np.dtype]] = {}
-        token_ids = _as_array(token_ids, "token_ids")
-        if len(_shape(token_ids)) != 1:
-            raise ShapeError(f"token_ids must be 1-D [T], got shape {_shape(token_ids)}")
-        T = _shape(token_ids)[0]
-        if T == 0:
-            raise ShapeError(f"empty write: token_ids has 0 tokens (traj {traj_id!r}, token_start {token_start})")
-        if token_start > _INT64.max - T:
-            raise ShapeError(f"tokens [{token_start}, {token_start} + {T}) end past the largest token position "
-                             f"2**63 - 1 (int64)")
-        if _kind(token_ids) not in "iu":
-            raise DTypeError(f"token_ids must be integers, got {_dtype_name(token_ids)}")
-        if not _fits(token_ids, _INT32.min, _INT32.max):
-            lo, hi = _minmax(token_ids)
-            if lo < _INT32.min or hi > _INT32.max:
-                raise DTypeError(f"token_ids out of int32 range: min {lo}, max {hi}")
-        columns["token_ids"] = (token_ids, np.dtype("<i4"))
-        logprobs = _as_array(logprobs, "logprobs")
-        if _shape(logprobs) != (T,):
-            raise ShapeError(f"logprobs must have shape ({T},) like token_ids, got {_shape(logprobs)}")
-        if _kind(logprobs) != "f":
-            raise DTypeError(f"logprobs must be floating point, got {_dtype_name(logprobs)}")
-        _check_float32_range(logprobs, "logprobs")
-        columns["logprobs"] = (logprobs, np.dtype("<f4"))
-
-        for what, given, per_site in (("hints", hints, "hint_bytes"), ("scales", scales, "scale_bytes")):
-            if not isinstance(given, Mapping):
-                raise DTypeError(f"{what} must be a mapping {{site: array}}, got {type(given).__name__}")
-            unknown = [k for k in given if k not in store.sites]
-            if unknown:
-                raise UnknownSiteError(f"{what}: unknown site(s) {unknown!r}; the store declares {list(store.sites)}")
-            missing = [k for k in store.sites if k not in given]
-            if missing:
-                raise ShapeError(f"{what}: missing site(s) {missing}; every declared site is required per write")
-            for name, site in store.sites.items():
-                arr = _as_array(given[name], f"{what}[{name!r}]")
-                want = (T, getattr(site, per_site))
-                if not _is_u8(arr):
-                    raise DTypeError(f"{what}[{name!r}] must be uint8, got {_dtype_name(arr)}")
-                if _shape(arr) != want:
-                    raise ShapeError(f"{what}[{name!r}] must have shape {want} (T={T}, width {site.width}, "
-                                     f"block {site.block_size}), got {_shape(arr)}")
-                columns[f"{what}.{name}"] = (arr, np.dtype(np.uint8))
-
-        if store.moe_layers:
-            if not isinstance(experts, Mapping):
-                raise ShapeError(f"experts {{layer: [T, {store.top_k}]}} are required: the store declares MoE "
-                                 f"layers {list(store.moe_layers)}; got {type(experts).__name__}")
-            unknown = [k for k in experts if k not in store.moe_layers]
-            if unknown:
-                raise UnknownSiteError(f"experts: unknown MoE layer(s) {unknown!r}; declared {list(store.moe_layers)}")
-            missing = [k for k in store.moe_layers if k not in experts]
-            if missing:
-                raise ShapeError(f"experts: missing MoE layer(s) {missing}")
-            layer_arrays = []
-            for name in store.moe_layers:
-                arr = _as_array(experts[name], f"experts[{name!r}]")
-                if _shape(arr) != (T, store.top_k):
-                    raise ShapeError(f"experts[{name!r}] must have shape ({T}, {store.top_k}), got {_shape(arr)}")
-                if _kind(arr) not in "iu":
-                    raise DTypeError(f"experts[{name!r}] must be integers, got {_dtype_name(arr)}")
-                if not _fits(arr, 0, store.num_experts - 1):
-                    lo, hi = _minmax(arr)
-                    if lo < 0 or hi >= store.num_experts:
-                        raise ShapeError(f"experts[{name!r}] values must be in [0, {store.num_experts}), got min "
-                                         f"{lo}, max {hi}")
-                layer_arrays.append(arr)
-            columns["experts"] = (layer_arrays, store.row_columns["experts"][0])
-        elif experts:
-            raise UnknownSiteError(f"experts given for {list(experts)!r} but the store declares no MoE layers")
-
+        token_start, policy_version = _check_position(token_start, policy_version)
+        columns, T = _check_trace(token_ids, logprobs, token_start, traj_id)
+        columns.update(_check_sites(self.store, hints, scales, T))
+        if self.store.moe_layers or experts:
+            columns["experts"] = _check_experts(self.store, experts, T)
         with self._lock:
             self._check_open()
-            stop = token_start + T
+            parts = self._reserve(traj_id, token_start, token_start + T)
+            if parts:
+                self._buffer_parts(traj_id, token_start, T, parts, columns, policy_version)
+
+    def _reserve(self, traj_id: str, start: int, stop: int) -> list[tuple[int, int]]:
+        """The parts of ``[start, stop)`` to buffer (all of it, or with ``skip_committed`` the positions not yet
+        committed), marked pending. Raises OverlapError (and marks nothing) on an overlap with committed or
+        buffered positions."""
+        with self._state:
+            parts = [(start, stop)]
+            hit = self._committed.overlaps(traj_id, start, stop)
+            if hit is not None and self.skip_committed:
+                parts = self._committed.uncovered(traj_id, start, stop)
+                log.info("%s: %s [%d, %d): skipping committed positions, writing %s", self.writer_id, traj_id,
+                         start, stop, parts)
+                hit = None
+            where = "committed"
+            if hit is None:
+                where = "buffered by this writer"
+                hit = next((h for a, b in parts if (h := self._pending.overlaps(traj_id, a, b)) is not None), None)
+            if hit is not None:
+                raise OverlapError(
+                    f"trajectory {traj_id!r}: tokens [{start}, {stop}) overlap [{hit[0]}, {hit[1]}) "
+                    f"already {where} in {self.store.url}", [(traj_id, start, stop)])
+            for a, b in parts:
+                self._pending.add(traj_id, a, b)
+        return parts
+
+    def _buffer_parts(self, traj_id: str, token_start: int, T: int, parts: list[tuple[int, int]], columns: dict,
+                      policy_version: int) -> None:
+        """Copy the reserved ``parts`` of a validated write into the stage (caller holds ``_lock``)."""
+        done = [0]
+        try:
+            for a, b in parts:
+                done[0] = a - token_start
+                self._buffer(traj_id, token_start, a - token_start, b - token_start, columns, policy_version, done)
+            done[0] = T
+            if self._due():
+                self._handoff()
+        except TraceStoreError as e:
+            # a full buffer could not be handed on (the previous commit failed): say how far this write got
+            e.buffered_to = token_start + done[0]
+            raise
+        finally:
+            # after a failure part-way, what never reached the buffer is not pending
             with self._state:
-                parts = [(token_start, stop)]
-                hit = self._committed.overlaps(traj_id, token_start, stop)
-                if hit is not None and self.skip_committed:
-                    parts = self._committed.uncovered(traj_id, token_start, stop)
-                    log.info("%s: %s [%d, %d): skipping committed positions, writing %s", self.writer_id, traj_id,
-                             token_start, stop, parts)
-                    hit = None
-                where = "committed"
-                if hit is None:
-                    where = "buffered by this writer"
-                    hit = next((h for a, b in parts if (h := self._pending.overlaps(traj_id, a, b)) is not None),
-                               None)
-                if hit is not None:
-                    raise OverlapError(
-                        f"trajectory {traj_id!r}: tokens [{token_start}, {stop}) overlap [{hit[0]}, {hit[1]}) "
-                        f"already {where} in {self.store.url}", [(traj_id, token_start, stop)])
                 for a, b in parts:
-                    self._pending.add(traj_id, a, b)
-            if not parts:
-                return
-            done = [0]
-            try:
-                for a, b in parts:
-                    done[0] = a - token_start
-                    self._buffer(traj_id, token_start, a - token_start, b - token_start, columns, policy_version,
-                                 done)
-                done[0] = T
-                if self._due():
-                    self._handoff()
-            except TraceStoreError as e:
-                # a full buffer could not be handed on (the previous commit failed): say how far this write got
-                e.buffered_to = token_start + done[0]
-                raise
-            finally:
-                # after a failure part-way, what never reached the buffer is not pending
-                with self._state:
-                    for a, b in parts:
-                        if token_start + done[0] < b:
-                            self._pending.subtract(traj_id, max(a, token_start + done[0]), b)
+                    if token_start + done[0] < b:
+                        self._pending.subtract(traj_id, max(a, token_start + done[0]), b)
 
     def _buffer(self, traj_id: str, token_start: int, s: int, T: int, columns: dict, policy_version: int,
                 done: list) -> None:
@@ -729,10 +748,10 @@ class Writer:
                     self._landed.add(entry.segment.path)
                     log.info("%s: segment %s was committed as log entry %d by an earlier try", self.writer_id,
                              entry.segment.path, entry.seq)
-                for t, s, e, _ro, _pv in entry.records():
-                    self._committed.add(t, s, e)
+                for r in entry.records():
+                    self._committed.add(r.traj_id, r.token_start, r.token_stop)
                     if own:
-                        self._own.add(t, s, e)
+                        self._own.add(r.traj_id, r.token_start, r.token_stop)
             self._synced = head
 
     @property
@@ -785,11 +804,10 @@ class Writer:
         commit it (flusher thread, or the caller for a retry). Raises on failure; the stage keeps its rows."""
         if stage.segment is None:
             self._write_segment(stage)
-        records = [list(r) for r in stage.records]
-        conflicts = self._commit(stage, records)
+        conflicts = self._commit(stage, list(stage.records))
         with self._state:
             for r in stage.records:
-                self._pending.subtract(r[0], r[1], r[2])
+                self._pending.subtract(r.traj_id, r.token_start, r.token_stop)
             if conflicts:
                 if self.skip_committed:  # another writer committed these positions first: nothing to report
                     log.info("%s: %d token range(s) were committed by another writer first; skipped: %s",
@@ -839,24 +857,25 @@ class Writer:
         stage.segment = _SegmentWrite(path, nbytes, rows, chunk_rows, started)
         return stage.segment
 
-    def _split(self, records: list[list]) -> tuple[list[list], list[tuple[str, int, int]]]:
+    def _split(self, records: list[Record]) -> tuple[list[Record], list[tuple[str, int, int]]]:
         """Split ``records`` against the committed ranges (caller holds ``_state``): the parts still to commit,
         and the parts another writer committed first (conflicts). Parts that an earlier try of this writer
         committed (an ambiguous commit that did land) are neither."""
-        keep: list[list] = []
+        keep: list[Record] = []
         conflicts: list[tuple[str, int, int]] = []
         for r in records:
-            if self._committed.overlaps(r[0], r[1], r[2]) is None:
+            t = r.traj_id
+            if self._committed.overlaps(t, r.token_start, r.token_stop) is None:
                 keep.append(r)
                 continue
-            pos = r[1]
-            for a, b in self._committed.uncovered(r[0], r[1], r[2]):
+            pos = r.token_start
+            for a, b in self._committed.uncovered(t, r.token_start, r.token_stop):
                 if a > pos:
-                    conflicts.extend((r[0], x, y) for x, y in self._own.uncovered(r[0], pos, a))
-                keep.append([r[0], a, b, r[3] + (a - r[1]), r[4]])
+                    conflicts.extend((t, x, y) for x, y in self._own.uncovered(t, pos, a))
+                keep.append(Record(t, a, b, r.row_offset + (a - r.token_start), r.policy_version))
                 pos = b
-            if pos < r[2]:
-                conflicts.extend((r[0], x, y) for x, y in self._own.uncovered(r[0], pos, r[2]))
+            if pos < r.token_stop:
+                conflicts.extend((t, x, y) for x, y in self._own.uncovered(t, pos, r.token_stop))
         return keep, conflicts
 
     def _claim(self, seq: int, data: bytes, path: str) -> str:
@@ -880,7 +899,7 @@ class Writer:
             return "unknown"
         return "ours" if existing.writer_id == self.writer_id and existing.segment.path == path else "taken"
 
-    def _commit(self, stage: _Staging, records: list[list]) -> list[tuple[str, int, int]]:
+    def _commit(self, stage: _Staging, records: list[Record]) -> list[tuple[str, int, int]]:
         """Claim the next log position for ``stage.segment`` (see the module docstring); returns the dropped ranges.
 
         Raises:
@@ -915,19 +934,19 @@ class Writer:
                     seq=seq, writer_id=self.writer_id, writer_seq=int(seg.path.rsplit("/", 1)[1].split("-")[0]),
                     segment=SegmentRef(seg.path, self.writer_id, seg.rows, seg.chunk_rows, store.shard_bytes),
                     created_unix=time.time(), segment_nbytes=seg.nbytes,
-                    traj_ids=[r[0] for r in records],
-                    token_start=np.array([r[1] for r in records], np.int64),
-                    token_stop=np.array([r[2] for r in records], np.int64),
-                    row_offset=np.array([r[3] for r in records], np.int64),
-                    policy_version=np.array([r[4] for r in records], np.int64),
+                    traj_ids=[r.traj_id for r in records],
+                    token_start=np.array([r.token_start for r in records], np.int64),
+                    token_stop=np.array([r.token_stop for r in records], np.int64),
+                    row_offset=np.array([r.row_offset for r in records], np.int64),
+                    policy_version=np.array([r.policy_version for r in records], np.int64),
                 )
                 data = encode_entry(entry)
                 outcome = self._claim(seq, data, seg.path)
                 if outcome == "ours":
                     with self._state:
                         for r in records:
-                            self._committed.add(r[0], r[1], r[2])
-                            self._own.add(r[0], r[1], r[2])
+                            self._committed.add(r.traj_id, r.token_start, r.token_stop)
+                            self._own.add(r.traj_id, r.token_start, r.token_stop)
                         self._landed.add(seg.path)
                         self._synced = seq + 1
                         self.stats["segments"] += 1
@@ -935,7 +954,7 @@ class Writer:
                         self.stats["data_bytes"] += seg.nbytes
                         self.stats["records"] += len(records)
                         self.stats["log_bytes"] += len(data)
-                    store._note_head(seq + 1)
+                    store.log.note_head(seq + 1)
                     log.debug("%s: committed %s as log entry %d (%d records)", self.writer_id, seg.path, seq,
                               len(records))
                     if time.monotonic() - seg.started > store.gc_grace_s / 2:

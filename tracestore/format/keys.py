@@ -1,0 +1,114 @@
+"""Format constants and id validation (one place; ``schemas/FORMAT.md`` is the normative description)."""
+
+from __future__ import annotations
+
+import re
+
+from traceschemas import FORMAT_VERSION, SUPPORTED_FORMAT_VERSIONS
+
+from ..errors import InvalidIdError, SchemaVersionError
+
+__all__ = ["FORMAT_VERSION", "SUPPORTED_FORMAT_VERSIONS"]  # re-exported: written / readable versions
+#: ``format`` field of the manifest
+FORMAT_NAME = "tracestore"
+
+MANIFEST_KEY = "tracestore.json"
+LOG_PREFIX = "log/"
+DATA_PREFIX = "data/"
+#: log entry keys: ``log/<seq, 12 zero-padded decimal digits>.arrow`` so that lexical order is log order
+LOG_DIGITS = 12
+LOG_SUFFIX = ".arrow"
+#: optional checkpoints: ``index/<log_end, 12 digits>.parquet`` holds all records of entries ``[0, log_end)``
+INDEX_PREFIX = "index/"
+INDEX_SUFFIX = ".parquet"
+#: readers use a checkpoint instead of this many (or more) individual entry GETs
+CHECKPOINT_MIN_ENTRIES = 64
+
+
+#: schema-metadata keys of a log entry (Arrow IPC file)
+ENTRY_META_KEY = b"tracestore.entry"
+ENTRY_CRC_KEY = b"tracestore.crc32c"
+
+#: ids: trajectory ids, writer ids, site names, MoE layer names
+ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}"
+_ID_RE = re.compile(ID_PATTERN)
+#: site / layer names also become zarr node names (``hints.<site>``): no ':' to stay portable
+NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}"
+_NAME_RE = re.compile(NAME_PATTERN)
+
+FP4_FORMATS = {"nvfp4": 16, "mxfp4": 32}
+SITE_KINDS = ("activation", "weight", "kv", "other")
+
+DEFAULT_CHUNK_ROWS = 1024
+DEFAULT_SHARD_BYTES = 16 << 20
+DEFAULT_GC_GRACE_S = 3600.0
+
+
+def check_version(found: object, where: str, *, supported=SUPPORTED_FORMAT_VERSIONS, writes=FORMAT_VERSION) -> None:
+    """The one format-version check (manifest, log entries, checkpoints, snapshots, cursors): ``found`` must be
+    one of ``supported`` (a JSON ``true`` is not the version 1).
+
+    Raises:
+        SchemaVersionError: "<where> has version <found>; this tracestore writes version <writes> and reads
+        versions <supported>".
+    """
+    if isinstance(found, bool) or found not in supported:
+        raise SchemaVersionError(f"{where} has version {found!r:.40}; this tracestore writes version {writes!r} and "
+                                 f"reads versions {list(supported)}")
+
+
+def log_key(seq: int) -> str:
+    return f"{LOG_PREFIX}{seq:0{LOG_DIGITS}d}{LOG_SUFFIX}"
+
+
+def checkpoint_key(log_end: int) -> str:
+    return f"{INDEX_PREFIX}{log_end:0{LOG_DIGITS}d}{INDEX_SUFFIX}"
+
+
+def parse_checkpoint_key(key: str) -> int | None:
+    if not key.startswith(INDEX_PREFIX) or not key.endswith(INDEX_SUFFIX):
+        return None
+    body = key[len(INDEX_PREFIX) : -len(INDEX_SUFFIX)]
+    return int(body) if len(body) == LOG_DIGITS and body.isdigit() else None
+
+
+def parse_log_key(key: str) -> int | None:
+    """``log/000000000042.arrow`` -> 42; anything else (``.partial`` files, strays) -> None."""
+    if not key.startswith(LOG_PREFIX) or not key.endswith(LOG_SUFFIX):
+        return None
+    body = key[len(LOG_PREFIX) : -len(LOG_SUFFIX)]
+    if len(body) != LOG_DIGITS or not body.isdigit():
+        return None
+    return int(body)
+
+
+def _describe(value: object) -> str:
+    text = repr(value)
+    if len(text) <= 80:
+        return text
+    size = f" ({len(value)} chars)" if isinstance(value, str) else ""
+    return f"{text[:60]}...{size}"
+
+
+def _check(value: object, what: str, pattern: re.Pattern, allowed: str) -> str:
+    if not isinstance(value, str):
+        raise InvalidIdError(f"{what} must be a str, got {type(value).__name__} {_describe(value)}")
+    if not pattern.fullmatch(value) or ".." in value:
+        raise InvalidIdError(
+            f"invalid {what} {_describe(value)}: allowed are {allowed}, starting with a letter or digit, without '..'"
+        )
+    return value
+
+
+def check_id(value: object, what: str = "trajectory id") -> str:
+    """Validate a trajectory/writer id: ``[A-Za-z0-9][A-Za-z0-9._:-]{0,199}`` and no ``..``.
+
+    Raises:
+        InvalidIdError: anything else (not a str, empty, too long, ``/``, ``..``, NUL, whitespace ...).
+    """
+    return _check(value, what, _ID_RE, "1-200 characters of [A-Za-z0-9._:-]")
+
+
+def check_name(value: object, what: str = "site name") -> str:
+    """Validate a site or MoE layer name: ``[A-Za-z0-9][A-Za-z0-9._-]{0,99}`` and no ``..``."""
+    return _check(value, what, _NAME_RE, "1-100 characters of [A-Za-z0-9._-]")

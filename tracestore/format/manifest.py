@@ -1,0 +1,218 @@
+"""The manifest ``tracestore.json`` (FORMAT §2.2): the site declaration, value checks, and the arrays every
+segment holds (FORMAT §2.3)."""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from ..errors import DeclarationError, ShapeError, TraceStoreError
+from .keys import (
+    DEFAULT_CHUNK_ROWS,
+    DEFAULT_GC_GRACE_S,
+    DEFAULT_SHARD_BYTES,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    FP4_FORMATS,
+    SITE_KINDS,
+    check_name,
+    check_version,
+)
+from .segment import ArraySpec
+
+__all__ = ["Site", "check_manifest", "check_gc_grace", "new_manifest", "array_specs", "experts_dtype",
+           "declaration"]
+
+
+@dataclass(frozen=True)
+class Site:
+    """A quantization site: ``width`` FP4 values per token, in blocks of ``block_size`` sharing one scale byte.
+
+    Per token the store keeps ``hint_bytes = width // 8`` hint bytes (bit i = LSB of the E2M1 code of value
+    i, LSB-first) and ``scale_bytes = width // block_size`` scale bytes (E4M3 for nvfp4, E8M0 for mxfp4).
+
+    Raises:
+        InvalidIdError: bad name. ShapeError: width not a positive multiple of 8 and of ``block_size``.
+        DeclarationError (a ValueError): unknown ``kind`` or ``fp4_format``.
+    """
+
+    name: str
+    width: int
+    kind: str = "activation"
+    fp4_format: str = "nvfp4"
+    block_size: int | None = None
+
+    def __post_init__(self) -> None:
+        check_name(self.name, "site name")
+        if not isinstance(self.fp4_format, str) or self.fp4_format not in FP4_FORMATS:
+            raise DeclarationError(f"site {self.name!r}: fp4_format {self.fp4_format!r} is not one of "
+                                   f"{sorted(FP4_FORMATS)}")
+        if not isinstance(self.kind, str) or self.kind not in SITE_KINDS:
+            raise DeclarationError(f"site {self.name!r}: kind {self.kind!r} is not one of {list(SITE_KINDS)}")
+        if self.block_size is None:
+            object.__setattr__(self, "block_size", FP4_FORMATS[self.fp4_format])
+        if not isinstance(self.width, (int, np.integer)) or isinstance(self.width, bool) or self.width <= 0:
+            raise ShapeError(f"site {self.name!r}: width must be a positive int, got {self.width!r}")
+        if (not isinstance(self.block_size, (int, np.integer)) or isinstance(self.block_size, bool)
+                or self.block_size <= 0):
+            raise ShapeError(f"site {self.name!r}: block_size must be a positive int, got {self.block_size!r}")
+        object.__setattr__(self, "width", int(self.width))
+        object.__setattr__(self, "block_size", int(self.block_size))
+        if self.width % 8 or self.width % self.block_size:
+            raise ShapeError(
+                f"site {self.name!r}: width {self.width} must be a multiple of 8 and of block_size {self.block_size}"
+            )
+
+    @property
+    def hint_bytes(self) -> int:
+        return self.width // 8
+
+    @property
+    def scale_bytes(self) -> int:
+        return self.width // self.block_size
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.hint_bytes + self.scale_bytes
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> Site:
+        """Raises DeclarationError (not a mapping, unknown keys, missing name/width) or as the constructor."""
+        if not isinstance(d, Mapping):
+            raise DeclarationError(f"a site must be a mapping with name and width, got {type(d).__name__} {d!r:.80}")
+        unknown = sorted(set(d) - {"name", "width", "kind", "fp4_format", "block_size"})
+        if unknown or "name" not in d or "width" not in d:
+            raise DeclarationError(f"site {d!r:.120}: needs 'name' and 'width' and may have 'kind', 'fp4_format', "
+                                   f"'block_size'" + (f"; unknown keys {unknown}" if unknown else ""))
+        return cls(
+            name=d["name"], width=d["width"], kind=d.get("kind", "activation"),
+            fp4_format=d.get("fp4_format", "nvfp4"), block_size=d.get("block_size"),
+        )
+
+
+def array_specs(sites: Sequence[Site], moe_layers: Sequence[str], top_k: int, num_experts: int,
+                 feature_chunk: int) -> list[ArraySpec]:
+    """The arrays of every segment: sites of equal (width, block size) share one hints and one scales array
+    ``hints.w<width>.b<block>`` / ``scales.w<width>.b<block>`` ``[rows, n_sites, bytes]`` (declaration order
+    along axis 1), then ``token_ids`` ``[rows]`` int32, ``logprobs`` ``[rows]`` float32 and, with MoE layers,
+    ``experts`` ``[rows, L, top_k]`` uint8 (uint16 above 256 experts)."""
+    groups: dict[tuple[int, int], list[Site]] = {}
+    for s in sites:
+        groups.setdefault((s.width, s.block_size), []).append(s)
+    specs = []
+    for (width, block), members in groups.items():
+        fc = feature_chunk if (feature_chunk and width % feature_chunk == 0 and feature_chunk % block == 0
+                               and feature_chunk % 8 == 0) else 0
+        names = tuple(m.name for m in members)
+        suffix = f"w{width}.b{block}"
+        specs.append(ArraySpec(f"hints.{suffix}", np.dtype(np.uint8), (len(members), width // 8), names,
+                               fc // 8 if fc else 0))
+        specs.append(ArraySpec(f"scales.{suffix}", np.dtype(np.uint8), (len(members), width // block), names,
+                               fc // block if fc else 0))
+    specs.append(ArraySpec("token_ids", np.dtype("<i4"), ()))
+    specs.append(ArraySpec("logprobs", np.dtype("<f4"), ()))
+    if moe_layers:
+        specs.append(ArraySpec("experts", experts_dtype(num_experts), (len(moe_layers), top_k)))
+    return specs
+
+
+def experts_dtype(num_experts: int) -> np.dtype:
+    return np.dtype(np.uint8) if num_experts <= 256 else np.dtype("<u2")
+
+
+def new_manifest(sites: Sequence[Site], model: Mapping | None, moe_layers: Sequence[str], top_k: int, num_experts: int,
+              chunk_rows: int, shard_bytes: int, feature_chunk: int, gc_grace_s: float) -> dict:
+    return {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "store_id": uuid.uuid4().hex,
+        "created_unix": time.time(),
+        "sites": [s.to_dict() for s in sites],
+        "model": dict(model or {}),
+        "moe_layers": list(moe_layers),
+        "top_k": int(top_k),
+        "num_experts": int(num_experts),
+        "layout": {"chunk_rows": int(chunk_rows), "shard_bytes": int(shard_bytes), "feature_chunk": int(feature_chunk)},
+        "gc_grace_s": float(gc_grace_s),
+    }
+
+
+#: manifest value limits (a damaged or hostile manifest must not make writers loop or readers crash)
+MAX_CHUNK_ROWS = 1 << 24
+MAX_SHARD_BYTES = 1 << 40
+MAX_EXPERTS = 65536
+_STORE_ID_RE = re.compile(r"[A-Za-z0-9]{1,64}")
+
+
+def _int_in(m: Mapping, key: str, lo: int, hi: int, where: str, default: int | None = None) -> int:
+    value = m.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise DeclarationError(f"{where}{key} must be an integer in [{lo}, {hi}], got {value!r:.80}")
+    return value
+
+
+def check_gc_grace(value: object, what: str = "gc_grace_s") -> float:
+    """A gc grace period: a finite number of seconds > 0. Raises DeclarationError otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise DeclarationError(f"{what} must be a finite number of seconds > 0, got {value!r:.80}")
+    return float(value)
+
+
+def check_manifest(m: object) -> None:
+    """Check every value of a manifest (types and ranges, FORMAT §2.1) before anything trusts it.
+
+    Raises:
+        DeclarationError: the first bad value, with what arrived and what is allowed.
+        SchemaVersionError: an unsupported ``format_version``.
+    """
+    if not isinstance(m, Mapping):
+        raise DeclarationError(f"the manifest must be a JSON object, got {type(m).__name__}")
+    if m.get("format") != FORMAT_NAME:
+        raise DeclarationError(f"format must be {FORMAT_NAME!r}, got {m.get('format')!r:.80}")
+    check_version(m.get("format_version"), "the manifest")
+    store_id = m.get("store_id")
+    if not isinstance(store_id, str) or not _STORE_ID_RE.fullmatch(store_id):
+        raise DeclarationError(f"store_id must be 1-64 letters/digits, got {store_id!r:.80}")
+    sites = m.get("sites")
+    if not isinstance(sites, list) or not sites:
+        raise DeclarationError(f"sites must be a non-empty list, got {sites!r:.80}")
+    names = [Site.from_dict(d).name for d in sites]
+    if len(set(names)) != len(names):
+        raise DeclarationError(f"duplicate site names in {names}")
+    if not isinstance(m.get("model", {}), Mapping):
+        raise DeclarationError(f"model must be a JSON object, got {m.get('model')!r:.80}")
+    layers = m.get("moe_layers", [])
+    if not isinstance(layers, list):
+        raise DeclarationError(f"moe_layers must be a list of names, got {layers!r:.80}")
+    try:
+        layers = [check_name(n, "MoE layer name") for n in layers]
+    except TraceStoreError as e:
+        raise DeclarationError(str(e)) from e
+    if len(set(layers)) != len(layers):
+        raise DeclarationError(f"duplicate MoE layer names in {layers}")
+    if layers:
+        num_experts = _int_in(m, "num_experts", 1, MAX_EXPERTS, "")
+        _int_in(m, "top_k", 1, num_experts, "")
+    else:
+        _int_in(m, "num_experts", 0, MAX_EXPERTS, "", 0)
+        _int_in(m, "top_k", 0, MAX_EXPERTS, "", 0)
+    lay = m.get("layout", {})
+    if not isinstance(lay, Mapping):
+        raise DeclarationError(f"layout must be a JSON object, got {lay!r:.80}")
+    _int_in(lay, "chunk_rows", 1, MAX_CHUNK_ROWS, "layout.", DEFAULT_CHUNK_ROWS)
+    _int_in(lay, "shard_bytes", 1, MAX_SHARD_BYTES, "layout.", DEFAULT_SHARD_BYTES)
+    _int_in(lay, "feature_chunk", 0, 1 << 20, "layout.", 0)
+    check_gc_grace(m.get("gc_grace_s", DEFAULT_GC_GRACE_S))
+
+
+def declaration(m: Mapping) -> tuple:
+    return (m["sites"], m.get("moe_layers", []), m.get("top_k", 0), m.get("num_experts", 0))
