@@ -117,6 +117,27 @@ def test_clip_region_gradient_property():
     assert st["clip_frac"] == pytest.approx(active.sum().item() / mask.sum().item())
 
 
+def test_dual_clip_hand_computed():
+    logp = _lp([5.0, 2.0, 5.0])
+    adv = torch.tensor([[-1.0, -1.0, 1.0]])
+    loss, st = policy_loss(logp, torch.zeros(1, 3), adv, torch.ones(1, 3), clip_ratio_c=3.0)
+    # A < 0: max(min(-r, -clip(r)), -3): r = 5 -> -3 (dual-clipped), r = 2 -> -2; A > 0, r = 5 -> 1.2 (clipped)
+    assert loss.item() == pytest.approx(-(-3 - 2 + 1.2) / 3, abs=1e-6)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 2.0 / 3, 0.0]]), rtol=0, atol=1e-6)
+    assert st["clip_frac_dual"] == pytest.approx(1 / 3) and st["clip_frac"] == pytest.approx(2 / 3)
+    with pytest.raises(ConfigError, match="clip_ratio_c"):
+        policy_loss(logp, torch.zeros(1, 3), adv, torch.ones(1, 3), clip_ratio_c=1.0)
+
+
+def test_extreme_log_ratio_stays_finite():
+    logp = torch.tensor([[200.0, -200.0]], requires_grad=True)  # log r far outside fp32's exp range
+    loss, st = policy_loss(logp, torch.zeros(1, 2), torch.tensor([[-1.0, 1.0]]), torch.ones(1, 2))
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+    assert st["ratio_max"] == pytest.approx(math.exp(20.0), rel=1e-5)
+
+
 def test_aggregation_token_vs_sequence():
     # sequence 0 has 1 token with per-token loss -2 (r = 1, A = 2); sequence 1 has 3 tokens with loss -1 each
     logp = torch.zeros(2, 3, requires_grad=True)

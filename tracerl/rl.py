@@ -107,6 +107,7 @@ def policy_loss(
     *,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
+    clip_ratio_c: float | None = None,
     agg: str = "token-mean",
     logp_rollout: torch.Tensor | None = None,
     tis_cap: float | None = None,
@@ -122,7 +123,10 @@ def policy_loss(
     where w = min(exp(logp_old - logp_rollout), tis_cap) with TIS and 1 without, k3_ref = exp(d) - 1 - d with
     d = logp_ref - logp (an unbiased, non-negative estimate of KL(policy || ref), DeepSeekMath eq. 4). The
     gradient of the surrogate is zero where the clipped branch is taken: r > 1 + clip_high with A > 0, or
-    r < 1 - clip_low with A < 0. Setting clip_high > clip_low is DAPO's "clip-higher".
+    r < 1 - clip_low with A < 0. Setting clip_high > clip_low is DAPO's "clip-higher". With ``clip_ratio_c``
+    (dual-clip PPO, Ye et al. 2020) a token with A < 0 contributes at most -clip_ratio_c * A: a very large ratio
+    on a bad token (a stale or mismatched rollout) cannot dominate the batch; its gradient is zero there too.
+    log r is clamped to [-20, 20] before the exp so that a wild token gives a large finite ratio, not inf/NaN.
 
     Args:
         logp: float [B, T], with gradient: log-prob of each sampled token under the trained policy.
@@ -131,6 +135,7 @@ def policy_loss(
         advantages: float [B] (one per sequence, broadcast over its tokens) or [B, T].
         mask: bool or 0/1 float [B, T]: tokens that count.
         clip_low, clip_high: epsilons of the clip range [1 - clip_low, 1 + clip_high]; >= 0.
+        clip_ratio_c: dual-clip bound (> 1) for tokens with negative advantage; None: off.
         agg: ``"token-mean"`` (every token of the batch weighs the same; DAPO) or ``"seq-mean-token-mean"``
             (mean per sequence, then over sequences; the original GRPO, where long responses weigh less per token).
         logp_rollout: float [B, T]: the rollout engine's log-probs; needed by ``tis_cap``; with it, the stats
@@ -143,15 +148,16 @@ def policy_loss(
         (loss, stats): a scalar tensor (differentiable through ``logp``, and ``entropy`` if a bonus is used) and
         a dict of floats over the masked tokens: ``loss``, ``pg_loss``, ``ratio_mean``, ``ratio_min``,
         ``ratio_max``, ``clip_frac`` (tokens whose gradient the clip zeroes), ``clip_frac_low``,
-        ``clip_frac_high``, ``approx_kl_k1`` (mean logp_old - logp), ``approx_kl_k3`` (mean of r - 1 - log r,
-        an estimate of KL(old || policy)), ``tokens``; with TIS ``tis_weight_mean``, ``tis_trunc_frac``; with
-        ``logp_rollout`` ``mismatch_k3`` (mean of exp(d) - 1 - d, d = logp_old - logp_rollout) and
-        ``mismatch_abs`` (mean |d|); with ``logp_ref`` ``kl_ref_k3``; with ``entropy`` ``entropy``. Statistics of
-        an empty mask are NaN (the loss is then 0). All floats come to the host in one transfer.
+        ``clip_frac_high``, ``clip_frac_dual`` (tokens the dual clip bounds), ``approx_kl_k1`` (mean
+        logp_old - logp), ``approx_kl_k3`` (mean of r - 1 - log r, an estimate of KL(old || policy)), ``tokens``;
+        with TIS ``tis_weight_mean``, ``tis_trunc_frac``; with ``logp_rollout`` ``mismatch_k3`` (mean of
+        exp(d) - 1 - d, d = logp_old - logp_rollout) and ``mismatch_abs`` (mean |d|); with ``logp_ref``
+        ``kl_ref_k3``; with ``entropy`` ``entropy``. Statistics of an empty mask are NaN (the loss is then 0).
+        All floats come to the host in one transfer.
 
     Raises:
-        ConfigError: shape mismatches, negative clip epsilons, unknown ``agg``, ``tis_cap`` <= 0 or without
-            ``logp_rollout``, a coefficient without its tensor.
+        ConfigError: shape mismatches, negative clip epsilons, ``clip_ratio_c`` <= 1, unknown ``agg``,
+            ``tis_cap`` <= 0 or without ``logp_rollout``, a coefficient without its tensor.
     """
     shape = logp.shape
     if logp.dim() != 2:
@@ -166,6 +172,8 @@ def policy_loss(
         raise ConfigError(f"aggregation {agg!r}; supported: {', '.join(AGGREGATIONS)}")
     if clip_low < 0 or clip_high < 0 or not (math.isfinite(clip_low) and math.isfinite(clip_high)):
         raise ConfigError(f"clip epsilons must be finite and >= 0, got clip_low={clip_low}, clip_high={clip_high}")
+    if clip_ratio_c is not None and not clip_ratio_c > 1:
+        raise ConfigError(f"clip_ratio_c={clip_ratio_c} must be > 1 (or None)")
     if tis_cap is not None and (logp_rollout is None or not tis_cap > 0):
         raise ConfigError(f"tis_cap={tis_cap} needs a positive cap and logp_rollout")
     if kl_coef and logp_ref is None:
@@ -183,12 +191,17 @@ def policy_loss(
     adv = advantages.detach().float()
     adv = torch.where(m, adv[:, None] if adv.dim() == 1 else adv, zero)  # (B, T)
 
-    log_ratio = lp - lp_old
+    log_ratio = (lp - lp_old).clamp(-20.0, 20.0)
     ratio = torch.exp(log_ratio)
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     surr = torch.minimum(ratio * adv, clipped * adv)  # the PPO objective per token (to maximize)
     clip_hi = m & (adv > 0) & (ratio > 1.0 + clip_high)
     clip_lo = m & (adv < 0) & (ratio < 1.0 - clip_low)
+    clip_dual = torch.zeros_like(m)
+    if clip_ratio_c is not None:
+        # for A < 0 the PPO term is -max(r, clip(r)) * |A|, unbounded in r; dual clip: at least c * A
+        clip_dual = m & (adv < 0) & (ratio > clip_ratio_c)
+        surr = torch.where(adv < 0, torch.maximum(surr, clip_ratio_c * adv), surr)
 
     per_token = -surr
     stats_t: dict[str, torch.Tensor] = {}
@@ -232,9 +245,10 @@ def policy_loss(
         ratio_mean=tok_mean(r_d),
         ratio_min=torch.where(n_tok > 0, torch.where(m, r_d, big).amin(), nan),
         ratio_max=torch.where(n_tok > 0, torch.where(m, r_d, -big).amax(), nan),
-        clip_frac=tok_mean((clip_hi | clip_lo).float()),
+        clip_frac=tok_mean((clip_hi | clip_lo | clip_dual).float()),
         clip_frac_low=tok_mean(clip_lo.float()),
         clip_frac_high=tok_mean(clip_hi.float()),
+        clip_frac_dual=tok_mean(clip_dual.float()),
         approx_kl_k1=tok_mean(-lr_d),
         approx_kl_k3=tok_mean(torch.expm1(lr_d) - lr_d),
         tokens=n_tok,
