@@ -1,0 +1,299 @@
+"""Policy versions as safetensors objects beside a trace store (local directory or S3), published by the trainer
+and loaded by the rollout engine between generations.
+
+Layout, below the URL (usually the store's own URL; tracestore's ``gc`` and ``verify`` leave ``weights/`` alone)::
+
+    weights/<version, 12 digits>-<sha256[:16]>.safetensors   the tensors (immutable)
+    weights/<version, 12 digits>.json                         the commit: sidecar JSON, created with put_if_absent
+
+Publishing mirrors the store's commit protocol: data first, then an immutable commit object. The tensors are
+written under a name that carries their hash (``put``: atomic, a reader never sees a partial object; the name
+is unique to the content, so a retry or a racing publisher of the same version cannot overwrite another's
+bytes). Then the sidecar is created with ``put_if_absent``: a version exists exactly when its sidecar exists,
+and only one publisher can create it (a second gets `VersionExistsError`). A publisher killed between the two
+leaves an orphan ``.safetensors`` that no reader looks at.
+
+Sidecar (JSON)::
+
+    {"kind": "tracerl.weights", "format_version": 1, "version": 7, "key": "weights/000000000007-<hash>.safetensors",
+     "sha256": "<64 hex>", "bytes": 1234, "created_unix": 1.7e9, "step": 70, "parent_version": 6,
+     "tensors": 123, "meta": {...}}
+
+``step`` and ``parent_version`` are optional (null); ``meta`` is the caller's JSON-ready dict. The safetensors
+header metadata carries ``tracerl.version`` too (a blob copied elsewhere still says what it is); the hash lives
+only in the sidecar, since it covers the whole blob.
+A reader checks the sidecar's ``kind`` and ``format_version`` first, then the blob's size and sha256, and raises
+`WeightsIntegrityError` on any mismatch, never loading a tensor from unverified bytes.
+
+Versions are integers >= 0; they need not be consecutive. ``latest_version`` lists ``weights/`` afresh (the
+backends bypass listing caches), so a rollout engine that polls it sees a new version as soon as it is committed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+import tracestore as ts
+from tracerl.errors import ConfigError, TracerlError
+
+log = logging.getLogger(__name__)
+
+WEIGHTS_PREFIX = "weights/"
+VERSION_DIGITS = 12
+FORMAT_VERSION = 1
+KIND = "tracerl.weights"
+_SIDECAR_RE = re.compile(rf"{WEIGHTS_PREFIX}(\d{{{VERSION_DIGITS}}})\.json")
+
+__all__ = ["publish", "latest_version", "list_versions", "read_meta", "load_state_dict", "load", "load_if_newer",
+           "WeightsError", "WeightsIntegrityError", "VersionNotFoundError", "VersionExistsError"]
+
+
+class WeightsError(TracerlError):
+    """Base class of the weight-publishing errors."""
+
+
+class WeightsIntegrityError(WeightsError, ts.IntegrityError):
+    """A published version's bytes fail a check: sidecar undecodable or of another kind/format version, blob
+    missing, size or sha256 mismatch, or not a safetensors file."""
+
+
+class VersionNotFoundError(WeightsError, LookupError):
+    """No committed version with that number (or no version at all)."""
+
+
+class VersionExistsError(WeightsError, FileExistsError):
+    """`publish` of a version that is already committed (versions are immutable)."""
+
+
+Location = str | ts.Backend
+
+
+def _backend(url: Location, storage_options: Mapping | None) -> tuple[ts.Backend, bool]:
+    """(backend, whether we opened it and must close it)."""
+    if isinstance(url, ts.Backend):
+        return url, False
+    return ts.open_backend(url, storage_options), True
+
+
+def _check_version(version: Any) -> int:
+    if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < 10**VERSION_DIGITS:
+        raise ConfigError(f"policy version must be an int in [0, 10^{VERSION_DIGITS}), got {version!r}")
+    return version
+
+
+def sidecar_key(version: int) -> str:
+    return f"{WEIGHTS_PREFIX}{_check_version(version):0{VERSION_DIGITS}d}.json"
+
+
+def _blob_key(version: int, sha256: str) -> str:
+    return f"{WEIGHTS_PREFIX}{version:0{VERSION_DIGITS}d}-{sha256[:16]}.safetensors"
+
+
+def _encode(state_dict: Mapping[str, torch.Tensor], version: int) -> bytes:
+    from safetensors.torch import save
+
+    tensors = {}
+    for name, t in state_dict.items():
+        if not isinstance(t, torch.Tensor):
+            raise ConfigError(f"state_dict[{name!r}] is a {type(t).__name__}; only tensors can be published")
+        tensors[name] = t.detach().to("cpu").contiguous()
+    try:
+        return save(tensors, metadata={"tracerl.version": str(version)})
+    except RuntimeError as e:  # safetensors refuses tensors that share storage (tied weights)
+        raise ConfigError(f"cannot serialize the state dict as safetensors: {e}") from e
+
+
+def publish(url: Location, version: int, state_dict: Mapping[str, torch.Tensor], meta: Mapping[str, Any] | None = None,
+            *, step: int | None = None, parent_version: int | None = None,
+            storage_options: Mapping | None = None) -> str:
+    """Publish ``state_dict`` as policy ``version``; returns the sidecar key (``weights/<version>.json``).
+
+    Args:
+        url: store URL (local path, ``memory://``, ``s3://...``) or an open `tracestore.Backend`.
+        version: int >= 0, not yet published.
+        state_dict: name -> tensor (any device and dtype; written as they are, moved to the host).
+        meta: JSON-ready dict kept in the sidecar (e.g. the trainer's store cursor, the QAT mode).
+        step, parent_version: optional lineage recorded in the sidecar.
+
+    Raises:
+        ConfigError: bad version, non-tensor values, tensors sharing storage, ``meta`` not JSON-serializable.
+        VersionExistsError: ``version`` is already committed (by anyone, with any content).
+        tracestore.BackendError: the storage failed (nothing is committed then; a retry is safe).
+    """
+    version = _check_version(version)
+    if parent_version is not None:
+        _check_version(parent_version)
+    blob = _encode(state_dict, version)
+    sha = hashlib.sha256(blob).hexdigest()
+    key = _blob_key(version, sha)
+    side = {"kind": KIND, "format_version": FORMAT_VERSION, "version": version, "key": key, "sha256": sha,
+            "bytes": len(blob), "created_unix": time.time(), "step": step, "parent_version": parent_version,
+            "tensors": len(state_dict), "meta": dict(meta or {})}
+    try:
+        side_bytes = json.dumps(side, sort_keys=True, allow_nan=False).encode()
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"meta of version {version} is not JSON-serializable: {e}") from e
+    backend, owned = _backend(url, storage_options)
+    try:
+        if backend.exists(sidecar_key(version)):  # fail before uploading a large blob for nothing
+            raise VersionExistsError(f"{backend.url}: policy version {version} is already published")
+        backend.put(key, blob)
+        if not backend.put_if_absent(sidecar_key(version), side_bytes):
+            raise VersionExistsError(f"{backend.url}: policy version {version} was published concurrently by "
+                                     "another publisher")
+        log.info("published policy version %d to %s (%d bytes, sha256 %s)", version, backend.url, len(blob), sha[:16])
+        return sidecar_key(version)
+    finally:
+        if owned:
+            backend.close()
+
+
+def list_versions(url: Location, *, storage_options: Mapping | None = None) -> list[int]:
+    """Committed versions, ascending (a fresh listing of ``weights/``)."""
+    backend, owned = _backend(url, storage_options)
+    try:
+        out = []
+        for o in backend.list(WEIGHTS_PREFIX):
+            m = _SIDECAR_RE.fullmatch(o.key)
+            if m:
+                out.append(int(m.group(1)))
+        return sorted(out)
+    finally:
+        if owned:
+            backend.close()
+
+
+def latest_version(url: Location, *, storage_options: Mapping | None = None) -> int | None:
+    """The highest committed version, or None if nothing was published."""
+    versions = list_versions(url, storage_options=storage_options)
+    return versions[-1] if versions else None
+
+
+def _read_sidecar(backend: ts.Backend, version: int) -> dict:
+    key = sidecar_key(version)
+    try:
+        raw = backend.get(key)
+    except ts.ObjectNotFoundError:
+        raise VersionNotFoundError(f"{backend.url}: no policy version {version} ({key} does not exist)") from None
+    try:
+        side = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise WeightsIntegrityError(f"{backend.url}/{key}: sidecar is not JSON: {e}") from e
+    if not isinstance(side, dict) or side.get("kind") != KIND:
+        raise WeightsIntegrityError(f"{backend.url}/{key}: not a {KIND} sidecar")
+    if side.get("format_version") != FORMAT_VERSION:
+        raise ts.SchemaVersionError(f"{backend.url}/{key}: weights format_version {side.get('format_version')!r}; "
+                                    f"this code reads {FORMAT_VERSION}")
+    sha = side.get("sha256")
+    if (side.get("version") != version or not isinstance(sha, str) or not re.fullmatch(r"[0-9a-f]{64}", sha)
+            or side.get("key") != _blob_key(version, sha) or not isinstance(side.get("bytes"), int)):
+        raise WeightsIntegrityError(f"{backend.url}/{key}: sidecar fields do not describe version {version} "
+                                    f"(version {side.get('version')!r}, key {side.get('key')!r})")
+    return side
+
+
+def read_meta(url: Location, version: int | None = None, *, storage_options: Mapping | None = None) -> dict:
+    """The sidecar of ``version`` (None: the latest) as a dict (see the module docstring); reads no tensors.
+
+    Raises:
+        VersionNotFoundError: not committed (or nothing published, for None).
+        WeightsIntegrityError / tracestore.SchemaVersionError: the sidecar is corrupt or of another format.
+    """
+    backend, owned = _backend(url, storage_options)
+    try:
+        return _read_sidecar(backend, _resolve(backend, version))
+    finally:
+        if owned:
+            backend.close()
+
+
+def _resolve(backend: ts.Backend, version: int | None) -> int:
+    if version is not None:
+        return _check_version(version)
+    latest = latest_version(backend)
+    if latest is None:
+        raise VersionNotFoundError(f"{backend.url}: no policy version has been published")
+    return latest
+
+
+def load_state_dict(url: Location, version: int | None = None, *, device: str | torch.device = "cpu",
+                    storage_options: Mapping | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """(state dict on ``device``, sidecar) of ``version`` (None: the latest), after checking size and sha256.
+
+    Raises:
+        VersionNotFoundError: not committed (or nothing published, for None).
+        WeightsIntegrityError: sidecar corrupt; blob missing, of the wrong size or hash, or not safetensors.
+        tracestore.SchemaVersionError: a sidecar of a format version this code does not read.
+        tracestore.BackendError: the storage failed.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load as st_load
+
+    backend, owned = _backend(url, storage_options)
+    try:
+        version = _resolve(backend, version)
+        side = _read_sidecar(backend, version)
+        try:
+            blob = backend.get(side["key"])
+        except ts.ObjectNotFoundError:
+            raise WeightsIntegrityError(f"{backend.url}: version {version} is committed but its tensors "
+                                        f"{side['key']} are missing") from None
+    finally:
+        if owned:
+            backend.close()
+    if len(blob) != side["bytes"] or hashlib.sha256(blob).hexdigest() != side["sha256"]:
+        raise WeightsIntegrityError(f"{backend.url}/{side['key']}: {len(blob)} bytes with sha256 "
+                                    f"{hashlib.sha256(blob).hexdigest()[:16]}..., the sidecar says {side['bytes']} "
+                                    f"bytes with {side['sha256'][:16]}...")
+    try:
+        tensors = st_load(blob)
+    except (SafetensorError, ValueError) as e:  # unreachable unless the hash was of bad bytes to begin with
+        raise WeightsIntegrityError(f"{backend.url}/{side['key']}: not a safetensors file: {e}") from e
+    if device != "cpu":
+        tensors = {k: v.to(device) for k, v in tensors.items()}
+    return tensors, side
+
+
+def load(url: Location, version: int | None, model: torch.nn.Module, *,
+         storage_options: Mapping | None = None) -> dict:
+    """Load ``version`` (None: the latest) into ``model`` in place; returns its sidecar.
+
+    Every parameter and buffer of the model's state dict must be present and no other name (strict); values
+    are copied into the existing tensors (their device and dtype are kept).
+
+    Raises:
+        ConfigError: the published names or shapes differ from the model's (nothing is loaded then).
+        and what `load_state_dict` raises.
+    """
+    tensors, side = load_state_dict(url, version, storage_options=storage_options)
+    own = model.state_dict()
+    missing, unexpected = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
+    shapes = [k for k in own if k in tensors and tuple(own[k].shape) != tuple(tensors[k].shape)]
+    if missing or unexpected or shapes:
+        raise ConfigError(f"version {side['version']} does not fit the model: missing {missing[:4]}, unexpected "
+                          f"{unexpected[:4]}, shape mismatches {shapes[:4]}")
+    model.load_state_dict(tensors, strict=True)
+    return side
+
+
+def load_if_newer(url: Location, model: torch.nn.Module, current: int | None, *,
+                  storage_options: Mapping | None = None) -> dict | None:
+    """The rollout side's poll: if a version newer than ``current`` (None: any) is committed, load the latest
+    into ``model`` and return its sidecar; else None. Raises what `load` raises."""
+    backend, owned = _backend(url, storage_options)
+    try:
+        latest = latest_version(backend)
+        if latest is None or (current is not None and latest <= current):
+            return None
+        return load(backend, latest, model)
+    finally:
+        if owned:
+            backend.close()
