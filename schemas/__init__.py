@@ -1,22 +1,23 @@
 """Versioned Arrow schemas of the tracestore format (``FORMAT.md`` in this directory is the normative spec).
 
-Version 1 schemas:
+Version 2 adds trajectory results (``result``; results entries in the log, FORMAT §3.2). Schemas:
 
 * :func:`log_entry_schema` — the columns of a commit-log entry (one row per committed record).
 * :func:`record_schema` — the logical record ``(trajectory, token position, site) -> (hint bits, block scales)``
   that readers hand out as Arrow.
 * :func:`token_schema` — the per-token rollout trace (token id, rollout log-prob, policy version, experts).
 * :func:`trajectory_schema` — per-trajectory metadata derived from the log (``Reader.trajectories_table``).
+* :func:`result_schema` — trajectory results (version 2; ``Reader.results_table``).
 
-``tracestore_v1.json`` holds the same schemas as data (``describe()``); a test keeps them equal.
+``tracestore_v<N>.json`` holds the schemas of version N as data (``describe(N)``); a test keeps them equal.
 """
 
 from __future__ import annotations
 
 import pyarrow as pa
 
-FORMAT_VERSION = 1
-SUPPORTED_FORMAT_VERSIONS = (1,)
+FORMAT_VERSION = 2
+SUPPORTED_FORMAT_VERSIONS = (1, 2)
 
 
 def log_entry_schema() -> pa.Schema:
@@ -82,20 +83,45 @@ def trajectory_schema() -> pa.Schema:
     )
 
 
+def result_schema() -> pa.Schema:
+    """Trajectory results (format version 2), one row per trajectory whose result is committed, in log order.
+
+    ``advantage`` is null when the rollout side left it to the trainer; ``extra`` is a JSON object as text;
+    ``seq`` is the log entry that committed the result."""
+    return pa.schema(
+        [
+            pa.field("traj_id", pa.string(), nullable=False),
+            pa.field("reward", pa.float64(), nullable=False),
+            pa.field("group_id", pa.string(), nullable=False),
+            pa.field("advantage", pa.float64(), nullable=True),
+            pa.field("prompt_len", pa.int64(), nullable=False),
+            pa.field("response_len", pa.int64(), nullable=False),
+            pa.field("policy_version", pa.int64(), nullable=False),
+            pa.field("finish_reason", pa.string(), nullable=False),
+            pa.field("extra", pa.string(), nullable=False),
+            pa.field("seq", pa.int64(), nullable=False),
+        ]
+    )
+
+
 SCHEMAS = {
     "log_entry": log_entry_schema,
     "record": record_schema,
     "token": token_schema,
     "trajectory": trajectory_schema,
+    "result": result_schema,
 }
+#: the format version that introduced each schema
+SINCE = {"log_entry": 1, "record": 1, "token": 1, "trajectory": 1, "result": 2}
 
 
-def describe() -> dict:
-    """All schemas as JSON-able data: ``{name: [{"name", "type", "nullable"}, ...]}`` plus the version."""
+def describe(version: int = FORMAT_VERSION) -> dict:
+    """The schemas of format ``version`` as JSON-able data: ``{name: [{"name", "type", "nullable"}, ...]}`` plus
+    the version."""
     return {
-        "format_version": FORMAT_VERSION,
+        "format_version": version,
         "schemas": {
             name: [{"name": f.name, "type": str(f.type), "nullable": f.nullable} for f in make()]
-            for name, make in SCHEMAS.items()
+            for name, make in SCHEMAS.items() if SINCE[name] <= version
         },
     }

@@ -22,6 +22,7 @@ from .errors import (
     DTypeError,
     EndpointError,
     GcRefusedError,
+    ResultExistsError,
     LocationError,
     StorageTimeoutError,
     ThrottledError,
@@ -41,7 +42,8 @@ from .errors import (
 )
 from .maintenance import GcReport, VerifyReport, collect_garbage, compact, info, verify
 from .reader import Reader, TraceBatch, TrajectoryInfo, read_record
-from .stream import CommittedRecord, Stream
+from .format.log import Result
+from .stream import CommittedRecord, CommittedResult, Stream
 from .store import Site, Snapshot, Store, create_store, open_store
 from .writer import Writer
 
@@ -50,12 +52,13 @@ __version__ = "0.1.0"
 __all__ = [
     "FORMAT_VERSION", "SUPPORTED_FORMAT_VERSIONS",
     "Site", "Store", "Snapshot", "create_store", "open_store",
-    "Writer", "Reader", "Stream", "TraceBatch", "TrajectoryInfo", "CommittedRecord", "read_record",
+    "Writer", "Reader", "Stream", "TraceBatch", "TrajectoryInfo", "CommittedRecord", "CommittedResult", "Result",
+    "read_record",
     "verify", "collect_garbage", "compact", "info", "VerifyReport", "GcReport",
     "Backend", "ByteRange", "ObjectInfo", "RetryPolicy", "open_backend",
     "TraceStoreError", "SchemaVersionError", "IntegrityError", "HintNotFoundError", "OverlapError",
     "InvalidIdError", "ShapeError", "DTypeError", "UnknownSiteError", "StoreExistsError", "StoreNotFoundError",
     "SnapshotError", "BackendError", "ObjectNotFoundError", "TransientStorageError", "ThrottledError",
     "StorageTimeoutError", "EndpointError", "CredentialsError", "AccessDeniedError", "LocationError", "CommitError",
-    "DeclarationError", "GcRefusedError",
+    "DeclarationError", "GcRefusedError", "ResultExistsError",
 ]

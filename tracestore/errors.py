@@ -32,6 +32,7 @@ __all__ = [
     "CommitError",
     "DeclarationError",
     "GcRefusedError",
+    "ResultExistsError",
 ]
 
 
@@ -149,3 +150,8 @@ class GcRefusedError(TraceStoreError, ValueError):
     """``collect_garbage`` refused to delete anything: its grace period is not safe for this store (not a finite
     number > 0, shorter than the store's ``gc_grace_s`` that writers rely on, or not longer than twice the
     longest commit the store has seen)."""
+
+
+class ResultExistsError(OverlapError):
+    """A trajectory already has a result (committed, or buffered by this writer): a trajectory is complete once,
+    with one result. ``.conflicts`` lists ``(traj_id, 0, 0)`` for each refused result."""

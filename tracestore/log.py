@@ -11,7 +11,7 @@ import logging
 import threading
 
 from .errors import IntegrityError, TraceStoreError
-from .format.keys import CHECKPOINT_MIN_ENTRIES, INDEX_PREFIX, LOG_PREFIX, checkpoint_key, log_key, parse_checkpoint_key, parse_log_key
+from .format.keys import FORMAT_VERSION, CHECKPOINT_MIN_ENTRIES, INDEX_PREFIX, LOG_PREFIX, checkpoint_key, log_key, parse_checkpoint_key, parse_log_key
 from .format.log import LogEntry, decode_checkpoint, decode_entry, encode_checkpoint
 from .storage import Backend
 
@@ -23,9 +23,10 @@ log = logging.getLogger(__name__)
 class CommitLog:
     """The log of the store at ``url`` on ``backend`` (see the module docstring). Thread-safe."""
 
-    def __init__(self, backend: Backend, url: str):
+    def __init__(self, backend: Backend, url: str, format_version: int = FORMAT_VERSION):
         self.backend = backend
         self.url = url
+        self.format_version = format_version  # of the store: its checkpoints are written in it
         self._head = 0  # entries < _head are known to exist
         self._entries: list[LogEntry] = []  # decoded entries 0..n-1
         self._cache_lock = threading.Lock()
@@ -172,5 +173,5 @@ class CommitLog:
         key = checkpoint_key(head)
         if self.backend.exists(key):
             return None
-        data = encode_checkpoint(self.read_entries(0, head))
+        data = encode_checkpoint(self.read_entries(0, head), self.format_version)
         return head if self.backend.put_if_absent(key, data) else None

@@ -24,7 +24,7 @@ from .format.keys import (
     parse_log_key,
 )
 from .storage import PARTIAL_SUFFIX
-from .format.log import LogEntry, decode_checkpoint, encode_checkpoint, same_entry
+from .format.log import LogEntry, decode_checkpoint, records_table, same_entry
 from .format.segment import array_metadata, crc32c, layout
 from .errors import GcRefusedError, IntegrityError, ObjectNotFoundError, SchemaVersionError, TraceStoreError
 
@@ -99,7 +99,7 @@ def info(store) -> dict:
     """
     objects = store.backend.list("")
     entries = _all_entries(store, objects=objects)
-    referenced = {e.segment.path for e in entries}
+    referenced = {e.segment.path for e in entries if e.segment is not None}
     cats = dict.fromkeys(("payload", "trace", "zarr_metadata", "log", "checkpoints", "manifest", "orphan", "partial",
                           "other"), 0)
     for o in objects:
@@ -140,6 +140,7 @@ def info(store) -> dict:
                    "feature_chunk": store.feature_chunk},
         "log_entries": len(entries),
         "records": sum(len(e) for e in entries),
+        "results": sum(len(e.results) for e in entries),
         "segments": len(referenced),
         "trajectories": len(trajs),
         "tokens": tokens,
@@ -164,6 +165,7 @@ class VerifyReport:
     objects: int = 0
     chunks: int = 0
     bytes: int = 0
+    results: int = 0
     errors: list[str] = field(default_factory=list)
     orphan_segments: list[str] = field(default_factory=list)
     partial_objects: list[str] = field(default_factory=list)
@@ -173,7 +175,8 @@ class VerifyReport:
         return not self.errors
 
     def to_dict(self) -> dict:
-        return {"ok": self.ok, "entries": self.entries, "records": self.records, "segments": self.segments,
+        return {"ok": self.ok, "entries": self.entries, "records": self.records, "results": self.results,
+                "segments": self.segments,
                 "objects": self.objects, "chunks": self.chunks, "bytes": self.bytes, "errors": list(self.errors),
                 "orphan_segments": list(self.orphan_segments), "partial_objects": list(self.partial_objects)}
 
@@ -264,10 +267,20 @@ def verify(store, *, progress: Progress | None = None) -> VerifyReport:
         bad = [c.seq for c in ck if c.seq not in by_seq or not same_entry(c, by_seq[c.seq])]
         if bad:
             report.errors.append(f"checkpoint {key} disagrees with log entries {bad[:5]}")
+    with_result: dict[str, int] = {}
+    for e in entries:
+        for r in e.results:
+            if r.traj_id in with_result:
+                report.errors.append(f"trajectory {r.traj_id!r} has two results (log entries "
+                                     f"{with_result[r.traj_id]} and {e.seq})")
+            with_result.setdefault(r.traj_id, e.seq)
+    report.results = len(with_result)
     seen: set[str] = set()
     for k, e in enumerate(entries):
         if progress is not None:
-            progress(k, len(entries), e.segment.path)
+            progress(k, len(entries), e.entry_id)
+        if e.segment is None:
+            continue
         if e.segment.path in seen:
             report.errors.append(f"segment {e.segment.path} is referenced by more than one log entry")
             continue
@@ -323,7 +336,7 @@ def commit_windows(objects, entries: list[LogEntry]) -> dict[int, float]:
             log_mtime[n] = o.mtime
     out = {}
     for e in entries:
-        if e.seq not in log_mtime:
+        if e.seq not in log_mtime or e.segment is None:
             continue
         landed = log_mtime[e.seq]
         window = landed - e.created_unix
@@ -381,7 +394,7 @@ def collect_garbage(store, *, grace_s: float | None = None, dry_run: bool = Fals
                 f"gc grace {grace:g} s is not more than twice the longest commit seen in {store.url} "
                 f"(log entry {seq}: about {slowest:.1f} s from its segment's write to its log entry); use a grace "
                 f"> {2 * slowest:.0f} s")
-    referenced = {e.segment.path for e in entries}
+    referenced = {e.segment.path for e in entries if e.segment is not None}
     segments: dict[str, list] = {}
     doomed: list = []
     for o in objects:
@@ -426,15 +439,11 @@ def export_records(store, path: str, snapshot=None) -> dict:
     """
     import os
 
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     snap = store.check_snapshot(snapshot)
-    entries = store.read_entries(0, snap.log_end)
-    table = pq.read_table(pa.BufferReader(encode_checkpoint(entries)))
-    meta = dict(table.schema.metadata or {})
-    meta[b"tracestore.snapshot"] = snap.to_json().encode()
-    table = table.replace_schema_metadata(meta)
+    table = records_table(store.read_entries(0, snap.log_end))
+    table = table.replace_schema_metadata({b"tracestore.snapshot": snap.to_json().encode()})
     tmp = f"{path}.partial"
     pq.write_table(table, tmp, compression="zstd")
     os.replace(tmp, path)

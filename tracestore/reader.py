@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import functools
+import json
 import logging
 import math
 import sys
@@ -22,11 +23,11 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from traceschemas import record_schema, token_schema, trajectory_schema
+from traceschemas import record_schema, result_schema, token_schema, trajectory_schema
 
 from ._aligned import PAGE, aligned_view
 from .format.keys import check_id
-from .format.log import LogEntry, SegmentRef, merge_ranges
+from .format.log import LogEntry, Result, SegmentRef, merge_ranges
 from .format.segment import ReadTargets, layout
 from .errors import (
     HintNotFoundError,
@@ -64,6 +65,13 @@ class TrajectoryInfo:
     writers: tuple[str, ...]
     first_seq: int
     last_seq: int
+    #: the trajectory's committed result (format version 2), None while the trajectory is not complete
+    result: Result | None = None
+
+    @property
+    def complete(self) -> bool:
+        """Whether the trajectory's result is committed (FORMAT §3.2)."""
+        return self.result is not None
 
 
 @dataclass
@@ -414,9 +422,12 @@ class Reader:
         self.snapshot = store.check_snapshot(snapshot)
         self._entries = store.read_entries(0, self.snapshot.log_end)
         index: dict[str, list[tuple]] = {}
+        self._results: dict[str, tuple[int, Result]] = {}  # traj -> (seq, result); the first one counts
         for entry in self._entries:
             for t, s, e, ro, pv in entry.records():
                 index.setdefault(t, []).append((s, e, entry.seq, ro, pv))
+            for r in entry.results:
+                self._results.setdefault(r.traj_id, (entry.seq, r))
         self._index: dict[str, tuple[np.ndarray, ...]] = {}
         for t, recs in index.items():
             recs.sort()
@@ -435,10 +446,11 @@ class Reader:
         return list(self._entries)
 
     def __contains__(self, traj_id: str) -> bool:
-        return traj_id in self._index
+        return traj_id in self._index or traj_id in self._results
 
     def traj_ids(self) -> list[str]:
-        return sorted(self._index)
+        """Every trajectory with committed tokens or a committed result, sorted."""
+        return sorted(set(self._index) | set(self._results))
 
     def _records(self, traj_id: str) -> tuple[np.ndarray, ...]:
         """``(starts, stops, seqs, row_offsets, policy_versions)`` of ``traj_id``'s records, sorted by start.
@@ -451,17 +463,49 @@ class Reader:
         return recs
 
     def info(self, traj_id: str) -> TrajectoryInfo:
+        """What the snapshot holds of ``traj_id``. Raises HintNotFoundError (no records and no result)."""
         check_id(traj_id)
+        result = self.result(traj_id)
+        if traj_id not in self._index and result is not None:  # a result without tokens
+            seq = self._results[traj_id][0]
+            return TrajectoryInfo(traj_id, 0, 0, (), 0, (result.policy_version,),
+                                  (self._entries[seq].writer_id,), seq, seq, result)
         starts, stops, seqs, _ro, pvs = self._records(traj_id)
         ranges = merge_ranges(zip(starts.tolist(), stops.tolist()))
         num = ranges[0][1] if ranges and ranges[0][0] == 0 else 0
         writers = sorted({self._entries[q].writer_id for q in set(seqs.tolist())})
         return TrajectoryInfo(traj_id, num, int((stops - starts).sum()), tuple(ranges), len(starts),
-                              tuple(sorted(set(pvs.tolist()))), tuple(writers), int(seqs.min()), int(seqs.max()))
+                              tuple(sorted(set(pvs.tolist()))), tuple(writers), int(seqs.min()), int(seqs.max()),
+                              result)
+
+    def result(self, traj_id: str) -> Result | None:
+        """The committed result of ``traj_id`` in the snapshot, or None (not complete)."""
+        hit = self._results.get(traj_id)
+        return None if hit is None else hit[1]
+
+    def results(self) -> list[Result]:
+        """Every committed result in the snapshot, in log order."""
+        return [r for _seq, r in sorted(self._results.values(), key=lambda x: x[0])]
+
+    def complete_traj_ids(self) -> list[str]:
+        """Trajectories whose result is committed, in the order their results were committed."""
+        return [r.traj_id for r in self.results()]
+
+    def results_table(self) -> pa.Table:
+        """:meth:`results` as Arrow, in ``traceschemas.result_schema()`` (with the committing entry's ``seq``)."""
+        rows = sorted(self._results.values(), key=lambda x: x[0])
+        cols: dict = {name: [] for name in result_schema().names}
+        for seq, r in rows:
+            d = r.to_json()
+            d["extra"] = json.dumps(d["extra"], sort_keys=True)
+            d["seq"] = seq
+            for k in cols:
+                cols[k].append(d[k])
+        return pa.table(cols, schema=result_schema())
 
     def trajectories(self) -> list[TrajectoryInfo]:
         """One :class:`TrajectoryInfo` per trajectory, sorted by id."""
-        return [self.info(t) for t in sorted(self._index)]
+        return [self.info(t) for t in self.traj_ids()]
 
     def trajectories_table(self) -> pa.Table:
         """:meth:`trajectories` as Arrow, in ``traceschemas.trajectory_schema()``."""

@@ -17,8 +17,10 @@ from .format.keys import (
     DEFAULT_GC_GRACE_S,
     DEFAULT_SHARD_BYTES,
     FORMAT_NAME,
+    FORMAT_VERSION,
     MANIFEST_KEY,
     check_name,
+    check_version,
 )
 from .format.cursor import Snapshot
 from .format.manifest import (
@@ -102,7 +104,7 @@ class Store:
             if not spec.grouped:
                 self.row_columns[spec.name] = (spec.dtype, spec.row_shape)
         #: the commit log (head, entry cache, checkpoints), shared by this store's writers, readers and streams
-        self.log = CommitLog(backend, url)
+        self.log = CommitLog(backend, url, self.format_version)
 
     def __repr__(self) -> str:
         return f"Store({self.url!r}, sites={list(self.sites)}, format_version={self.format_version})"
@@ -195,7 +197,7 @@ def create_store(url: str, sites: Sequence[Site], *, model: Mapping | None = Non
                  top_k: int = 0, num_experts: int = 0, storage_options: Mapping | None = None,
                  exist_ok: bool = False, chunk_rows: int = DEFAULT_CHUNK_ROWS, shard_bytes: int = DEFAULT_SHARD_BYTES,
                  feature_chunk: int = 0, gc_grace_s: float = DEFAULT_GC_GRACE_S,
-                 retry: RetryPolicy | None = None) -> Store:
+                 retry: RetryPolicy | None = None, format_version: int = FORMAT_VERSION) -> Store:
     """Create a store at ``url`` declaring its sites and model metadata.
 
     ``chunk_rows`` (target rows per inner Zarr chunk), ``shard_bytes`` (target bytes per shard object) and
@@ -223,8 +225,9 @@ def create_store(url: str, sites: Sequence[Site], *, model: Mapping | None = Non
         json.dumps(dict(model or {}), allow_nan=False)
     except (TypeError, ValueError) as e:
         raise TypeError(f"model metadata must be JSON-serialisable: {e}") from e
+    check_version(format_version, "create_store(format_version=...)")
     manifest = new_manifest(sites, model, moe_layers, top_k, num_experts, chunk_rows, shard_bytes, feature_chunk,
-                         check_gc_grace(gc_grace_s))
+                         check_gc_grace(gc_grace_s), format_version)
     check_manifest(manifest)
     backend = open_backend(url, storage_options, retry=retry)
     data = json.dumps(manifest, indent=1, sort_keys=True).encode()

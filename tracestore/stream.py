@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from .errors import IntegrityError, ObjectNotFoundError, SnapshotError
 from .format.cursor import encode_cursor, parse_cursor
 from .format.keys import log_key
-from .format.log import LogEntry, SegmentRef
+from .format.log import LogEntry, Result, SegmentRef
 from .reader import TraceBatch, read_record
 
-__all__ = ["Stream", "CommittedRecord", "records_of"]
+__all__ = ["Stream", "CommittedRecord", "CommittedResult", "records_of"]
 
 log = logging.getLogger(__name__)
 
@@ -36,20 +36,48 @@ class CommittedRecord:
     segment: SegmentRef = field(repr=False)
     created_unix: float = 0.0
 
+    #: what a stream item is: "record" (tokens) or "result" (a trajectory became complete)
+    kind = "record"
+
     @property
     def num_tokens(self) -> int:
         return self.token_stop - self.token_start
 
 
-def records_of(entry: LogEntry) -> list[CommittedRecord]:
-    """The records of a log entry, in order, as CommittedRecords."""
+@dataclass(frozen=True)
+class CommittedResult:
+    """A committed trajectory result (format version 2): item ``index`` of results entry ``seq``. From here on the
+    trajectory is complete; every token its writer buffered before the result was committed earlier in the log."""
+
+    traj_id: str
+    result: Result
+    writer_id: str
+    seq: int
+    index: int
+    created_unix: float = 0.0
+
+    kind = "result"
+
+    @property
+    def reward(self) -> float:
+        return self.result.reward
+
+
+def records_of(entry: LogEntry) -> list[CommittedRecord | CommittedResult]:
+    """What a stream yields of a log entry, in order: its records (CommittedRecord), or its results
+    (CommittedResult)."""
+    if entry.results:
+        return [CommittedResult(r.traj_id, r, entry.writer_id, entry.seq, i, entry.created_unix)
+                for i, r in enumerate(entry.results)]
     return [CommittedRecord(r.traj_id, r.token_start, r.token_stop, r.policy_version, entry.writer_id, entry.seq, i,
                             r.row_offset, entry.segment, entry.created_unix)
             for i, r in enumerate(entry.records())]
 
 
 class Stream:
-    """Tails the commit log: yields every committed record exactly once, in log order.
+    """Tails the commit log: yields every committed item exactly once, in log order — a :class:`CommittedRecord`
+    per committed token range and (format version 2) a :class:`CommittedResult` per committed trajectory result
+    (check ``item.kind``: ``"record"`` / ``"result"``).
 
     ``cursor`` is a small string (``"v1:<store_id>:<seq>:<index>"``) naming the next record to yield; pass
     :attr:`cursor` to :meth:`Store.stream` to resume exactly after the last record consumed. Iteration waits for
@@ -88,10 +116,11 @@ class Stream:
                 f"record count, or seq {head} with index 0)")
         if index > 0:
             entry = store.read_entry(seq)
-            if index > len(entry):
+            n = len(entry) + len(entry.results)
+            if index > n:
                 raise SnapshotError(
                     f"cursor {cursor!r:.80} is past the end of log entry {seq} in {store.url}: it names record "
-                    f"{index}, the entry holds {len(entry)} records (allowed: index 0..{len(entry)})")
+                    f"{index}, the entry holds {n} records (allowed: index 0..{n})")
             self._prefetched[seq] = entry  # the first entry the stream reads: no second GET
 
     @property
@@ -148,7 +177,7 @@ class Stream:
                 return rec
             self._seq, self._index, self._records = self._seq + 1, 0, None
 
-    def __next__(self) -> CommittedRecord:
+    def __next__(self) -> CommittedRecord | CommittedResult:
         deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         while True:
             rec = self._take()
@@ -158,9 +187,9 @@ class Stream:
                 raise StopIteration
             time.sleep(self.poll_interval_s)
 
-    def poll(self, max_records: int | None = None) -> list[CommittedRecord]:
-        """The records committed now (without waiting), at most ``max_records``."""
-        out: list[CommittedRecord] = []
+    def poll(self, max_records: int | None = None) -> list[CommittedRecord | CommittedResult]:
+        """The items committed now (without waiting), at most ``max_records``."""
+        out: list[CommittedRecord | CommittedResult] = []
         while max_records is None or len(out) < max_records:
             rec = self._take()
             if rec is None:
@@ -169,5 +198,9 @@ class Stream:
         return out
 
     def read(self, record: CommittedRecord, **kwargs) -> TraceBatch:
-        """Read a record's tokens (keyword arguments as :meth:`Reader.read`, without start/stop)."""
+        """Read a record's tokens (keyword arguments as :meth:`Reader.read`, without start/stop).
+
+        Raises TypeError for a CommittedResult (it has no tokens; read the trajectory with a Reader)."""
+        if not isinstance(record, CommittedRecord):
+            raise TypeError(f"stream.read takes a CommittedRecord, got {type(record).__name__} (a result has no tokens)")
         return read_record(self.store, record, **kwargs)

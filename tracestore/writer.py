@@ -37,7 +37,7 @@ import numpy as np
 
 from ._aligned import PAGE, aligned_empty
 from .format.keys import check_id, log_key
-from .format.log import LogEntry, Record, SegmentRef, decode_entry, encode_entry, merge_ranges
+from .format.log import RESULTS, LogEntry, Record, Result, SegmentRef, check_result, decode_entry, encode_entry, merge_ranges
 from .format.segment import array_metadata, choose_chunk_rows, group_metadata, layout
 from .errors import (
     BackendError,
@@ -45,6 +45,8 @@ from .errors import (
     DTypeError,
     ObjectNotFoundError,
     OverlapError,
+    ResultExistsError,
+    SchemaVersionError,
     ShapeError,
     TraceStoreError,
     TransientStorageError,
@@ -175,6 +177,10 @@ def _staging_array(shape: tuple[int, ...], dtype) -> np.ndarray:
     return aligned_empty(math.prod(shape) * dtype.itemsize, _STAGING_OFFSET).view(dtype).reshape(shape)
 
 
+class _Again(Exception):
+    """Raised by a commit's entry builder to start the claim over (after writing its segment again)."""
+
+
 @dataclass
 class _SegmentWrite:
     """A segment written for a stage: kept across failed commit tries so a retry commits it again (no orphan per
@@ -197,6 +203,9 @@ class _Staging:
         self.rows = 0
         self.records: list[Record] = []
         self.segment: _SegmentWrite | None = None  # written, not yet committed
+        self.rows_committed = False  # the rows are committed; only the results are left
+        self.results: list[Result] = []  # trajectory results, committed after the rows
+        self.results_batch = ""  # the results entry's batch id (kept across retries)
         # crc32c of every whole chunk of ``crc_rows`` rows of each column, computed right after its rows were
         # copied in (while they are in cache; the flusher then has no checksum pass over memory), and the
         # running crc of each column's incomplete chunk. Used when the segment's chunk_rows is ``crc_rows``.
@@ -241,6 +250,9 @@ class _Staging:
         self.rows = 0
         self.records = []
         self.segment = None
+        self.rows_committed = False
+        self.results = []
+        self.results_batch = ""
         self.crcs = {n: [] for n in self.arrays}
         self._crc_run = dict.fromkeys(self.arrays, 0)
 
@@ -488,8 +500,11 @@ class Writer:
         self._oldest: float | None = None
         self._committed = _Ranges()
         self._own = _Ranges()  # ranges committed by this writer's own segments
-        self._attempted: set[str] = set()  # segment paths this writer wrote (a log entry naming one is ours)
+        self._attempted: set[str] = set()  # commits this writer tried (entry ids: a log entry naming one is ours)
         self._landed: set[str] = set()  # those of them that a log entry names
+        self._has_result: set[str] = set()  # trajectories whose result is committed
+        self._pending_results: set[str] = set()  # ... or buffered by this writer
+        self._lost_results: list[str] = []  # results dropped at commit (another writer committed one first)
         self._last_error: BaseException | None = None
         self._pending = _Ranges()
         self._synced = 0
@@ -504,7 +519,8 @@ class Writer:
         self._lost: list[tuple[str, int, int]] = []  # ranges dropped at commit (another writer was first)
         self._closed = False
         #: counters: segments / records / rows committed, bytes written (data + log)
-        self.stats = {"segments": 0, "records": 0, "rows": 0, "data_bytes": 0, "log_bytes": 0, "lost_races": 0}
+        self.stats = {"segments": 0, "records": 0, "rows": 0, "data_bytes": 0, "log_bytes": 0, "lost_races": 0,
+                      "results": 0}
         self._sync()
         self._stop = threading.Event()
         self._ticker: threading.Thread | None = None
@@ -572,6 +588,42 @@ class Writer:
             if parts:
                 self._buffer_parts(traj_id, token_start, T, parts, columns, policy_version)
 
+    def write_result(self, traj_id: str, *, reward: float, group_id: str = "", advantage: float | None = None,
+                     prompt_len: int = 0, response_len: int = 0, policy_version: int = 0, finish_reason: str = "",
+                     extra: Mapping | None = None) -> None:
+        """Buffer the result of ``traj_id``; it commits (as a results log entry, FORMAT §3.2) after every token of
+        the trajectory this writer buffered before it, so a trajectory is *complete* exactly when its result is
+        committed. Fields as :class:`~tracestore.format.log.Result` (``reward`` finite, ``group_id`` an id or "",
+        ``advantage`` finite or None, lengths >= 0, ``policy_version`` int64, ``finish_reason`` a short word,
+        ``extra`` a JSON object of at most 16 KiB). Needs a format-version-2 store.
+
+        Raises:
+            SchemaVersionError: the store is format version 1 (it cannot hold results).
+            ResultExistsError: the trajectory already has a result, committed (as far as this writer has read the
+                log) or buffered by this writer; with ``skip_committed`` a committed one is skipped silently.
+            InvalidIdError / ValueError / TypeError: a bad field (nothing is buffered).
+            TraceStoreError / BackendError: as :meth:`write`.
+        """
+        if self.store.format_version < 2:
+            raise SchemaVersionError(f"{self.store.url} is a format-version-1 store, which cannot hold trajectory "
+                                     f"results (version 2 can); create a new store to record results")
+        result = check_result(Result(traj_id, reward, group_id, advantage, prompt_len, response_len,
+                                     policy_version, finish_reason, {} if extra is None else extra))
+        with self._lock:
+            self._check_open()
+            with self._state:
+                if traj_id in self._has_result and self.skip_committed:
+                    log.info("%s: %s already has a committed result; skipped", self.writer_id, traj_id)
+                    return
+                if traj_id in self._has_result or traj_id in self._pending_results:
+                    where = "committed" if traj_id in self._has_result else "buffered by this writer"
+                    raise ResultExistsError(f"trajectory {traj_id!r} already has a result {where} in "
+                                            f"{self.store.url}", [(traj_id, 0, 0)])
+                self._pending_results.add(traj_id)
+            self._current_stage().results.append(result)
+            if self._oldest is None:
+                self._oldest = time.monotonic()
+
     def _reserve(self, traj_id: str, start: int, stop: int) -> list[tuple[int, int]]:
         """The parts of ``[start, stop)`` to buffer (all of it, or with ``skip_committed`` the positions not yet
         committed), marked pending. Raises OverlapError (and marks nothing) on an overlap with committed or
@@ -618,15 +670,19 @@ class Writer:
                     if token_start + done[0] < b:
                         self._pending.subtract(traj_id, max(a, token_start + done[0]), b)
 
+    def _current_stage(self) -> _Staging:
+        """The filling buffer (created on first use)."""
+        if self._stage is None:
+            # (with column chunks a site's inner chunk is not a run of its rows: checksums at flush)
+            crc_rows = 0 if self.store.feature_chunk else self.store.chunk_rows
+            self._stage = _Staging(self.store.row_columns, self._capacity, crc_rows)
+        return self._stage
+
     def _buffer(self, traj_id: str, token_start: int, s: int, T: int, columns: dict, policy_version: int,
                 done: list) -> None:
         """Copy rows ``[s, T)`` of the validated ``columns`` (tokens ``token_start + s ..``) into the stage."""
         while s < T:
-            if self._stage is None:
-                # (with column chunks a site's inner chunk is not a run of its rows: checksums at flush)
-                crc_rows = 0 if self.store.feature_chunk else self.store.chunk_rows
-                self._stage = _Staging(self.store.row_columns, self._capacity, crc_rows)
-            stage = self._stage
+            stage = self._current_stage()
             if stage.rows >= stage.capacity:
                 # still full: handing it on failed before (the previous commit failed); try again, now that
                 # nothing of these rows is in it (raises, with these rows unbuffered, if it fails again)
@@ -695,6 +751,12 @@ class Writer:
     def _raise_lost(self) -> None:
         with self._state:
             lost, self._lost = self._lost, []
+            lost_results, self._lost_results = self._lost_results, []
+        if lost_results:
+            raise ResultExistsError(
+                f"{len(lost_results)} result(s) were not committed: another writer committed a result for "
+                f"{', '.join(repr(t) for t in lost_results[:5])} first; everything else was committed",
+                [(t, 0, 0) for t in lost_results])
         if lost:
             raise OverlapError(
                 f"{len(lost)} token range(s) lost a commit race: another writer committed them first "
@@ -743,11 +805,12 @@ class Writer:
         entries = self.store.read_entries(self._synced, head)
         with self._state:
             for entry in entries:
-                own = entry.writer_id == self.writer_id and entry.segment.path in self._attempted
-                if own and entry.segment.path not in self._landed:
-                    self._landed.add(entry.segment.path)
-                    log.info("%s: segment %s was committed as log entry %d by an earlier try", self.writer_id,
-                             entry.segment.path, entry.seq)
+                own = entry.writer_id == self.writer_id and entry.entry_id in self._attempted
+                self._has_result.update(r.traj_id for r in entry.results)
+                if own and entry.entry_id not in self._landed:
+                    self._landed.add(entry.entry_id)
+                    log.info("%s: %s was committed as log entry %d by an earlier try", self.writer_id,
+                             entry.entry_id, entry.seq)
                 for r in entry.records():
                     self._committed.add(r.traj_id, r.token_start, r.token_stop)
                     if own:
@@ -775,7 +838,7 @@ class Writer:
                 self._failed = failed
                 raise
         stage = self._stage
-        if stage is not None and stage.rows:
+        if stage is not None and (stage.rows or stage.results):
             self._wait_inflight()
             if self._failed is not None:  # the previous commit just failed: surface it, keep this buffer
                 self._check_open()
@@ -800,22 +863,35 @@ class Writer:
             self._error = e
 
     def _flush_stage(self, stage: _Staging) -> None:
-        """Write ``stage`` as a segment (unless a failed earlier try already wrote it and it is still young) and
-        commit it (flusher thread, or the caller for a retry). Raises on failure; the stage keeps its rows."""
-        if stage.segment is None:
-            self._write_segment(stage)
-        conflicts = self._commit(stage, list(stage.records))
-        with self._state:
-            for r in stage.records:
-                self._pending.subtract(r.traj_id, r.token_start, r.token_stop)
-            if conflicts:
-                if self.skip_committed:  # another writer committed these positions first: nothing to report
-                    log.info("%s: %d token range(s) were committed by another writer first; skipped: %s",
-                             self.writer_id, len(conflicts), conflicts[:5])
-                else:  # reported by the next flush()/close() (OverlapError with the list)
-                    log.warning("%s: %d token range(s) lost a commit race and were dropped: %s", self.writer_id,
-                                len(conflicts), conflicts[:5])
-                    self._lost.extend(conflicts)
+        """Commit ``stage`` (flusher thread, or the caller for a retry): its rows as a segment (written unless a
+        failed earlier try already wrote it and it is still young), then its results as a results entry, so that
+        a trajectory's result never commits before its tokens. Raises on failure; the stage keeps what is not
+        committed yet."""
+        if stage.rows and not stage.rows_committed:
+            if stage.segment is None:
+                self._write_segment(stage)
+            conflicts = self._commit(stage, list(stage.records))
+            stage.rows_committed = True
+            with self._state:
+                for r in stage.records:
+                    self._pending.subtract(r.traj_id, r.token_start, r.token_stop)
+                if conflicts:
+                    if self.skip_committed:  # another writer committed these positions first: nothing to report
+                        log.info("%s: %d token range(s) were committed by another writer first; skipped: %s",
+                                 self.writer_id, len(conflicts), conflicts[:5])
+                    else:  # reported by the next flush()/close() (OverlapError with the list)
+                        log.warning("%s: %d token range(s) lost a commit race and were dropped: %s",
+                                    self.writer_id, len(conflicts), conflicts[:5])
+                        self._lost.extend(conflicts)
+        if stage.results:
+            if not stage.results_batch:
+                stage.results_batch = f"{self._segments:08d}-{uuid.uuid4().hex[:12]}"
+                self._segments += 1
+            dropped = self._commit_results(stage)
+            with self._state:
+                self._pending_results.difference_update(r.traj_id for r in stage.results)
+                if dropped and not self.skip_committed:
+                    self._lost_results.extend(dropped)
         stage.reset()
         if self._spare is None:
             self._spare = stage
@@ -878,11 +954,11 @@ class Writer:
                 conflicts.extend((t, x, y) for x, y in self._own.uncovered(t, pos, r.token_stop))
         return keep, conflicts
 
-    def _claim(self, seq: int, data: bytes, path: str) -> str:
-        """Try to create log entry ``seq``: ``"ours"`` (it holds our segment), ``"taken"`` (another entry is there)
-        or ``"unknown"`` (the storage failed; the entry may still appear). After a failed or refused conditional
-        PUT the entry is read back: a PUT that was applied although the client saw an error (or whose retry got
-        412) is our commit, not a lost race."""
+    def _claim(self, seq: int, data: bytes, entry_id: str) -> str:
+        """Try to create log entry ``seq``: ``"ours"`` (it holds our commit ``entry_id``), ``"taken"`` (another
+        entry is there) or ``"unknown"`` (the storage failed; the entry may still appear). After a failed or refused
+        conditional PUT the entry is read back: a PUT that was applied although the client saw an error (or whose
+        retry got 412) is our commit, not a lost race."""
         backend = self.store.backend
         key = log_key(seq)
         try:
@@ -897,14 +973,19 @@ class Writer:
         except TransientStorageError as e:
             self._last_error = e
             return "unknown"
-        return "ours" if existing.writer_id == self.writer_id and existing.segment.path == path else "taken"
+        return "ours" if existing.writer_id == self.writer_id and existing.entry_id == entry_id else "taken"
 
-    def _commit(self, stage: _Staging, records: list[Record]) -> list[tuple[str, int, int]]:
-        """Claim the next log position for ``stage.segment`` (see the module docstring); returns the dropped ranges.
+    def _commit_loop(self, what: str, build, on_ours) -> list:
+        """Claim the next free log position for one commit (see the module docstring); returns what ``build``
+        dropped (positions or results another writer committed first).
+
+        ``build(seq)`` runs after the log was read up to ``seq`` (caller state current) and returns ``(entry,
+        dropped)``: the entry to claim, or None when nothing is left (or an earlier try did land); raising
+        :class:`_Again` starts over. ``on_ours(entry, data)`` books a successful claim.
 
         Raises:
-            CommitError: no position could be claimed before ``commit_timeout_s`` (storage failing); the stage keeps
-                its rows and segment, and a later flush retries (recognising an entry that did land meanwhile).
+            CommitError: no position could be claimed before ``commit_timeout_s`` (storage failing); the caller
+                keeps its rows/results, and a later flush retries (recognising an entry that did land meanwhile).
             BackendError / IntegrityError: reading the log failed.
         """
         store = self.store
@@ -914,52 +995,23 @@ class Writer:
         with self._sync_lock:
             while True:
                 self._sync_locked()
-                seg = stage.segment
-                assert seg is not None
-                if seg.path in self._landed:  # an earlier try whose answer was lost did commit
-                    return []
-                with self._state:
-                    records, conflicts = self._split(records)
-                    seq = self._synced
-                if not records:
-                    log.info("%s: nothing left to commit in %s", self.writer_id, seg.path)
-                    return conflicts
-                if time.monotonic() - seg.started > store.gc_grace_s / 2:
-                    # gc may delete an unreferenced segment once it is gc_grace_s old: never commit an old one
-                    log.warning("%s: segment %s is older than half the gc grace period (%.0f s); writing it again",
-                                self.writer_id, seg.path, store.gc_grace_s)
-                    self._write_segment(stage)
+                try:
+                    entry, dropped = build(self._synced)
+                except _Again:
                     continue
-                entry = LogEntry(
-                    seq=seq, writer_id=self.writer_id, writer_seq=int(seg.path.rsplit("/", 1)[1].split("-")[0]),
-                    segment=SegmentRef(seg.path, self.writer_id, seg.rows, seg.chunk_rows, store.shard_bytes),
-                    created_unix=time.time(), segment_nbytes=seg.nbytes,
-                    traj_ids=[r.traj_id for r in records],
-                    token_start=np.array([r.token_start for r in records], np.int64),
-                    token_stop=np.array([r.token_stop for r in records], np.int64),
-                    row_offset=np.array([r.row_offset for r in records], np.int64),
-                    policy_version=np.array([r.policy_version for r in records], np.int64),
-                )
+                if entry is None:
+                    return dropped
                 data = encode_entry(entry)
-                outcome = self._claim(seq, data, seg.path)
+                outcome = self._claim(entry.seq, data, entry.entry_id)
                 if outcome == "ours":
                     with self._state:
-                        for r in records:
-                            self._committed.add(r.traj_id, r.token_start, r.token_stop)
-                            self._own.add(r.traj_id, r.token_start, r.token_stop)
-                        self._landed.add(seg.path)
-                        self._synced = seq + 1
-                        self.stats["segments"] += 1
-                        self.stats["rows"] += seg.rows
-                        self.stats["data_bytes"] += seg.nbytes
-                        self.stats["records"] += len(records)
+                        self._landed.add(entry.entry_id)
+                        self._synced = entry.seq + 1
                         self.stats["log_bytes"] += len(data)
-                    store.log.note_head(seq + 1)
-                    log.debug("%s: committed %s as log entry %d (%d records)", self.writer_id, seg.path, seq,
-                              len(records))
-                    if time.monotonic() - seg.started > store.gc_grace_s / 2:
-                        self._repair(stage, seg)
-                    return conflicts
+                    store.log.note_head(entry.seq + 1)
+                    log.debug("%s: committed %s as log entry %d", self.writer_id, entry.entry_id, entry.seq)
+                    on_ours(entry, data)
+                    return dropped
                 if outcome == "taken":
                     with self._state:
                         self.stats["lost_races"] += 1
@@ -968,10 +1020,88 @@ class Writer:
                 pause = store.backend.retry.delay(failures)
                 if time.monotonic() + pause > deadline:
                     raise CommitError(
-                        f"writer {self.writer_id!r} could not commit segment {seg.path} to {store.url} within "
-                        f"{self.commit_timeout_s:.0f} s ({failures} failed tries at log entry {seq}); the rows stay "
+                        f"writer {self.writer_id!r} could not commit {what} to {store.url} within "
+                        f"{self.commit_timeout_s:.0f} s ({failures} failed tries at log entry {entry.seq}); it stays "
                         f"buffered and the next flush retries; last error: {self._last_error}")
                 time.sleep(pause)
+
+    def _commit(self, stage: _Staging, records: list[Record]) -> list[tuple[str, int, int]]:
+        """Commit ``stage.segment`` with ``records`` (less what another writer committed first); returns the
+        dropped ranges. Never commits a segment older than half the gc grace period (writes it again)."""
+        store = self.store
+
+        def build(seq: int):
+            nonlocal records
+            seg = stage.segment
+            if seg.path in self._landed:  # an earlier try whose answer was lost did commit
+                return None, []
+            with self._state:
+                records, conflicts = self._split(records)
+            if not records:
+                log.info("%s: nothing left to commit in %s", self.writer_id, seg.path)
+                return None, conflicts
+            if time.monotonic() - seg.started > store.gc_grace_s / 2:
+                # gc may delete an unreferenced segment once it is gc_grace_s old: never commit an old one
+                log.warning("%s: segment %s is older than half the gc grace period (%.0f s); writing it again",
+                            self.writer_id, seg.path, store.gc_grace_s)
+                self._write_segment(stage)
+                raise _Again
+            return LogEntry(
+                seq=seq, writer_id=self.writer_id, writer_seq=int(seg.path.rsplit("/", 1)[1].split("-")[0]),
+                segment=SegmentRef(seg.path, self.writer_id, seg.rows, seg.chunk_rows, store.shard_bytes),
+                created_unix=time.time(), segment_nbytes=seg.nbytes,
+                traj_ids=[r.traj_id for r in records],
+                token_start=np.array([r.token_start for r in records], np.int64),
+                token_stop=np.array([r.token_stop for r in records], np.int64),
+                row_offset=np.array([r.row_offset for r in records], np.int64),
+                policy_version=np.array([r.policy_version for r in records], np.int64),
+                format_version=store.format_version,
+            ), conflicts
+
+        def on_ours(entry: LogEntry, data: bytes) -> None:
+            seg = stage.segment
+            with self._state:
+                for r in entry.records():
+                    self._committed.add(r.traj_id, r.token_start, r.token_stop)
+                    self._own.add(r.traj_id, r.token_start, r.token_stop)
+                self.stats["segments"] += 1
+                self.stats["rows"] += seg.rows
+                self.stats["data_bytes"] += seg.nbytes
+                self.stats["records"] += len(entry)
+            if time.monotonic() - seg.started > store.gc_grace_s / 2:
+                self._repair(stage, seg)
+
+        return self._commit_loop(f"segment {stage.segment.path}", build, on_ours)
+
+    def _commit_results(self, stage: _Staging) -> list[str]:
+        """Commit the stage's results as one results entry (after its segment); returns the trajectories whose
+        result another writer committed first (dropped)."""
+        batch = stage.results_batch
+        entry_id = f"results/{self.writer_id}/{batch}"
+        results = list(stage.results)
+
+        def build(seq: int):
+            nonlocal results
+            if entry_id in self._landed:
+                return None, []
+            with self._state:
+                dropped = [r.traj_id for r in results if r.traj_id in self._has_result]
+                results = [r for r in results if r.traj_id not in self._has_result]
+            if not results:
+                return None, dropped
+            empty = np.zeros(0, np.int64)
+            return LogEntry(seq=seq, writer_id=self.writer_id, writer_seq=int(batch.split("-")[0]), segment=None,
+                            created_unix=time.time(), segment_nbytes=0, traj_ids=[], token_start=empty,
+                            token_stop=empty, row_offset=empty, policy_version=empty, kind=RESULTS,
+                            results=tuple(results), batch=batch, format_version=self.store.format_version), dropped
+
+        def on_ours(entry: LogEntry, data: bytes) -> None:
+            with self._state:
+                self._has_result.update(r.traj_id for r in entry.results)
+                self.stats["results"] += len(entry.results)
+
+        self._attempted.add(entry_id)
+        return self._commit_loop(f"{len(results)} results", build, on_ours)
 
     def _repair(self, stage: _Staging, seg: _SegmentWrite) -> None:
         """After a commit that took longer than half the gc grace period, a gc that ran meanwhile may have deleted

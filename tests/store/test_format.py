@@ -17,8 +17,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_schema_json_matches_code():
-    assert json.loads((ROOT / "schemas" / "tracestore_v1.json").read_text()) == traceschemas.describe()
-    assert ts.FORMAT_VERSION == traceschemas.FORMAT_VERSION == 1
+    for version in traceschemas.SUPPORTED_FORMAT_VERSIONS:
+        assert json.loads((ROOT / "schemas" / f"tracestore_v{version}.json").read_text()) == traceschemas.describe(version)
+    assert ts.FORMAT_VERSION == traceschemas.FORMAT_VERSION == 2
 
 
 def test_format_md_exists_and_names_the_version():

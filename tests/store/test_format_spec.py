@@ -9,11 +9,12 @@ import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 import traceschemas
 import tracestore as ts
 from helpers.store import rows
-from tracestore.format.log import _checkpoint_schema
+from tracestore.format.log import _bundle_schema, _checkpoint_schema
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SPEC = (ROOT / "schemas" / "FORMAT.md").read_text()
@@ -32,10 +33,11 @@ def _table(after: str, header: str) -> list[list[str]]:
     return out
 
 
-def _store(tmp_path):
+def _store(tmp_path, version: int = ts.FORMAT_VERSION):
     store = ts.create_store(str(tmp_path / "s"), [ts.Site("a", 64), ts.Site("c", 128, fp4_format="mxfp4"),
                                                   ts.Site("b", 64)],
-                            moe_layers=["m1", "m0"], top_k=2, num_experts=300, chunk_rows=8, shard_bytes=512)
+                            moe_layers=["m1", "m0"], top_k=2, num_experts=300, chunk_rows=8, shard_bytes=512,
+                            format_version=version)
     with store.writer("w", commit_interval_s=0) as w:
         w.write("t", 0, **rows(store, "t", 0, 20))
     return store
@@ -54,18 +56,35 @@ def test_entry_metadata_fields(tmp_path):
 
 
 def test_checkpoint_columns():
-    spec = _table("### 3.1 Checkpoints", "| column | type")
-    schema = _checkpoint_schema()
-    assert [r[0] for r in spec] == schema.names
-    assert [r[1] for r in spec] == [str(f.type).replace("double", "float64") for f in schema]
-    assert not any(f.nullable for f in schema)
+    for after, schema in (("### 3.1 Checkpoints", _checkpoint_schema()), ("**Version 2 checkpoints**", _bundle_schema())):
+        spec = _table(after, "| column | type")
+        assert [r[0] for r in spec] == schema.names
+        assert [r[1] for r in spec] == [str(f.type).replace("double", "float64") for f in schema]
+        assert not any(f.nullable for f in schema)
 
 
-def test_checkpoint_file_matches(tmp_path):
-    store = _store(tmp_path)
+@pytest.mark.parametrize("version", [1, 2])
+def test_checkpoint_file_matches(tmp_path, version):
+    store = _store(tmp_path, version)
     store.compact()
     table = pq.read_table(next((tmp_path / "s" / "index").iterdir()))
-    assert table.schema.remove_metadata() == _checkpoint_schema()
+    assert table.schema.remove_metadata() == (_checkpoint_schema() if version == 1 else _bundle_schema())
+    assert json.loads(table.schema.metadata[b"tracestore.checkpoint"])["format_version"] == version
+
+
+def test_results_entry_fields(tmp_path):
+    store = _store(tmp_path)
+    with store.writer("w", commit_interval_s=0) as w:
+        w.write_result("t", reward=1.0, group_id="g0", advantage=0.5, prompt_len=3, response_len=17,
+                       finish_reason="stop", extra={"k": 1})
+    data = (tmp_path / "s" / "log" / "000000000001.arrow").read_bytes()
+    table = pa.ipc.open_file(pa.BufferReader(data)).read_all()
+    meta = json.loads(table.schema.metadata[b"tracestore.entry"])
+    assert table.num_rows == 0
+    spec = {r[0]: r[1] for r in _table("### 3.2 Results entries", "| field | JSON type")}
+    assert set(spec) == set(meta) and meta["kind"] == "results"
+    fields = [r[0] for r in _table("A result object has exactly", "| field | JSON type")]
+    assert sorted(fields) == sorted(meta["results"][0]) and meta["results"][0]["reward"] == 1.0
 
 
 def test_manifest_fields_are_specified(tmp_path):
@@ -98,7 +117,7 @@ def test_segment_arrays_and_axis_orders(tmp_path):
 
 def test_which_schemas_are_stored():
     described = set(traceschemas.describe()["schemas"])
-    assert described == {"log_entry", "record", "token", "trajectory"}
+    assert described == {"log_entry", "record", "token", "trajectory", "result"}
     intro = SPEC[:SPEC.index("## 1.")]
     assert "only\n`log_entry` is stored" in intro or "only `log_entry` is stored" in intro.replace("\n", " ")
 

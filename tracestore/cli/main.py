@@ -282,7 +282,8 @@ def _traj_dict(i) -> dict:
     return {"traj_id": i.traj_id, "num_tokens": i.num_tokens, "committed_tokens": i.committed_tokens,
             "ranges": [list(r) for r in i.ranges], "num_records": i.num_records,
             "policy_versions": list(i.policy_versions), "writers": list(i.writers), "first_seq": i.first_seq,
-            "last_seq": i.last_seq}
+            "last_seq": i.last_seq, "complete": i.complete,
+            "result": i.result.to_json() if i.result is not None else None}
 
 
 def _span(values: Sequence[int]) -> str:
@@ -302,13 +303,14 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     if args.json:
         _json_out({"snapshot": json.loads(reader.snapshot.to_json()), "trajectories": [_traj_dict(i) for i in infos]})
         return 0
-    header = ("trajectory", "tokens", "committed", "records", "policy", "writers", "ranges")
-    rows = [(i.traj_id, f"{i.num_tokens:,}", f"{i.committed_tokens:,}", str(i.num_records), _span(i.policy_versions),
+    header = ("trajectory", "tokens", "committed", "records", "reward", "policy", "writers", "ranges")
+    rows = [(i.traj_id, f"{i.num_tokens:,}", f"{i.committed_tokens:,}", str(i.num_records),
+             f"{i.result.reward:g}" if i.result is not None else "-", _span(i.policy_versions),
              ",".join(i.writers) if len(i.writers) <= 2 else f"{i.writers[0]},... ({len(i.writers)})",
              " ".join(f"[{a},{b})" for a, b in i.ranges[:3]) + (" ..." if len(i.ranges) > 3 else ""))
             for i in infos]
     widths = [max(len(h), *(len(r[k]) for r in rows)) if rows else len(h) for k, h in enumerate(header)]
-    right = {1, 2, 3}
+    right = {1, 2, 3, 4}
     for r in [header, *rows]:
         _out("  ".join(c.rjust(w) if k in right else c.ljust(w) for k, (c, w) in enumerate(zip(r, widths))).rstrip())
     _out(f"{len(infos)} trajectories, {sum(i.committed_tokens for i in infos):,} tokens "
@@ -336,10 +338,14 @@ def _hex(row, limit: int | None) -> str:
 
 
 def _record_dict(r, cursor: str | None = None) -> dict:
-    d = {"seq": r.seq, "index": r.index, "traj_id": r.traj_id, "token_start": r.token_start,
-         "token_stop": r.token_stop, "num_tokens": r.num_tokens, "policy_version": r.policy_version,
-         "writer_id": r.writer_id, "segment": r.segment.path, "row_offset": r.row_offset,
-         "created_unix": r.created_unix}
+    if r.kind == "result":
+        d = {"kind": "result", "seq": r.seq, "index": r.index, "traj_id": r.traj_id, "writer_id": r.writer_id,
+             "created_unix": r.created_unix, "result": r.result.to_json()}
+    else:
+        d = {"kind": "record", "seq": r.seq, "index": r.index, "traj_id": r.traj_id, "token_start": r.token_start,
+             "token_stop": r.token_stop, "num_tokens": r.num_tokens, "policy_version": r.policy_version,
+             "writer_id": r.writer_id, "segment": r.segment.path, "row_offset": r.row_offset,
+             "created_unix": r.created_unix}
     if cursor is not None:
         d["cursor"] = cursor
     return d
@@ -422,6 +428,11 @@ def _cmd_tail(args: argparse.Namespace) -> int:
             n += 1
             if args.json:
                 _json_out(_record_dict(rec, stream.cursor))
+            elif rec.kind == "result":
+                age = time.time() - rec.created_unix
+                _out(f"{rec.seq:>6}/{rec.index:<3} {rec.traj_id} complete: reward {rec.result.reward:g}  "
+                     f"policy {rec.result.policy_version}  {rec.result.finish_reason or '-'}  writer {rec.writer_id}  "
+                     f"(committed {age:.2f} s ago)")
             else:
                 age = time.time() - rec.created_unix
                 _out(f"{rec.seq:>6}/{rec.index:<3} {rec.traj_id} [{rec.token_start}, {rec.token_stop}) "

@@ -17,9 +17,11 @@ records are well formed (:class:`IntegrityError` for everything but the version)
 from __future__ import annotations
 
 import json
+import math
+import re
 import struct
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -62,14 +64,101 @@ class SegmentRef:
     shard_bytes: int
 
 
+#: ``finish_reason`` values: short words (``stop``, ``length``, ``abort``, ...)
+_FINISH_RE = re.compile(r"[A-Za-z0-9_.:-]{0,64}")
+#: largest JSON encoding of one result's ``extra``
+MAX_EXTRA_BYTES = 16 << 10
+
+
+@dataclass(frozen=True)
+class Result:
+    """The result of one trajectory (FORMAT §3.2, format version 2): what RL needs once it is complete.
+
+    ``reward`` (finite float), ``group_id`` (the prompt group of GRPO-style training, an id or ""),
+    ``advantage`` (float or None when the trainer computes it), ``prompt_len`` / ``response_len`` (tokens, >= 0),
+    ``policy_version`` (int64: the policy that generated the response), ``finish_reason`` (a short word), ``extra``
+    (a JSON object of at most 16 KiB). A trajectory is *complete* exactly when its result is committed.
+    """
+
+    traj_id: str
+    reward: float
+    group_id: str = ""
+    advantage: float | None = None
+    prompt_len: int = 0
+    response_len: int = 0
+    policy_version: int = 0
+    finish_reason: str = ""
+    extra: Mapping = field(default_factory=dict, hash=False)
+
+    def to_json(self) -> dict:
+        return {"traj_id": self.traj_id, "reward": self.reward, "group_id": self.group_id,
+                "advantage": self.advantage, "prompt_len": self.prompt_len, "response_len": self.response_len,
+                "policy_version": self.policy_version, "finish_reason": self.finish_reason, "extra": dict(self.extra)}
+
+    @classmethod
+    def from_json(cls, d: object) -> Result:
+        """Raises ValueError / TypeError / KeyError / InvalidIdError on anything malformed (see :func:`check_result`)."""
+        if not isinstance(d, Mapping) or set(d) != _RESULT_FIELDS:
+            raise ValueError(f"a result needs exactly the fields {sorted(_RESULT_FIELDS)}, got {d!r:.200}")
+        return check_result(cls(**d))
+
+
+_RESULT_FIELDS = {"traj_id", "reward", "group_id", "advantage", "prompt_len", "response_len", "policy_version",
+                  "finish_reason", "extra"}
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def check_result(r: Result) -> Result:
+    """Validate every field of ``r`` (types, ranges, ids); returns it with plain Python values.
+
+    Raises:
+        InvalidIdError: bad ``traj_id`` or ``group_id``. TypeError / ValueError: anything else (says which field,
+        what arrived and what is allowed).
+    """
+    check_id(r.traj_id)
+    if r.group_id != "":
+        check_id(r.group_id, "group id")
+    if not isinstance(r.reward, (int, float, np.floating)) or isinstance(r.reward, bool) or not math.isfinite(r.reward):
+        raise ValueError(f"result of {r.traj_id!r}: reward must be a finite number, got {r.reward!r:.40}")
+    if r.advantage is not None and (isinstance(r.advantage, bool) or not isinstance(r.advantage, (int, float, np.floating))
+                                    or not math.isfinite(r.advantage)):
+        raise ValueError(f"result of {r.traj_id!r}: advantage must be a finite number or None, got {r.advantage!r:.40}")
+    for name in ("prompt_len", "response_len"):
+        v = getattr(r, name)
+        if not _is_int(v) or not 0 <= v <= _INT64[1]:
+            raise ValueError(f"result of {r.traj_id!r}: {name} must be an int in [0, 2**63 - 1], got {v!r:.40}")
+    if not _is_int(r.policy_version) or not _INT64[0] <= r.policy_version <= _INT64[1]:
+        raise ValueError(f"result of {r.traj_id!r}: policy_version must fit int64, got {r.policy_version!r:.40}")
+    if not isinstance(r.finish_reason, str) or not _FINISH_RE.fullmatch(r.finish_reason):
+        raise ValueError(f"result of {r.traj_id!r}: finish_reason must be up to 64 characters of "
+                         f"[A-Za-z0-9_.:-], got {r.finish_reason!r:.80}")
+    if not isinstance(r.extra, Mapping):
+        raise TypeError(f"result of {r.traj_id!r}: extra must be a JSON object, got {type(r.extra).__name__}")
+    text = json.dumps(dict(r.extra), allow_nan=False, sort_keys=True)
+    if len(text) > MAX_EXTRA_BYTES:
+        raise ValueError(f"result of {r.traj_id!r}: extra is {len(text)} bytes of JSON, at most {MAX_EXTRA_BYTES}")
+    return Result(r.traj_id, float(r.reward), r.group_id, None if r.advantage is None else float(r.advantage),
+                  int(r.prompt_len), int(r.response_len), int(r.policy_version), r.finish_reason,
+                  json.loads(text))
+
+
+#: entry kinds (format version 2; a version-1 entry is always a segment entry)
+SEGMENT, RESULTS = "segment", "results"
+
+
 @dataclass(frozen=True)
 class LogEntry:
-    """One commit: a segment and the records (trajectory token ranges) it holds."""
+    """One commit: a segment and the records (trajectory token ranges) it holds, or (``kind == "results"``,
+    format version 2) a batch of trajectory results and no records."""
 
     seq: int
     writer_id: str
     writer_seq: int
-    segment: SegmentRef
+    segment: SegmentRef | None
     created_unix: float
     segment_nbytes: int
     traj_ids: list[str]
@@ -77,9 +166,19 @@ class LogEntry:
     token_stop: np.ndarray  # [n] int64
     row_offset: np.ndarray  # [n] int64
     policy_version: np.ndarray  # [n] int64
+    kind: str = SEGMENT
+    results: tuple[Result, ...] = ()
+    batch: str = ""  # results entries: <writer_seq>-<random>, unique per writer
+    format_version: int = FORMAT_VERSION
 
     def __len__(self) -> int:
         return len(self.traj_ids)
+
+    @property
+    def entry_id(self) -> str:
+        """What identifies the commit (a writer reads it back to recognise its own): the segment path, or
+        ``results/<writer_id>/<batch>``."""
+        return self.segment.path if self.segment is not None else f"results/{self.writer_id}/{self.batch}"
 
     def records(self) -> Iterator[Record]:
         """The entry's records, in order (Python ints)."""
@@ -110,19 +209,18 @@ def _canonical(traj_ids: list[str], ints: list[np.ndarray]) -> bytes:
 
 
 def encode_entry(entry: LogEntry) -> bytes:
-    meta = {
-        "format_version": FORMAT_VERSION,
-        "seq": entry.seq,
-        "writer_id": entry.writer_id,
-        "writer_seq": entry.writer_seq,
-        "segment": entry.segment.path,
-        "rows": entry.segment.rows,
-        "chunk_rows": entry.segment.chunk_rows,
-        "shard_bytes": entry.segment.shard_bytes,
-        "created_unix": entry.created_unix,
-        "segment_nbytes": entry.segment_nbytes,
-    }
-    meta_bytes = json.dumps(meta, separators=(",", ":"), sort_keys=True).encode()
+    """The bytes of ``log/<entry.seq>.arrow`` (FORMAT §3): records as Arrow columns, the rest as metadata JSON,
+    written in the entry's ``format_version`` (a version-1 entry has no ``kind`` and no results)."""
+    meta: dict = {"format_version": entry.format_version, "seq": entry.seq, "writer_id": entry.writer_id,
+                  "writer_seq": entry.writer_seq, "created_unix": entry.created_unix}
+    if entry.kind == RESULTS:
+        meta.update(kind=RESULTS, batch=entry.batch, results=[r.to_json() for r in entry.results])
+    else:
+        meta.update(segment=entry.segment.path, rows=entry.segment.rows, chunk_rows=entry.segment.chunk_rows,
+                    shard_bytes=entry.segment.shard_bytes, segment_nbytes=entry.segment_nbytes)
+        if entry.format_version >= 2:
+            meta["kind"] = SEGMENT
+    meta_bytes = json.dumps(meta, separators=(",", ":"), sort_keys=True, allow_nan=False).encode()
     ints = [entry.token_start, entry.token_stop, entry.row_offset, entry.policy_version]
     crc = crc32c(meta_bytes + _canonical(entry.traj_ids, ints))
     schema = _SCHEMA.with_metadata({ENTRY_META_KEY: meta_bytes, ENTRY_CRC_KEY: f"{crc:08x}".encode()})
@@ -168,26 +266,25 @@ def decode_entry(data: bytes, seq: int, where: str) -> LogEntry:
         if meta["seq"] != seq:
             raise IntegrityError(f"log entry {where} declares seq {meta['seq']}, expected {seq}")
         writer_id = check_id(meta["writer_id"], "writer id")
-        segment = SegmentRef(
-            path=str(meta["segment"]),
-            writer_id=writer_id,
-            rows=int(meta["rows"]),
-            chunk_rows=int(meta["chunk_rows"]),
-            shard_bytes=int(meta["shard_bytes"]),
-        )
-        entry = LogEntry(
-            seq=seq,
-            writer_id=writer_id,
-            writer_seq=int(meta["writer_seq"]),
-            segment=segment,
-            created_unix=float(meta["created_unix"]),
-            segment_nbytes=int(meta.get("segment_nbytes", 0)),
-            traj_ids=traj_ids,
-            token_start=ints[0].astype(np.int64),
-            token_stop=ints[1].astype(np.int64),
-            row_offset=ints[2].astype(np.int64),
-            policy_version=ints[3].astype(np.int64),
-        )
+        version = meta["format_version"]
+        kind = meta.get("kind", SEGMENT)
+        if kind not in (SEGMENT, RESULTS) or (version < 2 and "kind" in meta):
+            raise IntegrityError(f"log entry {where}: kind {kind!r} (format version {version}); allowed: "
+                                 f"{SEGMENT!r}, and {RESULTS!r} from format version 2")
+        common = dict(seq=seq, writer_id=writer_id, writer_seq=int(meta["writer_seq"]),
+                      created_unix=float(meta["created_unix"]), traj_ids=traj_ids,
+                      token_start=ints[0].astype(np.int64), token_stop=ints[1].astype(np.int64),
+                      row_offset=ints[2].astype(np.int64), policy_version=ints[3].astype(np.int64),
+                      kind=kind, format_version=version)
+        if kind == RESULTS:
+            if not isinstance(meta["results"], list):
+                raise TypeError("results is not a list")
+            entry = LogEntry(segment=None, segment_nbytes=0, batch=str(meta["batch"]),
+                             results=tuple(Result.from_json(r) for r in meta["results"]), **common)
+        else:
+            segment = SegmentRef(path=str(meta["segment"]), writer_id=writer_id, rows=int(meta["rows"]),
+                                 chunk_rows=int(meta["chunk_rows"]), shard_bytes=int(meta["shard_bytes"]))
+            entry = LogEntry(segment=segment, segment_nbytes=int(meta.get("segment_nbytes", 0)), **common)
     except (KeyError, TypeError, ValueError, InvalidIdError) as e:
         raise IntegrityError(f"log entry {where}: bad metadata: {e}") from e
     _check_entry(entry, where)
@@ -195,6 +292,22 @@ def decode_entry(data: bytes, seq: int, where: str) -> LogEntry:
 
 
 def _check_entry(entry: LogEntry, where: str) -> None:
+    for t in entry.traj_ids:
+        try:
+            check_id(t)
+        except InvalidIdError as e:
+            raise IntegrityError(f"log entry {where}: {e}") from e
+    if entry.kind == RESULTS:
+        if len(entry) or not entry.results:
+            raise IntegrityError(f"log entry {where}: a results entry holds results and no records")
+        try:
+            check_id(entry.batch, "results batch id")
+        except InvalidIdError as e:
+            raise IntegrityError(f"log entry {where}: {e}") from e
+        trajs = [r.traj_id for r in entry.results]
+        if len(set(trajs)) != len(trajs):
+            raise IntegrityError(f"log entry {where}: a trajectory has two results in one entry")
+        return
     seg = entry.segment
     parts = seg.path.split("/")
     if len(parts) != 3 or parts[0] != "data" or parts[1] != entry.writer_id or ".." in parts:
@@ -210,11 +323,6 @@ def _check_entry(entry: LogEntry, where: str) -> None:
         entry.row_offset + n > seg.rows
     ).any():
         raise IntegrityError(f"log entry {where}: a record's token range or rows are out of bounds")
-    for t in entry.traj_ids:
-        try:
-            check_id(t)
-        except InvalidIdError as e:
-            raise IntegrityError(f"log entry {where}: {e}") from e
 
 
 # ---------------------------------------------------------------------- checkpoints
@@ -243,14 +351,12 @@ def _checkpoint_canonical(cols: dict) -> bytes:
     return b"".join(parts)
 
 
-def encode_checkpoint(entries: list[LogEntry]) -> bytes:
-    """All records of log entries ``0 .. len(entries)-1`` in one Parquet file (``index/<log_end>.parquet``).
-
-    A checkpoint only saves readers the per-entry GETs; the log entries stay the source of truth."""
-    import pyarrow.parquet as pq
-
+def _records_columns(entries: list[LogEntry]) -> dict:
+    """The version-1 checkpoint columns (one row per record) of the segment entries among ``entries``."""
     cols: dict = {name: [] for name in _checkpoint_schema().names}
     for e in entries:
+        if e.kind != SEGMENT:
+            continue
         n = len(e)
         for name, value in (("seq", e.seq), ("writer_id", e.writer_id), ("writer_seq", e.writer_seq),
                             ("segment", e.segment.path), ("rows", e.segment.rows),
@@ -260,21 +366,62 @@ def encode_checkpoint(entries: list[LogEntry]) -> bytes:
         cols["traj_id"].extend(e.traj_ids)
         for name in _RECORD_INT_FIELDS:
             cols[name].extend(getattr(e, name).tolist())
-    arrays = {k: (v if k in ("writer_id", "segment", "traj_id") else np.asarray(v, np.float64 if k == "created_unix"
-                                                                                   else np.int64))
-              for k, v in cols.items()}
-    crc = crc32c(_checkpoint_canonical(arrays))
-    meta = json.dumps({"format_version": FORMAT_VERSION, "log_end": len(entries), "crc32c": f"{crc:08x}"},
+    return {k: (v if k in ("writer_id", "segment", "traj_id") else np.asarray(v, np.float64 if k == "created_unix"
+                                                                              else np.int64))
+            for k, v in cols.items()}
+
+
+def records_table(entries: list[LogEntry]) -> pa.Table:
+    """Every record of ``entries`` (results entries have none), one row each, with the version-1 checkpoint
+    columns (FORMAT §3.1): what ``tracestore export`` writes."""
+    schema = _checkpoint_schema()
+    arrays = _records_columns(entries)
+    return pa.table([pa.array(arrays[n], schema.field(n).type) for n in schema.names], schema=schema)
+
+
+def _bundle_schema() -> pa.Schema:
+    return pa.schema([pa.field("seq", pa.int64(), nullable=False), pa.field("entry", pa.binary(), nullable=False)])
+
+
+def _bundle_canonical(seqs, blobs) -> bytes:
+    parts = [np.ascontiguousarray(seqs, dtype="<i8").tobytes()]
+    for blob in blobs:
+        parts.append(struct.pack("<I", len(blob)))
+        parts.append(blob)
+    return b"".join(parts)
+
+
+def encode_checkpoint(entries: list[LogEntry], version: int = FORMAT_VERSION) -> bytes:
+    """Log entries ``0 .. len(entries)-1`` in one Parquet file (``index/<log_end>.parquet``), in format ``version``:
+    1 — one row per record (columns of FORMAT §3.1); 2 — one row per entry holding the entry's encoded bytes, so
+    results entries (which have no records) are covered too.
+
+    A checkpoint only saves readers the per-entry GETs; the log entries stay the source of truth."""
+    import pyarrow.parquet as pq
+
+    if version >= 2:
+        schema = _bundle_schema()
+        seqs = np.arange(len(entries), dtype=np.int64)
+        blobs = [encode_entry(e) for e in entries]
+        crc = crc32c(_bundle_canonical(seqs, blobs))
+        table = pa.table([pa.array(seqs, pa.int64()), pa.array(blobs, pa.binary())], schema=schema)
+    else:
+        if any(e.kind != SEGMENT for e in entries):
+            raise ValueError("a version-1 checkpoint cannot hold results entries")
+        schema = _checkpoint_schema()
+        arrays = _records_columns(entries)
+        crc = crc32c(_checkpoint_canonical(arrays))
+        table = pa.table([pa.array(arrays[n], schema.field(n).type) for n in schema.names], schema=schema)
+    meta = json.dumps({"format_version": version, "log_end": len(entries), "crc32c": f"{crc:08x}"},
                       separators=(",", ":")).encode()
-    schema = _checkpoint_schema().with_metadata({_CKPT_META_KEY: meta})
-    table = pa.table([pa.array(arrays[n], schema.field(n).type) for n in schema.names], schema=schema)
+    table = table.replace_schema_metadata({_CKPT_META_KEY: meta})
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink, compression="zstd")
     return sink.getvalue().to_pybytes()
 
 
 def decode_checkpoint(data: bytes, log_end: int, where: str) -> list[LogEntry]:
-    """Entries ``0 .. log_end-1`` from a checkpoint. Raises IntegrityError / SchemaVersionError."""
+    """Entries ``0 .. log_end-1`` from a checkpoint (version 1 or 2). Raises IntegrityError / SchemaVersionError."""
     import pyarrow.parquet as pq
 
     try:
@@ -285,9 +432,23 @@ def decode_checkpoint(data: bytes, log_end: int, where: str) -> list[LogEntry]:
         meta = json.loads((table.schema.metadata or {})[_CKPT_META_KEY])
     except (KeyError, ValueError) as e:
         raise IntegrityError(f"checkpoint {where} lacks valid tracestore.checkpoint metadata") from e
-    check_version(meta.get("format_version"), f"checkpoint {where}")
-    if meta.get("log_end") != log_end or table.schema.remove_metadata() != _checkpoint_schema():
+    version = meta.get("format_version")
+    check_version(version, f"checkpoint {where}")
+    expected = _bundle_schema() if version >= 2 else _checkpoint_schema()
+    if meta.get("log_end") != log_end or table.schema.remove_metadata() != expected:
         raise IntegrityError(f"checkpoint {where}: log_end or columns do not match its key")
+    if version >= 2:
+        seqs = table.column("seq").to_numpy()
+        blobs = table.column("entry").to_pylist()
+        if f"{crc32c(_bundle_canonical(seqs, blobs)):08x}" != meta.get("crc32c"):
+            raise IntegrityError(f"checkpoint {where}: crc32c mismatch")
+        if not np.array_equal(seqs, np.arange(len(seqs))) or len(seqs) != log_end:
+            raise IntegrityError(f"checkpoint {where}: entries are not 0 .. {log_end - 1}")
+        return [decode_entry(blob, int(q), f"{where} (entry {q})") for q, blob in zip(seqs, blobs)]
+    return _decode_checkpoint_v1(table, meta, log_end, where)
+
+
+def _decode_checkpoint_v1(table: pa.Table, meta: dict, log_end: int, where: str) -> list[LogEntry]:
     cols = {n: (table.column(n).to_pylist() if n in ("writer_id", "segment", "traj_id")
                 else table.column(n).to_numpy()) for n in table.schema.names}
     if f"{crc32c(_checkpoint_canonical(cols)):08x}" != meta.get("crc32c"):
@@ -306,7 +467,7 @@ def decode_checkpoint(data: bytes, log_end: int, where: str) -> list[LogEntry]:
             seq=seq, writer_id=writer_id, writer_seq=int(cols["writer_seq"][a]),
             segment=SegmentRef(cols["segment"][a], writer_id, int(cols["rows"][a]), int(cols["chunk_rows"][a]),
                                int(cols["shard_bytes"][a])),
-            created_unix=float(cols["created_unix"][a]), segment_nbytes=int(cols["segment_nbytes"][a]),
+            created_unix=float(cols["created_unix"][a]), segment_nbytes=int(cols["segment_nbytes"][a]), format_version=1,
             traj_ids=cols["traj_id"][a:b],
             **{n: cols[n][a:b].astype(np.int64) for n in _RECORD_INT_FIELDS},
         )
@@ -321,5 +482,6 @@ def same_entry(a: LogEntry, b: LogEntry) -> bool:
     """Field-by-field equality of two decoded entries (for checking checkpoints against the log)."""
     return (a.seq == b.seq and a.writer_id == b.writer_id and a.writer_seq == b.writer_seq and a.segment == b.segment
             and a.created_unix == b.created_unix and a.segment_nbytes == b.segment_nbytes
-            and a.traj_ids == b.traj_ids
+            and a.traj_ids == b.traj_ids and a.kind == b.kind and a.batch == b.batch
+            and [r.to_json() for r in a.results] == [r.to_json() for r in b.results]
             and all(np.array_equal(getattr(a, n), getattr(b, n)) for n in _RECORD_INT_FIELDS))

@@ -130,10 +130,11 @@ def experts_dtype(num_experts: int) -> np.dtype:
 
 
 def new_manifest(sites: Sequence[Site], model: Mapping | None, moe_layers: Sequence[str], top_k: int, num_experts: int,
-              chunk_rows: int, shard_bytes: int, feature_chunk: int, gc_grace_s: float) -> dict:
+                 chunk_rows: int, shard_bytes: int, feature_chunk: int, gc_grace_s: float,
+                 format_version: int = FORMAT_VERSION) -> dict:
     return {
         "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
+        "format_version": format_version,
         "store_id": uuid.uuid4().hex,
         "created_unix": time.time(),
         "sites": [s.to_dict() for s in sites],
