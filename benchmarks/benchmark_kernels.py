@@ -1,24 +1,35 @@
-"""Benchmark of the FP4 kernels: Triton vs the torch reference (eager and torch.compile) vs a plain copy.
+"""Benchmark of the FP4 kernels (tracefp4's Triton backend) against a device-to-device copy of the same bytes.
 
-Prints a table and writes JSON (default: $OUT/kernels-h200.json when $OUT is set, else
-benchmarks/results/kernels-<gpu>.json). Before timing, it checks on the same data that the Triton kernels and
-the torch.compile'd reference are bit-identical to the eager reference (codes, scales, hints, outputs, grads).
+For every input dtype (bf16, fp16, fp32), format (NVFP4, MXFP4) and hidden size it
+  1. checks on the GPU that every Triton output equals the torch reference bit for bit: random data with NaN /
+     Inf / +-0 / subnormals sprinkled in, exact-tie data, a dynamic global scale, and every special bit pattern
+     of the dtype (negative NaNs with several payloads included), for quantize (+hints), the fused
+     quantize_fake, round-to-nearest / rollout-scale / hint-guided fake quantization, dequantize and backward;
+  2. times each kernel in the default configuration (`tracefp4.triton_kernels.CONFIG`, what a user gets) and,
+     with --sweep, in every configuration of the sweep: R runs (default 5) in this process, each the mean of
+     back-to-back launches after warm-up; the figure is the median over runs, the spread is min..max.
 
-Bytes counted (B = bytes per input element, n = number of elements, NVFP4):
-  copy                : read n*B + write n*B
-  quantize            : read n*B, write n/2 (codes) + n/8 (hints) + n/16 (scales)
-  quantize_no_hints   : read n*B, write n/2 + n/16
-  fake_quant (hinted) : read n*B + n/16 + n/8, write n*B
-  fake_quant_rtn      : read n*B, write n*B (own scales)
-  fake_quant_bwd      : read grad n*B + x n*B + n/16, write n*B (ste="clip"; "identity" moves no bytes)
+Bytes counted (n values, E bytes per input value, B block size):
+  copy             : read nE + write nE
+  quantize         : read nE, write n/2 (codes) + n/8 (hints) + n/B (scales)
+  quantize_no_hints: read nE, write n/2 + n/B
+  quantize_fake    : read nE, write nE (y) + n/2 + n/8 + n/B          (the rollout's capture, one pass)
+  capture_unfused  : quantize + fake_quant_rtn, two kernels            (what the rollout ran before)
+  fake_quant       : read nE + n/B + n/8, write nE                    (hint-guided, the trainer)
+  fake_quant_rtn   : read nE, write nE                                (round to nearest, own scales)
+  dequantize       : read n/2 + n/B, write nE
+  fake_quant_bwd   : read 2nE + n/B, write nE                         (ste="clip"; "identity" moves no bytes)
 
-Usage: python3 benchmarks/benchmark_kernels.py [--smoke] [--gib 1.0] [--hidden 2048 7168] [--out PATH]
---smoke runs tiny sizes on CPU (TRITON_INTERPRET=1) to check the script itself.
+Usage: python3 benchmarks/benchmark_kernels.py [--smoke] [--sweep] [--gib 1.0] [--hidden 2048 7168]
+       [--dtypes bf16 fp16 fp32] [--fmts nvfp4 mxfp4] [--runs 5] [--out PATH] [--json]
+Writes JSON to --out (default: $OUT/kernels-h200.json when $OUT is set, else benchmarks/results/kernels-<gpu>.json)
+and prints a table. --smoke runs tiny sizes on CPU under TRITON_INTERPRET=1 to check the script itself.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
 import json
 import os
 import platform
@@ -30,240 +41,347 @@ from pathlib import Path
 if "--smoke" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import torch
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import tracefp4  # noqa: E402
 from tracefp4 import reference as ref  # noqa: E402
 
-# (blocks per program, num_warps, split layout, fp-adder rounding); the backward kernel: split layout only
-CONFIGS = [(128, 4, False, False), (256, 8, False, False), (512, 8, False, False), (128, 4, False, True),
-           (256, 8, False, True), (512, 8, False, True), (256, 4, True, False), (512, 8, True, True)]
-SMOKE_CONFIGS = [(64, 2, False, False), (64, 2, True, False), (64, 2, False, True)]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+BLOCK = {"nvfp4": 16, "mxfp4": 32}
+OPS = ["copy", "quantize", "quantize_no_hints", "quantize_fake", "capture_unfused", "fake_quant", "fake_quant_rtn",
+       "dequantize", "fake_quant_bwd"]
+#: the configuration sweep of the forward kernels: (blocks per program, num_warps, programs per SM; 0 = one
+#: program per tile, 32 = as many as fit[, register cap]); the backward kernel: (blocks per program, num_warps)
+SWEEP = [(128, 4, 0), (64, 2, 0), (128, 4, 32), (64, 2, 32), (128, 4, 8), (64, 2, 8), (256, 8, 32), (128, 4, 32, 40)]
+SWEEP_BWD = [(256, 4), (128, 4), (512, 8)]
+SMOKE_SWEEP = [(8, 1, 0), (8, 1, 2)]
+#: kernel -> the CONFIG key whose default it runs
+CONFIG_KEY = {"quantize": "quantize", "quantize_no_hints": "quantize", "quantize_fake": "quantize_fake",
+              "fake_quant": "fake_quant", "fake_quant_rtn": "fake_quant_rtn", "dequantize": "dequantize",
+              "fake_quant_bwd": "fake_quant_bwd"}
 
 
 # ---------------------------------------------------------------------------------------------------------
-def timer(fn, warmup: int, iters: int, cuda: bool) -> float:
-    """Median milliseconds of fn() over iters runs after warmup runs (CUDA events on GPU)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
-
-
+# data
+# ---------------------------------------------------------------------------------------------------------
 def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
 def mismatches(a, b) -> int:
-    """Number of differing elements; NaN equals NaN (payloads differ between casts)."""
+    """Number of differing elements; NaN equals NaN (payloads differ between casts), +0 differs from -0."""
     if a is None or b is None:
         return -1 if (a is None) != (b is None) else 0
-    if a.shape != b.shape:
+    if a.shape != b.shape or a.dtype != b.dtype:
         return -2
     if a.dtype.is_floating_point:
         na, nb = torch.isnan(a), torch.isnan(b)
-        return int(((bits(a) != bits(b)) & ~(na & nb)).sum())  # +0.0 vs -0.0 counts as a mismatch
+        return int(((bits(a) != bits(b)) & ~(na & nb)).sum() + (na != nb).sum())
     return int((a != b).sum())
 
 
-def make_x(rows: int, hidden: int, dtype, device, seed: int, specials: bool = True) -> torch.Tensor:
+def make_x(rows: int, hidden: int, dtype, device, seed: int) -> torch.Tensor:
+    """Gaussian rows of different magnitudes, with about 1e-5 of the values replaced by 0, -0, NaN, +-Inf,
+    1e-30 (subnormal in bf16/fp16 ranges after scaling)."""
     g = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(rows, hidden, generator=g, device=device, dtype=torch.float32)
-    x *= torch.exp(torch.randn(rows, 1, generator=g, device=device))  # rows of different magnitudes
-    if specials:
-        n = max(1, x.numel() // 100000)
-        idx = torch.randint(0, x.numel(), (n,), generator=g, device=device)
-        pool = torch.tensor([0.0, -0.0, float("nan"), float("inf"), float("-inf"), 1e-30], device=device)
-        x.view(-1)[idx] = pool[torch.randint(0, len(pool), (n,), generator=g, device=device)]
+    x *= torch.exp(torch.randn(rows, 1, generator=g, device=device))
+    n = max(1, x.numel() // 100000)
+    idx = torch.randint(0, x.numel(), (n,), generator=g, device=device)
+    pool = torch.tensor([0.0, -0.0, float("nan"), float("inf"), float("-inf"), 1e-30], device=device)
+    x.view(-1)[idx] = pool[torch.randint(0, len(pool), (n,), generator=g, device=device)]
     return x.to(dtype)
 
 
 def make_ties(rows: int, hidden: int, dtype, device, seed: int) -> torch.Tensor:
-    """Blocks of 16 whose scale is a power of two with g = 1: every value is a ladder value or an exact tie."""
+    """Blocks whose scale is a power of two with g = 1: every value is a ladder value or an exact tie."""
     g = torch.Generator(device=device).manual_seed(seed)
     vals = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0],
                         device=device)
     x = vals[torch.randint(0, len(vals), (rows, hidden), generator=g, device=device)]
     x *= torch.where(torch.rand(rows, hidden, generator=g, device=device) < 0.5, -1.0, 1.0)
     x.view(-1, 16)[:, 0] = 6.0
-    x *= torch.exp2(torch.randint(-6, 6, (rows, hidden // 16), generator=g, device=device).float()).repeat_interleave(16, 1)
+    x *= torch.exp2(torch.randint(-6, 6, (rows, hidden // 16), generator=g, device=device).float()
+                    ).repeat_interleave(16, 1)
     return x.to(dtype)
 
 
+def make_specials(dtype, block: int, device) -> torch.Tensor:
+    """Every special bit pattern of the dtype (NaNs of both signs with the smallest, a middle and the largest
+    payload; +-Inf; +-0; the smallest and largest subnormals; the largest finite), each in its own block next
+    to ordinary values, and blocks made only of them."""
+    if dtype == torch.float32:
+        pats = [0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001, 0x7FFFFFFF, 0xFFFFFFFF, 0x7F800000, 0xFF800000,
+                0x00000000, 0x80000000, 0x00000001, 0x807FFFFF, 0x7F7FFFFF, 0xFF7FFFFF]
+        t = torch.tensor(pats, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    else:
+        if dtype == torch.float16:
+            pats = [0x7E00, 0xFE00, 0x7C01, 0xFC01, 0x7FFF, 0xFFFF, 0x7C00, 0xFC00, 0x0000, 0x8000, 0x0001,
+                    0x83FF, 0x7BFF, 0xFBFF]
+        else:
+            pats = [0x7FC0, 0xFFC0, 0x7F81, 0xFF81, 0x7FFF, 0xFFFF, 0x7F80, 0xFF80, 0x0000, 0x8000, 0x0001,
+                    0x807F, 0x7F7F, 0xFF7F]
+        t = torch.tensor(pats, dtype=torch.int32).to(torch.int16).view(dtype)
+    ordinary = torch.linspace(-3.0, 5.0, block).to(dtype)
+    rows = []
+    for v in t:  # each special next to ordinary values
+        row = ordinary.clone()
+        row[3] = v
+        rows.append(row)
+    rows.append(t.repeat(block)[:block])  # only specials
+    rows.append(t.flip(0).repeat(block)[:block])
+    return torch.stack(rows).repeat(1, 2).to(device)  # [16, 2B]
+
+
 # ---------------------------------------------------------------------------------------------------------
-def run_size(hidden, rows, dtype, device, cuda, configs, do_compile, log):
-    from tracefp4 import triton_kernels as tk
+# exactness on the GPU
+# ---------------------------------------------------------------------------------------------------------
+def exactness(x, fmt: str, g, tk) -> dict:
+    """Mismatch counts Triton vs reference (0 everywhere = bit-exact) of every kernel on x [rows, D]."""
+    b = BLOCK[fmt]
+    xb = x.reshape(-1, b)
+    out: dict = {}
+    rules = ["floor"] if fmt == "nvfp4" else ["floor", "rceil"]
+    for rule in rules:
+        sfx = "" if rule == "floor" else "_rceil"
+        cr, sr, hr = ref.quantize_blocks_ref(xb, fmt, g, rule)
+        ct, st, ht = tk.quantize_blocks_triton(xb, fmt, g, rule)
+        out[f"quantize{sfx}"] = mismatches(ct, cr) + mismatches(st, sr) + mismatches(ht, hr)
+        fr = ref.fake_quantize_blocks_ref(xb, fmt, g, None, None, rule)
+        yt, ct2, st2, ht2 = tk.quantize_fake_blocks_triton(xb, fmt, g, rule)
+        out[f"quantize_fake{sfx}"] = (mismatches(yt, fr) + mismatches(ct2, cr) + mismatches(st2, sr)
+                                      + mismatches(ht2, hr))
+        out[f"fake_quant_rtn{sfx}"] = mismatches(tk.fake_quantize_blocks_triton(xb, fmt, g, None, None, rule)[0], fr)
+    cr, sr, hr = ref.quantize_blocks_ref(xb, fmt, g)
+    xn = (x.float() * (1 + 0.01 * (2 * torch.rand(x.shape, device=x.device) - 1))).to(x.dtype).reshape(-1, b)
+    hb = tracefp4.unpack_hints(hr)
+    out["fake_quant_hinted"] = mismatches(tk.fake_quantize_blocks_triton(xn, fmt, g, sr, hr)[0],
+                                          ref.fake_quantize_blocks_ref(xn, fmt, g, sr, hb))
+    out["fake_quant_given_scales"] = mismatches(tk.fake_quantize_blocks_triton(xn, fmt, g, sr, None)[0],
+                                                ref.fake_quantize_blocks_ref(xn, fmt, g, sr, None))
+    out["dequantize"] = mismatches(tk.dequantize_blocks_triton(cr, sr, fmt, g, x.dtype),
+                                   ref.dequantize_blocks_ref(tracefp4.unpack_codes(cr), sr, fmt, g, x.dtype))
+    grad = torch.randn(xn.shape, device=x.device).to(x.dtype)
+    out["fake_quant_bwd"] = mismatches(tk.fake_quantize_bwd_blocks_triton(grad, xn, fmt, g, sr),
+                                       ref.fake_quantize_bwd_blocks_ref(grad, xn, fmt, g, sr))
+    return out
 
-    res: dict = {"hidden": hidden, "rows": rows, "dtype": str(dtype).replace("torch.", "")}
+
+def exactness_suite(rows: int, hidden: int, dtype, fmt: str, device, tk) -> dict:
+    """Exactness on random data (static and dynamic g), exact ties (g = 1) and the dtype's special values."""
+    x = make_x(rows, hidden, dtype, device, seed=hidden + 7)
+    nv = fmt == "nvfp4"
+    cases = {
+        "random": (x, torch.tensor(0.01, device=device) if nv else None),
+        "random_dynamic_g": (x, ref.global_scale_ref(x) if nv else None),
+        "ties_g1": (make_ties(min(rows, 256), hidden, dtype, device, seed=1), torch.tensor(1.0, device=device)
+                    if nv else None),
+        "specials": (make_specials(dtype, BLOCK[fmt], device), torch.tensor(0.37, device=device) if nv else None),
+        "specials_g_subnormal": (make_specials(dtype, BLOCK[fmt], device),
+                                 torch.tensor(2.0**-140, device=device) if nv else None),
+    }
+    if not nv:
+        del cases["specials_g_subnormal"]
+    return {name: exactness(xx, fmt, gg, tk) for name, (xx, gg) in cases.items()}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# timing
+# ---------------------------------------------------------------------------------------------------------
+def time_runs(fn, runs: int, iters: int, warmup: int, cuda: bool) -> list[float]:
+    """Milliseconds per call of fn, one figure per run: the mean of `iters` back-to-back calls (CUDA events
+    around them) after `warmup` calls."""
+    out = []
+    for _ in range(runs):
+        for _ in range(warmup):
+            fn()
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(iters):
+                fn()
+            b.record()
+            torch.cuda.synchronize()
+            out.append(a.elapsed_time(b) / iters)
+        else:
+            t = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            out.append((time.perf_counter() - t) * 1e3 / iters)
+    return out
+
+
+def op_bytes(n: int, e: int, b: int) -> dict:
+    q = n * e + n // 2 + n // 8 + n // b
+    return {
+        "copy": 2 * n * e, "quantize": q, "quantize_no_hints": n * e + n // 2 + n // b,
+        "quantize_fake": q + n * e, "capture_unfused": q + 2 * n * e, "fake_quant": 2 * n * e + n // b + n // 8,
+        "fake_quant_rtn": 2 * n * e, "dequantize": n // 2 + n // b + n * e, "fake_quant_bwd": 3 * n * e + n // b,
+    }
+
+
+def cfg_name(c) -> str:
+    if len(c) == 2:
+        return f"BN{c[0]}_w{c[1]}"
+    name = f"BN{c[0]}_w{c[1]}_" + (f"persist{c[2]}" if c[2] else "grid")
+    return name + (f"_maxreg{c[3]}" if len(c) > 3 and c[3] else "")
+
+
+def make_ops(x, fmt: str, g, tk) -> dict:
+    """op -> (fn(config) for a Triton config, config kind "fwd"/"bwd"), on the operands built from x."""
+    b = BLOCK[fmt]
+    xb = x.reshape(-1, b)
+    codes, scales, hints = tk.quantize_blocks_triton(xb, fmt, g)
+    xn = (x.float() * (1 + 0.01 * (2 * torch.rand(x.shape, device=x.device) - 1))).to(x.dtype).reshape(-1, b)
+    grad = torch.randn(xn.shape, device=x.device).to(x.dtype)
+
+    def unfused(c):
+        tk.quantize_blocks_triton(xb, fmt, g, config=c)
+        tk.fake_quantize_blocks_triton(xb, fmt, g, None, None, config=c)
+
+    return {
+        "quantize": (lambda c: tk.quantize_blocks_triton(xb, fmt, g, config=c), "fwd"),
+        "quantize_no_hints": (lambda c: tk.quantize_blocks_triton(xb, fmt, g, emit_hints=False, config=c), "fwd"),
+        "quantize_fake": (lambda c: tk.quantize_fake_blocks_triton(xb, fmt, g, config=c), "fwd"),
+        "capture_unfused": (unfused, "fwd"),
+        "fake_quant": (lambda c: tk.fake_quantize_blocks_triton(xn, fmt, g, scales, hints, config=c), "fwd"),
+        "fake_quant_rtn": (lambda c: tk.fake_quantize_blocks_triton(xn, fmt, g, None, None, config=c), "fwd"),
+        "dequantize": (lambda c: tk.dequantize_blocks_triton(codes, scales, fmt, g, x.dtype, config=c), "fwd"),
+        "fake_quant_bwd": (lambda c: tk.fake_quantize_bwd_blocks_triton(grad, xn, fmt, g, scales, config=c), "bwd"),
+    }
+
+
+def summarize(times: list[float], nbytes: int) -> dict:
+    times = [max(t, 1e-6) for t in times]  # CPU smoke runs can time 0
+    med = statistics.median(times)
+    return {"ms_median": round(med, 5), "ms_min": round(min(times), 5), "ms_max": round(max(times), 5),
+            "gbps_median": round(nbytes / med / 1e6, 1), "gbps_min": round(nbytes / max(times) / 1e6, 1),
+            "gbps_max": round(nbytes / min(times) / 1e6, 1), "runs_ms": [round(t, 5) for t in times]}
+
+
+def run_case(hidden, dtype_name, fmt, args, device, cuda, sweep, tk, log) -> dict:
+    dtype = DTYPES[dtype_name]
+    e = torch.tensor([], dtype=dtype).element_size()
+    rows = 4 if args.smoke else max(1, int(args.gib * 2**30) // (hidden * e))
+    res: dict = {"hidden": hidden, "rows": rows, "dtype": dtype_name, "fmt": fmt, "input_bytes": rows * hidden * e}
+    log(f"[{dtype_name} {fmt} h{hidden}] x [{rows}, {hidden}]")
+    res["exact_mismatches"] = exactness_suite(min(rows, 2048), hidden, dtype, fmt, device, tk)
+    res["bit_exact"] = all(v == 0 for case in res["exact_mismatches"].values() for v in case.values())
+    log(f"  bit-exact vs reference: {res['bit_exact']}"
+        + ("" if res["bit_exact"] else f" {res['exact_mismatches']}"))
+
     x = make_x(rows, hidden, dtype, device, seed=hidden)
+    g = torch.tensor(0.01, dtype=torch.float32, device=device) if fmt == "nvfp4" else None
     n = x.numel()
-    eb = x.element_size()
-    res["activation_bytes"] = n * eb
-    xb = x.view(-1, 16)
-    g = torch.tensor(0.01, dtype=torch.float32, device=device)  # a static per-site global scale
-    w_fast, w_slow, it_fast, it_slow = (5, 1, 50, 3) if cuda else (1, 0, 2, 1)
-
-    # ---- reference outputs (eager) and the rollout side of the hinted path
-    codes_r, scales_r, hints_r = ref.quantize_blocks_ref(xb, "nvfp4", g)
-    xn = (x.float() * (1 + 0.01 * (2 * torch.rand(x.shape, device=device) - 1))).to(dtype)  # trainer activations
-    xnb = xn.view(-1, 16)
-    hint_bits = tracefp4.unpack_hints(hints_r)  # [NB, 16]
-    fq_r = ref.fake_quantize_blocks_ref(xnb, "nvfp4", g, scales_r, hint_bits)
-    rtn_r = ref.fake_quantize_blocks_ref(xnb, "nvfp4", g)
-    grad = torch.randn(x.shape, device=device, dtype=dtype).view(-1, 16)
-    bwd_r = ref.fake_quantize_bwd_blocks_ref(grad, xnb, "nvfp4", g, scales_r)
-
-    # ---- exactness: Triton vs eager
-    codes_t, scales_t, hints_t = tk.quantize_blocks_triton(xb, "nvfp4", g)
-    fq_t, _ = tk.fake_quantize_blocks_triton(xnb, "nvfp4", g, scales_r, hints_r)
-    rtn_t, _ = tk.fake_quantize_blocks_triton(xnb, "nvfp4", g, None, None)
-    bwd_t = tk.fake_quantize_bwd_blocks_triton(grad, xnb, "nvfp4", g, scales_r)
-    exact_t = {
-        "codes": mismatches(codes_t, codes_r), "scales": mismatches(scales_t, scales_r),
-        "hints": mismatches(hints_t, hints_r), "fake_quant_hinted": mismatches(fq_t, fq_r),
-        "fake_quant_rtn": mismatches(rtn_t, rtn_r), "fake_quant_bwd": mismatches(bwd_t, bwd_r),
-    }
-    # dynamic global scale and exact ties, on a smaller slice
-    xs = make_ties(min(rows, 4096), hidden, dtype, device, seed=1)
-    for name, xx, gg in (("ties_g1", xs, torch.tensor(1.0, device=device)),
-                         ("dynamic_g", x[: min(rows, 4096)], ref.global_scale_ref(x[: min(rows, 4096)]))):
-        cr = ref.quantize_blocks_ref(xx.view(-1, 16), "nvfp4", gg)
-        ct = tk.quantize_blocks_triton(xx.view(-1, 16), "nvfp4", gg)
-        exact_t[f"{name}_codes_scales_hints"] = sum(mismatches(a, b) for a, b in zip(ct, cr))
-        fr = ref.fake_quantize_blocks_ref(xx.view(-1, 16), "nvfp4", gg, cr[1], tracefp4.unpack_hints(cr[2]))
-        ft, _ = tk.fake_quantize_blocks_triton(xx.view(-1, 16), "nvfp4", gg, cr[1], cr[2])
-        exact_t[f"{name}_fake_quant_hinted"] = mismatches(ft, fr)
-    for fmt_, rule in (("mxfp4", "floor"), ("mxfp4", "rceil")):
-        xm = x[: min(rows, 4096)].reshape(-1, 32)
-        cr = ref.quantize_blocks_ref(xm, fmt_, None, rule)
-        ct = tk.quantize_blocks_triton(xm, fmt_, None, rule)
-        exact_t[f"{fmt_}_{rule}_codes_scales_hints"] = sum(mismatches(a, b) for a, b in zip(ct, cr))
-        fr = ref.fake_quantize_blocks_ref(xm, fmt_, None, cr[1], tracefp4.unpack_hints(cr[2]))
-        ft, _ = tk.fake_quantize_blocks_triton(xm, fmt_, None, cr[1], cr[2])
-        exact_t[f"{fmt_}_{rule}_fake_quant_hinted"] = mismatches(ft, fr)
-    res["exact_triton_vs_eager_mismatches"] = exact_t
-    log(f"  exactness triton vs eager (mismatch counts): {exact_t}")
-
-    # ---- timings
-    nbytes = {
-        "copy": 2 * n * eb,
-        "quantize": n * eb + n // 2 + n // 8 + n // 16,
-        "quantize_no_hints": n * eb + n // 2 + n // 16,
-        "fake_quant": 2 * n * eb + n // 16 + n // 8,
-        "fake_quant_rtn": 2 * n * eb,
-        "fake_quant_bwd": 3 * n * eb + n // 16,
-    }
+    nbytes = op_bytes(n, e, BLOCK[fmt])
     res["bytes"] = nbytes
-    ms: dict = {}
+    runs, iters, warm = (args.runs, args.iters, 3) if cuda else (2, 1, 0)
     y = torch.empty_like(x)
-    ms["copy"] = timer(lambda: y.copy_(x), w_fast, it_fast, cuda)
+    copy = summarize(time_runs(lambda: y.copy_(x), runs, iters, warm, cuda), nbytes["copy"])
     del y
-
-    sweep: dict = {}
-    ops = {
-        "quantize": lambda c: tk.quantize_blocks_triton(xb, "nvfp4", g, config=c),
-        "quantize_no_hints": lambda c: tk.quantize_blocks_triton(xb, "nvfp4", g, emit_hints=False, config=c),
-        "fake_quant": lambda c: tk.fake_quantize_blocks_triton(xnb, "nvfp4", g, scales_r, hints_r, config=c),
-        "fake_quant_rtn": lambda c: tk.fake_quantize_blocks_triton(xnb, "nvfp4", g, None, None, config=c),
-        "fake_quant_bwd": lambda c: tk.fake_quantize_bwd_blocks_triton(grad, xnb, "nvfp4", g, scales_r, config=c),
-    }
-    for op, fn in ops.items():
-        sweep[op] = {}
-        for c in configs:
-            if op == "fake_quant_bwd" and (not c[2] or c[3]):
-                continue
-            name = f"BN{c[0]}_w{c[1]}_{'split' if c[2] else 'block'}{'_fprne' if c[3] else ''}"
-            try:
-                t = timer(lambda: fn(c), w_fast, it_fast, cuda)
-            except Exception as e:  # a config that does not compile or launch is recorded, not fatal
-                res.setdefault("config_errors", {})[f"{op}_{name}"] = repr(e)[:300]
-                continue
-            sweep[op][name] = nbytes[op] / t / 1e6
-        best = max(sweep[op], key=sweep[op].get)
-        ms[op] = nbytes[op] / sweep[op][best] / 1e6
-        res.setdefault("best_config", {})[op] = best
-    res["triton_config_sweep_gbps"] = {op: {k: round(v, 1) for k, v in d.items()} for op, d in sweep.items()}
-
-    # the same operations through the torch reference, eager and torch.compile
-    ref_ops = {
-        "quantize": lambda f: f["q"](xb, "nvfp4", g),
-        "quantize_no_hints": lambda f: f["q"](xb, "nvfp4", g, "floor", False),
-        "fake_quant": lambda f: f["fq"](xnb, "nvfp4", g, scales_r, hint_bits),
-        "fake_quant_rtn": lambda f: f["fq"](xnb, "nvfp4", g),
-        "fake_quant_bwd": lambda f: f["bwd"](grad, xnb, "nvfp4", g, scales_r),
-    }
-    eager = {"q": ref.quantize_blocks_ref, "fq": ref.fake_quantize_blocks_ref, "bwd": ref.fake_quantize_bwd_blocks_ref}
-    ms_eager = {op: timer(lambda: f(eager), w_slow, it_slow, cuda) for op, f in ref_ops.items()}
-    ms_comp: dict = {}
-    if do_compile:
-        # fake_quant_rtn is left out here: one graph less to compile (it is the same function as fake_quant)
-        comp_ops = {op: f for op, f in ref_ops.items() if op != "fake_quant_rtn"}
-        try:
-            t0 = time.perf_counter()
-            comp = {k: torch.compile(v, dynamic=True) for k, v in eager.items()}  # one graph for all sizes
-            outs = {op: f(comp) for op, f in comp_ops.items()}  # compiles
-            res["torch_compile_first_call_s"] = round(time.perf_counter() - t0, 1)
-            exact_c = {
-                "codes": mismatches(outs["quantize"][0], codes_r), "scales": mismatches(outs["quantize"][1], scales_r),
-                "hints": mismatches(outs["quantize"][2], hints_r),
-                "fake_quant_hinted": mismatches(outs["fake_quant"], fq_r),
-                "fake_quant_bwd": mismatches(outs["fake_quant_bwd"], bwd_r),
-            }
-            del outs
-            res["exact_compile_vs_eager_mismatches"] = exact_c
-            log(f"  exactness torch.compile vs eager (mismatch counts): {exact_c}")
-            ms_comp = {op: timer(lambda: f(comp), 2, 10 if cuda else 1, cuda) for op, f in comp_ops.items()}
-        except Exception as e:  # recorded in the JSON; the Triton and eager figures still stand
-            res["torch_compile_error"] = repr(e)[:500]
-            log(f"  torch.compile failed: {e!r}"[:500])
-
-    gbps = lambda d: {op: round(nbytes[op] / t / 1e6, 3) for op, t in d.items()}  # noqa: E731
-    res["ms"] = {k: round(v, 4) for k, v in ms.items()}
-    res["gbps"] = gbps(ms)
-    res["torch_eager_gbps"] = gbps(ms_eager)
-    res["torch_compile_gbps"] = gbps(ms_comp)
-    res["fraction_of_copy"] = {op: round(v / res["gbps"]["copy"], 3) for op, v in res["gbps"].items()}
-    res["hint_overhead_pct"] = round(100 * (ms["quantize"] / ms["quantize_no_hints"] - 1), 2)
+    res["default"] = {"copy": copy}
+    res["sweep"] = {}
+    ops = make_ops(x, fmt, g, tk)
+    for op, (fn, kind) in ops.items():
+        default_cfg = tk.default_config(CONFIG_KEY[op.replace("capture_unfused", "quantize")], dtype, fmt)
+        res["default"][op] = {"config": cfg_name(default_cfg),
+                              **summarize(time_runs(lambda: fn(None), runs, iters, warm, cuda), nbytes[op])}
+        if sweep and op != "capture_unfused":
+            res["sweep"][op] = {}
+            for c in (sweep["bwd"] if kind == "bwd" else sweep["fwd"]):
+                res["sweep"][op][cfg_name(c)] = summarize(time_runs(lambda: fn(c), runs, iters, warm, cuda),
+                                                          nbytes[op])
+    del ops, x
+    copy_gbps = copy["gbps_median"]
+    res["fraction_of_copy_default"] = {op: round(v["gbps_median"] / copy_gbps, 3) for op, v in res["default"].items()}
+    res["best"] = {}
+    for op, d in res["sweep"].items():
+        best = max(d, key=lambda k: d[k]["gbps_median"])
+        res["best"][op] = {"config": best, "gbps_median": d[best]["gbps_median"],
+                           "fraction_of_copy": round(d[best]["gbps_median"] / copy_gbps, 3)}
+    dq, dn = res["default"]["quantize"]["ms_median"], res["default"]["quantize_no_hints"]["ms_median"]
+    res["hint_cost_pct_default"] = round(100 * (dq / dn - 1), 2)
+    res["capture_fused_vs_unfused_time"] = round(res["default"]["quantize_fake"]["ms_median"]
+                                                 / res["default"]["capture_unfused"]["ms_median"], 3)
+    if cuda:
+        torch.cuda.empty_cache()
     return res
 
 
+# ---------------------------------------------------------------------------------------------------------
+# compile everything first, in parallel processes (Triton's on-disk cache is shared)
+# ---------------------------------------------------------------------------------------------------------
+def _compile_worker(job) -> str:
+    dtype_name, fmt, fwd_cfg, bwd_cfg, with_exactness = job
+    from tracefp4 import triton_kernels as tk
+
+    x = make_x(64, 256, DTYPES[dtype_name], "cuda", seed=1)
+    g = torch.tensor(0.01, device="cuda") if fmt == "nvfp4" else None
+    for fn, kind in make_ops(x, fmt, g, tk).values():
+        fn(bwd_cfg if kind == "bwd" else fwd_cfg)
+    if with_exactness:
+        exactness(x, fmt, g, tk)
+    torch.cuda.synchronize()
+    return f"{dtype_name}/{fmt}/{fwd_cfg}"
+
+
+def precompile(cases, sweep, workers: int, log) -> None:
+    """Run every kernel variant once on small data in `workers` processes, so that the timing process finds
+    them compiled (the kernels' sizes are not specialized on, so small data compiles the same binaries)."""
+    import multiprocessing as mp
+
+    jobs = []
+    for dtype_name, fmt in cases:
+        fwd = [None] + (sweep["fwd"] if sweep else [])
+        bwd = [None] + (sweep["bwd"] if sweep else [])
+        jobs += [(dtype_name, fmt, fwd[i], bwd[min(i, len(bwd) - 1)], i == 0) for i in range(len(fwd))]
+    if not jobs:
+        return
+    t0 = time.perf_counter()
+    with cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as ex:
+        list(ex.map(_compile_worker, jobs))
+    log(f"precompiled {len(jobs)} jobs in {time.perf_counter() - t0:.1f} s ({workers} processes)")
+
+
+# ---------------------------------------------------------------------------------------------------------
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU under TRITON_INTERPRET=1")
-    ap.add_argument("--gib", type=float, default=1.0, help="activation size per hidden size, GiB (bf16)")
-    ap.add_argument("--hidden", type=int, nargs="+", default=[2048, 7168])
-    ap.add_argument("--no-compile", action="store_true")
-    ap.add_argument("--compile-smoke", action="store_true", help="also torch.compile the reference in --smoke")
-    ap.add_argument("--out", type=str, default=None)
+    ap.add_argument("--sweep", action="store_true", help="also time every configuration of the sweep")
+    ap.add_argument("--gib", type=float, default=1.0, help="input size per case, GiB (in the input's dtype)")
+    ap.add_argument("--hidden", type=int, nargs="+", default=[2048, 7168], help="hidden sizes (row lengths)")
+    ap.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES), help="input dtypes")
+    ap.add_argument("--fmts", nargs="+", default=list(BLOCK), choices=list(BLOCK), help="FP4 formats")
+    ap.add_argument("--sweep-cases", nargs="+", default=["bf16/nvfp4"],
+                    help="dtype/fmt cases that get the configuration sweep (with --sweep)")
+    ap.add_argument("--runs", type=int, default=5, help="timed runs per figure (median and min..max reported)")
+    ap.add_argument("--iters", type=int, default=10, help="back-to-back launches per run")
+    ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1),
+                    help="processes that compile the kernels before timing (GPU only)")
+    ap.add_argument("--out", type=str, default=None, help="JSON output path")
+    ap.add_argument("--json", action="store_true", help="print the JSON summary on stdout (and the table on stderr)")
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available() and not args.smoke
     device = "cuda" if cuda else "cpu"
-    dtype = torch.bfloat16
-    configs = SMOKE_CONFIGS if args.smoke else CONFIGS
-    log = lambda s: print(s, flush=True)  # noqa: E731
+    log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else (lambda s: print(s, flush=True))
     import triton
 
+    from tracefp4 import triton_kernels as tk
+
+    sweep = None
+    if args.sweep:
+        sweep = {"fwd": SMOKE_SWEEP if args.smoke else SWEEP, "bwd": [(8, 1)] if args.smoke else SWEEP_BWD}
     meta = {
         "gpu": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
         "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
-        "cuda": torch.version.cuda, "smoke": args.smoke, "fmt": "nvfp4", "dtype": "bfloat16",
-        "timing": "median of CUDA-event timings (Triton/copy: 5 warm-up + 50 runs; eager: 1 + 3; compile: 2 + 10)",
+        "cuda": torch.version.cuda, "smoke": args.smoke, "default_config": {k: list(v) for k, v in tk.CONFIG.items()},
+        "default_config_cases": {"/".join(k): list(v) for k, v in tk.CONFIG_CASES.items()},
+        "timing": f"{args.runs} runs per figure in one process; a run = mean of {args.iters} back-to-back launches "
+                  "(CUDA events) after 3 warm-up launches; figure = median over runs, spread = min..max",
     }
-    log(f"{meta}")
+    log(json.dumps(meta))
     if args.out:
         path = Path(args.out)
     elif os.environ.get("OUT"):
@@ -272,50 +390,41 @@ def main() -> None:
         name = "smoke" if args.smoke else meta["gpu"].lower().replace(" ", "-")
         path = Path(__file__).resolve().parent / "results" / f"kernels-{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
+    cases = [(d, f) for d in args.dtypes for f in args.fmts]
+    if cuda:
+        sweep_cases = [tuple(c.split("/")) for c in args.sweep_cases]
+        precompile([c for c in cases if c not in sweep_cases], None, args.workers, log)
+        precompile([c for c in cases if c in sweep_cases], sweep, args.workers, log)
     results = []
-    for h in args.hidden:
-        rows = 4 if args.smoke else max(1, int(args.gib * 2**30) // (h * 2))
-        log(f"hidden {h}: x [{rows}, {h}] {dtype}")
-        do_compile = (not args.no_compile) and (cuda or args.compile_smoke)
-        results.append(run_size(h, rows, dtype, device, cuda, configs, do_compile, log))
-        path.write_text(json.dumps({**meta, "partial": True, "results": results}, indent=1))  # survives a timeout
-        if cuda:
-            torch.cuda.empty_cache()
-
-    ops = ["copy", "quantize", "quantize_no_hints", "fake_quant", "fake_quant_rtn", "fake_quant_bwd"]
-    summary = {}
-    for op in ops:
-        summary[f"{op}_gbps"] = min(r["gbps"][op] for r in results)
-    for op in ops[1:]:
-        summary[f"torch_eager_{op}_gbps"] = min(r["torch_eager_gbps"].get(op, 0) for r in results)
-        if all(op in r["torch_compile_gbps"] for r in results):
-            summary[f"torch_compile_{op}_gbps"] = min(r["torch_compile_gbps"][op] for r in results)
-        summary[f"{op}_fraction_of_copy"] = min(r["fraction_of_copy"][op] for r in results)
-    summary["hint_overhead_pct"] = max(r["hint_overhead_pct"] for r in results)
-    summary["triton_bit_exact_vs_eager"] = all(
-        all(v == 0 for v in r["exact_triton_vs_eager_mismatches"].values()) for r in results)
-    if all("exact_compile_vs_eager_mismatches" in r for r in results):
-        summary["torch_compile_bit_exact_vs_eager"] = all(
-            all(v == 0 for v in r["exact_compile_vs_eager_mismatches"].values()) for r in results)
-    out = {**summary, "note": "top-level figures are the minimum (worst) over the sizes", **meta,
-           "sizes": [{"hidden": r["hidden"], "rows": r["rows"], "bytes": r["activation_bytes"]} for r in results],
-           "results": results}
+    for dtype_name, fmt in cases:
+        case_sweep = sweep if f"{dtype_name}/{fmt}" in args.sweep_cases else None
+        for h in args.hidden:
+            results.append(run_case(h, dtype_name, fmt, args, device, cuda, case_sweep, tk, log))
+            path.write_text(json.dumps({**meta, "partial": True, "results": results}, indent=1))  # survives a kill
+    summary = {
+        "all_bit_exact": all(r["bit_exact"] for r in results),
+        "worst_fraction_of_copy_default": {
+            op: min(r["fraction_of_copy_default"][op] for r in results) for op in OPS if op != "copy"},
+        "worst_hint_cost_pct_default": max(r["hint_cost_pct_default"] for r in results),
+    }
+    out = {**meta, "summary": summary, "results": results}
+    path.write_text(json.dumps(out, indent=1))
 
     log("")
-    log(f"{'op':20s} " + " ".join(f"{'h' + str(r['hidden']) + ' GB/s':>12s} {'%copy':>6s} {'eager':>8s} {'compile':>8s}"
-                                   for r in results))
-    for op in ops:
-        row = f"{op:20s} "
-        for r in results:
-            row += (f"{r['gbps'][op]:12.1f} {100 * r['fraction_of_copy'][op]:6.1f} "
-                    f"{r['torch_eager_gbps'].get(op, float('nan')):8.1f} {r['torch_compile_gbps'].get(op, float('nan')):8.1f} ")
-        log(row)
-    log(f"hint overhead (quantize vs quantize_no_hints): {summary['hint_overhead_pct']} %")
-    log(f"triton bit-exact vs eager: {summary['triton_bit_exact_vs_eager']}; "
-        f"torch.compile bit-exact vs eager: {summary.get('torch_compile_bit_exact_vs_eager')}")
-
-    path.write_text(json.dumps(out, indent=1))
-    log(f"wrote {path}")
+    log("GB/s median (min..max over runs) and % of the copy of the same bytes; default configuration")
+    for r in results:
+        log(f"{r['dtype']} {r['fmt']} h{r['hidden']}: copy {r['default']['copy']['gbps_median']} GB/s, "
+            f"hint cost {r['hint_cost_pct_default']}%, fused capture {r['capture_fused_vs_unfused_time']}x the "
+            f"unfused time, bit-exact {r['bit_exact']}")
+        for op in OPS[1:]:
+            d = r["default"][op]
+            best = r["best"].get(op)
+            extra = f"   best {best['config']} {100 * best['fraction_of_copy']:.1f}%" if best else ""
+            log(f"   {op:18s} {d['gbps_median']:8.1f} ({d['gbps_min']:.0f}..{d['gbps_max']:.0f}) "
+                f"{100 * r['fraction_of_copy_default'][op]:6.1f}%  [{d['config']}]{extra}")
+    log(f"all bit-exact: {summary['all_bit_exact']}; wrote {path}")
+    if args.json:
+        print(json.dumps(summary))
 
 
 if __name__ == "__main__":

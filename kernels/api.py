@@ -1,4 +1,4 @@
-"""Public entry points of the FP4 numerics: `quantize`, `dequantize`, `fake_quantize`.
+"""Public entry points of the FP4 numerics: `quantize`, `dequantize`, `fake_quantize`, `quantize_fake`.
 
 Each takes ``backend="auto" | "reference" | "triton"``: "reference" is the pure-torch definition
 (`tracefp4.reference`), "triton" the fused kernels (`tracefp4.triton_kernels`, bit-identical to the reference),
@@ -25,7 +25,15 @@ from .constants import BACKENDS, BLOCK_SIZES, FORMATS, HINTS_PER_BYTE, MXFP4_SCA
 from .errors import BackendError, DTypeError, FormatError, ShapeError
 from .packing import unpack_codes, unpack_hints
 
-__all__ = ["QuantizedFP4", "quantize", "dequantize", "fake_quantize", "compute_global_scale", "resolve_backend"]
+__all__ = [
+    "QuantizedFP4",
+    "quantize",
+    "dequantize",
+    "fake_quantize",
+    "quantize_fake",
+    "compute_global_scale",
+    "resolve_backend",
+]
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -210,11 +218,12 @@ def dequantize(
     dtype: torch.dtype = torch.bfloat16,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """Dequantize to ``dtype``: ``sign * (E2M1[code] * s) * g`` in fp32, then cast.
+    """Dequantize to ``dtype`` (bf16/fp16/fp32): ``sign * (E2M1[code] * s) * g`` in fp32, then cast (RNE).
 
     Either ``dequantize(q)`` with a `QuantizedFP4`, or ``dequantize(codes, scales, fmt=..., global_scale=...)``
-    with packed codes [..., D/2] and scale bytes [..., D/B]. The reference runs on every backend (dequantize
-    is not a hot path of the trainer)."""
+    with packed codes uint8 [..., D/2] and scale bytes [..., D/B]. Returns [..., D] in ``dtype``.
+    Raises FormatError (no fmt/scales with a codes tensor, unknown fmt), DTypeError (dtype not a float type,
+    codes/scales not 1-byte), ShapeError (scales of the wrong shape, a row length not a multiple of B)."""
     if isinstance(q, QuantizedFP4):
         codes, scales, fmt, g = q.codes, q.scales, q.fmt, q.global_scale
     else:
@@ -225,7 +234,7 @@ def dequantize(
     block = _check_fmt(fmt)
     if dtype not in FLOAT_DTYPES:
         raise DTypeError(f"dtype must be one of {FLOAT_DTYPES}; got {dtype}")
-    resolve_backend(backend, codes.device)
+    be = resolve_backend(backend, codes.device)
     if codes.dim() == 0:
         raise ShapeError(f"codes must have at least one dimension; got shape {tuple(codes.shape)}")
     shape = torch.Size((*codes.shape[:-1], codes.shape[-1] * 2))
@@ -235,13 +244,33 @@ def dequantize(
     scales = _check_aux(scales, "scales", shape, block)
     if g is None:
         g = _global_scale(global_scale, fmt, codes.device, None)
-    out = ref.dequantize_blocks_ref(unpack_codes(codes).reshape(-1, block), scales.reshape(-1), fmt, g, dtype)
+    if be == "triton":
+        out = _triton().dequantize_blocks_triton(
+            codes.reshape(-1, block // 2), scales.reshape(-1).to(codes.device), fmt, g, dtype)
+    else:
+        out = ref.dequantize_blocks_ref(unpack_codes(codes).reshape(-1, block), scales.reshape(-1), fmt, g, dtype)
     return out.reshape(shape)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # fake quantize (autograd: straight-through)
 # ---------------------------------------------------------------------------------------------------------
+def _ste_backward(ctx, grad_out: torch.Tensor) -> torch.Tensor:
+    """Gradient of x for the straight-through estimators: identity, or zero where |x * r| > 6 ("clip", from
+    the saved x, g and scale bytes)."""
+    if ctx.ste == "identity":
+        return grad_out
+    x, g, sb = ctx.saved_tensors
+    block = BLOCK_SIZES[ctx.fmt]
+    xb = x.reshape(-1, block)
+    gb = grad_out.contiguous().reshape(-1, block)
+    if ctx.backend == "triton":
+        grad = _triton().fake_quantize_bwd_blocks_triton(gb, xb, ctx.fmt, g, sb.reshape(-1))
+    else:
+        grad = ref.fake_quantize_bwd_blocks_ref(gb, xb, ctx.fmt, g, sb.reshape(-1))
+    return grad.reshape(x.shape)
+
+
 class _FakeQuantizeFn(torch.autograd.Function):
     """Forward: FP4 fake quantization (RTN or hint-guided). Backward: straight-through; with ste="clip" the
     gradient is zeroed where |x * r| > 6 (computed from the same scales as the forward)."""
@@ -267,17 +296,7 @@ class _FakeQuantizeFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        if ctx.ste == "identity":
-            return grad_out, None, None, None, None, None, None, None
-        x, g, sb = ctx.saved_tensors
-        block = BLOCK_SIZES[ctx.fmt]
-        xb = x.reshape(-1, block)
-        gb = grad_out.contiguous().reshape(-1, block)
-        if ctx.backend == "triton":
-            grad = _triton().fake_quantize_bwd_blocks_triton(gb, xb, ctx.fmt, g, sb)
-        else:
-            grad = ref.fake_quantize_bwd_blocks_ref(gb, xb, ctx.fmt, g, sb)
-        return grad.reshape(x.shape), None, None, None, None, None, None, None
+        return _ste_backward(ctx, grad_out), None, None, None, None, None, None, None
 
 
 def fake_quantize(
@@ -316,3 +335,66 @@ def fake_quantize(
         hints = _check_aux(hints, "hints", x.shape, HINTS_PER_BYTE).to(x.device)
     be = resolve_backend(backend, x.device)
     return _FakeQuantizeFn.apply(x.contiguous(), g, scales, hints, fmt, be, scale_rule, ste)
+
+
+class _QuantizeFakeFn(torch.autograd.Function):
+    """Forward: `quantize` and round-to-nearest `fake_quantize` of x in one pass (Triton) or from one set of
+    scales (reference). Backward of the fake-quantized output: straight-through, as `fake_quantize`."""
+
+    @staticmethod
+    def forward(ctx, x, g, fmt, backend, scale_rule, emit_hints, ste):
+        block = BLOCK_SIZES[fmt]
+        xb = x.reshape(-1, block)  # [NB, B]
+        if backend == "triton":
+            y, codes, scales, hints = _triton().quantize_fake_blocks_triton(xb, fmt, g, scale_rule, emit_hints)
+        else:
+            codes, scales, hints = ref.quantize_blocks_ref(xb, fmt, g, scale_rule, emit_hints)
+            y = ref.fake_quantize_blocks_ref(xb, fmt, g, scales, None, scale_rule)  # the same own scales
+        ctx.ste, ctx.fmt, ctx.backend = ste, fmt, backend
+        if ste == "clip":
+            ctx.save_for_backward(x, g, scales)
+        if hints is None:
+            hints = torch.empty(0, dtype=torch.uint8, device=x.device)
+        ctx.mark_non_differentiable(codes, scales, hints)
+        return y.reshape(x.shape), codes, scales, hints
+
+    @staticmethod
+    def backward(ctx, grad_y, _gc, _gs, _gh):
+        return _ste_backward(ctx, grad_y), None, None, None, None, None, None
+
+
+def quantize_fake(
+    x: torch.Tensor, fmt: str = "nvfp4", global_scale: torch.Tensor | float | None = None, backend: str = "auto",
+    *, scale_rule: str = "floor", emit_hints: bool = True, ste: str = "identity",
+) -> tuple[torch.Tensor, QuantizedFP4]:
+    """The rollout's capture at a hinted site in one pass: ``(y, q)`` with
+
+    - ``y`` = ``fake_quantize(x, fmt, global_scale=g)`` bit for bit (round to nearest with the block scales of
+      x; [..., D] in x.dtype, NaN where x is NaN; differentiable, straight-through like `fake_quantize`), and
+    - ``q`` = ``quantize(x, fmt, global_scale=g, emit_hints=emit_hints)`` bit for bit (codes, scales, hints,
+      global scale), where g is ``global_scale`` or, when None, the dynamic NVFP4 global scale of x.
+
+    The Triton kernel reads x once and writes y, codes, scales and hints (2 + 0.69 bytes per bf16 value instead
+    of 2 + 2 + 2.69 for `quantize` followed by `fake_quantize`); it allocates only its outputs, reads no device
+    value on the host and copies nothing host -> device, so it can run inside CUDA-graph capture (pass a
+    device ``global_scale`` tensor, or None for dynamic scaling, which adds a torch reduction over x).
+    Raises the errors of `quantize` (ShapeError, DTypeError, FormatError, BackendError) and FormatError for an
+    unknown ``ste``.
+    """
+    _check_x(x, fmt)
+    _check_rule(scale_rule)
+    if ste not in STE_MODES:
+        raise FormatError(f"ste must be one of {STE_MODES}; got {ste!r}")
+    g = _global_scale(global_scale, fmt, x.device, x)
+    be = resolve_backend(backend, x.device)
+    block = BLOCK_SIZES[fmt]
+    y, codes, scales, hints = _QuantizeFakeFn.apply(x.contiguous(), g, fmt, be, scale_rule, emit_hints, ste)
+    lead, d = x.shape[:-1], x.shape[-1]
+    q = QuantizedFP4(
+        codes=codes.reshape(*lead, d // 2),
+        scales=scales.reshape(*lead, d // block),
+        hints=hints.reshape(*lead, d // HINTS_PER_BYTE) if emit_hints else None,
+        global_scale=g,
+        fmt=fmt,
+    )
+    return y, q

@@ -69,6 +69,7 @@ __all__ = [
     "e2m1_rne_magnitude",
     "e2m1_hint_magnitude",
     "e2m1_value",
+    "input_signbit",
     "quantize_blocks_ref",
     "dequantize_blocks_ref",
     "fake_quantize_blocks_ref",
@@ -131,6 +132,17 @@ def e8m0_decode(byte_u8: torch.Tensor) -> torch.Tensor:
     b = byte_u8.to(torch.int32)
     val = pow2_f32((b - E8M0_BIAS).clamp(E8M0_MIN_EXP, E8M0_MAX_EXP))
     return torch.where(b == E8M0_NAN, torch.full_like(val, float("nan")), val)
+
+
+def input_signbit(x: torch.Tensor) -> torch.Tensor:
+    """The sign bit of every element of x (bf16/fp16/fp32), read from x's own bits. ``torch.signbit`` of an
+    upcast x is not enough: a NaN's sign can be lost in the cast (CUDA's fp16 -> fp32 conversion returns a
+    positive canonical NaN), and NUMERICS.md section 7 codes a NaN with its own sign bit."""
+    if x.element_size() == 4:
+        return x.view(torch.int32) < 0
+    if x.element_size() == 2:
+        return x.view(torch.int16) < 0
+    return torch.signbit(x)
 
 
 def _finite_abs(x_f32: torch.Tensor) -> torch.Tensor:
@@ -243,7 +255,7 @@ def quantize_blocks_ref(
     _, r, _ = _scale_and_factor(fmt, scales_u8, g)
     v = x_f32 * r[:, None]  # [NB, B]
     mag = e2m1_rne_magnitude(v)
-    sign = torch.signbit(x_f32)  # the sign bit of x, NaN included
+    sign = input_signbit(xb)  # the sign bit of x, NaN included
     codes = (mag | (sign.to(torch.int32) << 3)).to(torch.uint8)  # [NB, B]
     hints = pack_hints(codes & 1) if emit_hints else None
     return pack_codes(codes), scales_u8, hints

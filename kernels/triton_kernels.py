@@ -1,103 +1,264 @@
 """Triton kernels of the FP4 numerics, bit-identical to `tracefp4.reference` (imported lazily by `tracefp4.api`).
 
-Three kernels over a flat view of the input as NB blocks of B values (B = 16 NVFP4, 32 MXFP4; rows are whole
-numbers of blocks, so block k is simply elements [kB, (k+1)B)); every program owns BN whole blocks:
+Kernels over a flat view of the input as NB blocks of B values (B = 16 NVFP4, 32 MXFP4; rows are whole numbers
+of blocks, so block k is simply elements [kB, (k+1)B)):
 
-- `_quantize_kernel`:   x [NB, B] -> codes [NB, B/2], scale bytes [NB], hint bytes [NB, B/8]
-- `_fake_quant_kernel`: x [NB, B] (+ scale bytes, hint bytes) -> out [NB, B] in x.dtype (RTN or hint-guided)
+- `_quantize_kernel`:      x -> codes [NB, B/2], scale bytes [NB], hint bytes [NB, B/8]
+- `_fake_quant_kernel`:    x (+ scale bytes, hint bytes) -> y in x.dtype (round to nearest or hint-guided)
+- `_quantize_fake_kernel`: x -> y (round to nearest, own scales) and codes, scales, hints in one pass
+- `_dequantize_kernel`:    codes, scale bytes -> y
 - `_fake_quant_bwd_kernel`: clipped straight-through gradient (grad where not |x * r| > 6)
 
-Two tile layouts for the forward kernels (constexpr SPLIT; the default per kernel is in CONFIG; the backward
-kernel has the split layout only):
-- one thread per block (SPLIT=False): a block is loaded as G = B/8 tiles [BN, 8] of identical shape, so the
-  block amax, the 32-bit word of 8 packed codes and the hint byte are in-thread reductions and a block's
-  codes/hints/scale leave in one 8-/2-/1-byte store (NVFP4). Each warp load instruction uses half of every
-  32-byte sector (the other half comes from L1 on the next load); the per-block work (3 correctly rounded
-  divisions, E4M3 rounding) is amortized over 16 values. Best for quantize and hint-guided fake quant.
-- split (SPLIT=True): a [BN, B] tile, 16-byte pieces to adjacent threads (fully coalesced), a block shared by
-  G threads (one shuffle for the amax), per-block work repeated in each of them, flat per-group stores with
-  contiguity 1 (a vectorized store would go through shared memory). Best for the light kernels (backward,
-  round-to-nearest fake quant).
+Layout (forward kernels): one thread per block. A block is loaded as P pieces of 16 bytes ([BN, K] tiles of
+identical layout, so piece p of a block is in the same thread as its other pieces): bf16 as K = 4 int32 words
+(two values each), fp16 as K = 8 halves, fp32 as K = 4 floats. Each piece is split into the even and the odd
+element of every pair, so the code byte of a pair is ``code(even) | code(odd) << 4`` with no data movement; the
+block amax, the 32-bit word of 8 codes and the hint byte are in-thread reductions, and a block's codes / hints /
+scale leave in one 8- (16-) / 2- (4-) / 1-byte store. With PERSIST the grid is a few programs per SM, each
+looping over tiles of BN blocks and loading the next tile before it computes the current one, so that every
+warp keeps 16 * P bytes per thread in flight while it computes (the kernels are latency- and issue-bound, not
+bound by DRAM bytes: see benchmarks/results/kernels-h200-analysis.log).
 
-These kernels are bound by the integer (ALU) pipe, not by bytes (on an H200 the ALU pipe does 64 lanes/clock per
-SM against 128 for FP32 multiply-adds), so the per-element math uses tricks that move work to the FMA pipe and
-give the same results as the reference's comparisons (tested bit for bit):
-- RNE onto the E2M1 ladder: for 1 <= a <= 6, round the fp32 bits of a to one mantissa bit
-  (rb = b + 0x1FFFFF + ((b >> 22) & 1)); the code is (rb >> 22) - 252; or (FP_RNE) with the fp32 adder,
-  (a + 2^(e+22)) - 2^(e+22). Below 1 the ladder is uniform (0, 0.5, 1): code = bits(2a + 2^23) - bits(2^23)
-  (round to nearest even by the fp32 adder; 2a is exact). 6 < |v|, Inf and NaN all give code 7.
-- Hint-guided rounding: with b the bits of min(|v|, 6) (just below 6), k + 252 = b >> 22 for a >= 1, so the
-  value bits are (b & 0xFFC00000) + ((((b >> 22) ^ hint) & 1) << 22).
-- E2M1 value of index i >= 2 is the float with bits (i + 252) << 22; the hint byte is gathered from the code
-  word by three carry-free multiplications; the sign by a high multiply (x_bits >> 28).
-- On GPU the block amax uses a + (a - a) (NaN for +-Inf/NaN) and the NaN-ignoring hardware max; the
-  interpreter (whose max propagates NaN) uses a select instead. Both ignore non-finite values.
+Per-value arithmetic (the reasons are instruction counts: quantize executed 24.3 instructions per value before, 17.7
+now, ncu on an H200):
+- Round to nearest on the E2M1 ladder with ties to the even code, in three floating-point operations: for
+  a = min(|x * r|, 6) let C = 2^22 * 2^max(e, 0) where 2^e <= a < 2^(e+1). Then ulp(C) is the ladder step at a
+  (0.5 below 2, 1 in [2, 4), 2 in [4, 6]), so (a + C) - C is a rounded to the ladder by the adder, ties to the
+  even multiple = the even code. Scaled by 2^-126 the rounded value rho lands on the fp32 grid where E2M1 is
+  "subnormal-aligned": the bits of rho * 2^-126 are exactly code << 22 (0.5 -> 2^-127 -> 0x00400000, 1 ->
+  2^-126 -> 0x00800000, ..., 6 -> 0x01C00000), so packing is a shift per value and the value of a code c is
+  the float with bits c << 22, times 2^126. C is carried as cn = -C * 2^-126 (one integer add from the exponent
+  bits), so t = fma(cn, -2^126, a) = a + C and rho * 2^-126 = fma(t, 2^-126, cn) (both products exact, so FMA
+  contraction cannot change a bit).
+- Hint-guided rounding on GPU: t = a + C rounded toward zero puts the floor ladder index m (same parity as k) in
+  the low bits of t; t + ((~(t ^ hint)) & 1) moves to the neighbour whose code has the hint's parity, and
+  t - C is the E2M1 value (exact). The interpreter has no directed rounding and uses an integer floor instead.
+- The block amax on GPU: fma(|x|, 0, |x|) is NaN for +-Inf/NaN and |x| otherwise, and the hardware max
+  ignores NaN; the interpreter (whose max propagates NaN) uses a select.
+- NaN outputs of fake quantization come only from NaN inputs (a NaN product x * r of a finite x, from a zero
+  scale, is coded like the reference): y = fma(E * |s|, g, p) with p = min_nan(|x|, +0) (+0, or NaN for NaN x).
+  A negative given scale (E4M3 bytes >= 0x80) contributes its sign to the final sign flip instead.
+- Signs are applied last by XOR-ing the sign bit of x into the sign bit of (E2M1 * s) * g (bf16: on the packed
+  output word, one op per pair); the sign bit is taken from the input bits, never from a converted NaN, whose
+  sign the fp16 -> fp32 conversion may drop.
 
 Exactness rules that keep them bit-identical to the reference:
 - every division is `tl.math.div_rn` (correctly rounded; Triton's `/` on fp32 is the approximate div.full.f32);
-- the E4M3 rounding is the same integer/exact-float procedure as `reference.e4m3_encode`;
-- the only multiply feeding an add has an exact product (2a, t * 512), so FMA contraction cannot change a bit;
-- the sign is applied last by flipping the sign bit (Triton's unary minus is 0 - x, which loses -0.0).
+- the E4M3 rounding of the block scale is the same adder trick on 3 mantissa bits (grid 2^-9 below 2^-6), and
+  the scale byte is the bits of s * 2^-120 shifted by 20 (E4M3 is subnormal-aligned at that scale);
+- the only multiplies feeding an add have exact products, so FMA contraction cannot change a bit;
+- Triton's unary minus is 0 - x, which loses -0.0: signs are set by bit operations.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
-__all__ = ["quantize_blocks_triton", "fake_quantize_blocks_triton", "fake_quantize_bwd_blocks_triton", "CONFIG"]
+__all__ = [
+    "default_config",
+    "quantize_blocks_triton",
+    "fake_quantize_blocks_triton",
+    "quantize_fake_blocks_triton",
+    "dequantize_blocks_triton",
+    "fake_quantize_bwd_blocks_triton",
+    "CONFIG",
+    "CONFIG_CASES",
+]
 
-#: default launch configuration per kernel, the best of the sweep on an H200 at hidden 2048 and 7168
-#: (benchmarks/results/kernels-h200.json). Forward kernels: (blocks per program BN, num_warps, split layout,
-#: fp-adder rounding); "split": a block's values spread over adjacent threads (coalesced 16-byte pieces) instead
-#: of one thread per block. The backward kernel (split layout only, no rounding): (BN, num_warps).
+#: default launch configuration per kernel (bf16 input; NVFP4 and MXFP4): (blocks per program BN, num_warps,
+#: programs per SM). Programs per SM 0: one program per tile (a plain grid); 1..31: a persistent grid of exactly
+#: that many programs per SM, each looping over tiles with the next tile's loads in flight; 32: as many as fit on
+#: an SM at once (known from the register count after the kernel's first launch). Chosen from the sweeps on an
+#: H200 (benchmarks/results/kernels-h200.json); CONFIG_CASES overrides them per input dtype and format.
+#: The backward kernel: (BN, num_warps).
 CONFIG: dict[str, tuple] = {
-    "quantize": (128, 4, False, True),
-    "fake_quant": (128, 4, False, False),  # hint-guided
-    "fake_quant_rtn": (256, 4, True, False),  # round to nearest (no hints)
+    "quantize": (128, 4, 16),
+    "fake_quant": (256, 8, 32),  # hint-guided / rollout scales
+    "fake_quant_rtn": (128, 4, 0),  # round to nearest with own scales
+    "quantize_fake": (128, 4, 32),
+    "dequantize": (64, 2, 0),
     "fake_quant_bwd": (256, 4),
 }
+#: (kernel, input dtype, fmt) -> config, where the H200 sweep found a config clearly (> 3 points of copy
+#: bandwidth) better than CONFIG's for that input
+CONFIG_CASES: dict[tuple[str, str, str], tuple] = {
+    **{("quantize", "fp16", f): (64, 2, 0) for f in ("nvfp4", "mxfp4")},
+    **{("quantize", "fp32", f): (128, 4, 0) for f in ("nvfp4", "mxfp4")},
+    ("quantize", "bf16", "mxfp4"): (128, 4, 32),
+    **{("quantize_fake", d, f): (64, 2, 0) for d in ("bf16", "fp16", "fp32") for f in ("nvfp4", "mxfp4")
+       if (d, f) != ("bf16", "nvfp4")},
+    **{("fake_quant_rtn", d, "mxfp4"): (64, 2, 0) for d in ("bf16", "fp16")},
+    ("fake_quant_rtn", "fp32", "nvfp4"): (64, 2, 0),
+    ("dequantize", "bf16", "nvfp4"): (64, 2, 8),
+    **{("fake_quant", d, "mxfp4"): (64, 2, 8) for d in ("bf16", "fp16")},
+    ("fake_quant", "fp16", "nvfp4"): (128, 4, 0),
+    ("fake_quant", "fp32", "nvfp4"): (64, 2, 8),
+    ("fake_quant", "fp32", "mxfp4"): (128, 4, 0),
+}
+_DTYPE_NAME = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def default_config(kernel: str, dtype: torch.dtype, fmt: str) -> tuple:
+    """The configuration a launch of `kernel` ("quantize", "fake_quant", "fake_quant_rtn", "quantize_fake",
+    "dequantize", "fake_quant_bwd") gets without an explicit config, for inputs of `dtype` in `fmt`."""
+    return CONFIG_CASES.get((kernel, _DTYPE_NAME.get(dtype, ""), fmt), CONFIG[kernel])
+
+_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+_F32_MAX = 3.4028234663852886e38
+
+
+# ---------------------------------------------------------------------------------------------------------
+# loading and unpacking
+# ---------------------------------------------------------------------------------------------------------
+@triton.jit
+def _blocks(start, NB, BN: tl.constexpr):
+    blk = start + tl.arange(0, BN)
+    return blk, blk < NB
 
 
 @triton.jit
-def _nv_scale(amax, g):
-    """(E4M3 byte as int32, its fp32 value s) of e4m3_rne(clamp((amax / 6) / g, 2^-9, 448)).
-
-    Normal range (t >= 2^-6): RNE of the fp32 bits to 3 mantissa bits; the rounded bits are s, and the byte is
-    (bits >> 20) - (120 << 3). Subnormal range: t + 2^14 rounds t to the 2^-9 grid (ulp(2^14) = 2^-9) with the
-    adder's round-to-nearest-even; the bit difference to 2^14 is the byte m and (t + 2^14) - 2^14 is s (exact).
-    Same values as reference.e4m3_encode/e4m3_decode (tested)."""
-    t = tl.math.div_rn(tl.math.div_rn(amax, 6.0), g)
-    t = tl.minimum(tl.maximum(t, 0.001953125), 448.0)
-    bits = t.to(tl.int32, bitcast=True)
-    rb = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # -1048576 == ~0xFFFFF
-    ts = t + 16384.0
-    normal = t >= 0.015625
-    sbyte = tl.where(normal, (rb >> 20) - 960, ts.to(tl.int32, bitcast=True) - 0x46800000)
-    s = tl.where(normal, rb.to(tl.float32, bitcast=True), ts - 16384.0)
-    return sbyte, s
+def _piece_offsets(blk, p: tl.constexpr, P: tl.constexpr, K: tl.constexpr):
+    """Element offsets [BN, K] of piece p (16 bytes) of each block of P pieces."""
+    return (blk * P + p)[:, None] * K + tl.arange(0, K)[None, :]
 
 
 @triton.jit
-def _flip_sign(val, neg):
-    """-val where neg, by flipping the sign bit."""
-    bits = val.to(tl.int32, bitcast=True) ^ (neg.to(tl.int32) << 31)
-    return bits.to(tl.float32, bitcast=True)
+def _load_pieces(ptr, blk, bmask, P: tl.constexpr, K: tl.constexpr):
+    """The P pieces [BN, K] of BN blocks, as a tuple (loaded together: P 16-byte loads per thread)."""
+    m = bmask[:, None]
+    if P == 2:
+        return (tl.load(ptr + _piece_offsets(blk, 0, P, K), mask=m, other=0),
+                tl.load(ptr + _piece_offsets(blk, 1, P, K), mask=m, other=0))
+    elif P == 4:
+        return (tl.load(ptr + _piece_offsets(blk, 0, P, K), mask=m, other=0),
+                tl.load(ptr + _piece_offsets(blk, 1, P, K), mask=m, other=0),
+                tl.load(ptr + _piece_offsets(blk, 2, P, K), mask=m, other=0),
+                tl.load(ptr + _piece_offsets(blk, 3, P, K), mask=m, other=0))
+    else:
+        return (tl.load(ptr + _piece_offsets(blk, 0, P, K), mask=m, other=0),
+                tl.load(ptr + _piece_offsets(blk, 1, P, K), mask=m, other=0),
+                tl.load(ptr + _piece_offsets(blk, 2, P, K), mask=m, other=0),
+                tl.load(ptr + _piece_offsets(blk, 3, P, K), mask=m, other=0),
+                tl.load(ptr + _piece_offsets(blk, 4, P, K), mask=m, other=0),
+                tl.load(ptr + _piece_offsets(blk, 5, P, K), mask=m, other=0),
+                tl.load(ptr + _piece_offsets(blk, 6, P, K), mask=m, other=0),
+                tl.load(ptr + _piece_offsets(blk, 7, P, K), mask=m, other=0))
 
 
 @triton.jit
-def _e4m3_decode(sbyte):
-    """fp32 value of E4M3FN bytes given as int32 (sign bit, NaN 0x7F/0xFF)."""
-    mag = sbyte & 0x7F
-    e = mag >> 3
-    m = mag & 7
-    normal = ((e + 120) << 23 | (m << 20)).to(tl.float32, bitcast=True)
-    val = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
-    val = tl.where(mag == 0x7F, float("nan"), val)
-    return _flip_sign(val, (sbyte & 0x80) != 0)
+def _unpack(raw, KIND: tl.constexpr):
+    """(xe, xo, se, so) of a piece: fp32 values of the even / odd element of each pair [BN, K/2 pairs] and
+    int32 carriers of their sign bits (bit 31). bf16 words: w << 16 and w & 0xFFFF0000 are exact; fp16:
+    the sign comes from the half's bits (sign-extended), not from the converted value."""
+    if KIND == 0:
+        xe_bits = raw << 16
+        xo_bits = raw & -65536
+        return xe_bits.to(tl.float32, bitcast=True), xo_bits.to(tl.float32, bitcast=True), xe_bits, xo_bits
+    elif KIND == 1:
+        he, ho = tl.split(tl.reshape(raw, (raw.shape[0], raw.shape[1] // 2, 2)))
+        se = he.to(tl.int16, bitcast=True).to(tl.int32)
+        so = ho.to(tl.int16, bitcast=True).to(tl.int32)
+        return he.to(tl.float32), ho.to(tl.float32), se, so
+    else:
+        fe, fo = tl.split(tl.reshape(raw, (raw.shape[0], raw.shape[1] // 2, 2)))
+        return fe, fo, fe.to(tl.int32, bitcast=True), fo.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _finite_amax(xe, xo, GPU: tl.constexpr):
+    """max |x| over the finite values of each row of the pair tiles, fp32 [BN] (0 if none)."""
+    if GPU:
+        # fma(x, 0, x) is x for finite x and NaN for +-Inf/NaN; the hardware max ignores NaN. The abs is taken
+        # after the fma so that it stays a free operand modifier (an abs of the unpacked bits would be folded
+        # into an extra integer AND)
+        m = tl.maximum(tl.abs(tl.fma(xe, 0.0, xe)), tl.abs(tl.fma(xo, 0.0, xo)))
+        return tl.max(m, axis=1)
+    else:
+        ae = tl.abs(xe)
+        ao = tl.abs(xo)
+        m = tl.maximum(tl.where(ae < float("inf"), ae, 0.0), tl.where(ao < float("inf"), ao, 0.0))
+        return tl.max(m, axis=1)
+
+
+@triton.jit
+def _pieces_amax(xs, P: tl.constexpr, KIND: tl.constexpr, GPU: tl.constexpr):
+    amax = tl.zeros((xs[0].shape[0],), dtype=tl.float32)
+    for p in tl.static_range(P):
+        xe, xo, _, _ = _unpack(xs[p], KIND)
+        amax = tl.maximum(amax, _finite_amax(xe, xo, GPU))
+    return amax
+
+
+@triton.jit
+def _pieces_absmax(xs, P: tl.constexpr, KIND: tl.constexpr):
+    """max |x| of each block ignoring NaN but not +-Inf (GPU: one NaN-ignoring max per value)."""
+    amax = tl.zeros((xs[0].shape[0],), dtype=tl.float32)
+    for p in tl.static_range(P):
+        xe, xo, _, _ = _unpack(xs[p], KIND)
+        amax = tl.maximum(amax, tl.max(tl.maximum(tl.abs(xe), tl.abs(xo)), axis=1))
+    return amax
+
+
+@triton.jit
+def _div6(a):
+    """RN(a / 6) for finite a >= 2^-125 (or 0): q = a * RN(1/6), then one exact-residual correction. Checked
+    against the correctly rounded quotient for every fp32 a in [2^-125, max] and 0 (a smaller nonzero a can
+    differ: its quotient is subnormal)."""
+    q = a * 0.16666667
+    return tl.fma(tl.fma(q, -6.0, a), 0.16666667, q)
+
+
+@triton.jit
+def _block_amax_q(xs, P: tl.constexpr, KIND: tl.constexpr, IS_NV: tl.constexpr, GPU: tl.constexpr):
+    """(amax, RN(amax / 6) for NVFP4 (else amax)) of each block of a tile. On GPU, a tile with no +-Inf and no
+    block amax in (0, 2^-125) (the common case, decided once per tile: a uniform branch) takes the fast path:
+    the plain NaN-ignoring max and `_div6`; otherwise the finite max and a correctly rounded division."""
+    if GPU:
+        amax = _pieces_absmax(xs, P, KIND)
+        slow = (amax == float("inf")) | ((amax > 0.0) & (amax < 2.350988701644575e-38))  # 2^-125
+        if tl.max(slow.to(tl.int32), axis=0) != 0:
+            amax = _pieces_amax(xs, P, KIND, GPU)
+            q = tl.math.div_rn(amax, 6.0)
+        else:
+            q = _div6(amax)
+    else:
+        amax = _pieces_amax(xs, P, KIND, GPU)
+        q = tl.math.div_rn(amax, 6.0)
+    return amax, q
+
+
+# ---------------------------------------------------------------------------------------------------------
+# block scales
+# ---------------------------------------------------------------------------------------------------------
+@triton.jit
+def _round_mag(a, CB_MIN: tl.constexpr, SHIFT: tl.constexpr):
+    """(t, cn): t = a + C rounded to nearest (even), C = 2^SHIFT * 2^max(e, e_min) with 2^e <= a (e_min from
+    CB_MIN, the fp32 bits of 2^e_min), cn = -C * 2^-126 (fp32). (t - C) = a rounded to SHIFT - 23 fewer
+    mantissa bits than C's, i.e. to the grid ulp(C); a >= 0 finite."""
+    e = a.to(tl.uint32, bitcast=True) & 0x7F800000
+    # bits of -2^-126 * 2^SHIFT * 2^e: exponent shifted by SHIFT - 126, sign bit set (wraps mod 2^32)
+    d = (SHIFT - 126) * 8388608 + 2147483648
+    cn = tl.maximum(e + d, CB_MIN + d).to(tl.float32, bitcast=True)  # no wrap: e + d < 2^32
+    t = tl.fma(cn, -(2.0**126), a)
+    return t, cn
+
+
+@triton.jit
+def _nv_own_scale(q, g, inv_g):
+    """(scale byte int32, s, r) of NVFP4 blocks from q = RN(amax / 6): s = e4m3_rne(clamp(q / g, 2^-9, 448)),
+    r = (1 / g) / s. E4M3 rounding: 3 mantissa bits above 2^-6, grid 2^-9 below (C = 2^20 * 2^max(e, -6))."""
+    t = tl.math.div_rn(q, g)
+    t = tl.minimum(t, 448.0)  # NaN-free: amax finite, g positive
+    tt, cn = _round_mag(t, 0x3C800000, 20)
+    s = tl.maximum(tl.fma(cn, 2.0**126, tt), 0.001953125)  # (t + C) - C, then the clamp up to 2^-9
+    sbyte = ((s * 7.52316384526264e-37).to(tl.int32, bitcast=True) >> 20)  # bits of s * 2^-120 >> 20
+    return sbyte, s, tl.math.div_rn(inv_g, s)
 
 
 @triton.jit
@@ -123,60 +284,135 @@ def _mx_exponent(amax, RCEIL: tl.constexpr):
 
 
 @triton.jit
-def _own_scale(amax, g_ptr, IS_NV: tl.constexpr, RCEIL: tl.constexpr):
-    """(scale byte int32, s, r, g) from the block amax (fp32): v = x * r."""
+def _own_scale(xs, g, inv_g, P: tl.constexpr, KIND: tl.constexpr, IS_NV: tl.constexpr, RCEIL: tl.constexpr,
+               GPU: tl.constexpr):
+    """(scale byte int32, s, r) of each block of a tile from its values: v = x * r."""
+    amax, q = _block_amax_q(xs, P, KIND, IS_NV, GPU)
     if IS_NV:
-        g = tl.load(g_ptr)
-        sbyte, s = _nv_scale(amax, g)
-        r = tl.math.div_rn(tl.math.div_rn(1.0, g), s)
+        sbyte, s, r = _nv_own_scale(q, g, inv_g)
     else:
-        g = 1.0
         e = _mx_exponent(amax, RCEIL)
         sbyte = e + 127
         s = _pow2(e)
         r = _pow2(-e)
-    return sbyte, s, r, g
+    return sbyte, s, r
 
 
 @triton.jit
-def _scale_factor(sbyte, g_ptr, IS_NV: tl.constexpr):
-    """(s, r, g) from given scale bytes (int32): s decoded scale, r with v = x * r, g global scale (1 for MX)."""
+def _flip_sign(val, neg):
+    """-val where neg, by flipping the sign bit."""
+    bits = val.to(tl.int32, bitcast=True) ^ (neg.to(tl.int32) << 31)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_decode(sbyte):
+    """fp32 value of E4M3FN bytes given as int32 (sign bit, NaN 0x7F/0xFF)."""
+    mag = sbyte & 0x7F
+    e = mag >> 3
+    m = mag & 7
+    normal = ((e + 120) << 23 | (m << 20)).to(tl.float32, bitcast=True)
+    val = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+    val = tl.where(mag == 0x7F, float("nan"), val)
+    return _flip_sign(val, (sbyte & 0x80) != 0)
+
+
+@triton.jit
+def _given_scale(sbyte, inv_g, IS_NV: tl.constexpr):
+    """(|s|, r, flip) from given scale bytes (int32): |s| the decoded scale's magnitude (NaN for a NaN byte),
+    r with v = x * r, flip = 1 << 31 for a negative scale (E4M3 bytes >= 0x80; E8M0 has no sign), else 0."""
     if IS_NV:
-        g = tl.load(g_ptr)
         s = _e4m3_decode(sbyte)
-        r = tl.math.div_rn(tl.math.div_rn(1.0, g), s)
+        r = tl.math.div_rn(inv_g, s)
+        return tl.abs(s), r, (sbyte & 0x80) << 24
     else:
-        g = 1.0
         e = sbyte - 127
         s = tl.where(sbyte == 255, float("nan"), _pow2(tl.minimum(tl.maximum(e, -127), 127)))
         r = tl.where(sbyte == 255, float("nan"), _pow2(tl.minimum(tl.maximum(-e, -127), 127)))
-    return s, r, g
+        return s, r, tl.zeros_like(sbyte)
 
 
 @triton.jit
-def _rne_code(x, r3, FP_RNE: tl.constexpr):
-    """Codes (int32, sign included) of fp32 x with factors r3 broadcast to x: RNE on the ladder, ties to the
-    even code, saturating at 6; NaN -> magnitude 7; the sign bit is x's (NaN included).
-
-    FP_RNE: round a = |v| in [1, 8) with the fp32 adder instead of integer ops (these kernels are bound by the
-    integer pipe): C = 2^(e + 22) for a in [2^e, 2^(e+1)) has ulp 2^(e-1), so (a + C) - C is a rounded to one
-    mantissa bit, ties to even (Inf/NaN/huge a give NaN or >= 8, clamped to code 7)."""
-    a = tl.abs(x) * r3  # |v| = |x| * r
-    if FP_RNE:
-        c_exp = (a.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True) * 4194304.0
-        rounded = (a + c_exp) - c_exp
-        # unsigned shift: any NaN (either sign) gives >= 511 - 252, clamped to 7
-        c_norm = tl.minimum((rounded.to(tl.uint32, bitcast=True) >> 22).to(tl.int32) - 252, 7)
+def _global(g_ptr, IS_NV: tl.constexpr):
+    """(g, 1/g) of the launch (NVFP4: loaded once per program; MXFP4: 1)."""
+    if IS_NV:
+        g = tl.load(g_ptr)
+        return g, tl.math.div_rn(1.0, g)
     else:
-        b = tl.minimum(a.to(tl.int32, bitcast=True), 0x40C00000)  # clamped to 6; NaN -> 6
-        rb = b + 0x1FFFFF + ((b >> 22) & 1)  # RNE of a in [1, 6] to one mantissa bit
-        c_norm = (rb >> 22) - 252
-    c_sub = (a * 2.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000  # rne(2a) for a < 1
-    mag = tl.where(a < 1.0, c_sub, c_norm)
-    # sign bit of x to bit 3: x_bits >> 28 as a high multiply (runs on the FMA pipe, the integer pipe is the limit)
-    return mag | (tl.umulhi(x.to(tl.uint32, bitcast=True), 16).to(tl.int32) & 8)
+        return 1.0, 1.0
 
 
+# ---------------------------------------------------------------------------------------------------------
+# per-value rounding
+# ---------------------------------------------------------------------------------------------------------
+@triton.jit
+def _clamp6(a, GPU: tl.constexpr):
+    """min(a, 6) with NaN -> 6 (code 7, as the reference codes a NaN product)."""
+    if GPU:
+        return tl.minimum(a, 6.0)  # the hardware min returns the non-NaN operand
+    else:
+        return tl.where(a < 6.0, a, 6.0)
+
+
+@triton.jit
+def _code_bits(x, r, GPU: tl.constexpr):
+    """code << 22 (int32; the fp32 bits of E2M1[code] * 2^-126) of the magnitude code of x * r: round to
+    nearest on the ladder, ties to the even code, saturating at 6; NaN -> 7. x fp32, r broadcast to x."""
+    t, cn = _round_mag(_clamp6(tl.abs(x * r), GPU), 0x3F800000, 22)  # |x * r| == |x| * r
+    return tl.fma(t, 2.0**-126, cn).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _rtn_value(x, r, GPU: tl.constexpr):
+    """(E2M1 magnitude value rho of x * r (fp32; NaN product -> 6), code << 22) for round to nearest."""
+    t, cn = _round_mag(_clamp6(tl.abs(x * r), GPU), 0x3F800000, 22)
+    rho = tl.fma(cn, 2.0**126, t)  # t - C, exact
+    return rho, (rho * 2.0**-126).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _hint_value(x, r, hint, GPU: tl.constexpr):
+    """E2M1 magnitude value of hint-guided rounding of x * r (fp32): of the two ladder values bracketing
+    a = min(|x * r|, 6) (k = #{ladder m <= a} over 0.5 .. 4), the one whose code has LSB == hint (bit 0 of
+    hint); a NaN product counts as k = 0 (as the reference's comparisons do)."""
+    v = tl.abs(x * r)
+    if GPU:
+        # max first (the hardware max returns the non-NaN operand: NaN -> 0), then the clamp just below 6 so
+        # that a = 6 counts as k = 6 (floor index 2 of the step-2 range [4, 8))
+        a = tl.minimum(tl.maximum(v, 0.0), 5.9999995)
+        e = a.to(tl.uint32, bitcast=True) & 0x7F800000
+        c = tl.maximum(e, 0x3F800000).to(tl.float32, bitcast=True)  # 2^max(e, 0)
+        t = libdevice.add_rz(a, c * 4194304.0)  # C + floor(a / ulp(C)) * ulp(C), C = c * 2^22
+        tb = t.to(tl.int32, bitcast=True)
+        tb = tb + ((tb ^ hint) & 1)  # up to the neighbour with the hint's parity (k and m have equal parity)
+        return tl.fma(c, -4194304.0, tb.to(tl.float32, bitcast=True))  # t - C, exact
+    else:
+        b = tl.where(v == v, tl.minimum(v.to(tl.int32, bitcast=True), 0x40BFFFFF), 0)  # NaN -> k = 0
+        hb = hint & 1
+        hi = (b & -4194304) + ((((b >> 22) ^ hb) & 1) << 22)  # -4194304 == 0xFFC00000
+        lo = tl.where(hb == 1, 0x3F000000, tl.where(b >= 0x3F000000, 0x3F800000, 0))
+        return tl.where(b >= 0x3F800000, hi, lo).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _nan_probe(x):
+    """+0.0 for non-NaN x (Inf included), NaN for NaN x (one min with a free abs modifier)."""
+    return tl.minimum(tl.abs(x), 0.0, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _scaled(mag, s, g, x, IS_NV: tl.constexpr):
+    """(mag * s) * g for s >= 0 (or NaN), NaN where x is NaN: the NaN probe (+0 otherwise) is the addend of the
+    last multiply, which changes no value of a non-negative product."""
+    if IS_NV:
+        return tl.fma(mag * s, g, _nan_probe(x))
+    else:
+        return mag * s + _nan_probe(x)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# packing
+# ---------------------------------------------------------------------------------------------------------
 @triton.jit
 def _gather_hint_bits(word):
     """Bits 0, 4, ..., 28 of a 32-bit word of 8 codes -> bits 0..7 (the hint byte). Multiplications by
@@ -188,32 +424,67 @@ def _gather_hint_bits(word):
 
 
 @triton.jit
-def _pack_groups(code):
-    """(32-bit word of 8 codes, value i in nibble i; hint byte = bit 0 of each code) per group of a
-    [BN, G, 8] code tile -> two [BN, G] int32 tensors."""
-    lane = tl.arange(0, 8)
-    word = tl.sum(code << (lane[None, None, :] * 4), axis=2)  # disjoint nibbles: sum == or
-    return word, _gather_hint_bits(word)
+def _piece_word(cbe, cbo, se, so, SH0: tl.constexpr, SIGNS: tl.constexpr):
+    """Codes of a piece (code << 22 bits of the even/odd elements [BN, J], sign carriers with the sign at bit
+    31) packed as nibbles from bit SH0 on: element 2j at nibble 2j, 2j+1 at nibble 2j+1 (int32 [BN]); without
+    SIGNS the sign bits are left 0.
+
+    A code at bit 22 moves to bit s by a high multiply by 2^(10 + s) (s <= 20) or a multiply by 2^(s - 22)
+    (s >= 24), each one multiply-add on the FMA pipe; a sign moves from bit 31 to bit s + 3 by a shift and a
+    masked OR."""
+    j = tl.arange(0, cbe.shape[1])[None, :]
+    sh_e = 8 * j + SH0
+    sh_o = sh_e + 4
+    ce = tl.where(sh_e <= 20, tl.umulhi(cbe, 1 << (10 + tl.minimum(sh_e, 20))), cbe << tl.maximum(sh_e - 22, 0))
+    co = tl.where(sh_o <= 20, tl.umulhi(cbo, 1 << (10 + tl.minimum(sh_o, 20))), cbo << tl.maximum(sh_o - 22, 0))
+    if SIGNS:
+        sgn_e = (se.to(tl.uint32, bitcast=True) >> (28 - sh_e)).to(tl.int32, bitcast=True) & (8 << sh_e)
+        sgn_o = (so.to(tl.uint32, bitcast=True) >> (28 - sh_o)).to(tl.int32, bitcast=True) & (8 << sh_o)
+        return tl.sum((ce + co) | (sgn_e | sgn_o), axis=1)
+    else:
+        return tl.sum(ce + co, axis=1)
 
 
 @triton.jit
-def _hint_value_bits(v, hint):
-    """fp32 bits of E2M1[idx] for hint-guided rounding of v (hint: only bit 0 is used).
-
-    With a = min(|v|, 6) and b its bits clamped below 6 (so a = 6 counts like [4, 6)): for a >= 1,
-    k + 252 = b >> 22, so idx + 252 = (b >> 22) + ((k ^ hint) & 1) and the value bits are (idx + 252) << 22.
-    For a < 1: k = (a >= 0.5); idx = hint ? 1 : 2k, i.e. 0.5 if the hint is 1, else 0 or 1."""
-    b = tl.minimum(v.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0x40BFFFFF)  # |v|, NaN -> just below 6
-    hb = hint & 1
-    hi = (b & -4194304) + ((((b >> 22) ^ hb) & 1) << 22)  # -4194304 == 0xFFC00000
-    lo = tl.where(hb == 1, 0x3F000000, tl.where(b >= 0x3F000000, 0x3F800000, 0))
-    return tl.where(b >= 0x3F800000, hi, lo)
+def _prmt(a, b, SEL: tl.constexpr):
+    """PTX prmt.b32 (byte permute; a selector nibble with bit 3 set replicates the byte's sign bit)."""
+    return tl.inline_asm_elementwise(f"prmt.b32 $0, $1, $2, {SEL};", "=r,r,r", [a, b], dtype=tl.int32,
+                                     is_pure=True, pack=1)
 
 
 @triton.jit
-def _e2m1_bits(mag):
-    """fp32 bits of E2M1[mag] for magnitude index 0..7: (mag + 252) << 22 for mag >= 2; 0.5; 0."""
-    return tl.where(mag >= 2, (mag + 252) << 22, tl.where(mag == 1, 0x3F000000, 0))
+def _bf16_sign_nibbles(word, raw):
+    """word | the sign bits of the 8 bf16 values of a piece of 4 words [BN, 4] at bits 3, 7, ..., 31 (value i
+    at bit 4i + 3; word j holds values 2j (bit 15) and 2j + 1 (bit 31)): byte-sign replication with prmt puts
+    0x00/0xFF per value (4 prmt), two masked ORs keep bits 3 and 7 of each byte: 6 ops per 8 values."""
+    w02, w13 = tl.split(tl.reshape(raw, (raw.shape[0], 2, 2)))
+    w0, w2 = tl.split(w02)
+    w1, w3 = tl.split(w13)
+    a = _prmt(w0, w1, 0xFBD9)  # sign bytes of values 0, 2, 1, 3 (selectors: a.b1, b.b1, a.b3, b.b3, replicated)
+    b = _prmt(w2, w3, 0xFBD9)  # values 4, 6, 5, 7
+    ev = _prmt(a, b, 0x5410)  # values 0, 2, 4, 6
+    od = _prmt(a, b, 0x7632)  # values 1, 3, 5, 7
+    return word | (ev & 0x08080808) | (od & -2139062144)  # 0x80808080
+
+
+@triton.jit
+def _store_codes(codes_ptr, hints_ptr, blk, bmask, words, G: tl.constexpr, EMIT_HINTS: tl.constexpr):
+    """Store the G code words of each block (codes_ptr: int64 view, G/2 per block) and its hint bytes
+    (hints_ptr: int16 (G = 2) or int32 (G = 4) view, one per block)."""
+    w01 = words[0].to(tl.uint32, bitcast=True).to(tl.int64) | (words[1].to(tl.int64) << 32)
+    if G == 2:
+        tl.store(codes_ptr + blk, w01, mask=bmask)
+        if EMIT_HINTS:
+            h = _gather_hint_bits(words[0]) | (_gather_hint_bits(words[1]) << 8)
+            tl.store(hints_ptr + blk, h.to(tl.int16), mask=bmask)
+    else:
+        w23 = words[2].to(tl.uint32, bitcast=True).to(tl.int64) | (words[3].to(tl.int64) << 32)
+        tl.store(codes_ptr + 2 * blk, w01, mask=bmask)
+        tl.store(codes_ptr + 2 * blk + 1, w23, mask=bmask)
+        if EMIT_HINTS:
+            h = (_gather_hint_bits(words[0]) | (_gather_hint_bits(words[1]) << 8)
+                 | (_gather_hint_bits(words[2]) << 16) | (_gather_hint_bits(words[3]) << 24))
+            tl.store(hints_ptr + blk, h, mask=bmask)
 
 
 @triton.jit
@@ -228,212 +499,378 @@ def _to_bf16_rne(val):
 
 
 @triton.jit
-def _blocks(NB, BN: tl.constexpr, BIG: tl.constexpr):
+def _bf16_bits(y, GPU: tl.constexpr):
+    """bf16 bits (RNE) of fp32 y in the low 16 bits of an int32."""
+    if GPU:
+        b = y.to(tl.bfloat16)
+    else:
+        b = _to_bf16_rne(y)
+    return b.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+
+
+@triton.jit
+def _bf16x2(lo, hi, GPU: tl.constexpr):
+    """int32 word of two bf16 (RNE): lo in bits 0..15, hi in 16..31 (one cvt.rn.bf16x2.f32 on GPU)."""
+    if GPU:
+        return tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    else:
+        return _bf16_bits(lo, GPU) | (_bf16_bits(hi, GPU) << 16)
+
+
+@triton.jit
+def _out_piece(ye, yo, raw, se, so, flip, KIND: tl.constexpr, GPU: tl.constexpr):
+    """The output piece (the store layout of the input piece) from ye, yo = (E2M1 * |s|) * g >= 0 (or NaN) of the
+    even/odd elements: the sign bit of x, XOR the sign of the block scale (flip: int32 [BN, 1], 0 or 1 << 31;
+    or 0), flips the sign bit of y after the cast (the RNE cast is symmetric)."""
+    if KIND == 0:
+        # one word per pair: both halves, then the two sign bits at once (raw: the input word)
+        flipw = flip | ((flip >> 16) & 32768)
+        return _bf16x2(ye, yo, GPU) ^ ((raw ^ flipw) & -2147450880)  # 0x80008000
+    elif KIND == 1:
+        ve = (ye.to(tl.int32, bitcast=True) ^ ((se ^ flip) & -2147483648)).to(tl.float32, bitcast=True)
+        vo = (yo.to(tl.int32, bitcast=True) ^ ((so ^ flip) & -2147483648)).to(tl.float32, bitcast=True)
+        out = tl.join(ve.to(tl.float16), vo.to(tl.float16))
+        return tl.reshape(out, (raw.shape[0], raw.shape[1]))
+    else:
+        ve = (ye.to(tl.int32, bitcast=True) ^ ((se ^ flip) & -2147483648)).to(tl.float32, bitcast=True)
+        vo = (yo.to(tl.int32, bitcast=True) ^ ((so ^ flip) & -2147483648)).to(tl.float32, bitcast=True)
+        return tl.reshape(tl.join(ve, vo), (raw.shape[0], raw.shape[1]))
+
+
+@triton.jit
+def _store_piece(out_ptr, blk, bmask, p: tl.constexpr, P: tl.constexpr, K: tl.constexpr, val):
+    tl.store(out_ptr + _piece_offsets(blk, p, P, K), val, mask=bmask[:, None])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# tiles
+# ---------------------------------------------------------------------------------------------------------
+@triton.jit
+def _quantize_tile(xs, blk, bmask, codes_ptr, scales_ptr, hints_ptr, fq_ptr, g, inv_g,
+                   P: tl.constexpr, K: tl.constexpr, KIND: tl.constexpr, IS_NV: tl.constexpr,
+                   RCEIL: tl.constexpr, EMIT_HINTS: tl.constexpr, FAKE: tl.constexpr, GPU: tl.constexpr):
+    """Quantize one tile of BN blocks (pieces xs); with FAKE also store the round-to-nearest fake-quantized
+    values (fq_ptr, the input's layout)."""
+    sbyte, s, r = _own_scale(xs, g, inv_g, P, KIND, IS_NV, RCEIL, GPU)
+    tl.store(scales_ptr + blk, sbyte.to(tl.uint8), mask=bmask)
+    r2 = r[:, None]
+    s2 = s[:, None]
+    # KIND 2 (fp32): a piece holds 4 values (half a code word); else 8 (one word)
+    w0 = tl.zeros_like(blk).to(tl.int32)
+    w1 = tl.zeros_like(blk).to(tl.int32)
+    w2 = tl.zeros_like(blk).to(tl.int32)
+    w3 = tl.zeros_like(blk).to(tl.int32)
+    for p in tl.static_range(P):
+        xe, xo, se, so = _unpack(xs[p], KIND)
+        if FAKE:
+            rhoe, cbe = _rtn_value(xe, r2, GPU)
+            rhoo, cbo = _rtn_value(xo, r2, GPU)
+            # NaN products (not NaN x) were clamped to 6 above; code bits are <= 7 << 22 here
+            ye = _scaled(rhoe, s2, g, xe, IS_NV)
+            yo = _scaled(rhoo, s2, g, xo, IS_NV)
+            _store_piece(fq_ptr, blk, bmask, p, P, K, _out_piece(ye, yo, xs[p], se, so, 0, KIND, GPU))
+        else:
+            cbe = _code_bits(xe, r2, GPU)
+            cbo = _code_bits(xo, r2, GPU)
+        if KIND == 0 and GPU:
+            wp = _bf16_sign_nibbles(_piece_word(cbe, cbo, se, so, 0, False), xs[p])
+        else:
+            wp = _piece_word(cbe, cbo, se, so, (p % 2) * 16 if KIND == 2 else 0, True)
+        gi = p // 2 if KIND == 2 else p
+        if gi == 0:
+            w0 = w0 | wp
+        elif gi == 1:
+            w1 = w1 | wp
+        elif gi == 2:
+            w2 = w2 | wp
+        else:
+            w3 = w3 | wp
+    if P == 2 or (KIND == 2 and P == 4):
+        _store_codes(codes_ptr, hints_ptr, blk, bmask, (w0, w1), 2, EMIT_HINTS)
+    else:
+        _store_codes(codes_ptr, hints_ptr, blk, bmask, (w0, w1, w2, w3), 4, EMIT_HINTS)
+
+
+@triton.jit
+def _fake_quant_pieces(xs, blk, bmask, out_ptr, s2, r2, g, flip, hb, P: tl.constexpr, K: tl.constexpr,
+                       KIND: tl.constexpr, IS_NV: tl.constexpr, HAS_HINTS: tl.constexpr, GPU: tl.constexpr):
+    for p in tl.static_range(P):
+        xe, xo, se, so = _unpack(xs[p], KIND)
+        if HAS_HINTS:
+            # value 2j of the piece (J pairs) is value 2pJ + 2j of the block: hint bit 2pJ + 2j of hb
+            sh = 2 * (p * xe.shape[1] + tl.arange(0, xe.shape[1])[None, :])
+            me = _hint_value(xe, r2, hb[:, None] >> sh, GPU)
+            mo = _hint_value(xo, r2, hb[:, None] >> (sh + 1), GPU)
+        else:
+            me, _ = _rtn_value(xe, r2, GPU)
+            mo, _ = _rtn_value(xo, r2, GPU)
+        ye = _scaled(me, s2, g, xe, IS_NV)
+        yo = _scaled(mo, s2, g, xo, IS_NV)
+        _store_piece(out_ptr, blk, bmask, p, P, K, _out_piece(ye, yo, xs[p], se, so, flip, KIND, GPU))
+
+
+@triton.jit
+def _fake_quant_tile(xs, blk, bmask, out_ptr, scales_ptr, hints_ptr, scales_out_ptr, g, inv_g,
+                     P: tl.constexpr, K: tl.constexpr, KIND: tl.constexpr, IS_NV: tl.constexpr,
+                     RCEIL: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_HINTS: tl.constexpr,
+                     STORE_SCALES: tl.constexpr, GPU: tl.constexpr):
+    if HAS_SCALES:
+        s, r, flip = _given_scale(tl.load(scales_ptr + blk, mask=bmask, other=0).to(tl.int32), inv_g, IS_NV)
+        flip = flip[:, None]
+    else:
+        sbyte, s, r = _own_scale(xs, g, inv_g, P, KIND, IS_NV, RCEIL, GPU)  # s > 0
+        flip = 0
+        if STORE_SCALES:
+            tl.store(scales_out_ptr + blk, sbyte.to(tl.uint8), mask=bmask)
+    if HAS_HINTS:
+        hb = tl.load(hints_ptr + blk, mask=bmask, other=0).to(tl.int32)  # [BN]: the block's hint bits
+    else:
+        hb = 0
+    _fake_quant_pieces(xs, blk, bmask, out_ptr, s[:, None], r[:, None], g, flip, hb, P, K, KIND, IS_NV,
+                       HAS_HINTS, GPU)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# kernels (PERSIST: grid = programs per SM x SMs, each looping over tiles with the next tile's loads in flight).
+# NB and n_iter are not specialized on, so that one binary serves every size (and small data compiles it).
+# ---------------------------------------------------------------------------------------------------------
+@triton.jit
+def _first_tile(x_ptr, NB, BN: tl.constexpr, P: tl.constexpr, K: tl.constexpr, BIG: tl.constexpr):
+    """(start, blocks, mask, pieces) of this program's first tile of BN blocks."""
+    if BIG:
+        start = tl.program_id(0).to(tl.int64) * BN
+    else:
+        start = tl.program_id(0) * BN
+    blk, bmask = _blocks(start, NB, BN)
+    return start, blk, bmask, _load_pieces(x_ptr, blk, bmask, P, K)
+
+
+@triton.jit
+def _next_tile(x_ptr, start, NB, BN: tl.constexpr, P: tl.constexpr, K: tl.constexpr):
+    """(start, blocks, mask, pieces) of the tile after `start` in a persistent loop (the grid's stride): its loads
+    are issued here, before the current tile is computed."""
+    start += tl.num_programs(0) * BN
+    blk, bmask = _blocks(start, NB, BN)
+    return start, blk, bmask, _load_pieces(x_ptr, blk, bmask, P, K)
+
+
+@triton.jit(do_not_specialize=["NB", "n_iter"])
+def _quantize_kernel(
+    x_ptr, codes_ptr, scales_ptr, hints_ptr, fq_ptr, g_ptr, NB, n_iter,
+    P: tl.constexpr, K: tl.constexpr, KIND: tl.constexpr, BN: tl.constexpr, IS_NV: tl.constexpr,
+    RCEIL: tl.constexpr, EMIT_HINTS: tl.constexpr, FAKE: tl.constexpr, BIG: tl.constexpr,
+    PERSIST: tl.constexpr, GPU: tl.constexpr,
+):
+    g, inv_g = _global(g_ptr, IS_NV)
+    start, blk, bmask, xs = _first_tile(x_ptr, NB, BN, P, K, BIG)
+    for _ in range(n_iter if PERSIST else 1):
+        if PERSIST:
+            start, nblk, nmask, nxs = _next_tile(x_ptr, start, NB, BN, P, K)
+        _quantize_tile(xs, blk, bmask, codes_ptr, scales_ptr, hints_ptr, fq_ptr, g, inv_g,
+                       P, K, KIND, IS_NV, RCEIL, EMIT_HINTS, FAKE, GPU)
+        if PERSIST:
+            xs, blk, bmask = nxs, nblk, nmask
+
+
+@triton.jit(do_not_specialize=["NB", "n_iter"])
+def _fake_quant_kernel(
+    x_ptr, out_ptr, scales_ptr, hints_ptr, g_ptr, scales_out_ptr, NB, n_iter,
+    P: tl.constexpr, K: tl.constexpr, KIND: tl.constexpr, BN: tl.constexpr, IS_NV: tl.constexpr,
+    RCEIL: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_HINTS: tl.constexpr, STORE_SCALES: tl.constexpr,
+    BIG: tl.constexpr, PERSIST: tl.constexpr, GPU: tl.constexpr,
+):
+    g, inv_g = _global(g_ptr, IS_NV)
+    start, blk, bmask, xs = _first_tile(x_ptr, NB, BN, P, K, BIG)
+    for _ in range(n_iter if PERSIST else 1):
+        if PERSIST:
+            start, nblk, nmask, nxs = _next_tile(x_ptr, start, NB, BN, P, K)
+        _fake_quant_tile(xs, blk, bmask, out_ptr, scales_ptr, hints_ptr, scales_out_ptr, g, inv_g,
+                         P, K, KIND, IS_NV, RCEIL, HAS_SCALES, HAS_HINTS, STORE_SCALES, GPU)
+        if PERSIST:
+            xs, blk, bmask = nxs, nblk, nmask
+
+
+@triton.jit
+def _load_codes(codes_ptr, scales_ptr, blk, bmask, G: tl.constexpr):
+    """(code words [BN, G] int32 (one vector load per block), scale bytes [BN] int32) of a tile."""
+    words = tl.load(codes_ptr + blk[:, None] * G + tl.arange(0, G)[None, :], mask=bmask[:, None], other=0)
+    return words, tl.load(scales_ptr + blk, mask=bmask, other=0).to(tl.int32)
+
+
+@triton.jit
+def _dequantize_tile(words, sbyte, blk, bmask, out_ptr, g, G: tl.constexpr,
+                     P: tl.constexpr, K: tl.constexpr, KIND: tl.constexpr, IS_NV: tl.constexpr,
+                     GPU: tl.constexpr):
+    """words [BN, G] (8 codes each), scale bytes [BN] -> out in the input-piece layout."""
+    s, _, flip = _given_scale(sbyte, 1.0, IS_NV)  # r is not needed (the compiler drops its division)
+    s2 = s[:, None]
+    flip = flip[:, None]
+    if G == 2:
+        w0, w1 = tl.split(words)
+        w2 = w0
+        w3 = w1
+    else:
+        w02, w13 = tl.split(tl.reshape(words, (words.shape[0], 2, 2)))
+        w0, w2 = tl.split(w02)
+        w1, w3 = tl.split(w13)
+    if KIND == 0:
+        jj = tl.arange(0, K)[None, :]  # pair index within the piece (bf16: K words = K pairs)
+    else:
+        jj = tl.arange(0, K // 2)[None, :]
+    for p in tl.static_range(P):
+        gi = p if KIND != 2 else p // 2
+        if gi == 0:
+            word = w0[:, None]
+        elif gi == 1:
+            word = w1[:, None]
+        elif gi == 2:
+            word = w2[:, None]
+        else:
+            word = w3[:, None]
+        # nibble of value 2j of the piece: (p % 2) * 4 + 2j for fp32 pieces (half words), 2j otherwise
+        nib = ((p % 2) * 4 if KIND == 2 else 0) + 2 * jj
+        ce = word >> (4 * nib)
+        co = word >> (4 * nib + 4)
+        # E2M1[c & 7] = float(bits (c & 7) << 22) * 2^126; then * |s|, * g
+        me = ((ce & 7) << 22).to(tl.float32, bitcast=True) * 2.0**126
+        mo = ((co & 7) << 22).to(tl.float32, bitcast=True) * 2.0**126
+        if IS_NV:
+            ye = (me * s2) * g
+            yo = (mo * s2) * g
+        else:
+            ye = me * s2
+            yo = mo * s2
+        se = (ce & 8) << 28  # the code's sign bit at bit 31
+        so = (co & 8) << 28
+        if KIND == 0:
+            raw = (se >> 16) & 32768 | so  # the sign bits where a bf16 word of x has them
+        else:
+            raw = tl.zeros((ye.shape[0], K), dtype=tl.int32)  # only its shape is used
+        _store_piece(out_ptr, blk, bmask, p, P, K, _out_piece(ye, yo, raw, se, so, flip, KIND, GPU))
+
+
+@triton.jit(do_not_specialize=["NB", "n_iter"])
+def _dequantize_kernel(
+    codes_ptr, scales_ptr, g_ptr, out_ptr, NB, n_iter,
+    G: tl.constexpr, P: tl.constexpr, K: tl.constexpr, KIND: tl.constexpr, BN: tl.constexpr,
+    IS_NV: tl.constexpr, BIG: tl.constexpr, PERSIST: tl.constexpr, GPU: tl.constexpr,
+):
+    if IS_NV:
+        g = tl.load(g_ptr)
+    else:
+        g = 1.0
     pid = tl.program_id(0)
     if BIG:
-        blk = pid.to(tl.int64) * BN + tl.arange(0, BN)
+        start = pid.to(tl.int64) * BN
     else:
-        blk = pid * BN + tl.arange(0, BN)
-    return blk, blk < NB
-
-
-@triton.jit
-def _offsets8(blk, j: tl.constexpr, G: tl.constexpr):
-    """Element offsets [BN, 8] of the j-th group of 8 values of each block (one thread per block layout)."""
-    return (blk * G + j)[:, None] * 8 + tl.arange(0, 8)[None, :]
-
-
-@triton.jit
-def _amax8(x_in, NAN_IGNORING_MAX: tl.constexpr):
-    """max |x| over the finite values of each row of [BN, 8], as fp32.
-
-    NAN_IGNORING_MAX (GPU): a + (a - a) is a for finite a and NaN for +-Inf/NaN, and the hardware max ignores
-    NaN: two adds on the FMA pipe instead of a compare and a select on the integer pipe. The interpreter's max
-    propagates NaN, so there the non-finite values are replaced by 0 with a select."""
-    a = tl.abs(x_in.to(tl.float32))
-    if NAN_IGNORING_MAX:
-        return tl.maximum(tl.max(a + (a - a), axis=1), 0.0)
+        start = pid * BN
+    blk, bmask = _blocks(start, NB, BN)
+    words, sbyte = _load_codes(codes_ptr, scales_ptr, blk, bmask, G)
+    if PERSIST:
+        step = tl.num_programs(0) * BN
+        for _ in range(n_iter):
+            start += step
+            nblk, nmask = _blocks(start, NB, BN)
+            nwords, nsbyte = _load_codes(codes_ptr, scales_ptr, nblk, nmask, G)
+            _dequantize_tile(words, sbyte, blk, bmask, out_ptr, g, G, P, K, KIND, IS_NV, GPU)
+            words = nwords
+            sbyte = nsbyte
+            blk = nblk
+            bmask = nmask
     else:
-        return tl.max(tl.where(a < float("inf"), a, 0.0), axis=1)
+        _dequantize_tile(words, sbyte, blk, bmask, out_ptr, g, G, P, K, KIND, IS_NV, GPU)
 
 
 @triton.jit
-def _word8(code):
-    """(32-bit word of the 8 codes of each row of [BN, 8], hint byte) as int32 [BN]."""
-    word = tl.sum(code << (tl.arange(0, 8)[None, :] * 4), axis=1)  # disjoint nibbles: sum == or
-    return word, _gather_hint_bits(word)
-
-
-@triton.jit
-def _quantize_kernel(
-    x_ptr, codes_ptr, scales_ptr, hints_ptr, g_ptr, NB,
-    G: tl.constexpr, BN: tl.constexpr, IS_NV: tl.constexpr, RCEIL: tl.constexpr, EMIT_HINTS: tl.constexpr,
-    BIG: tl.constexpr, SPLIT: tl.constexpr, FP_RNE: tl.constexpr, NAN_IGNORING_MAX: tl.constexpr,
-):
-    blk, bmask = _blocks(NB, BN, BIG)
-    if SPLIT:
-        # [BN, B] tile: 16-byte pieces to adjacent threads (coalesced), a block shared by G threads.
-        # codes_ptr: int32 view (one word per group); hints_ptr: uint8 (one byte per group)
-        gidx = blk[:, None] * G + tl.arange(0, G)[None, :]  # [BN, G] group index
-        offs = blk[:, None] * (8 * G) + tl.arange(0, 8 * G)[None, :]  # [BN, B]
-        x_in = tl.load(x_ptr + offs, mask=bmask[:, None], other=0.0)
-        ax = tl.abs(x_in)
-        amax = tl.max(tl.where(ax < float("inf"), ax, 0.0), axis=1)  # finite values only, exact in x's dtype
-        sbyte, _, r, _ = _own_scale(amax.to(tl.float32), g_ptr, IS_NV, RCEIL)  # [BN]
-        code = tl.reshape(_rne_code(x_in.to(tl.float32), r[:, None], FP_RNE), (BN, G, 8))
-        word, hbyte = _pack_groups(code)  # [BN, G] each
-        # One code word and one hint byte per thread, adjacent threads holding adjacent groups: already
-        # coalesced, so store flat with contiguity 1; a vectorized store would go through shared memory.
-        flat = tl.max_contiguous(tl.reshape(gidx, (BN * G,)), 1)
-        fmask = tl.reshape(gidx < NB * G, (BN * G,))
-        tl.store(codes_ptr + flat, tl.reshape(word, (BN * G,)), mask=fmask)
-        first = tl.reshape((gidx % G == 0) & (gidx < NB * G), (BN * G,))  # the thread with the first group
-        sflat = tl.reshape(sbyte[:, None] + tl.zeros_like(gidx), (BN * G,))
-        tl.store(scales_ptr + flat // G, sflat.to(tl.uint8), mask=first)
-        if EMIT_HINTS:
-            tl.store(hints_ptr + flat, tl.reshape(hbyte, (BN * G,)).to(tl.uint8), mask=fmask)
-    else:
-        # One thread per block: G tiles [BN, 8] of identical layout. codes_ptr: int64 view (G/2 words per
-        # block); hints_ptr: int16 (G = 2) or int32 (G = 4) view, one element per block.
-        m2 = bmask[:, None]
-        x0_in = tl.load(x_ptr + _offsets8(blk, 0, G), mask=m2, other=0.0)
-        x1_in = tl.load(x_ptr + _offsets8(blk, 1, G), mask=m2, other=0.0)
-        amax = tl.maximum(_amax8(x0_in, NAN_IGNORING_MAX), _amax8(x1_in, NAN_IGNORING_MAX))
-        if G == 4:
-            x2_in = tl.load(x_ptr + _offsets8(blk, 2, G), mask=m2, other=0.0)
-            x3_in = tl.load(x_ptr + _offsets8(blk, 3, G), mask=m2, other=0.0)
-            amax = tl.maximum(amax, tl.maximum(_amax8(x2_in, NAN_IGNORING_MAX), _amax8(x3_in, NAN_IGNORING_MAX)))
-        sbyte, _, r, _ = _own_scale(amax.to(tl.float32), g_ptr, IS_NV, RCEIL)  # [BN]
-        w0, h0 = _word8(_rne_code(x0_in.to(tl.float32), r[:, None], FP_RNE))
-        w1, h1 = _word8(_rne_code(x1_in.to(tl.float32), r[:, None], FP_RNE))
-        words01 = w0.to(tl.uint32, bitcast=True).to(tl.int64) | (w1.to(tl.int64) << 32)
-        tl.store(scales_ptr + blk, sbyte.to(tl.uint8), mask=bmask)
-        if G == 2:
-            tl.store(codes_ptr + blk, words01, mask=bmask)
-            if EMIT_HINTS:
-                tl.store(hints_ptr + blk, (h0 | (h1 << 8)).to(tl.int16), mask=bmask)
-        else:
-            w2, h2 = _word8(_rne_code(x2_in.to(tl.float32), r[:, None], FP_RNE))
-            w3, h3 = _word8(_rne_code(x3_in.to(tl.float32), r[:, None], FP_RNE))
-            words23 = w2.to(tl.uint32, bitcast=True).to(tl.int64) | (w3.to(tl.int64) << 32)
-            tl.store(codes_ptr + 2 * blk, words01, mask=bmask)
-            tl.store(codes_ptr + 2 * blk + 1, words23, mask=bmask)
-            if EMIT_HINTS:
-                tl.store(hints_ptr + blk, h0 | (h1 << 8) | (h2 << 16) | (h3 << 24), mask=bmask)
-
-
-@triton.jit
-def _per_group(ptr, blk, G: tl.constexpr, BN: tl.constexpr, NB, PER_BLOCK: tl.constexpr):
-    """Load one byte per group [BN, G] (PER_BLOCK: the block's byte, repeated for each of its groups) as int32.
-    Loaded flat with contiguity 1 so that the value lands in the thread that holds the group (no shuffle)."""
+def _per_group(ptr, blk, G: tl.constexpr, BN: tl.constexpr, NB):
+    """The block's byte for each of its G groups [BN, G], loaded flat with contiguity 1 so that the value lands
+    in the thread that holds the group (no shuffle)."""
     gidx = blk[:, None] * G + tl.arange(0, G)[None, :]
     flat = tl.max_contiguous(tl.reshape(gidx, (BN * G,)), 1)
     fmask = tl.reshape(gidx < NB * G, (BN * G,))
-    if PER_BLOCK:
-        v = tl.load(ptr + flat // G, mask=fmask, other=0)
-    else:
-        v = tl.load(ptr + flat, mask=fmask, other=0)
+    v = tl.load(ptr + flat // G, mask=fmask, other=0)
     return tl.reshape(v, (BN, G)).to(tl.int32)
 
 
-@triton.jit
-def _fq_values(x_in, s, r, g, hint, HAS_HINTS: tl.constexpr, MANUAL_BF16: tl.constexpr, FP_RNE: tl.constexpr):
-    """Fake-quantized values of a tile x_in (any shape) with s, r broadcast to it; hint: hint bits (bit 0)."""
-    x = x_in.to(tl.float32)
-    if HAS_HINTS:
-        vbits = _hint_value_bits(tl.abs(x) * r, hint)
-    else:
-        vbits = _e2m1_bits(_rne_code(x, r, FP_RNE) & 7)
-    out = (vbits.to(tl.float32, bitcast=True) * s) * g
-    out = (out.to(tl.int32, bitcast=True) ^ (x.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32, bitcast=True)
-    out = tl.where(x != x, x, out)  # NaN propagates
-    if MANUAL_BF16:
-        return _to_bf16_rne(out)
-    else:
-        return out.to(x_in.dtype)
-
-
-@triton.jit
-def _fake_quant_kernel(
-    x_ptr, out_ptr, scales_ptr, hints_ptr, g_ptr, scales_out_ptr, NB,
-    G: tl.constexpr, BN: tl.constexpr, IS_NV: tl.constexpr, RCEIL: tl.constexpr,
-    HAS_SCALES: tl.constexpr, HAS_HINTS: tl.constexpr, STORE_SCALES: tl.constexpr, MANUAL_BF16: tl.constexpr,
-    BIG: tl.constexpr, SPLIT: tl.constexpr, FP_RNE: tl.constexpr, NAN_IGNORING_MAX: tl.constexpr,
-):
-    blk, bmask = _blocks(NB, BN, BIG)
-    lane = tl.arange(0, 8)
-    if SPLIT:
-        # x loaded as [BN, B] (coalesced) and viewed as [BN, G, 8]; per-block values are computed per group
-        # [BN, G] by the thread that holds the group. hints_ptr: uint8, one byte per group.
-        offs = blk[:, None] * (8 * G) + tl.arange(0, 8 * G)[None, :]  # [BN, B]
-        x_in = tl.load(x_ptr + offs, mask=bmask[:, None], other=0.0)
-        x3_in = tl.reshape(x_in, (BN, G, 8))
-        if HAS_SCALES:
-            s, r, g = _scale_factor(_per_group(scales_ptr, blk, G, BN, NB, True), g_ptr, IS_NV)  # [BN, G]
-        else:
-            ax = tl.abs(x3_in)
-            amax = tl.max(tl.max(tl.where(ax < float("inf"), ax, 0.0), axis=2), axis=1)  # [BN]
-            sb, s1, r1, g = _own_scale(amax.to(tl.float32), g_ptr, IS_NV, RCEIL)
-            if STORE_SCALES:
-                tl.store(scales_out_ptr + blk, sb.to(tl.uint8), mask=bmask)
-            zeros = tl.zeros((BN, G), dtype=tl.float32)
-            s = s1[:, None] + zeros
-            r = r1[:, None] + zeros
-        if HAS_HINTS:
-            hint = _per_group(hints_ptr, blk, G, BN, NB, False)[:, :, None] >> lane[None, None, :]
-        else:
-            hint = 0
-        out = _fq_values(x3_in, s[:, :, None], r[:, :, None], g, hint, HAS_HINTS, MANUAL_BF16, FP_RNE)
-        tl.store(out_ptr + offs, tl.reshape(out, (BN, 8 * G)), mask=bmask[:, None])
-    else:
-        # One thread per block: G tiles [BN, 8]. hints_ptr: int16 (G = 2) / int32 (G = 4) view, one per block.
-        m2 = bmask[:, None]
-        o0 = _offsets8(blk, 0, G)
-        o1 = _offsets8(blk, 1, G)
-        x0_in = tl.load(x_ptr + o0, mask=m2, other=0.0)
-        x1_in = tl.load(x_ptr + o1, mask=m2, other=0.0)
-        if G == 4:
-            o2 = _offsets8(blk, 2, G)
-            o3 = _offsets8(blk, 3, G)
-            x2_in = tl.load(x_ptr + o2, mask=m2, other=0.0)
-            x3_in = tl.load(x_ptr + o3, mask=m2, other=0.0)
-        if HAS_SCALES:
-            s, r, g = _scale_factor(tl.load(scales_ptr + blk, mask=bmask, other=0).to(tl.int32), g_ptr, IS_NV)
-        else:
-            amax = tl.maximum(_amax8(x0_in, NAN_IGNORING_MAX), _amax8(x1_in, NAN_IGNORING_MAX))
-            if G == 4:
-                amax = tl.maximum(amax, tl.maximum(_amax8(x2_in, NAN_IGNORING_MAX), _amax8(x3_in, NAN_IGNORING_MAX)))
-            sb, s, r, g = _own_scale(amax.to(tl.float32), g_ptr, IS_NV, RCEIL)
-            if STORE_SCALES:
-                tl.store(scales_out_ptr + blk, sb.to(tl.uint8), mask=bmask)
-        if HAS_HINTS:
-            hb = tl.load(hints_ptr + blk, mask=bmask, other=0).to(tl.int32)  # [BN]: G hint bytes
-        else:
-            hb = tl.zeros_like(blk).to(tl.int32)
-        s2 = s[:, None]
-        r2 = r[:, None]
-        tl.store(out_ptr + o0, _fq_values(x0_in, s2, r2, g, hb[:, None] >> lane[None, :], HAS_HINTS, MANUAL_BF16, FP_RNE), mask=m2)
-        tl.store(out_ptr + o1, _fq_values(x1_in, s2, r2, g, hb[:, None] >> (lane[None, :] + 8), HAS_HINTS, MANUAL_BF16, FP_RNE), mask=m2)
-        if G == 4:
-            tl.store(out_ptr + o2, _fq_values(x2_in, s2, r2, g, hb[:, None] >> (lane[None, :] + 16), HAS_HINTS, MANUAL_BF16, FP_RNE), mask=m2)
-            tl.store(out_ptr + o3, _fq_values(x3_in, s2, r2, g, hb[:, None] >> (lane[None, :] + 24), HAS_HINTS, MANUAL_BF16, FP_RNE), mask=m2)
-
-
-@triton.jit
+@triton.jit(do_not_specialize=["NB"])
 def _fake_quant_bwd_kernel(
     grad_ptr, x_ptr, scales_ptr, g_ptr, out_ptr, NB,
     G: tl.constexpr, BN: tl.constexpr, IS_NV: tl.constexpr, BIG: tl.constexpr,
 ):
     # coalesced [BN, B] tiles viewed as [BN, G, 8]; the per-block factor is computed per group
-    blk, bmask = _blocks(NB, BN, BIG)
+    pid = tl.program_id(0)
+    if BIG:
+        blk = pid.to(tl.int64) * BN + tl.arange(0, BN)
+    else:
+        blk = pid * BN + tl.arange(0, BN)
+    bmask = blk < NB
     offs = blk[:, None] * (8 * G) + tl.arange(0, 8 * G)[None, :]  # [BN, B]
     m2 = bmask[:, None]
     grad = tl.reshape(tl.load(grad_ptr + offs, mask=m2, other=0.0), (BN, G, 8))
-    x = tl.reshape(tl.load(x_ptr + offs, mask=m2, other=0.0), (BN, G, 8)).to(tl.float32)
-    _, r, _ = _scale_factor(_per_group(scales_ptr, blk, G, BN, NB, True), g_ptr, IS_NV)  # [BN, G]
+    x_in = tl.reshape(tl.load(x_ptr + offs, mask=m2, other=0.0), (BN, G, 8))
+    if x_in.dtype == tl.bfloat16:
+        # exact bf16 -> fp32 by the bits (the interpreter's conversion flushes the smallest subnormals)
+        x = (x_in.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        x = x_in.to(tl.float32)
+    _, inv_g = _global(g_ptr, IS_NV)
+    _, r, _ = _given_scale(_per_group(scales_ptr, blk, G, BN, NB), inv_g, IS_NV)  # [BN, G]
     v = x * r[:, :, None]
     out = tl.where(tl.abs(v) > 6.0, tl.zeros_like(grad), grad)
     tl.store(out_ptr + offs, tl.reshape(out, (BN, 8 * G)), mask=m2)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# launchers
+# ---------------------------------------------------------------------------------------------------------
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+#: (kernel, launch key) -> programs of that kernel that fit on one SM at once (from its register count; sm_90:
+#: 64K registers, 64 warps, 32 blocks per SM; registers are allocated per warp in units of 256)
+_RESIDENT: dict[tuple, int] = {}
+
+
+def _note_residency(key: tuple, compiled, warps: int) -> None:
+    """Record how many programs of a just-launched kernel fit on an SM (nothing under the interpreter)."""
+    if key in _RESIDENT or compiled is None or not hasattr(compiled, "n_regs"):
+        return
+    regs_per_warp = -(-max(int(compiled.n_regs), 1) * 32 // 256) * 256
+    _RESIDENT[key] = max(1, min(65536 // (regs_per_warp * warps), 64 // warps, 32))
+
+
+def _grid(nb: int, bn: int, per_sm: int, device: torch.device, key: tuple) -> tuple[int, int, bool]:
+    """(programs, loop iterations per program, persistent) for nb blocks in tiles of bn. Persistent: per_sm
+    programs per SM; 32: as many as fit at once (known after the kernel's first launch), so that no program
+    waits for another to finish (a few programs left for a second wave would double the time). Host-side
+    numbers only (the SM count is cached per device): no device sync, usable in CUDA-graph capture."""
+    tiles = triton.cdiv(nb, bn)
+    if per_sm <= 0:
+        return tiles, 1, False
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 2
+    if per_sm >= 32:
+        per_sm = min(per_sm, _RESIDENT.get(key, per_sm))
+    progs = max(1, min(tiles, sms * per_sm))
+    return progs, triton.cdiv(tiles, progs), True
+
+
+def _layout(xb: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """(x viewed for the loads, pieces per block P, elements per piece K, kind) of a block view [NB, B]."""
+    kind = _KIND[xb.dtype]
+    b = xb.shape[1]
+    if kind == 0:
+        return xb.view(torch.int32), b // 8, 4, kind
+    if kind == 1:
+        return xb, b // 8, 8, kind
+    return xb, b // 4, 4, kind
 
 
 def _g_arg(g: torch.Tensor | None, fmt: str, device: torch.device, unused: torch.Tensor) -> torch.Tensor:
@@ -447,21 +884,6 @@ def _g_arg(g: torch.Tensor | None, fmt: str, device: torch.device, unused: torch
     return g.to(device=device, dtype=torch.float32, non_blocking=g.device.type == "cpu").contiguous()
 
 
-def _bwd_cfg(config: tuple | None) -> tuple[int, int]:
-    """(BN, num_warps) of the backward kernel. config: (BN, num_warps), or None for CONFIG; a forward-style
-    4-tuple (as benchmarks/benchmark_kernels.py sweeps) is taken only if its layout fields are what the backward
-    kernel does (split layout, no fp-adder rounding)."""
-    if config is None:
-        return CONFIG["fake_quant_bwd"]
-    if len(config) == 4:
-        bn, warps, split, fp_rne = config
-        if not split or fp_rne:
-            raise ValueError(f"the backward kernel has the split layout only and no fp-adder rounding; got {config}")
-        return bn, warps
-    bn, warps = config
-    return bn, warps
-
-
 def _big(t: torch.Tensor) -> bool:
     return t.numel() >= 2**31 - 2**20
 
@@ -471,8 +893,40 @@ def _per_block_view(t: torch.Tensor, nbytes_per_block: int) -> torch.Tensor:
     return t.view({2: torch.int16, 4: torch.int32}[nbytes_per_block])
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+def _fwd_cfg(config: tuple | None, key: str, dtype: torch.dtype, fmt: str) -> tuple[int, int, int, dict]:
+    """(BN, num_warps, programs per SM, extra launch options) of a forward kernel. config: (BN, num_warps,
+    programs per SM) or with a 4th element, a register cap per thread (0: none); None: `default_config`."""
+    cfg = config or default_config(key, dtype, fmt)
+    if len(cfg) not in (3, 4):
+        raise ValueError(f"a forward config is (blocks per program, num_warps, programs per SM[, max registers]); "
+                         f"got {cfg}")
+    opts = {"maxnreg": cfg[3]} if len(cfg) == 4 and cfg[3] and not _interpreting() else {}
+    return cfg[0], cfg[1], cfg[2], opts
+
+
+def _launch_quantize(xb, fmt, g, scale_rule, emit_hints, fake, config, key):
+    xb = xb.contiguous()
+    nb, b = xb.shape
+    dev = xb.device
+    codes = torch.empty((nb, b // 2), dtype=torch.uint8, device=dev)
+    scales = torch.empty((nb,), dtype=torch.uint8, device=dev)
+    hints = torch.empty((nb, b // 8), dtype=torch.uint8, device=dev) if emit_hints else None
+    out = torch.empty_like(xb) if fake else None
+    if nb:
+        bn, warps, per_sm, opts = _fwd_cfg(config, key, xb.dtype, fmt)
+        xv, p, k, kind = _layout(xb)
+        consts = dict(P=p, K=k, KIND=kind, BN=bn, IS_NV=fmt == "nvfp4", RCEIL=scale_rule == "rceil",
+                      EMIT_HINTS=emit_hints, FAKE=fake, BIG=_big(xb), GPU=not _interpreting())
+        rkey = ("quantize", *consts.values(), warps, *opts.values())
+        progs, n_iter, persist = _grid(nb, bn, per_sm, dev, rkey)
+        hints_arg = _per_block_view(hints, b // 8) if emit_hints else scales
+        fq_arg = (out.view(torch.int32) if kind == 0 else out) if fake else scales
+        compiled = _quantize_kernel[(progs,)](
+            xv, codes.view(torch.int64), scales, hints_arg, fq_arg, _g_arg(g, fmt, dev, scales), nb, n_iter,
+            PERSIST=persist, num_warps=warps, **consts, **opts,
+        )
+        _note_residency(rkey, compiled, warps)
+    return codes, scales, hints, out
 
 
 def quantize_blocks_triton(
@@ -480,27 +934,23 @@ def quantize_blocks_triton(
     config: tuple | None = None,
 ):
     """Triton twin of `reference.quantize_blocks_ref`: xb [NB, B] -> (codes [NB, B/2], scales [NB],
-    hints [NB, B/8] or None). config: (blocks per program, num_warps, split layout, fp-adder rounding), or None
-    for CONFIG["quantize"]."""
-    xb = xb.contiguous()
-    nb, b = xb.shape
-    dev = xb.device
-    codes = torch.empty((nb, b // 2), dtype=torch.uint8, device=dev)
-    scales = torch.empty((nb,), dtype=torch.uint8, device=dev)
-    hints = torch.empty((nb, b // 8), dtype=torch.uint8, device=dev) if emit_hints else None
-    if nb:
-        bn, warps, split, fp_rne = config or CONFIG["quantize"]
-        if split:
-            codes_arg, hints_arg = codes.view(torch.int32), hints if emit_hints else scales
-        else:
-            codes_arg = codes.view(torch.int64)
-            hints_arg = _per_block_view(hints, b // 8) if emit_hints else scales
-        _quantize_kernel[(triton.cdiv(nb, bn),)](
-            xb, codes_arg, scales, hints_arg, _g_arg(g, fmt, dev, scales), nb,
-            G=b // 8, BN=bn, IS_NV=fmt == "nvfp4", RCEIL=scale_rule == "rceil", EMIT_HINTS=emit_hints,
-            BIG=_big(xb), SPLIT=split, FP_RNE=fp_rne, NAN_IGNORING_MAX=not _interpreting(), num_warps=warps,
-        )
+    hints [NB, B/8] or None). config: (blocks per program, num_warps, programs per SM or 0), or None for
+    `default_config("quantize", xb.dtype, fmt)`."""
+    codes, scales, hints, _ = _launch_quantize(xb, fmt, g, scale_rule, emit_hints, False, config, "quantize")
     return codes, scales, hints
+
+
+def quantize_fake_blocks_triton(
+    xb: torch.Tensor, fmt: str, g: torch.Tensor | None, scale_rule: str = "floor", emit_hints: bool = True,
+    config: tuple | None = None,
+):
+    """One pass over xb [NB, B]: (round-to-nearest fake-quantized values [NB, B] in xb.dtype, codes, scales,
+    hints or None), equal to `reference.fake_quantize_blocks_ref(xb, fmt, g)` and
+    `reference.quantize_blocks_ref(xb, fmt, g)`. config as for `quantize_blocks_triton` (default:
+    `default_config("quantize_fake", ...)`)."""
+    codes, scales, hints, out = _launch_quantize(xb, fmt, g, scale_rule, emit_hints, True, config,
+                                                 "quantize_fake")
+    return out, codes, scales, hints
 
 
 def fake_quantize_blocks_triton(
@@ -510,7 +960,7 @@ def fake_quantize_blocks_triton(
 ):
     """Triton twin of `reference.fake_quantize_blocks_ref` with packed hints [NB, B/8].
     Returns (out [NB, B], scale bytes [NB] used, or None when own scales were not asked for). config: as for
-    `quantize_blocks_triton`, or None for CONFIG["fake_quant"] (hints given) / CONFIG["fake_quant_rtn"]."""
+    `quantize_blocks_triton`, or None for `default_config` of "fake_quant" (scales given) / "fake_quant_rtn"."""
     xb = xb.contiguous()
     nb, b = xb.shape
     dev = xb.device
@@ -519,25 +969,63 @@ def fake_quantize_blocks_triton(
     store_scales = (not has_scales) and return_scales
     scales_out = torch.empty((nb,), dtype=torch.uint8, device=dev) if store_scales else None
     if nb:
-        bn, warps, split, fp_rne = config or CONFIG["fake_quant" if hints_packed is not None else "fake_quant_rtn"]
+        key = "fake_quant" if has_scales else "fake_quant_rtn"
+        bn, warps, per_sm, opts = _fwd_cfg(config, key, xb.dtype, fmt)
+        xv, p, k, kind = _layout(xb)
+        consts = dict(P=p, K=k, KIND=kind, BN=bn, IS_NV=fmt == "nvfp4", RCEIL=scale_rule == "rceil",
+                      HAS_SCALES=has_scales, HAS_HINTS=hints_packed is not None, STORE_SCALES=store_scales,
+                      BIG=_big(xb), GPU=not _interpreting())
+        rkey = ("fake_quant", *consts.values(), warps, *opts.values())
+        progs, n_iter, persist = _grid(nb, bn, per_sm, dev, rkey)
         dummy = torch.empty((1,), dtype=torch.int32, device=dev)
         hints_arg = dummy
         if hints_packed is not None:
-            hints_arg = hints_packed.contiguous().reshape(nb, b // 8)
-            if not split:
-                hints_arg = _per_block_view(hints_arg, b // 8)
-        _fake_quant_kernel[(triton.cdiv(nb, bn),)](
-            xb, out,
+            hints_arg = _per_block_view(hints_packed.contiguous().reshape(nb, b // 8), b // 8)
+        compiled = _fake_quant_kernel[(progs,)](
+            xv, out.view(torch.int32) if kind == 0 else out,
             scales_u8.contiguous() if has_scales else dummy,
             hints_arg,
             _g_arg(g, fmt, dev, dummy),
             scales_out if store_scales else dummy,
-            nb, G=b // 8, BN=bn, IS_NV=fmt == "nvfp4", RCEIL=scale_rule == "rceil",
-            HAS_SCALES=has_scales, HAS_HINTS=hints_packed is not None, STORE_SCALES=store_scales,
-            MANUAL_BF16=xb.dtype == torch.bfloat16 and _interpreting(), BIG=_big(xb), SPLIT=split,
-            FP_RNE=fp_rne, NAN_IGNORING_MAX=not _interpreting(), num_warps=warps,
+            nb, n_iter, PERSIST=persist, num_warps=warps, **consts, **opts,
         )
+        _note_residency(rkey, compiled, warps)
     return out, (scales_u8 if has_scales else scales_out)
+
+
+def dequantize_blocks_triton(
+    codes_packed: torch.Tensor, scales_u8: torch.Tensor, fmt: str, g: torch.Tensor | None, dtype: torch.dtype,
+    config: tuple | None = None,
+) -> torch.Tensor:
+    """Triton twin of `reference.dequantize_blocks_ref` on packed codes: codes [NB, B/2] (uint8), scale bytes
+    [NB] -> [NB, B] in ``dtype``. config as for `quantize_blocks_triton` (default: `default_config`)."""
+    codes_packed = codes_packed.contiguous()
+    nb, half = codes_packed.shape
+    b = 2 * half
+    dev = codes_packed.device
+    out = torch.empty((nb, b), dtype=dtype, device=dev)
+    if nb:
+        bn, warps, per_sm, opts = _fwd_cfg(config, "dequantize", dtype, fmt)
+        ov, p, k, kind = _layout(out)
+        consts = dict(G=b // 8, P=p, K=k, KIND=kind, BN=bn, IS_NV=fmt == "nvfp4", BIG=_big(out),
+                      GPU=not _interpreting())
+        rkey = ("dequantize", *consts.values(), warps, *opts.values())
+        progs, n_iter, persist = _grid(nb, bn, per_sm, dev, rkey)
+        scales_u8 = scales_u8.contiguous()
+        compiled = _dequantize_kernel[(progs,)](
+            codes_packed.view(torch.int32), scales_u8, _g_arg(g, fmt, dev, scales_u8), ov, nb, n_iter,
+            PERSIST=persist, num_warps=warps, **consts, **opts,
+        )
+        _note_residency(rkey, compiled, warps)
+    return out
+
+
+def _bwd_cfg(config: tuple | None) -> tuple[int, int]:
+    """(BN, num_warps) of the backward kernel; config: (BN, num_warps) or None for CONFIG."""
+    cfg = config or CONFIG["fake_quant_bwd"]
+    if len(cfg) != 2:
+        raise ValueError(f"the backward config is (blocks per program, num_warps); got {cfg}")
+    return cfg
 
 
 def fake_quantize_bwd_blocks_triton(
@@ -545,7 +1033,7 @@ def fake_quantize_bwd_blocks_triton(
     config: tuple | None = None,
 ) -> torch.Tensor:
     """Triton twin of `reference.fake_quantize_bwd_blocks_ref` (clipped straight-through gradient).
-    config: (blocks per program, num_warps), or None for CONFIG["fake_quant_bwd"] (see `_bwd_cfg`)."""
+    config: (blocks per program, num_warps), or None for CONFIG["fake_quant_bwd"]."""
     grad_b = grad_b.contiguous()
     xb = xb.contiguous()
     nb, b = xb.shape

@@ -543,16 +543,16 @@ def _ties_x(fmt: str):
 
 @pytest.mark.skipif(not HAS_TRITON, reason="no triton")
 @pytest.mark.parametrize("fmt", FMTS)
-@pytest.mark.parametrize("split,fp_rne", [(False, False), (True, False), (False, True)])
-def test_triton_layout_variants_match_reference(split, fp_rne, fmt):
-    # both tile layouts of the forward kernels (one thread per block / coalesced, a block shared by threads),
-    # both roundings, and a ragged last program
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cfg", [(8, 1, 0), (8, 1, 1), (4, 1, 3), (8, 1, 32, 64)])
+def test_triton_launch_variants_match_reference(cfg, dtype, fmt):
+    # one program per tile and the persistent loop (several tiles per program, next tile loaded ahead, a
+    # ragged last tile), every dtype and both formats, on data with every tie at scale 1
     from tracefp4 import triton_kernels as tk
 
     b = BLOCK[fmt]
     x, g = _ties_x(fmt)
-    xb = x.reshape(-1, b)
-    cfg = (32, 1, split, fp_rne)
+    xb = x.to(dtype).reshape(-1, b)
     want = ref.quantize_blocks_ref(xb, fmt, g)
     got = tk.quantize_blocks_triton(xb, fmt, g, config=cfg)
     for a, w in zip(got, want):
@@ -560,18 +560,23 @@ def test_triton_layout_variants_match_reference(split, fp_rne, fmt):
     got_nh = tk.quantize_blocks_triton(xb, fmt, g, emit_hints=False, config=cfg)
     assert got_nh[2] is None
     assert_bits_equal(got_nh[0], want[0])
-    xn = _noisy(x, 0.02, seed=22).reshape(-1, b)
+    xn = _noisy(x, 0.02, seed=22).to(dtype).reshape(-1, b)
     for scales, hints in ((want[1], want[2]), (want[1], None), (None, None)):
         yr = ref.fake_quantize_blocks_ref(xn, fmt, g, scales, None if hints is None else tracefp4.unpack_hints(hints))
         yt, _ = tk.fake_quantize_blocks_triton(xn, fmt, g, scales, hints, config=cfg)
         assert_bits_equal(yt, yr)
+    y, codes, scales, hints = tk.quantize_fake_blocks_triton(xb, fmt, g, config=cfg)
+    assert_bits_equal(y, ref.fake_quantize_blocks_ref(xb, fmt, g))
+    for a, w in zip((codes, scales, hints), want):
+        assert_bits_equal(a, w)
+    d = tk.dequantize_blocks_triton(want[0], want[1], fmt, g, dtype, config=cfg)
+    assert_bits_equal(d, ref.dequantize_blocks_ref(tracefp4.unpack_codes(want[0]), want[1], fmt, g, dtype))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="no triton")
 @pytest.mark.parametrize("fmt", FMTS)
 def test_triton_backward_kernel_ragged_matches_reference(fmt):
-    # the backward kernel has one layout (split, no rounding): its config is (BN, num_warps); a forward-style
-    # 4-tuple is accepted only when it names that layout
+    # the backward kernel's config is (BN, num_warps); anything else is refused
     from tracefp4 import triton_kernels as tk
 
     b = BLOCK[fmt]
@@ -582,7 +587,7 @@ def test_triton_backward_kernel_ragged_matches_reference(fmt):
     grad = torch.randn(xn.shape).to(torch.bfloat16).to(xn.device)
     want = ref.fake_quantize_bwd_blocks_ref(grad, xn, fmt, g, scales)
     assert_bits_equal(tk.fake_quantize_bwd_blocks_triton(grad, xn, fmt, g, scales, config=(32, 1)), want)
-    assert_bits_equal(tk.fake_quantize_bwd_blocks_triton(grad, xn, fmt, g, scales, config=(32, 1, True, False)), want)
-    for cfg in ((32, 1, False, False), (32, 1, True, True)):
-        with pytest.raises(ValueError, match="split layout only"):
-            tk.fake_quantize_bwd_blocks_triton(grad, xn, fmt, g, scales, config=cfg)
+    with pytest.raises(ValueError, match="blocks per program, num_warps"):
+        tk.fake_quantize_bwd_blocks_triton(grad, xn, fmt, g, scales, config=(32, 1, 0))
+    with pytest.raises(ValueError, match="programs per SM"):
+        tk.quantize_blocks_triton(xb, fmt, g, config=(32, 1))
