@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.metadata
 import math
 import os
+import platform
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -230,7 +232,7 @@ def _recompute(cfg: DemoConfig, s: _Setup, packed: list, roll: RolloutResult, fl
 
 
 def _run_info(cfg: DemoConfig, s: _Setup, roll: RolloutResult, recomputes: dict[str, list]) -> dict[str, Any]:
-    """The result's ``config``, ``rollout`` and ``trainer_seconds`` entries."""
+    """The result's ``config``, ``rollout``, ``trainer_seconds`` and ``machine`` entries."""
     return {
         "config": {**dataclasses.asdict(cfg), "spec": dataclasses.asdict(s.spec), "hinted_sites": s.site_names,
                    "fp4_sites": [x.name for x in s.plan.sites],
@@ -248,6 +250,9 @@ def _run_info(cfg: DemoConfig, s: _Setup, roll: RolloutResult, recomputes: dict[
             "store_url": cfg.store,
         },
         "trainer_seconds": {m: sum(r.seconds for r in rs) for m, rs in recomputes.items()},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                    "python": platform.python_version(), "torch": torch.__version__,
+                    "transformers": importlib.metadata.version("transformers")},
     }
 
 

@@ -1,10 +1,10 @@
 """``tracerl`` command line.
 
 Each subcommand is a module of this package named in `COMMANDS`, with ``HELP`` (one line), ``DESCRIPTION``,
-``add_arguments(parser)`` and ``run(args) -> int``. Building the parser imports those modules only: torch,
-transformers and tracestore are imported inside ``run``, so ``tracerl --help`` and argument errors answer at
-once. Exit codes: 0 ok, 2 bad arguments or a tracerl / tracestore error (one line on stderr; ``--debug`` shows
-the traceback), 130 interrupted.
+``add_arguments(parser)`` and ``run(args) -> int``; argument types they share are in `tracerl.cli.args`.
+Building the parser imports those modules only: torch, transformers and tracestore are imported inside ``run``,
+so ``tracerl --help`` and argument errors answer at once. Exit codes: 0 ok, 2 bad arguments or a tracerl /
+tracestore error (one line on stderr; ``--debug`` shows the traceback), 130 interrupted.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ import json
 import math
 import sys
 
+from tracerl.cli.args import int_at_least
 from tracerl.config import DECODE_PATHS, FP4_PLACEMENTS, HINT_SITE_KINDS, MODEL_FAMILIES, DemoConfig
 
 HELP = "FP4 rollout -> hints in a store -> trainer recompute in every mode -> fidelity table"
@@ -21,22 +22,8 @@ _DEFAULTS = DemoConfig()
 SPEC_OPTIONS = {"hidden": "hidden_size", "layers": "num_layers", "experts": "num_experts", "vocab": "vocab_size"}
 
 
-def _int_at_least(lo: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {value}")
-        return value
-
-    parse.__name__ = f"integer >= {lo}"
-    return parse
-
-
 def add_arguments(d: argparse.ArgumentParser) -> None:
-    pos, nonneg = _int_at_least(1), _int_at_least(0)
+    pos, nonneg = int_at_least(1), int_at_least(0)
     d.add_argument("--store", metavar="PATH",
                    help="store URL to create and keep; must not exist yet, or be an empty directory "
                         "(default: a temporary directory, removed afterwards)")
@@ -123,15 +110,20 @@ def render_table(result: dict) -> "object":
 
 
 class _Bars:
-    """`run_demo`'s ``on_step`` as rich progress bars on ``console``: one per phase, with steps done / total,
-    elapsed time and an ETA. The display starts with the first step (an error before it prints nothing)."""
+    """`run_demo`'s ``on_step`` on ``console``: on a terminal, rich progress bars (one per phase, steps done /
+    total, elapsed time, ETA) that start with the first step, so an error before it prints nothing; elsewhere
+    (a log file) one line as each phase starts and one as it ends."""
 
     def __init__(self, console):
         self.console = console
         self.progress = None
         self.tasks: dict[str, int] = {}
+        self.started: dict[str, float] = {}
 
     def __call__(self, phase: str, done: int, total: int) -> None:
+        if not self.console.is_terminal:
+            self._log(phase, done, total)
+            return
         if self.progress is None:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
             from rich.progress import TimeRemainingColumn
@@ -144,6 +136,15 @@ class _Bars:
         if task is None:
             task = self.tasks[phase] = self.progress.add_task(phase, total=total)
         self.progress.update(task, completed=done, total=total)
+
+    def _log(self, phase: str, done: int, total: int) -> None:
+        import time
+
+        if phase not in self.started:
+            self.started[phase] = time.perf_counter()
+            self.console.log(f"{phase}: started, {total} steps")
+        if done == total:
+            self.console.log(f"{phase}: {done}/{total} in {time.perf_counter() - self.started[phase]:.1f}s")
 
     def close(self) -> None:
         if self.progress is not None:
@@ -159,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    bars = _Bars(Console(stderr=True))
+    bars = _Bars(Console(stderr=True, log_path=False))
     try:
         result = run_demo(cfg, on_step=bars)
     finally:
