@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import tracefp4  # noqa: E402
 from tracerl.demo import DemoConfig, run_demo  # noqa: E402
 from tracerl.engine import RolloutEngine  # noqa: E402
-from tracerl.models import TinyMoESpec, build_model  # noqa: E402
+from tracerl.models import TinyMoESpec, build_model, moe_blocks  # noqa: E402
 from tracerl.packing import PackedHints, Segment  # noqa: E402
 from tracerl.qat import install_fp4  # noqa: E402
 from tracerl.recorder import MemorySink, RolloutRecorder  # noqa: E402
@@ -65,7 +65,7 @@ def _setup(spec, device, seed, dtype=torch.bfloat16):
     plan = plan_sites(model, hint_layers="latter-half")
     rt = install_fp4(model, plan)
     widths = {s.name: s.width for s in plan.hinted_specs()}
-    return model, rt, widths, [f"model.layers.{i}.mlp" for i in range(spec.num_layers)]
+    return model, rt, widths, [name for _, name, _ in moe_blocks(model)]
 
 
 def _prompts(spec, batch, prompt, seed, ragged=False):

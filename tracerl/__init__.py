@@ -20,30 +20,36 @@ Trainer side::
 ``tracerl demo`` command prints them.
 """
 
-from tracerl.decode import StaticDecoder, supports_static_decode
-from tracerl.engine import RolloutEngine, RolloutResult
-from tracerl.errors import ConfigError, HintMismatchError, RecorderError, TracerlError
-from tracerl.models import TinyMoESpec, build_model
-from tracerl.packing import (
-    MicroBatch,
-    PackedHints,
-    Segment,
-    cp_shard,
-    cp_zigzag_ranges,
-    dp_shard,
-    pack_micro_batches,
-    read_packed,
-    tp_feature_range,
-)
-from tracerl.qat import MODES, FP4Runtime, install_fp4
-from tracerl.recorder import MemorySink, RolloutRecorder, TraceSink
-from tracerl.sites import SitePlan, SiteSpec, plan_sites
-from tracerl.trainer import QATTrainer, RecomputeResult
+import importlib
+from typing import Any
 
-__all__ = [
-    "RolloutEngine", "RolloutResult", "StaticDecoder", "supports_static_decode", "RolloutRecorder", "TraceSink", "MemorySink",
-    "TinyMoESpec", "build_model", "SitePlan", "SiteSpec", "plan_sites", "FP4Runtime", "install_fp4", "MODES",
-    "QATTrainer", "RecomputeResult", "Segment", "MicroBatch", "PackedHints", "pack_micro_batches", "dp_shard",
-    "cp_zigzag_ranges", "cp_shard", "tp_feature_range", "read_packed",
-    "TracerlError", "ConfigError", "HintMismatchError", "RecorderError",
-]
+# Public names -> the module that defines them. They are imported on first use (PEP 562), so that
+# ``import tracerl.cli`` (and ``tracerl --help``) does not load torch and transformers.
+_EXPORTS = {
+    "tracerl.decode": ("StaticDecoder", "supports_static_decode"),
+    "tracerl.engine": ("RolloutEngine", "RolloutResult"),
+    "tracerl.errors": ("ConfigError", "HintMismatchError", "RecorderError", "TracerlError"),
+    "tracerl.models": ("TinyMoESpec", "build_model"),
+    "tracerl.packing": ("MicroBatch", "PackedHints", "Segment", "cp_shard", "cp_zigzag_ranges", "dp_shard",
+                        "pack_micro_batches", "read_packed", "tp_feature_range"),
+    "tracerl.qat": ("MODES", "FP4Runtime", "install_fp4"),
+    "tracerl.recorder": ("MemorySink", "RolloutRecorder", "TraceSink"),
+    "tracerl.sites": ("SitePlan", "SiteSpec", "plan_sites"),
+    "tracerl.trainer": ("QATTrainer", "RecomputeResult"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tracerl' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

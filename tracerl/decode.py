@@ -176,26 +176,21 @@ class StaticDecoder:
         self.col.add_(1)
         self.slot.add_(1).remainder_(self.ring)
 
-    def _callbacks(self):
+    def _step_state(self):
+        """The runtime state a step runs (or is traced) in: this decoder's ring callbacks, and the gather path for
+        MoE calls at any batch (the grouped path reads expert counts on the host)."""
         rt = self.runtime
-        prev = (rt.capture, rt.on_route, rt.gather_max_slots)
-        rt.capture = self._on_capture if self.capture else None
-        rt.on_route = self._on_route if self.routes else None
-        # Decode MoE calls take the gather path at any batch (the grouped path reads expert counts on the host).
-        rt.gather_max_slots = max(rt.gather_max_slots, self.batch * self.top_k)
-        return prev
-
-    def _restore(self, prev) -> None:
-        self.runtime.capture, self.runtime.on_route, self.runtime.gather_max_slots = prev
+        return rt.using(capture=self._on_capture if self.capture else None,
+                        on_route=self._on_route if self.routes else None,
+                        gather_max_slots=max(rt.gather_max_slots, self.batch * self.top_k))
 
     @torch.no_grad()
     def prepare(self, warmup: int = 2) -> None:
         """With ``use_graph``: run the step ``warmup`` times eagerly on a side stream (compiles kernels, fills the
         runtime's weight cache, allocates the rings), then capture it as a CUDA graph. Resets the state after.
         Eager decoders need no tracing (rings are allocated at the first step)."""
-        prev = self._callbacks()
-        try:
-            if self.use_graph:
+        if self.use_graph:
+            with self._step_state():
                 side = torch.cuda.Stream(self.device)
                 side.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(side):
@@ -205,8 +200,6 @@ class StaticDecoder:
                 self._graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(self._graph):
                     self._forward()
-        finally:
-            self._restore(prev)
         self.reset()
         self._ready = True
 
@@ -242,11 +235,8 @@ class StaticDecoder:
         if self._graph is not None:
             self._graph.replay()
         else:
-            prev = self._callbacks()
-            try:
+            with self._step_state():
                 self._forward()
-            finally:
-                self._restore(prev)
         return self.logits
 
     def take(self, n: int) -> dict[RingKey, list[torch.Tensor]]:

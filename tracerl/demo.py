@@ -2,6 +2,7 @@
 
 Steps (`run_demo`):
 
+0. Check the configuration, the model size, the device and the store location; nothing is built before that.
 1. Build a tiny random-init MoE model (bf16) and plan its FP4 sites: the routed experts' GEMMs (inputs and
    weights) as in real NVFP4 checkpoints; attention, router and shared expert in bf16. Calibrate a static
    global scale per site from one bf16 prefill of the prompts.
@@ -20,11 +21,16 @@ FP4 at all. FP4-attributable excess of a mode = its mean |dlogp| minus the floor
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib.metadata
 import math
+import os
+import platform
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,14 +38,17 @@ import torch
 
 import tracefp4
 import tracestore as ts
+from tracefp4.constants import HINTS_PER_BYTE
 from tracerl import fidelity
+from tracerl.config import DemoConfig
 from tracerl.engine import RolloutEngine, RolloutResult
 from tracerl.errors import ConfigError
-from tracerl.models import TinyMoESpec, build_model, model_metadata
+from tracerl.models import TinyMoESpec, build_model, model_metadata, moe_blocks, moe_layer_name
 from tracerl.packing import pack_micro_batches, read_packed
-from tracerl.qat import MODES, install_fp4
+from tracerl.qat import MODES, FP4Runtime, install_fp4
 from tracerl.recorder import RolloutRecorder
-from tracerl.sites import plan_sites
+from tracerl.sites import BLOCK, SitePlan, SiteSpec, plan_sites
+from tracerl.state import swapped
 from tracerl.trainer import QATTrainer
 
 REPORT_MODES = ("floor", *MODES)
@@ -47,26 +56,8 @@ METRIC_KEYS = ("code_agreement", "scale_agreement", "router_flip_rate", "mean_ab
                "max_abs_dlogp", "k3")
 
 
-@dataclasses.dataclass
-class DemoConfig:
-    model: str = "qwen3-moe"
-    trajectories: int = 16
-    tokens: int = 256  # per trajectory, prompt + response
-    prompt_tokens: tuple[int, int] = (8, 16)  # prompt lengths drawn uniformly from [lo, hi]
-    hint_layers: str = "latter-half"
-    hint_sites: str = "moe-input"
-    fp4: str = "experts"
-    kv_fp4: bool = False
-    seed: int = 0
-    store: str | None = None
-    backward: bool = False
-    micro_batch_tokens: int = 8192
-    flush_tokens: int = 128
-    device: str = "cpu"
-    backend: str = "auto"
-    decode: str = "auto"  # RolloutEngine decode path: auto | hf | static | graph
-    replay_routes: bool = False  # trainer uses the rollout's routed experts (the floor: the floor run's)
-    spec: dict[str, Any] = dataclasses.field(default_factory=dict)  # TinyMoESpec overrides
+#: ``on_step(phase, done, total)``: progress of the demo's long phases (see `run_demo`)
+StepFn = Callable[[str, int, int], None]
 
 
 def _prompts(cfg: DemoConfig, vocab: int) -> list[list[int]]:
@@ -91,19 +82,84 @@ def _check_device(name: str) -> None:
         raise ConfigError(f"device {name!r}: the demo runs on cpu or cuda")
 
 
-def run_demo(cfg: DemoConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Run the demo; returns ``{"modes": {mode: metrics}, "config": ..., "rollout": ..., ...}``.
+def check_new_store(url: str) -> None:
+    """Raise `ConfigError` unless a new store can be created at ``url``: no store there yet and, for a local
+    path, nothing or an empty directory there, below a writable directory. A remote URL is asked whether a store
+    exists (a storage error raises tracestore's `BackendError`). Creates nothing."""
+    exists = ConfigError(f"store {url}: a tracestore store exists there already; the demo creates a new one "
+                         "(give a path that does not exist yet)")
+    if "://" in url and not url.startswith("file://"):
+        try:
+            ts.open_store(url)
+        except ts.StoreNotFoundError:
+            return
+        raise exists
+    path = Path(url.removeprefix("file://")).expanduser().absolute()
+    if path.is_dir() and any(path.iterdir()):
+        try:
+            ts.open_store(str(path))
+        except ts.StoreNotFoundError:
+            raise ConfigError(f"store {url}: a directory with other files in it; give a new or empty "
+                              "directory") from None
+        raise exists
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"store {url}: exists and is not a directory")
+    parent = path
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"store {url}: cannot be created, {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"store {url}: cannot be created, {parent} is not writable")
 
-    Raises `ConfigError` for an unusable device, decode path or token budget (before any store is created)."""
-    say = progress or (lambda msg: None)
-    t_start = time.perf_counter()
-    _check_device(cfg.device)
-    max_new = cfg.tokens - cfg.prompt_tokens[1]
-    if max_new < 2:
-        raise ConfigError(f"tokens={cfg.tokens} leaves no room for a response after prompts of up to "
-                          f"{cfg.prompt_tokens[1]} tokens; use tokens >= {cfg.prompt_tokens[1] + 2}")
-    torch.manual_seed(cfg.seed)
+
+def _check(cfg: DemoConfig) -> TinyMoESpec:
+    """Everything about ``cfg`` that can be checked before a model or a store is built; the model spec."""
+    cfg.check()
     spec = TinyMoESpec(family=cfg.model, **cfg.spec)
+    _check_device(cfg.device)
+    if cfg.store is not None:
+        check_new_store(cfg.store)
+    return spec
+
+
+@contextlib.contextmanager
+def _store_url(store: str | None) -> Iterator[str]:
+    """``store``, or a store in a temporary directory that is removed afterwards."""
+    if store is not None:
+        yield store
+        return
+    with tempfile.TemporaryDirectory(prefix="tracerl-demo-") as tmp:
+        yield f"{tmp}/store"
+
+
+@dataclasses.dataclass
+class _Setup:
+    """The demo's model with FP4 installed, its calibrated rollout engine and prompts."""
+
+    spec: TinyMoESpec
+    plan: SitePlan
+    runtime: FP4Runtime
+    engine: RolloutEngine
+    prompts: list[list[int]]
+    global_scales: dict[str, float]
+    moe_layers: list[str]
+
+    @property
+    def hinted(self) -> list[SiteSpec]:
+        return self.plan.hinted_specs()
+
+    @property
+    def site_names(self) -> list[str]:
+        return list(self.plan.hinted)
+
+    @property
+    def site_widths(self) -> dict[str, int]:
+        # a store declares at least one site: a hint-free run records a placeholder
+        return {s.name: s.width for s in self.hinted} or {"none": BLOCK}
+
+
+def _setup(cfg: DemoConfig, spec: TinyMoESpec) -> _Setup:
     model = build_model(spec, seed=cfg.seed, device=cfg.device)
     plan = plan_sites(model, fp4=cfg.fp4, hint_layers=cfg.hint_layers, hint_sites=cfg.hint_sites,
                       kv_fp4=cfg.kv_fp4)
@@ -112,104 +168,131 @@ def run_demo(cfg: DemoConfig, progress: Callable[[str], None] | None = None) -> 
     engine = RolloutEngine(model, runtime, keep_codes=True, decode=cfg.decode)
     engine.decode_path(torch.device(cfg.device))  # an unusable --decode fails here, before a store exists
     global_scales = engine.calibrate(prompts)
-    hinted = plan.hinted_specs()
-    moe_layers = [f"model.layers.{i}.mlp" for i in range(spec.num_layers)]
+    return _Setup(spec, plan, runtime, engine, prompts, global_scales, [n for _, n, _ in moe_blocks(model)])
 
-    tmp = None
-    url = cfg.store
-    if url is None:
-        tmp = tempfile.TemporaryDirectory(prefix="tracerl-demo-")
-        url = f"{tmp.name}/store"
-    try:
-        meta = {
-            **model_metadata(spec, cfg.seed),
-            "fp4": cfg.fp4,
-            "site_plan": plan.to_json(),
-            "global_scales": global_scales,
-        }
-        store = ts.create_store(
-            url,
-            [ts.Site(s.name, s.width) for s in hinted] or [ts.Site("none", 16)],
-            model=meta,
-            moe_layers=moe_layers,
-            top_k=spec.top_k,
-            num_experts=spec.num_experts,
-        )
-        # ---- FP4 rollout, recorded -------------------------------------------------------------------
-        say(f"FP4 rollout: {cfg.trajectories} trajectories x {cfg.tokens} tokens, {len(hinted)} hinted sites")
-        rids = [f"traj-{i:04d}" for i in range(cfg.trajectories)]
-        with store.writer() as writer:
-            recorder = RolloutRecorder(
-                writer,
-                {s.name: s.width for s in hinted} if hinted else {"none": 16},
-                moe_layers=moe_layers,
-                top_k=spec.top_k,
-                flush_tokens=cfg.flush_tokens,
-            )
-            engine.recorder = recorder
-            roll = engine.generate(prompts, max_new, seed=cfg.seed, request_ids=rids)
-            engine.recorder = None
-        # ---- floor: the rollout's decode path in bf16, tokens forced ----------------------------------
-        say("floor run: bf16 decode path with the sampled tokens forced")
-        forced = torch.as_tensor(np.stack([s[len(p):] for s, p in zip(roll.sequences, prompts)]))
-        floor = engine.generate(prompts, max_new, seed=cfg.seed, request_ids=rids, forced_tokens=forced,
-                                mode="bf16")
-        # ---- trainer: read the store back as THD micro-batches -----------------------------------------
+
+def _create_store(url: str, cfg: DemoConfig, s: _Setup) -> ts.Store:
+    meta = {**model_metadata(s.spec, cfg.seed), "fp4": cfg.fp4, "site_plan": s.plan.to_json(),
+            "global_scales": s.global_scales}
+    return ts.create_store(url, [ts.Site(n, w) for n, w in s.site_widths.items()], model=meta,
+                           moe_layers=s.moe_layers, top_k=s.spec.top_k, num_experts=s.spec.num_experts)
+
+
+def _rollouts(cfg: DemoConfig, s: _Setup, store: ts.Store, rids: list[str], on_step: StepFn):
+    """The FP4 rollout, recorded into ``store``, then the floor run (bf16, the sampled tokens forced)."""
+    max_new = cfg.tokens - cfg.prompt_tokens[1]
+    phase = f"FP4 rollout ({len(rids)} x {max_new} tokens)"
+    on_step(phase, 0, max_new)
+    with store.writer() as writer:
+        recorder = RolloutRecorder(writer, s.site_widths, moe_layers=s.moe_layers, top_k=s.spec.top_k,
+                                   flush_tokens=cfg.flush_tokens)
+        with swapped(s.engine, recorder=recorder):
+            roll = s.engine.generate(s.prompts, max_new, seed=cfg.seed, request_ids=rids,
+                                     on_step=lambda done, total: on_step(phase, done, total))
+    phase = "floor run (bf16, tokens forced)"
+    on_step(phase, 0, max_new)
+    forced = torch.as_tensor(np.stack([q[len(p):] for q, p in zip(roll.sequences, s.prompts)]))
+    floor = s.engine.generate(s.prompts, max_new, seed=cfg.seed, request_ids=rids, forced_tokens=forced, mode="bf16",
+                              on_step=lambda done, total: on_step(phase, done, total))
+    return roll, floor
+
+
+def _recompute(cfg: DemoConfig, s: _Setup, packed: list, roll: RolloutResult, floor: RolloutResult,
+               rids: list[str], on_step: StepFn) -> tuple[dict[str, list], dict[str, _CodeTally]]:
+    """The trainer's recompute of every micro-batch in every mode (code agreement counted as it goes); under
+    routing replay also the ``floor`` row: bf16 with the floor run's routes (the stored ones are the FP4
+    rollout's)."""
+    trainer = QATTrainer(s.engine.model, s.runtime)
+    recomputes: dict[str, list] = {}
+    tallies: dict[str, _CodeTally] = {}
+    total = len(packed) * (len(MODES) + cfg.replay_routes)
+    phase = "trainer recompute"
+    on_step(phase, 0, total)
+    for mode in MODES:
+        if mode != "bf16":
+            tallies[mode] = _CodeTally(roll, rids, s.site_names)
+        recomputes[mode] = []
+        for p in packed:
+            r = trainer.recompute(p, mode, backward=cfg.backward, replay_routes=cfg.replay_routes)
+            if mode in tallies:
+                tallies[mode].add(p, r)
+            r.codes = {}  # counted; [T, W] per hinted site is too much to keep for every micro-batch
+            recomputes[mode].append(r)
+            on_step(phase, sum(map(len, recomputes.values())), total)
+    if cfg.replay_routes:
+        index = {r: i for i, r in enumerate(rids)}
+        recomputes["floor"] = []
+        for p in packed:
+            routes = {moe_layer_name(la): np.concatenate([per[index[g.traj_id]][g.start : g.stop] for g in p.segments])
+                      for la, per in floor.experts.items()}
+            recomputes["floor"].append(trainer.recompute(dataclasses.replace(p, experts=routes), "bf16",
+                                                         backward=cfg.backward, replay_routes=True))
+            on_step(phase, sum(map(len, recomputes.values())), total)
+    return recomputes, tallies
+
+
+def _run_info(cfg: DemoConfig, s: _Setup, roll: RolloutResult, recomputes: dict[str, list]) -> dict[str, Any]:
+    """The result's ``config``, ``rollout``, ``trainer_seconds`` and ``machine`` entries."""
+    return {
+        "config": {**dataclasses.asdict(cfg), "spec": dataclasses.asdict(s.spec), "hinted_sites": s.site_names,
+                   "fp4_sites": [x.name for x in s.plan.sites],
+                   "kernels_backend": tracefp4.resolve_backend(cfg.backend, torch.device(cfg.device))},
+        "rollout": {
+            "trajectories": len(roll.request_ids),
+            "tokens": int(sum(len(q) for q in roll.sequences)),
+            "response_tokens": int(sum(len(lp) for lp in roll.logprobs)),
+            "prefill_s": roll.prefill_s,
+            "decode_s": roll.decode_s,
+            "decode_steps": roll.decode_steps,
+            "decode_path": roll.decode_path,
+            "decode_prepare_s": roll.prepare_s,
+            "hint_bytes_per_token": sum(x.width // HINTS_PER_BYTE + x.width // BLOCK for x in s.hinted),
+            "store_url": cfg.store,
+        },
+        "trainer_seconds": {m: sum(r.seconds for r in rs) for m, rs in recomputes.items()},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                    "python": platform.python_version(), "torch": torch.__version__,
+                    "transformers": importlib.metadata.version("transformers")},
+    }
+
+
+def run_demo(cfg: DemoConfig, progress: Callable[[str], None] | None = None, *,
+             on_step: StepFn | None = None) -> dict[str, Any]:
+    """Run the demo; returns ``{"modes": {mode: metrics}, "config": ..., "rollout": ..., ...}``.
+
+    ``progress(message)`` is called as each phase starts; ``on_step(phase, done, total)`` as the long phases
+    (the FP4 rollout and the floor run: decode steps; the trainer recompute: micro-batches x modes) advance,
+    first with ``done == 0``.
+
+    Raises `ConfigError` for a configuration that cannot run (`DemoConfig.check`, the model spec, the device,
+    the decode path, a ``store`` that exists or cannot be created) before any store is created."""
+    t_start = time.perf_counter()
+    said: set[str] = set()
+
+    def step(phase: str, done: int, total: int) -> None:
+        if progress is not None and phase not in said:
+            said.add(phase)
+            progress(phase)
+        if on_step is not None:
+            on_step(phase, done, total)
+
+    spec = _check(cfg)
+    torch.manual_seed(cfg.seed)
+    step("build and calibrate the model", 0, 1)
+    s = _setup(cfg, spec)
+    step("build and calibrate the model", 1, 1)
+    rids = [f"traj-{i:04d}" for i in range(cfg.trajectories)]
+    with _store_url(cfg.store) as url:
+        roll, floor = _rollouts(cfg, s, _create_store(url, cfg, s), rids, step)
+        # the trainer reads the store back through a fresh handle, as THD micro-batches
         reader = ts.open_store(url).reader()
-        infos = reader.trajectories()
-        mbs = pack_micro_batches({i.traj_id: i.num_tokens for i in infos}, cfg.micro_batch_tokens)
-        site_names = [s.name for s in hinted]
-        packed = [read_packed(reader, mb, site_names, read_kwargs={"fmt": "numpy"}) for mb in mbs]
-        trainer = QATTrainer(model, runtime)
-        recomputes: dict[str, list] = {}
-        tallies: dict[str, _CodeTally] = {}
-        for mode in MODES:
-            say(f"trainer recompute: {mode}")
-            if mode != "bf16":
-                tallies[mode] = _CodeTally(roll, rids, site_names)
-            recomputes[mode] = []
-            for p in packed:
-                r = trainer.recompute(p, mode, backward=cfg.backward, replay_routes=cfg.replay_routes)
-                if mode in tallies:
-                    tallies[mode].add(p, r)
-                r.codes = {}  # counted; [T, W] per hinted site is too much to keep for every micro-batch
-                recomputes[mode].append(r)
-        if cfg.replay_routes:
-            # The floor compares the bf16 decode path with the bf16 trainer; under routing replay the trainer
-            # replays the floor run's routes (the stored ones are the FP4 rollout's).
-            say("trainer recompute: bf16 with the floor run's routes")
-            index = {r: i for i, r in enumerate(rids)}
-            recomputes["floor"] = [
-                trainer.recompute(dataclasses.replace(p, experts={
-                    f"model.layers.{la}.mlp": np.concatenate(
-                        [per[index[g.traj_id]][g.start : g.stop] for g in p.segments])
-                    for la, per in floor.experts.items()}), "bf16", backward=cfg.backward, replay_routes=True)
-                for p in packed]
-        result = _metrics(cfg, packed, recomputes, tallies, roll, floor, rids, hinted, spec)
-        hint_bytes = sum(s.width // 8 + s.width // 16 for s in hinted)
-        result.update({
-            "config": {**dataclasses.asdict(cfg), "spec": dataclasses.asdict(spec),
-                       "hinted_sites": site_names, "fp4_sites": [s.name for s in plan.sites],
-                       "kernels_backend": tracefp4.resolve_backend(cfg.backend, torch.device(cfg.device))},
-            "rollout": {
-                "trajectories": len(rids),
-                "tokens": int(sum(len(s) for s in roll.sequences)),
-                "response_tokens": int(sum(len(lp) for lp in roll.logprobs)),
-                "prefill_s": roll.prefill_s,
-                "decode_s": roll.decode_s,
-                "decode_steps": roll.decode_steps,
-                "decode_path": roll.decode_path,
-                "decode_prepare_s": roll.prepare_s,
-                "hint_bytes_per_token": hint_bytes,
-                "store_url": url if cfg.store else None,
-            },
-            "trainer_seconds": {m: sum(r.seconds for r in rs) for m, rs in recomputes.items()},
-            "seconds": time.perf_counter() - t_start,
-        })
-        return result
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
+        mbs = pack_micro_batches({i.traj_id: i.num_tokens for i in reader.trajectories()}, cfg.micro_batch_tokens)
+        packed = [read_packed(reader, mb, s.site_names, read_kwargs={"fmt": "numpy"}) for mb in mbs]
+        recomputes, tallies = _recompute(cfg, s, packed, roll, floor, rids, step)
+        result = _metrics(cfg, packed, recomputes, tallies, roll, floor, rids, s.hinted, spec)
+    result.update(_run_info(cfg, s, roll, recomputes))
+    result["seconds"] = time.perf_counter() - t_start
+    return result
 
 
 class _CodeTally:

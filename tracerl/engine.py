@@ -28,17 +28,19 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
+from tracerl.config import DECODE_PATHS
 from tracerl.decode import StaticDecoder, supports_static_decode
 from tracerl.errors import ConfigError
-from tracerl.qat import FP4Runtime, fp4_kv_cache
+from tracerl.models import moe_layer_name
+from tracerl.qat import FP4Runtime, check_mode, fp4_kv_cache
 from tracerl.recorder import RolloutRecorder
+from tracerl.state import swapped
 
-DECODE_PATHS = ("auto", "hf", "static", "graph")
 
 
 @dataclasses.dataclass
@@ -89,6 +91,48 @@ def _to_host(tensors: Sequence[torch.Tensor]) -> list[np.ndarray]:
             out[i] = host[off : off + n].view(_NP_DTYPES[t.dtype]).reshape(tuple(t.shape))
             off += n
     return out
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for ``device`` (timings of CUDA work); nothing to wait for on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclasses.dataclass
+class _Batch:
+    """One `RolloutEngine.generate` call's requests: left-padded prompts on the device, lengths on the host."""
+
+    rids: list[str]
+    plens: list[int]
+    ids: torch.Tensor  # int64 [B, Pmax], left-padded
+    mask: torch.Tensor  # int64 [B, Pmax]
+    plens_t: torch.Tensor  # int64 [B] on the device
+    device: torch.device
+    path: str  # decode path
+    max_new_tokens: int
+    n_fed: int  # decode steps fed back through the model (max_new_tokens, or one less without feed_last)
+
+    def __post_init__(self) -> None:
+        # the prompt rows' (request, position), in the prefill's row order
+        self.prompt_pos = np.concatenate([np.arange(n) for n in self.plens])
+        self.prompt_rids = [r for r, n in zip(self.rids, self.plens) for _ in range(n)]
+
+
+class _Sampler:
+    """The next token of each row from the last logits [B, V]: ``forced`` [B, G] (teacher forcing) or a draw
+    from softmax(logits / temperature) with ``generator``; with its log-prob (fp32 [B])."""
+
+    def __init__(self, forced: torch.Tensor | None, generator: torch.Generator, temperature: float):
+        self.forced, self.generator, self.temperature = forced, generator, temperature
+
+    def __call__(self, logits: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        logp = torch.log_softmax(logits.float() / self.temperature, dim=-1)  # (B, V)
+        if self.forced is not None:
+            tok = self.forced[:, step]
+        else:
+            tok = torch.multinomial(logp.exp(), 1, generator=self.generator).squeeze(-1)
+        return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
 
 def _cache_kwarg(model: torch.nn.Module) -> str:
@@ -162,7 +206,7 @@ class RolloutEngine:
             self._codes.setdefault(site, []).append((rids, pos, codes))
 
     def _deliver_route(self, rids, pos, layer: int, ids: torch.Tensor) -> None:
-        name = f"model.layers.{layer}.mlp"
+        name = moe_layer_name(layer)
         if self.recorder is not None and self.record_experts and name in self.recorder.moe_layers:
             self.recorder.record_experts(rids, pos, name, ids)
         self._experts.setdefault(layer, []).append((rids, pos, ids))
@@ -204,7 +248,7 @@ class RolloutEngine:
 
     @torch.no_grad()
     def calibrate(self, prompts: Sequence[Sequence[int]]) -> dict[str, float]:
-        """Static per-site global scales from one bf16 prefill of ``prompts``: g = amax / (448 * 6)."""
+        """Static per-site global scales from one bf16 prefill of ``prompts`` (`FP4Runtime.calibrating`)."""
         device = next(self.model.parameters()).device
         _, ids, mask = self._left_pad(prompts, device)
         kv = fp4_kv_cache(self.model, self.runtime)
@@ -226,131 +270,128 @@ class RolloutEngine:
         forced_tokens: torch.Tensor | None = None,
         policy_version: int = 0,
         mode: str = "fp4_rne_own_scales",
+        on_step: Callable[[int, int], None] | None = None,
     ) -> RolloutResult:
-        """Sample ``max_new_tokens`` per prompt; ``forced_tokens`` [B, G] replaces sampling (teacher forcing)."""
-        model, rt = self.model, self.runtime
-        device = next(model.parameters()).device
-        bsz = len(prompts)
-        rids = list(request_ids) if request_ids is not None else [f"req-{i}" for i in range(bsz)]
-        plens, ids, mask = self._left_pad(prompts, device)
-        pos_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-        plens_t = _to_device(torch.tensor(plens), device)
-        if forced_tokens is not None:
-            forced_tokens = _to_device(torch.as_tensor(forced_tokens), device)  # once, not per step
-        gen = torch.Generator(device=device).manual_seed(seed)
+        """Sample ``max_new_tokens`` per prompt; ``forced_tokens`` [B, G] replaces sampling (teacher forcing).
 
-        path = self.decode_path(device)  # raises before anything is begun or changed
-        rec = self.recorder
-        prev_mode = rt.mode
-        prev_attn = model.config._attn_implementation
-        if self.attn_implementation is not None:
-            model.config._attn_implementation = self.attn_implementation
-        rt.set_mode(mode)
-        collect = rec is not None or self.keep_codes or self.collect_routes
-        rt.capture = self._on_capture if (rec is not None or self.keep_codes) else None
-        rt.on_route = self._on_route if collect else None
+        ``on_step(done, total)`` is called on the host after each of the ``max_new_tokens`` sampling steps
+        (progress display; it reads nothing from the device). Raises `ConfigError` for a decode path or mode
+        that cannot run, before anything is recorded or changed."""
+        device = next(self.model.parameters()).device
+        path = self.decode_path(device)
+        check_mode(mode)
+        b = self._batch(prompts, request_ids, device, path, max_new_tokens)
+        forced = None if forced_tokens is None else _to_device(torch.as_tensor(forced_tokens), device)  # once
+        sample = _Sampler(forced, torch.Generator(device=device).manual_seed(seed), temperature)
+        capture = self.recorder is not None or self.keep_codes
+        attn = {} if self.attn_implementation is None else {"_attn_implementation": self.attn_implementation}
         self._codes, self._experts = {}, {}
-        prompt_pos = np.concatenate([np.arange(n) for n in plens])  # the prompt rows' (request, position)
-        prompt_rids = [r for r, n in zip(rids, plens) for _ in range(n)]
-        n_fed = max_new_tokens if self.feed_last else max(max_new_tokens - 1, 0)  # decode steps fed
-        if rec is not None:
-            for r in rids:
-                rec.begin(r, policy_version)
-            rec.record_tokens(
-                prompt_rids,
-                prompt_pos,
-                torch.cat([torch.as_tensor(list(p), dtype=torch.long) for p in prompts]),
-                torch.full((len(prompt_pos),), float("nan")),
-            )
-        try:
-            from transformers import DynamicCache
-
-            cache = fp4_kv_cache(model, rt) or DynamicCache(config=model.config)
-            # Prefill: valid rows of the flattened [B, Pmax] batch (left-padded), from the host lengths
-            # (``mask.nonzero()`` would read the device mask: a host sync).
-            pmax = max(plens)
-            valid = _to_device(
-                torch.as_tensor(np.concatenate([b * pmax + np.arange(pmax - n, pmax) for b, n in enumerate(plens)])),
-                device,
-            )
-            self._rows = (prompt_rids, prompt_pos, valid)
-            dec = None
-            prepare_s = 0.0  # tracing / capturing the decode step (not part of decode_s)
-            if path != "hf" and n_fed > 0:
-                tp = time.perf_counter()
-                dec = StaticDecoder(model, rt, batch=bsz, max_len=pmax + n_fed, ring=self.ring,
-                                    capture=rt.capture is not None, keep_codes=self.keep_codes,
-                                    routes=rt.on_route is not None, use_graph=path == "graph")
-                dec.prepare()
-                prepare_s = time.perf_counter() - tp
+        self._begin_records(b, prompts, policy_version)
+        with swapped(self.model.config, **attn), swapped(self, _rows=None), self.runtime.using(
+            mode=mode,
+            capture=self._on_capture if capture else None,
+            on_route=self._on_route if capture or self.collect_routes else None,
+        ):
+            tp = time.perf_counter()
+            dec = self._static_decoder(b)
             t0 = time.perf_counter()
-            out = model(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=pos_ids,
-                use_cache=True,
-                logits_to_keep=1,
-                **{self._cache_kw: cache},
-            )
-            if rec is not None:
-                rec.step()
-            logits = out.logits[:, -1, :]  # (B, V)
-            if dec is not None:
-                dec.load_prefill(cache, mask, plens_t)
-                del out, cache  # the static cache holds the prompt now
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            logits, cache = self._prefill(b, dec)
             t1 = time.perf_counter()
-            toks, lps = [], []
-            window: list[np.ndarray] = []  # positions of the steps in the decoder's ring
-            for step in range(max_new_tokens):
-                logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # (B, V)
-                if forced_tokens is not None:
-                    tok = forced_tokens[:, step]
-                else:
-                    tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
-                lp = logp.gather(-1, tok[:, None]).squeeze(-1)
-                toks.append(tok)
-                lps.append(lp)
-                positions = np.asarray(plens) + step
-                if rec is not None:
-                    rec.record_tokens(rids, positions, tok, lp)
-                if step == max_new_tokens - 1 and not self.feed_last:
-                    break
-                if dec is not None:
-                    logits = dec.step(tok)
-                    window.append(positions)
-                    if len(window) == dec.ring:
-                        self._take_ring(dec, window, rids)
-                        window = []
-                else:
-                    mask = torch.cat([mask, torch.ones(bsz, 1, dtype=mask.dtype, device=device)], dim=-1)
-                    self._rows = (rids, positions, None)  # decode: every batch row is a request's token
-                    out = model(
-                        input_ids=tok[:, None],
-                        attention_mask=mask,
-                        position_ids=(plens_t + step)[:, None],
-                        use_cache=True,
-                        **{self._cache_kw: cache},
-                    )
-                    logits = out.logits[:, -1, :]
-                if rec is not None:
-                    rec.step()
-            if window:
-                self._take_ring(dec, window, rids)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            toks, lps = self._decode(b, logits, cache, dec, sample, on_step)
             t2 = time.perf_counter()
+            if self.recorder is not None:
+                for r in b.rids:
+                    self.recorder.end(r)
+        return self._result(b, prompts, toks, lps, prefill_s=t1 - t0, decode_s=t2 - t1, prepare_s=t0 - tp)
+
+    def _batch(self, prompts, request_ids, device, path: str, max_new_tokens: int) -> _Batch:
+        plens, ids, mask = self._left_pad(prompts, device)
+        rids = list(request_ids) if request_ids is not None else [f"req-{i}" for i in range(len(prompts))]
+        n_fed = max_new_tokens if self.feed_last else max(max_new_tokens - 1, 0)
+        return _Batch(rids, plens, ids, mask, _to_device(torch.tensor(plens), device), device, path, max_new_tokens,
+                      n_fed)
+
+    def _begin_records(self, b: _Batch, prompts, policy_version: int) -> None:
+        """Begin every request in the recorder and hand it the prompt tokens (host rows, NaN log-probs)."""
+        rec = self.recorder
+        if rec is None:
+            return
+        for r in b.rids:
+            rec.begin(r, policy_version)
+        rec.record_tokens(b.prompt_rids, b.prompt_pos,
+                          torch.cat([torch.as_tensor(list(p), dtype=torch.long) for p in prompts]),
+                          torch.full((len(b.prompt_pos),), float("nan")))
+
+    def _static_decoder(self, b: _Batch) -> StaticDecoder | None:
+        """The prepared (traced / graph-captured) `StaticDecoder` of the static and graph paths; None for hf."""
+        if b.path == "hf" or b.n_fed == 0:
+            return None
+        rt = self.runtime
+        dec = StaticDecoder(self.model, rt, batch=len(b.rids), max_len=b.ids.shape[1] + b.n_fed, ring=self.ring,
+                            capture=rt.capture is not None, keep_codes=self.keep_codes,
+                            routes=rt.on_route is not None, use_graph=b.path == "graph")
+        dec.prepare()
+        return dec
+
+    def _prefill(self, b: _Batch, dec: StaticDecoder | None):
+        """The prompts' forward over the left-padded batch: last logits (B, V) and the `DynamicCache` that the
+        hf path decodes with (None when the static decoder holds the prompt's K/V)."""
+        from transformers import DynamicCache
+
+        cache = fp4_kv_cache(self.model, self.runtime) or DynamicCache(config=self.model.config)
+        # Valid rows of the flattened [B, Pmax] batch, from the host lengths (``mask.nonzero()`` would read the
+        # device mask: a host sync).
+        pmax = b.ids.shape[1]
+        valid = np.concatenate([i * pmax + np.arange(pmax - n, pmax) for i, n in enumerate(b.plens)])
+        self._rows = (b.prompt_rids, b.prompt_pos, _to_device(torch.as_tensor(valid), b.device))
+        out = self.model(input_ids=b.ids, attention_mask=b.mask, position_ids=(b.mask.cumsum(-1) - 1).clamp(min=0),
+                         use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
+        if self.recorder is not None:
+            self.recorder.step()
+        if dec is not None:
+            dec.load_prefill(cache, b.mask, b.plens_t)
+            cache = None  # the static cache holds the prompt now
+        _sync(b.device)
+        return out.logits[:, -1, :], cache
+
+    def _decode(self, b: _Batch, logits, cache, dec: StaticDecoder | None, sample: _Sampler, on_step):
+        """Sample (or take the forced token), record, feed back: per step one token [B] and its log-prob [B]."""
+        rec = self.recorder
+        mask = b.mask
+        toks, lps = [], []
+        window: list[np.ndarray] = []  # positions of the steps in the decoder's ring
+        for step in range(b.max_new_tokens):
+            tok, lp = sample(logits, step)
+            toks.append(tok)
+            lps.append(lp)
+            positions = np.asarray(b.plens) + step
             if rec is not None:
-                for r in rids:
-                    rec.end(r)
-        finally:
-            rt.capture = rt.on_route = None
-            rt.set_mode(prev_mode)
-            model.config._attn_implementation = prev_attn
-            self._rows = None
-        # Everything the result holds comes to the host in one transfer per device (per-part copies were a
-        # host sync per MoE layer per forward: the whole cost of capture in the sync check).
+                rec.record_tokens(b.rids, positions, tok, lp)
+            if step < b.n_fed and dec is not None:
+                logits = dec.step(tok)
+                window.append(positions)
+                if len(window) == dec.ring:
+                    self._take_ring(dec, window, b.rids)
+                    window = []
+            elif step < b.n_fed:
+                mask = torch.cat([mask, torch.ones(len(b.rids), 1, dtype=mask.dtype, device=b.device)], dim=-1)
+                self._rows = (b.rids, positions, None)  # decode: every batch row is a request's token
+                out = self.model(input_ids=tok[:, None], attention_mask=mask,
+                                 position_ids=(b.plens_t + step)[:, None], use_cache=True, **{self._cache_kw: cache})
+                logits = out.logits[:, -1, :]
+            if rec is not None and step < b.n_fed:
+                rec.step()
+            if on_step is not None:
+                on_step(step + 1, b.max_new_tokens)
+        if window:
+            self._take_ring(dec, window, b.rids)
+        _sync(b.device)
+        return toks, lps
+
+    def _result(self, b: _Batch, prompts, toks, lps, **seconds: float) -> RolloutResult:
+        """Tokens, log-probs, routes and codes to the host in one transfer per device (per-part copies were a
+        host sync per MoE layer per forward: the whole cost of capture in the sync check)."""
+        bsz = len(b.rids)
         expert_parts = list(self._experts.items())
         code_parts = list(self._codes.items())
         dev = [torch.stack(toks, dim=1) if toks else torch.zeros(bsz, 0, dtype=torch.long),
@@ -359,23 +400,20 @@ class RolloutEngine:
             dev.extend(val for _, _, val in parts)
         host = iter(_to_host(dev))
         gen_toks, gen_lps = next(host), next(host)  # (B, G) each
-        experts = {la: self._assemble([(r, p, next(host)) for r, p, _ in parts], rids, plens, n_fed)
-                   for la, parts in expert_parts}
-        codes = {s: self._assemble([(r, p, next(host)) for r, p, _ in parts], rids, plens, n_fed)
-                 for s, parts in code_parts}
-        seqs = [np.concatenate([np.asarray(p, dtype=np.int64), gen_toks[b]]) for b, p in enumerate(prompts)]
+
+        def assemble(parts):
+            return self._assemble([(r, p, next(host)) for r, p, _ in parts], b.rids, b.plens, b.n_fed)
+
         return RolloutResult(
-            request_ids=rids,
-            prompt_lens=plens,
-            sequences=seqs,
-            logprobs=[gen_lps[b].astype(np.float32) for b in range(bsz)],
-            experts=experts,
-            codes=codes,
-            prefill_s=t1 - t0,
-            decode_s=t2 - t1,
-            decode_steps=n_fed,
-            decode_path=path,
-            prepare_s=prepare_s,
+            request_ids=b.rids,
+            prompt_lens=b.plens,
+            sequences=[np.concatenate([np.asarray(p, dtype=np.int64), gen_toks[i]]) for i, p in enumerate(prompts)],
+            logprobs=[gen_lps[i].astype(np.float32) for i in range(bsz)],
+            experts={la: assemble(parts) for la, parts in expert_parts},
+            codes={s: assemble(parts) for s, parts in code_parts},
+            decode_steps=b.n_fed,
+            decode_path=b.path,
+            **seconds,
         )
 
     @staticmethod

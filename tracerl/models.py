@@ -19,9 +19,10 @@ from typing import Any
 
 import torch
 
+from tracefp4.constants import NVFP4_BLOCK_SIZE
+from tracerl.config import MODEL_FAMILIES
 from tracerl.errors import ConfigError
 
-MODEL_FAMILIES = ("qwen3-moe", "qwen3.5-moe")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,11 +45,20 @@ class TinyMoESpec:
     def __post_init__(self) -> None:
         if self.family not in MODEL_FAMILIES:
             raise ConfigError(f"unknown model family {self.family!r}; supported: {', '.join(MODEL_FAMILIES)}")
-        if self.num_experts > 256:
-            raise ConfigError(f"num_experts={self.num_experts}: routed expert ids are stored as uint8 (<= 256)")
+        for name in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "top_k", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        if not self.top_k <= self.num_experts <= 256:
+            raise ConfigError(f"num_experts={self.num_experts}: need top_k ({self.top_k}) <= num_experts <= 256 "
+                              "(routed expert ids are stored as uint8)")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.vocab_size < 2:
+            raise ConfigError(f"vocab_size={self.vocab_size} must be >= 2")
         for name in ("hidden_size", "moe_intermediate_size"):
-            if getattr(self, name) % 16:
-                raise ConfigError(f"{name}={getattr(self, name)} must be a multiple of 16 (NVFP4 block)")
+            value = getattr(self, name)
+            if value < 1 or value % NVFP4_BLOCK_SIZE:
+                raise ConfigError(f"{name}={value} must be a positive multiple of {NVFP4_BLOCK_SIZE} (NVFP4 block)")
 
 
 def _hf_config(spec: TinyMoESpec) -> Any:
@@ -119,11 +129,22 @@ def has_linear_attention(model: torch.nn.Module) -> bool:
     return any(getattr(layer, "block_type", None) == "linear_attention" for layer in model.model.layers)
 
 
+def moe_layer_name(layer: int) -> str:
+    """Module name of decoder layer ``layer``'s MoE block: the name its routed experts are recorded under (the
+    store's ``moe_layers``, `tracerl.packing.PackedHints.experts`) and the prefix of its FP4 sites."""
+    return f"model.layers.{layer}.mlp"
+
+
+def attention_name(layer: int) -> str:
+    """Module name of decoder layer ``layer``'s attention (prefix of its projection and KV-cache sites)."""
+    return f"model.layers.{layer}.self_attn"
+
+
 def moe_blocks(model: torch.nn.Module) -> list[tuple[int, str, torch.nn.Module]]:
     """(layer index, module name, block) of every sparse MoE block (has a router `gate` and `experts`)."""
     out = []
     for i, layer in enumerate(model.model.layers):
         mlp = getattr(layer, "mlp", None)
         if mlp is not None and hasattr(mlp, "experts") and hasattr(mlp, "gate"):
-            out.append((i, f"model.layers.{i}.mlp", mlp))
+            out.append((i, moe_layer_name(i), mlp))
     return out

@@ -30,19 +30,23 @@ import torch.nn.functional as F
 from torch import nn
 
 import tracefp4
+from tracefp4.constants import E2M1_MAGNITUDES, HINTS_PER_BYTE
 from tracerl.errors import ConfigError, HintMismatchError
 from tracerl.models import moe_blocks
 from tracerl.sites import BLOCK, SitePlan, kv_cache_sites, linear_input_site, moe_down_site, moe_input_site
+from tracerl.state import swapped
 
 MODES = ("bf16", "fp4_rne_own_scales", "fp4_rne_rollout_scales", "fp4_hints")
-FP4_MAX = 6.0
-E4M3_MAX = 448.0
-# E2M1 magnitudes of codes 0..7 (bit 3 is the sign).
-E2M1_LADDER = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 CaptureFn = Callable[[str, Any], None]  # (site, tracefp4.quantize result [N, W]) at hinted sites
 ObserveFn = Callable[[str, torch.Tensor, torch.Tensor], None]  # (site, codes_u8 [N, W], scale_e4m3 [N, W/16])
 RouteFn = Callable[[int, torch.Tensor], None]  # (layer, expert ids [N, top_k], ascending per row)
+
+
+def check_mode(mode: str) -> None:
+    """Raise `ConfigError` unless ``mode`` is one of `MODES`."""
+    if mode not in MODES:
+        raise ConfigError(f"unknown QAT mode {mode!r}; supported: {', '.join(MODES)}")
 
 
 class _StraightThrough(torch.autograd.Function):
@@ -76,11 +80,11 @@ _LADDERS: dict[torch.device, torch.Tensor] = {}
 
 
 def _ladder(device: torch.device) -> torch.Tensor:
-    """E2M1_LADDER as an fp32 tensor on ``device``, built once per device: ``torch.tensor(..., device=cuda)``
-    is a blocking host-to-device copy (a host sync) on every call."""
+    """tracefp4's E2M1 magnitudes (codes 0..7) as an fp32 tensor on ``device``, built once per device:
+    ``torch.tensor(..., device=cuda)`` is a blocking host-to-device copy (a host sync) on every call."""
     t = _LADDERS.get(device)
     if t is None:
-        t = _LADDERS[device] = torch.tensor(E2M1_LADDER).to(device)
+        t = _LADDERS[device] = torch.tensor(E2M1_MAGNITUDES).to(device)
     return t
 
 
@@ -113,8 +117,8 @@ class FP4Runtime:
 
     # ---- configuration -------------------------------------------------------------------------------
     def set_mode(self, mode: str) -> None:
-        if mode not in MODES:
-            raise ConfigError(f"unknown QAT mode {mode!r}; supported: {', '.join(MODES)}")
+        """Switch the mode for good (`using` switches it for a block). Raises `ConfigError` for an unknown mode."""
+        check_mode(mode)
         self.mode = mode
 
     def set_global_scales(self, scales: Mapping[str, float]) -> None:
@@ -127,24 +131,35 @@ class FP4Runtime:
     def global_scales_json(self) -> dict[str, float]:
         return {k: float(v) for k, v in self.global_scales.items()}
 
+    #: the per-call state that `using` sets and restores
+    CALL_STATE = ("mode", "capture", "observe", "on_route", "provided", "forced_routes", "gather_max_slots")
+
+    @contextlib.contextmanager
+    def using(self, **state: Any) -> Iterator[FP4Runtime]:
+        """Set per-call state (any of `CALL_STATE`: ``mode``, the ``capture`` / ``observe`` / ``on_route``
+        callbacks, ``provided`` hints and scales, ``forced_routes``, ``gather_max_slots``) for the block; the
+        previous values come back on exit, also when the block raises.
+
+        Raises `ConfigError` for an unknown key or mode, before anything changes."""
+        unknown = sorted(set(state) - set(self.CALL_STATE))
+        if unknown:
+            raise ConfigError(f"FP4Runtime.using: unknown state {unknown}; settable: {', '.join(self.CALL_STATE)}")
+        if "mode" in state:
+            check_mode(state["mode"])
+        with swapped(self, **state):
+            yield self
+
     @contextlib.contextmanager
     def calibrating(self) -> Iterator[None]:
-        """Run forwards in bf16 and record each FP4 site's amax; on exit g = amax / (448 * 6) per site."""
-        prev = self.mode
-        self.mode = "bf16"
-        self._calib = {}
-        try:
+        """Run forwards in bf16 and record each FP4 site's amax over finite values; on exit each site's global
+        scale is `tracefp4.compute_global_scale` of its amax (max(amax / 2688, 2^-118); 1.0 for amax 0)."""
+        with self.using(mode="bf16"), swapped(self, _calib={}):
             yield
             missing = sorted(self._fp4 - set(self._calib))
             if missing:
                 raise ConfigError(f"calibration saw no activations at sites {missing[:4]}")
-            self.global_scales = {
-                k: (torch.clamp(a, min=1e-12) / (E4M3_MAX * FP4_MAX)).to(torch.float32).cpu()
-                for k, a in self._calib.items()
-            }
-        finally:
-            self._calib = None
-            self.mode = prev
+            # g of the running amax equals g of every calibration activation at once: the formula only reads amax.
+            self.global_scales = {k: tracefp4.compute_global_scale(a).cpu() for k, a in self._calib.items()}
 
     def provide(self, site_data: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]]) -> None:
         """Hinted sites' (scale_e4m3 [N, W/16], hints [N, W/8]) for the rows of the next forward."""
@@ -171,7 +186,8 @@ class FP4Runtime:
     def quant(self, site: str, x: torch.Tensor) -> torch.Tensor:
         """Quantize activation ``x`` [N, W] at ``site`` per the mode; returns [N, W] in x's dtype."""
         if self._calib is not None:
-            amax = x.detach().float().abs().amax()
+            # finite values only, as `tracefp4.compute_global_scale` counts them
+            amax = x.detach().float().abs().nan_to_num(nan=0.0, posinf=0.0).amax()
             prev = self._calib.get(site)
             self._calib[site] = amax if prev is None else torch.maximum(prev, amax)
         if self.mode == "bf16" or site not in self._fp4:
@@ -183,10 +199,10 @@ class FP4Runtime:
                 raise HintMismatchError(f"mode {self.mode} needs the rollout's scales for hinted site {site}")
             scale_e4m3, hints = self.provided[site]
             n, w = x.shape
-            if scale_e4m3.shape != (n, w // BLOCK) or (hints is not None and hints.shape != (n, w // 8)):
+            if scale_e4m3.shape != (n, w // BLOCK) or (hints is not None and hints.shape != (n, w // HINTS_PER_BYTE)):
                 raise HintMismatchError(
                     f"site {site}: activation [{n}, {w}] needs scales [{n}, {w // BLOCK}] and hints "
-                    f"[{n}, {w // 8}], got {tuple(scale_e4m3.shape)} and "
+                    f"[{n}, {w // HINTS_PER_BYTE}], got {tuple(scale_e4m3.shape)} and "
                     f"{None if hints is None else tuple(hints.shape)}"
                 )
             y = tracefp4.fake_quantize(

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from tracefp4.constants import HINTS_PER_BYTE, NVFP4_BLOCK_SIZE
 from tracerl.errors import RecorderError
 
 NO_EXPERT = 255
@@ -71,7 +72,7 @@ class TracePiece:
 class MemorySink:
     """In-memory `TraceSink` with a reader: ``read(traj_id, start, stop, sites=, features=)``."""
 
-    def __init__(self, site_widths: Mapping[str, int], block_size: int = 16):
+    def __init__(self, site_widths: Mapping[str, int], block_size: int = NVFP4_BLOCK_SIZE):
         self.site_widths = dict(site_widths)
         self.block_size = block_size
         self._pieces: dict[str, list[tuple[int, TracePiece]]] = {}
@@ -119,7 +120,7 @@ class MemorySink:
             return arr[:, lo // per : hi // per]
 
         return TracePiece(
-            hints={s: feat(cat(lambda p, s=s: p.hints[s]), 8) for s in sites},
+            hints={s: feat(cat(lambda p, s=s: p.hints[s]), HINTS_PER_BYTE) for s in sites},
             scales={s: feat(cat(lambda p, s=s: p.scales[s]), self.block_size) for s in sites},
             token_ids=cat(lambda p: p.token_ids),
             logprobs=cat(lambda p: p.logprobs),
@@ -160,7 +161,7 @@ class RolloutRecorder:
         top_k: int = 0,
         flush_tokens: int = 2048,
         drain_every: int = 32,
-        block_size: int = 16,
+        block_size: int = NVFP4_BLOCK_SIZE,
     ):
         if flush_tokens < 1 or drain_every < 1:
             raise RecorderError(f"flush_tokens={flush_tokens} and drain_every={drain_every} must be >= 1")
@@ -188,7 +189,7 @@ class RolloutRecorder:
         self.tokens_written = 0
         self.bytes_written = 0
         for s, w in self.site_widths.items():
-            self._add_field(("site", s), [(w // 8, np.uint8, 0), (w // block_size, np.uint8, 0)])
+            self._add_field(("site", s), [(w // HINTS_PER_BYTE, np.uint8, 0), (w // block_size, np.uint8, 0)])
         for layer in self.moe_layers:
             self._add_field(("experts", layer), [(top_k, np.uint8, NO_EXPERT)])
         self._add_field("tokens", [((), np.int64, -1), ((), np.float32, np.nan)])

@@ -25,20 +25,20 @@ from collections.abc import Sequence
 
 import torch
 
+from tracefp4.constants import NVFP4_BLOCK_SIZE
+from tracerl.config import FP4_PLACEMENTS, HINT_SITE_KINDS
 from tracerl.errors import ConfigError
-from tracerl.models import moe_blocks
+from tracerl.models import attention_name, moe_blocks, moe_layer_name
 
-FP4_PLACEMENTS = ("none", "experts", "experts+attention")
-HINT_SITE_KINDS = ("moe-input", "all-fp4")
-BLOCK = 16  # NVFP4 block size along the last dim
+BLOCK = NVFP4_BLOCK_SIZE  # NVFP4 block along the last dim (tracefp4's constant, under the name tracerl uses)
 
 
 def moe_input_site(layer: int) -> str:
-    return f"model.layers.{layer}.mlp.experts.input"
+    return f"{moe_layer_name(layer)}.experts.input"
 
 
 def moe_down_site(layer: int) -> str:
-    return f"model.layers.{layer}.mlp.experts.down_proj.input"
+    return f"{moe_layer_name(layer)}.experts.down_proj.input"
 
 
 def linear_input_site(module_name: str) -> str:
@@ -47,7 +47,7 @@ def linear_input_site(module_name: str) -> str:
 
 def kv_cache_sites(layer: int) -> tuple[str, str]:
     """(key, value) cache sites of decoder layer ``layer`` (NVFP4 along head_dim, never hinted)."""
-    prefix = f"model.layers.{layer}.self_attn"
+    prefix = attention_name(layer)
     return f"{prefix}.k_cache", f"{prefix}.v_cache"
 
 
@@ -164,7 +164,7 @@ def plan_sites(
                 continue
             for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
                 lin = getattr(attn, proj)
-                mod = f"model.layers.{i}.self_attn.{proj}"
+                mod = f"{attention_name(i)}.{proj}"
                 sites.append(SiteSpec(linear_input_site(mod), lin.in_features, i, "linear", mod))
     if kv_fp4:
         for i, layer in enumerate(model.model.layers):
@@ -172,7 +172,7 @@ def plan_sites(
                 continue
             hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
             for name in kv_cache_sites(i):
-                sites.append(SiteSpec(name, hd, i, "kv", f"model.layers.{i}.self_attn"))
+                sites.append(SiteSpec(name, hd, i, "kv", attention_name(i)))
     sites.sort(key=lambda s: (s.layer, s.name))
     names = [s.name for s in sites]
     if isinstance(hint_sites, str):

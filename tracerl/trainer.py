@@ -24,11 +24,11 @@ import time
 import numpy as np
 import torch
 
+from tracerl.engine import _cache_kwarg, _sync, _to_device, _to_host
 from tracerl.errors import ConfigError
 from tracerl.models import has_linear_attention, moe_blocks
 from tracerl.packing import PackedHints
-from tracerl.engine import _cache_kwarg, _to_device, _to_host
-from tracerl.qat import MODES, FP4Runtime, fp4_kv_cache
+from tracerl.qat import FP4Runtime, check_mode, fp4_kv_cache
 
 
 @dataclasses.dataclass
@@ -94,33 +94,15 @@ class QATTrainer:
 
         Raises `ConfigError` for an unknown mode, missing hinted sites (rollout-scale modes) or missing routes
         (``replay_routes``), and `HintMismatchError` for hints/scales/routes of the wrong shape."""
-        if mode not in MODES:
-            raise ConfigError(f"unknown QAT mode {mode!r}; supported: {', '.join(MODES)}")
-        model, rt = self.model, self.runtime
-        device = next(model.parameters()).device
+        check_mode(mode)
+        device = next(self.model.parameters()).device
         inputs, rows = self._layout(packed, device)
         nrows = int(inputs["input_ids"].numel())
         t0 = time.perf_counter()
-        provided = {}
-        if mode in ("fp4_rne_rollout_scales", "fp4_hints"):
-            for site in rt.plan.hinted:
-                if site not in packed.scales:
-                    raise ConfigError(f"mode {mode} needs site {site} in the packed batch; it has "
-                                      f"{sorted(packed.scales)[:4]}")
-                provided[site] = (
-                    self._scatter(packed.scales[site], rows, nrows, device),
-                    self._scatter(packed.hints[site], rows, nrows, device) if mode == "fp4_hints" else None,
-                )
-        forced = {}
-        if replay_routes:
-            for layer, name, _ in moe_blocks(model):
-                ids = packed.experts.get(name) if packed.experts else None
-                if ids is None:
-                    raise ConfigError(f"replay_routes needs the routed experts of {name} in the packed batch; it has "
-                                      f"{sorted(packed.experts or {})[:4]}")
-                forced[layer] = self._scatter(ids, rows, nrows, device).long()
-        codes: dict[str, list] = {}
-        scales: dict[str, list] = {}
+        provided = self._provided(packed, mode, rows, nrows, device)
+        forced = self._forced_routes(packed, rows, nrows, device) if replay_routes else {}
+        codes: dict[str, torch.Tensor] = {}
+        scales: dict[str, torch.Tensor] = {}
         routes: dict[int, torch.Tensor] = {}
 
         def on_observe(site, c, s):
@@ -130,65 +112,85 @@ class QATTrainer:
         def on_route(layer, idx):
             routes[layer] = idx.index_select(0, rows).to(torch.uint8)
 
-        prev = rt.mode
-        rt.set_mode(mode)
-        rt.provide(provided)
-        rt.forced_routes = forced
-        rt.observe = on_observe if observe else None
-        rt.on_route = on_route
-        try:
-            with torch.set_grad_enabled(backward):
-                kv = fp4_kv_cache(model, rt)  # FP4 KV: quantize K/V as the rollout's cache stored them
-                if kv is None:
-                    logits = model(**inputs, use_cache=False).logits  # (B, L, V)
-                else:
-                    if not self.padded:
-                        raise ConfigError("FP4 KV-cache sites need layout='padded' (a cache disables packing)")
-                    logits = model(**inputs, use_cache=True, **{_cache_kwarg(model): kv}).logits
-                logits = logits.reshape(-1, logits.shape[-1]).index_select(0, rows)  # (T, V)
-                logp_all = torch.log_softmax(logits.float(), dim=-1)
-                # Token t is scored by the logits at t-1 of the same segment. Which tokens (and which of them are
-                # response tokens) is known on the host: computed there and sent once, so nothing between the
-                # forward and the backward waits for the device.
-                ntok = len(packed.token_ids)
-                idx_np = np.setdiff1d(np.arange(ntok), packed.cu_seqlens[:-1])
-                idx, tok = (_to_device(torch.as_tensor(a), device)
-                            for a in (idx_np, np.asarray(packed.token_ids, dtype=np.int64)[idx_np]))
-                lp = logp_all.index_select(0, idx - 1).gather(-1, tok[:, None]).squeeze(-1)
-                loss_v = grad_norm = None
-                if backward:
-                    # Stand-in for the policy-gradient loss: mean NLL of the response tokens.
-                    resp = np.flatnonzero(~np.isnan(np.asarray(packed.logprobs)[idx_np]))
-                    loss = -(lp.index_select(0, _to_device(torch.as_tensor(resp), device)).mean() if resp.size
-                             else lp.mean())
-                    model.zero_grad(set_to_none=True)
-                    loss.backward()
-                    norms = [p.grad.float().norm() for p in model.parameters() if p.grad is not None]
-                    grad_norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
-                    loss_v = float(loss.detach())
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            secs = time.perf_counter() - t0
-        finally:
-            rt.set_mode(prev)
-            rt.provide({})
-            rt.forced_routes = {}
-            rt.observe = rt.on_route = None
+        with self.runtime.using(mode=mode, provided=provided, forced_routes=forced, on_route=on_route,
+                                observe=on_observe if observe else None), torch.set_grad_enabled(backward):
+            logits = self._forward(inputs, rows)  # (T, V)
+            # Token t is scored by the logits at t-1 of the same segment. Which tokens (and which of them are
+            # response tokens) is known on the host: computed there and sent once, so nothing between the forward
+            # and the backward waits for the device.
+            scored = np.setdiff1d(np.arange(len(packed.token_ids)), packed.cu_seqlens[:-1])
+            idx, tok = (_to_device(torch.as_tensor(a), device)
+                        for a in (scored, np.asarray(packed.token_ids, dtype=np.int64)[scored]))
+            lp = torch.log_softmax(logits.float(), dim=-1).index_select(0, idx - 1).gather(-1, tok[:, None])[:, 0]
+            loss, grad_norm = self._backward(lp, packed, scored) if backward else (None, None)
+        _sync(device)
+        secs = time.perf_counter() - t0
         # Everything comes to the host in one transfer (a .cpu() per layer and site was one blocking copy each).
-        parts = [lp.detach().float(), *routes.values(), *codes.values(), *scales.values()]
-        host = iter(_to_host(parts))
-        out = np.full(ntok, np.nan, dtype=np.float32)
-        out[idx_np] = next(host)
+        host = iter(_to_host([lp.detach().float(), *routes.values(), *codes.values(), *scales.values()]))
+        out = np.full(len(packed.token_ids), np.nan, dtype=np.float32)
+        out[scored] = next(host)
         return RecomputeResult(
             mode=mode,
             logprobs=out,
             routes={k: next(host) for k in routes},
             codes={k: next(host) for k in codes},
             scales={k: next(host) for k in scales},
-            loss=loss_v,
+            loss=loss,
             grad_norm=grad_norm,
             seconds=secs,
         )
+
+    def _provided(self, packed: PackedHints, mode: str, rows, nrows: int, device) -> dict:
+        """The rollout's scales (and, in ``fp4_hints``, hints) of every hinted site in forward rows; empty in the
+        modes that use their own scales."""
+        if mode not in ("fp4_rne_rollout_scales", "fp4_hints"):
+            return {}
+        provided = {}
+        for site in self.runtime.plan.hinted:
+            if site not in packed.scales:
+                raise ConfigError(f"mode {mode} needs site {site} in the packed batch; it has "
+                                  f"{sorted(packed.scales)[:4]}")
+            provided[site] = (
+                self._scatter(packed.scales[site], rows, nrows, device),
+                self._scatter(packed.hints[site], rows, nrows, device) if mode == "fp4_hints" else None,
+            )
+        return provided
+
+    def _forced_routes(self, packed: PackedHints, rows, nrows: int, device) -> dict[int, torch.Tensor]:
+        """Routing replay: every MoE layer's recorded expert ids (int64 [nrows, top_k]) in forward rows."""
+        forced = {}
+        for layer, name, _ in moe_blocks(self.model):
+            ids = packed.experts.get(name) if packed.experts else None
+            if ids is None:
+                raise ConfigError(f"replay_routes needs the routed experts of {name} in the packed batch; it has "
+                                  f"{sorted(packed.experts or {})[:4]}")
+            forced[layer] = self._scatter(ids, rows, nrows, device).long()
+        return forced
+
+    def _forward(self, inputs: dict, rows: torch.Tensor) -> torch.Tensor:
+        """Logits (T, V) of the THD tokens from one full-sequence forward (no KV cache unless the KV cache is
+        FP4: then K/V are quantized as the rollout's cache stored them)."""
+        model = self.model
+        kv = fp4_kv_cache(model, self.runtime)
+        if kv is None:
+            logits = model(**inputs, use_cache=False).logits  # (B, L, V)
+        else:
+            if not self.padded:
+                raise ConfigError("FP4 KV-cache sites need layout='padded' (a cache disables packing)")
+            logits = model(**inputs, use_cache=True, **{_cache_kwarg(model): kv}).logits
+        return logits.reshape(-1, logits.shape[-1]).index_select(0, rows)
+
+    def _backward(self, lp: torch.Tensor, packed: PackedHints, scored: np.ndarray) -> tuple[float, float]:
+        """Backward of a stand-in for the policy-gradient loss, the mean NLL of the response tokens (all scored
+        tokens when there is none); returns the loss and the global gradient norm."""
+        model = self.model
+        resp = np.flatnonzero(~np.isnan(np.asarray(packed.logprobs)[scored]))
+        loss = -(lp.index_select(0, _to_device(torch.as_tensor(resp), lp.device)).mean() if resp.size else lp.mean())
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        norms = [p.grad.float().norm() for p in model.parameters() if p.grad is not None]
+        grad_norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+        return float(loss.detach()), grad_norm
 
     @staticmethod
     def _scatter(arr, rows: torch.Tensor, nrows: int, device) -> torch.Tensor:

@@ -1,0 +1,89 @@
+"""FP4Runtime state: calibration uses tracefp4's global-scale formula; per-call state is set and restored in
+one place (`FP4Runtime.using`), also when the call fails."""
+
+import pytest
+import torch
+
+import tracefp4
+from tracerl.engine import RolloutEngine
+from tracerl.errors import ConfigError
+from tracerl.models import TinyMoESpec, build_model, moe_layer_name
+from tracerl.qat import install_fp4
+from tracerl.sites import moe_down_site, moe_input_site, plan_sites
+
+TINY = dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32, num_experts=4, top_k=2,
+            moe_intermediate_size=32, vocab_size=128)
+
+
+@pytest.fixture()
+def tiny():
+    model = build_model(TinyMoESpec(**TINY), seed=0)
+    rt = install_fp4(model, plan_sites(model, hint_layers="all"))
+    return model, rt
+
+
+def test_calibration_is_tracefp4_global_scale(tiny):
+    """One global-scale formula: the calibrated scale of a site is `tracefp4.compute_global_scale` of all the
+    activations it saw (finite values only; 1.0 for a site that saw only zeros). The runtime's own formula,
+    clamp(amax, 1e-12) / 2688 over every value, gave inf for an activation with an inf and 3.7e-16 for zeros."""
+    _, rt = tiny
+    g = torch.Generator().manual_seed(0)
+    x1 = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    x2 = 3 * torch.randn(7, 64, generator=g).to(torch.bfloat16)
+    x2[1, 5], x2[2, 0] = float("inf"), float("nan")
+    odd = torch.tensor(1.0009765625 * 2688 * 0.37)  # an amax whose scale is not a round number
+    x1[0, 0] = odd
+    site, zero_site = moe_input_site(0), moe_down_site(1)
+    with rt.calibrating():
+        rt.quant(site, x1)
+        rt.quant(site, x2)
+        rt.quant(zero_site, torch.zeros(3, 64, dtype=torch.bfloat16))
+        for other in rt.plan.sites:
+            if other.name not in (site, zero_site):
+                rt.quant(other.name, torch.ones(2, other.width, dtype=torch.bfloat16))
+    want = tracefp4.compute_global_scale(torch.cat([x1, x2]))
+    assert rt.global_scales[site].dtype == torch.float32
+    assert torch.equal(rt.global_scales[site], want) and torch.isfinite(want)
+    assert rt.global_scales[zero_site].item() == 1.0
+    assert rt.mode == "fp4_rne_own_scales" and rt._calib is None  # restored
+
+
+def test_using_sets_and_restores(tiny):
+    _, rt = tiny
+    calls = []
+    before = {k: getattr(rt, k) for k in rt.CALL_STATE}
+    with rt.using(mode="fp4_hints", capture=calls.append, gather_max_slots=7):
+        assert rt.mode == "fp4_hints" and rt.capture == calls.append and rt.gather_max_slots == 7
+        with rt.using(mode="bf16"):
+            assert rt.mode == "bf16" and rt.capture == calls.append
+        assert rt.mode == "fp4_hints"
+    assert {k: getattr(rt, k) for k in rt.CALL_STATE} == before
+    with pytest.raises(RuntimeError, match="boom"), rt.using(mode="bf16", on_route=print):
+        raise RuntimeError("boom")
+    assert {k: getattr(rt, k) for k in rt.CALL_STATE} == before
+    with pytest.raises(ConfigError, match="unknown QAT mode"), rt.using(mode="fp8", capture=print):
+        pass
+    with pytest.raises(ConfigError, match="unknown state"), rt.using(plan=None):
+        pass
+    assert {k: getattr(rt, k) for k in rt.CALL_STATE} == before
+
+
+def test_generate_restores_model_and_runtime_on_failure(tiny):
+    """A failing `generate` leaves the model's attention setting and the runtime as they were (a bad mode left
+    the attention implementation switched; an error inside left the runtime's callbacks unset, not restored)."""
+    model, rt = tiny
+    eng = RolloutEngine(model, rt)
+    eng.calibrate([[1, 2, 3]])
+    model.config._attn_implementation = "eager"
+    with pytest.raises(ConfigError, match="unknown QAT mode"):
+        eng.generate([[1, 2, 3]], 2, mode="fp8")
+    assert model.config._attn_implementation == "eager" and rt.mode == "fp4_rne_own_scales"
+    outer = []
+    with rt.using(on_route=lambda layer, idx: outer.append(layer)):
+        with pytest.raises(RuntimeError):
+            eng.generate([[1, 2, 3]], 2, temperature=float("nan"))  # multinomial rejects NaN probabilities
+        assert model.config._attn_implementation == "eager" and eng._rows is None
+        assert rt.on_route is not None and rt.capture is None  # the caller's callback, not None
+    res = eng.generate([[1, 2, 3]], 2, on_step=lambda done, total: outer.append((done, total)))
+    assert outer == [(1, 2), (2, 2)] and len(res.logprobs[0]) == 2
+    assert sorted(res.experts) == [0, 1] and moe_input_site(0).startswith(moe_layer_name(0) + ".")

@@ -1,0 +1,67 @@
+"""``tracerl`` command line.
+
+Each subcommand is a module of this package named in `COMMANDS`, with ``HELP`` (one line), ``DESCRIPTION``,
+``add_arguments(parser)`` and ``run(args) -> int``; argument types they share are in `tracerl.cli.args`.
+Building the parser imports those modules only: torch, transformers and tracestore are imported inside ``run``,
+so ``tracerl --help`` and argument errors answer at once. Exit codes: 0 ok, 2 bad arguments or a tracerl /
+tracestore error (one line on stderr; ``--debug`` shows the traceback), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from tracerl.cli.demo import render_table
+from tracerl.errors import TracerlError
+
+#: subcommand -> module under tracerl.cli
+COMMANDS = {"demo": "tracerl.cli.demo"}
+
+__all__ = ["COMMANDS", "build_parser", "main", "render_table"]
+
+
+class _CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: an argument it does not know is reported with its own usage (argparse would hand
+    it back to the top-level parser, whose usage does not show the subcommand's options)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extra = super().parse_known_args(args, namespace)
+        if extra:
+            self.error(f"unrecognized arguments: {' '.join(extra)}")
+        return namespace, extra
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tracerl", description="TRACE rollout capture and hint-guided QAT tools.")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_CommandParser,
+                           help="what to run; tracerl COMMAND --help lists its options")
+    for name, module_name in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        cmd = sub.add_parser(name, help=module.HELP, description=module.DESCRIPTION)
+        module.add_arguments(cmd)
+        cmd.set_defaults(func=module.run)
+    return p
+
+
+def _is_store_error(e: BaseException) -> bool:
+    # tracestore is imported by the commands that use it; an error of its type implies it is loaded
+    ts = sys.modules.get("tracestore")
+    return ts is not None and isinstance(e, ts.TraceStoreError)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print(f"tracerl {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if args.debug or not (isinstance(e, TracerlError) or _is_store_error(e)):
+            raise
+        print(f"tracerl {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
