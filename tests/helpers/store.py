@@ -164,7 +164,7 @@ def check_batch(store, batch, traj_id: str, start: int, stop: int, *, features=N
 def child_main(argv: list[str] | None = None) -> int:
     """A writer process for the multi-process and SIGKILL tests.
 
-    ``python -c 'import helpers_store as h; h.child_main()' '<json spec>'``; spec keys: url, options,
+    ``python -c 'import helpers.store as h; h.child_main()' '<json spec>'``; spec keys: url, options,
     writer_id, trajs ([[traj_id, n_tokens], ...]), step, commit_bytes, skip_committed, delay_s.
     Prints "ready" once the writer is open; exits 0 when all tokens were written and committed.
     """
