@@ -12,11 +12,12 @@ The runtime's ``mode`` decides what a site does:
 | ``fp4_hints`` | RNE, own scales | hint-guided rounding with the rollout's scales | NVFP4 (STE) |
 
 The rollout runs ``fp4_rne_own_scales`` with a ``capture`` callback: at hinted sites the runtime calls
-``tracefp4.quantize`` and hands the result (codes, hints, scales) to the callback, so what is recorded is
+``tracefp4.quantize_fake`` (one pass: the fake-quantized output and the codes, hints, scales) and hands the
+quantized result to the callback, so what is recorded is
 exactly what the rollout's forward used. Per-site global scales are static (calibrated once, stored in the
 store's model metadata) so rollout and trainer divide by the same fp32 ``g``.
 
-All numerics are `tracefp4`'s (`quantize`, `fake_quantize`); gradients are straight-through.
+All numerics are `tracefp4`'s (`quantize_fake`, `fake_quantize`); gradients are straight-through.
 """
 
 from __future__ import annotations
@@ -217,20 +218,14 @@ class FP4Runtime:
                 self.observe(site, effective_codes(y.detach(), scale_e4m3, g), scale_e4m3)
             return y
         if hinted and (self.capture is not None or self.observe is not None):
-            q = tracefp4.quantize(x.detach(), fmt="nvfp4", global_scale=g, backend=self.backend)
+            # one pass over x: the fake-quantized activation and the codes/scales/hints the rollout records
+            # (tracefp4.quantize_fake: y equals fake_quantize(x) and q equals quantize(x), bit for bit)
+            y, q = tracefp4.quantize_fake(x, "nvfp4", global_scale=g, backend=self.backend)
             if self.capture is not None:
                 self.capture(site, q)
             if self.observe is not None:
                 self.observe(site, tracefp4.unpack_codes(q.codes), q.scales)
-            if not x.is_cuda:
-                # dequantize(quantize(x)) is fake_quantize(x) bit for bit for non-NaN x (tracefp4's contract; a NaN
-                # is coded as magnitude 6, fake_quantize returns NaN); on the CPU reusing q saves the second
-                # reference pass. (On CUDA tracefp4's dequantize is the torch reference, so one fused Triton
-                # fake_quantize is cheaper.)
-                y = torch.where(torch.isnan(x), x, tracefp4.dequantize(q, dtype=x.dtype))
-                if x.requires_grad and torch.is_grad_enabled():
-                    return _StraightThrough.apply(x, y)
-                return y
+            return y
         return tracefp4.fake_quantize(x, fmt="nvfp4", global_scale=g, backend=self.backend)
 
     def quant_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
