@@ -13,7 +13,7 @@ one runs):
 ``sync`` (CUDA): host synchronizations counted by torch's sync debug mode over 64 decode steps with and
    without capture, for the hf path and the --decode path; the difference is what capture adds (none by design).
 ``capture``: decode step time of the FP4 rollout at the same batch with and without hint capture (capture =
-   `tracefp4.quantize` at the hinted sites + routed-expert ids + ring buffers / recorder staging and
+   `tracefp4.quantize_fake` at the hinted sites instead of `fake_quantize` (one pass: output + codes/scales/hints) + routed-expert ids + ring buffers / recorder staging and
    asynchronous device-to-host drains; no host sync per step). Runs alternate, median of --reps.
 ``trainer``: forward + backward time of one packed micro-batch in ``fp4_rne_own_scales`` vs ``fp4_hints``
    (hints and scales already on the device, and from host numpy arrays as a reader hands them out).
