@@ -29,7 +29,7 @@ def test_chaos_short(moto_endpoint, s3_bucket, monkeypatch):
 
 
 @pytest.mark.s3
-@pytest.mark.slow
+@pytest.mark.long
 def test_chaos_long(moto_endpoint, s3_bucket, monkeypatch):
     out = _run(moto_endpoint, s3_bucket, monkeypatch, trajectories=40, tokens=160, seed=11)
     assert not out["problems"], out
