@@ -786,10 +786,10 @@ def run_training(trainer: GRPOTrainer, follower: Follower, *, checkpoints: str, 
                               stop=stop, timeout_s=wait_timeout_s)
         if _any_rank(taken is None):
             break
-        m = trainer.step(taken)
+        m = trainer.step(taken)  # (also the trainer's last_metrics, which the checkpoint keeps)
+        m["follower"] = {"cursor": follower.cursor, "ready_groups": follower.ready, **dict(follower.counts)}
         if trainer.step_num % cfg.checkpoint_every == 0:
             trainer.save(checkpoints, follower, storage_options=storage_options)
-        m["follower"] = {"cursor": follower.cursor, "ready_groups": follower.ready, **dict(follower.counts)}
         if trainer.rank == 0:
             metrics.append(m)
         if weights_url is not None:

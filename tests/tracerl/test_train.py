@@ -162,3 +162,36 @@ def test_param_digest_sees_one_bit():
     assert param_digest(a) == param_digest(b)
     b[1].view(torch.int16)[2] ^= 1
     assert param_digest(a) != param_digest(b)
+
+
+def test_restart_repairs_what_a_kill_left_between_side_effects(store, tmp_path):
+    """Per step: checkpoint -> metrics line -> publication. A kill after the checkpoint leaves the line or the
+    version missing (restart adds them); with checkpoints every 2 steps, a kill after an unsaved step leaves a
+    line the restart must drop (and re-log when it redoes the step)."""
+    ck, log = str(tmp_path / "ckpt"), MetricsLog(tmp_path / "train.jsonl")
+    cfg = loop.train_cfg(checkpoint_every=2, max_staleness=5)
+    trainer, follower = start_or_resume(store, cfg, checkpoints=ck, weights_url=store.url, metrics=log)
+    _gen(_worker(store, max_ahead=4), 4)
+    run_training(trainer, follower, checkpoints=ck, weights_url=store.url, metrics=log, max_steps=3)
+    full = log.records()
+    assert [m["step"] for m in full] == [1, 2, 3] and ckpt.list_steps(ck) == [0, 2]
+    # as if killed after checkpoint 2, before its metrics line and its publication (and step 3 never ran)
+    log.path.write_text(json.dumps(full[0]) + "\n")
+    (tmp_path / "store" / weights.sidecar_key(3)).unlink()
+    (tmp_path / "store" / weights.sidecar_key(2)).unlink()
+    trainer, follower = start_or_resume(ts.open_store(store.url), cfg, checkpoints=ck, weights_url=store.url,
+                                        metrics=log)
+    assert trainer.step_num == 2 and [m["step"] for m in log.records()] == [1, 2]
+    assert log.records()[1] == full[1] and weights.latest_version(store.url) == 2
+    run_training(trainer, follower, checkpoints=ck, weights_url=store.url, metrics=log, max_steps=4)
+    redo = log.records()
+    assert [m["step"] for m in redo] == [1, 2, 3, 4]
+    assert (redo[2]["digest"], redo[2]["traj_ids"]) == (full[2]["digest"], full[2]["traj_ids"])
+    # as if killed after step 3's line and a torn step-4 line, before checkpoint 4: back to checkpoint 2
+    log.path.write_text("".join(json.dumps(m) + "\n" for m in redo[:3]) + '{"step": 4, "torn')
+    (tmp_path / "ckpt" / ckpt.manifest_key(4)).unlink()
+    trainer, follower = start_or_resume(ts.open_store(store.url), cfg, checkpoints=ck, weights_url=store.url,
+                                        metrics=log)
+    assert trainer.step_num == 2 and [m["step"] for m in log.records()] == [1, 2]
+    run_training(trainer, follower, checkpoints=ck, weights_url=store.url, metrics=log, max_steps=4)
+    assert [(m["step"], m["digest"]) for m in log.records()] == [(m["step"], m["digest"]) for m in redo]
