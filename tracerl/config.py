@@ -188,3 +188,48 @@ class RolloutConfig:
             raise ConfigError(f"temperature={self.temperature} and poll_interval_s={self.poll_interval_s} must be > 0")
         if self.decode not in DECODE_PATHS:
             raise ConfigError(f"decode={self.decode!r}; supported: {', '.join(DECODE_PATHS)}")
+
+
+@dataclasses.dataclass
+class LoopConfig:
+    """Configuration of `tracerl.loop.run_loop` (the ``tracerl loop`` command): one store, one trainer process and
+    ``rollouts`` rollout processes, until the policy has ``steps`` updates."""
+
+    run_dir: str
+    store: str | None = None  # default: <run_dir>/store
+    steps: int = 20
+    rollouts: int = 1
+    task: dict[str, Any] = dataclasses.field(
+        default_factory=lambda: {"name": "target-set", "alphabet": 8, "prompt_len": 3, "response_len": 8})
+    spec: dict[str, Any] = dataclasses.field(default_factory=dict)  # TinyMoESpec overrides (vocab: the task's)
+    hint_layers: str = "latter-half"
+    fp4: str = "experts"
+    mode: str = "fp4_hints"
+    groups_per_step: int = 16
+    group_size: int = 8
+    lr: float = 1e-4
+    max_staleness: int = 1
+    max_ahead: int = 1
+    tis_cap: float | None = None
+    micro_batch_tokens: int = 4096
+    record_codes: bool = True
+    seed: int = 0
+    rollout_device: str = "cpu"
+    trainer_device: str = "cpu"
+    threads: int = 1  # torch threads per process
+    storage_options: dict[str, Any] | None = None
+    extra_train_args: tuple[str, ...] = ()
+    extra_rollout_args: tuple[str, ...] = ()
+
+    def check(self) -> None:
+        """Raise `ConfigError` for settings the loop cannot run (the trainer's and rollout's are checked there)."""
+        for name, lo in (("steps", 1), ("rollouts", 1), ("threads", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+                raise ConfigError(f"{name}={value!r}: must be an integer >= {lo}")
+        TrainConfig(mode=self.mode, groups_per_step=self.groups_per_step, group_size=self.group_size, lr=self.lr,
+                    max_staleness=self.max_staleness, tis_cap=self.tis_cap,
+                    micro_batch_tokens=self.micro_batch_tokens, seed=self.seed).check()
+        RolloutConfig(group_size=self.group_size, max_ahead=self.max_ahead, seed=self.seed).check()
+        if self.fp4 not in FP4_PLACEMENTS:
+            raise ConfigError(f"fp4={self.fp4!r}; supported: {', '.join(FP4_PLACEMENTS)}")
