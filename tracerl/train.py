@@ -583,6 +583,7 @@ class GRPOTrainer:
         source = _RecordSource(self.store, by_id)
         acc = _StepAccumulator()
         read_s = fwd_s = 0.0
+        acc.read = list(dict.fromkeys(seg.traj_id for mb in mine for seg in mb.segments))
         for mb in mine:
             t0 = time.perf_counter()
             packed = read_packed(source, mb, self.read_sites, read_kwargs={"fmt": "numpy"})
@@ -615,7 +616,7 @@ class GRPOTrainer:
             "mismatch": totals["mismatch"],
             "step_s": wall, "read_s": read_s, "compute_s": fwd_s, "reduce_s": time.perf_counter() - t_reduce,
             "tokens_per_s": n_tok / wall if wall > 0 else math.nan,
-            "digest": self.digest(), "world_size": self.world,
+            "digest": self.digest(), "world_size": self.world, "rank_traj_ids": totals["rank_traj_ids"],
         }
         metrics = json_ready(metrics)
         self.last_metrics = metrics
@@ -652,6 +653,7 @@ class GRPOTrainer:
                                       clip_ratio_c=cfg.clip_ratio_c, logp_rollout=lp_roll, tis_cap=cfg.tis_cap)
         n = lp.shape[1]
         (loss * (n / n_resp)).backward()
+        self._accumulate_grads()
         acc.add_stats(st, n)
         on = np.array([by_id[s.traj_id].policy_version == self.version for s in segs], dtype=bool)
         lp_host = lp.detach()[0].cpu().numpy()
@@ -686,21 +688,20 @@ class GRPOTrainer:
         if self.world > 1:
             import torch.distributed as dist
 
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-            flat = torch.cat([g.reshape(-1).float() for g in grads])
-            dist.all_reduce(flat)
+            flat = torch.cat([m.grad.reshape(-1) for m in self.master])
+            dist.all_reduce(flat)  # the sum of every rank's slice (each already weighted by its token share)
             off = 0
-            for p in self.params:
-                n = p.numel()
-                p.grad = flat[off:off + n].view_as(p).to(p.dtype)
-                off += n
+            for m in self.master:
+                m.grad.copy_(flat[off:off + m.numel()].view_as(m))
+                off += m.numel()
             keys = sorted(sums)
             gathered: list = [None] * self.world
             dist.all_gather_object(gathered, (keys, [sums[k] for k in keys], codes.tolist(), lag,
-                                              train_lp.tolist(), roll_lp.tolist(), acc.mins, acc.maxs))
+                                              train_lp.tolist(), roll_lp.tolist(), acc.mins, acc.maxs, acc.read))
             sums, codes, lag = collections.Counter(), np.zeros(4, np.int64), {}
             tl, rlp, mins, maxs = [], [], {}, {}
-            for ks, vs, cs, lg, t_, r_, mn, mx in gathered:
+            acc.read = [r for *_, r in gathered]
+            for ks, vs, cs, lg, t_, r_, mn, mx, _ in gathered:
                 for k, v in zip(ks, vs):
                     sums[k] += v
                 codes += np.asarray(cs, dtype=np.int64)
@@ -721,14 +722,25 @@ class GRPOTrainer:
         mismatch["code_agreement"] = float(codes[0] / codes[1]) if codes[1] else math.nan
         mismatch["code_values"] = int(codes[1])
         mismatch["code_mismatch_one_step_share"] = float(codes[3] / codes[2]) if codes[2] else math.nan
-        return {"loss_stats": stats, "mismatch": mismatch, "lag": lag}
+        read = acc.read if self.world > 1 else [acc.read]
+        return {"loss_stats": stats, "mismatch": mismatch, "lag": lag, "rank_traj_ids": read}
+
+    def _accumulate_grads(self) -> None:
+        """Add the micro-batch's bf16 gradients to the fp32 masters' (the sum over micro-batches is then fp32,
+        not a bf16 running sum) and clear them."""
+        for p, m in zip(self.params, self.master):
+            if m.grad is None:
+                m.grad = torch.zeros_like(m)
+            if p.grad is not None:
+                m.grad.add_(p.grad.detach().to(m.dtype))
+                p.grad = None
 
     def _optimizer_step(self) -> float:
-        """Gradients to the fp32 masters, clip, AdamW, round the masters to the bf16 parameters; the norm before
-        clipping."""
-        for p, m in zip(self.params, self.master):
-            m.grad = p.grad.detach().to(m.dtype) if p.grad is not None else torch.zeros_like(m)
-            p.grad = None
+        """Clip the fp32 master gradients, AdamW, round the masters to the bf16 parameters; the norm before
+        clipping. A rank without micro-batches contributes zero gradients."""
+        for m in self.master:
+            if m.grad is None:
+                m.grad = torch.zeros_like(m)
         norm = float(torch.nn.utils.clip_grad_norm_(self.master, self.cfg.grad_clip))
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -753,6 +765,7 @@ class _StepAccumulator:
         self.roll_lp: list[np.ndarray] = []
         self.codes = np.zeros(4, dtype=np.int64)  # matching, values, mismatching, one step apart
         self.lag: dict[str, float] = {}
+        self.read: list = []  # trajectories whose tokens this rank read (all ranks' after the reduce)
 
     def add_stats(self, st: Mapping[str, float], n: int) -> None:
         self.sums["_tokens"] += n
@@ -800,6 +813,13 @@ def run_training(trainer: GRPOTrainer, follower: Follower, *, checkpoints: str, 
     return done
 
 
+def _barrier() -> None:
+    if _dist()[1] > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
 def _any_rank(flag: bool) -> bool:
     """True on every rank when ``flag`` is true on any (a stop on one rank stops all, at the same step)."""
     rank, world = _dist()
@@ -825,11 +845,13 @@ def start_or_resume(store: ts.Store, cfg: TrainConfig, *, checkpoints: str, weig
     Raises CheckpointCorruptError for a newest checkpoint that fails its checks (nothing is changed: no older
     checkpoint is silently taken instead)."""
     latest = ckpt.latest_step(checkpoints, storage_options=storage_options)
+    _barrier()  # every rank has decided before rank 0 writes checkpoint 0 of a fresh run
     if latest is None:
         trainer = GRPOTrainer(store, cfg, device=device, backend=backend)
         follower = Follower(store, cfg.group_size, cursor=cursor, max_open_groups=cfg.max_open_groups)
         trainer.save(checkpoints, follower, storage_options=storage_options)
-        metrics.truncate_after(0)
+        if trainer.rank == 0:
+            metrics.truncate_after(0)
     else:
         c = ckpt.load(checkpoints, latest, storage_options=storage_options)
         saved = TrainConfig.from_json(c.state["config"])
