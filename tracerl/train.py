@@ -183,7 +183,7 @@ class Follower:
     """
 
     def __init__(self, store: ts.Store, group_size: int, *, state: Mapping | None = None, cursor: str | None = None,
-                 poll_interval_s: float = 0.05, max_open_groups: int = 4096):
+                 poll_interval_s: float = 0.05, max_open_groups: int = 4096, log_end: int | None = None):
         if group_size < 2:
             raise ConfigError(f"group_size={group_size}: a GRPO group needs at least 2 trajectories")
         self.store = store
@@ -198,6 +198,9 @@ class Follower:
             g: [Trajectory.from_json(t) for t in ts_] for g, ts_ in state.get("open", {}).items()}
         self._ready: collections.deque[Group] = collections.deque(Group.from_json(g) for g in state.get("ready", []))
         self.counts: collections.Counter = collections.Counter(state.get("counts", {}))
+        #: with a pinned snapshot (replay): log entries from this one on are never consumed
+        self.log_end = log_end
+        self._at_end = False
 
     def state(self) -> dict:
         """JSON of everything needed to resume exactly here (cursor, pending records, open and ready groups)."""
@@ -250,10 +253,13 @@ class Follower:
             return self._fresh(version, max_staleness) >= n
 
         while not enough():
-            items = self._stream.poll(max_records=256)
+            items = [] if self._at_end else self._stream.poll(max_records=256)
             if not items:
                 return False
             for item in items:
+                if self.log_end is not None and item.seq >= self.log_end:
+                    self._at_end = True  # past the pinned snapshot: this and later items do not exist here
+                    break
                 self._consume(item)
         return True
 
@@ -483,6 +489,7 @@ class GRPOTrainer:
         self.step_num = 0
         self.version = 0
         self.last_metrics: dict | None = None
+        self.metrics_path: str | None = None  # the live metrics log (kept in checkpoints, for replay)
         self._codes = _RolloutCodes(store)
 
     # ---- state ------------------------------------------------------------------------------------------
@@ -507,7 +514,9 @@ class GRPOTrainer:
     def state(self, follower: Follower) -> dict:
         return {"step": self.step_num, "version": self.version, "store_id": self.store.store_id,
                 "config": self.cfg.to_json(), "follower": follower.state(), "rng": _rng_state(),
-                "digest": self.digest(), "last_metrics": self.last_metrics}
+                "digest": self.digest(), "last_metrics": self.last_metrics, "metrics_path": self.metrics_path,
+                "runtime": {"device": self.device.type, "threads": torch.get_num_threads(), "world_size": self.world,
+                            "torch": torch.__version__}}
 
     def save(self, location: str, follower: Follower, *, storage_options: Mapping | None = None) -> None:
         """Commit a checkpoint of this step (rank 0 only; other ranks hold the same state)."""
@@ -516,7 +525,7 @@ class GRPOTrainer:
             if self.cfg.keep_checkpoints is not None:
                 ckpt.prune(location, self.cfg.keep_checkpoints, keep=(0,), storage_options=storage_options)
 
-    def restore(self, c: ckpt.Checkpoint) -> Follower:
+    def restore(self, c: ckpt.Checkpoint, *, log_end: int | None = None) -> Follower:
         """Load checkpoint ``c`` (model, optimizer, RNG, counters); returns the follower at its cursor.
 
         Everything is decoded and checked against this trainer's model before anything changes: a checkpoint of
@@ -541,7 +550,7 @@ class GRPOTrainer:
             raise CheckpointCorruptError(f"checkpoint {c.step}: the saved weights' digest {param_digest(master)} is "
                                          f"not the recorded {st['digest']}")
         follower = Follower(self.store, self.cfg.group_size, state=st["follower"],
-                            max_open_groups=self.cfg.max_open_groups)
+                            max_open_groups=self.cfg.max_open_groups, log_end=log_end)
         self.model.load_state_dict(model_sd)
         with torch.no_grad():
             for m, v in zip(self.master, master):
@@ -848,6 +857,7 @@ def start_or_resume(store: ts.Store, cfg: TrainConfig, *, checkpoints: str, weig
     _barrier()  # every rank has decided before rank 0 writes checkpoint 0 of a fresh run
     if latest is None:
         trainer = GRPOTrainer(store, cfg, device=device, backend=backend)
+        trainer.metrics_path = None if metrics.path is None else str(metrics.path.resolve())
         follower = Follower(store, cfg.group_size, cursor=cursor, max_open_groups=cfg.max_open_groups)
         trainer.save(checkpoints, follower, storage_options=storage_options)
         if trainer.rank == 0:
@@ -859,6 +869,7 @@ def start_or_resume(store: ts.Store, cfg: TrainConfig, *, checkpoints: str, weig
             diff = {k: (v, getattr(cfg, k)) for k, v in dataclasses.asdict(saved).items() if getattr(cfg, k) != v}
             log.warning("resuming with the checkpoint's config; the given one differs in %s", diff)
         trainer = GRPOTrainer(store, saved, device=device, backend=backend)
+        trainer.metrics_path = None if metrics.path is None else str(metrics.path.resolve())
         follower = trainer.restore(c)
         if trainer.rank == 0:
             metrics.truncate_after(trainer.step_num)
