@@ -104,6 +104,9 @@ class TrainConfig:
     max_open_groups: int = 4096
     #: record the effective codes at hinted sites and compare them with the rollout's (when it recorded them)
     code_agreement: bool = True
+    #: measure the mismatch of stale groups too: keep the last ``max_staleness`` versions' bf16 weights and run one
+    #: extra forward (no gradient) with the generating version's weights per micro-batch that holds such groups
+    measure_stale: bool = True
     checkpoint_every: int = 1
     #: keep this many newest checkpoints (and always the first); None keeps every checkpoint
     keep_checkpoints: int | None = None

@@ -26,16 +26,18 @@ The model stays bf16 (the numerics the rollout runs and the weights it loads); A
 which are rounded to the bf16 parameters after each step. With ``torch.distributed`` initialized (gloo on CPU,
 NCCL on GPUs, launched by ``torchrun``) the gradients of the ranks' slices are summed by ``all_reduce``.
 
-Mismatch per step (on the step's on-policy trajectories, whose policy version is the trainer's before the
-update, so the weights are the ones that generated them): |logp_trainer - logp_rollout| statistics and k3
+Mismatch per step, always between the rollout and a trainer forward with the *same* weights (the version that
+generated the trajectory: the trainer's own for on-policy groups; for stale groups, with ``measure_stale``, the
+kept weights of their version in one extra no-gradient forward): |logp_trainer - logp_rollout| statistics and k3
 (`tracerl.fidelity.dlogp_stats`), and, where the rollout recorded its codes (`tracerl.rollout`), the code
-agreement at hinted sites (`tracerl.fidelity.count_code_matches`).
+agreement at hinted sites (`tracerl.fidelity.count_code_matches`). The extra forward changes nothing in training.
 """
 
 from __future__ import annotations
 
 import base64
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import io
@@ -490,6 +492,7 @@ class GRPOTrainer:
         self.version = 0
         self.last_metrics: dict | None = None
         self.metrics_path: str | None = None  # the live metrics log (kept in checkpoints, for replay)
+        self._history: dict[int, list[torch.Tensor]] = {}  # version -> its bf16 parameters (measure_stale)
         self._codes = _RolloutCodes(store)
 
     # ---- state ------------------------------------------------------------------------------------------
@@ -503,11 +506,14 @@ class GRPOTrainer:
 
     def blobs(self) -> dict[str, bytes]:
         """Checkpoint blobs: ``model`` (safetensors of the bf16 state dict) and ``optim`` (torch.save of the
-        fp32 master weights and the AdamW state)."""
+        fp32 master weights, None while they are the bf16 weights widened, and the AdamW state)."""
         from safetensors.torch import save
 
         buf = io.BytesIO()
-        torch.save({"master": [m.detach().cpu() for m in self.master], "opt": self.opt.state_dict()}, buf)
+        # Before the first update the masters are the bf16 weights widened (exactly): not stored twice.
+        fresh = not self.opt.state and all(torch.equal(m, p.float()) for m, p in zip(self.master, self.params))
+        master = None if fresh else [m.detach().cpu() for m in self.master]
+        torch.save({"master": master, "opt": self.opt.state_dict()}, buf)
         model = save({k: v.detach().cpu().contiguous() for k, v in self.model.state_dict().items()})
         return {"model": model, "optim": buf.getvalue()}
 
@@ -540,6 +546,9 @@ class GRPOTrainer:
             model_sd = st_load(c.blobs["model"])
             opt = torch.load(io.BytesIO(c.blobs["optim"]), weights_only=True, map_location="cpu")
             master, opt_sd = opt["master"], opt["opt"]
+            if master is None:  # saved before the first update: the bf16 weights widened
+                names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+                master = [model_sd[n].float() for n in names]
         except (KeyError, SafetensorError, RuntimeError, ValueError, TypeError) as e:
             raise CheckpointCorruptError(f"checkpoint {c.step}: blobs do not decode: {e}") from e
         own = self.model.state_dict()
@@ -605,6 +614,11 @@ class GRPOTrainer:
             fwd_s += time.perf_counter() - t1
         t_reduce = time.perf_counter()
         totals = self._reduce(acc)
+        if self.cfg.max_staleness and self.cfg.measure_stale:
+            # this version's weights, for measuring the mismatch of its groups that later steps train on
+            self._history[self.version] = [p.detach().clone() for p in self.params]
+            for v in [v for v in self._history if v < self.version + 1 - self.cfg.max_staleness]:
+                del self._history[v]
         grad_norm = self._optimizer_step()
         _sync(self.device)
         self.step_num += 1
@@ -664,21 +678,53 @@ class GRPOTrainer:
         (loss * (n / n_resp)).backward()
         self._accumulate_grads()
         acc.add_stats(st, n)
-        on = np.array([by_id[s.traj_id].policy_version == self.version for s in segs], dtype=bool)
-        lp_host = lp.detach()[0].cpu().numpy()
-        acc.train_lp.append(lp_host[on])
-        acc.roll_lp.append(roll_scored[resp][on])
-        if want_codes:
-            self._count_codes(packed, fwd, by_id, acc)
+        self._measure(packed, fwd, by_id, acc, self.version, want_codes)
+        stale = sorted({by_id[s.traj_id].policy_version for s in packed.segments} - {self.version})
+        for v in stale:  # the mismatch of older groups needs the weights that generated them
+            snap = self._history.get(v)
+            if snap is None:
+                acc.sums["_unmeasured"] += sum(by_id[s.traj_id].response_tokens for s in packed.segments
+                                               if by_id[s.traj_id].policy_version == v)
+                continue
+            with self._weights(snap), torch.no_grad():
+                fwd_v = self.qat.token_logprobs(packed, cfg.mode, observe=want_codes, replay_routes=cfg.replay_routes,
+                                                temperature=cfg.temperature, routes=False)
+            self._measure(packed, fwd_v, by_id, acc, v, want_codes)
 
-    def _count_codes(self, packed, fwd, by_id: Mapping[str, Trajectory], acc: _StepAccumulator) -> None:
-        """Code agreement at hinted sites on the on-policy response rows, against the rollout's recorded codes."""
+    @contextlib.contextmanager
+    def _weights(self, snapshot: list[torch.Tensor]):
+        """The bf16 parameters of an earlier version for the block (storage swapped in, no copy)."""
+        current = [p.data for p in self.params]
+        try:
+            for p, t in zip(self.params, snapshot):
+                p.data = t
+            yield
+        finally:
+            for p, t in zip(self.params, current):
+                p.data = t
+
+    def _measure(self, packed, fwd, by_id: Mapping[str, Trajectory], acc: _StepAccumulator, version: int,
+                 want_codes: bool) -> None:
+        """Rollout/trainer mismatch of the response tokens of ``packed``'s trajectories generated by ``version``,
+        from a forward with that version's weights (``fwd``): log-probs for |dlogp| and k3, codes at hinted sites."""
+        seg_of_row = np.repeat(np.arange(len(packed.segments)), np.diff(packed.cu_seqlens))
+        roll = np.asarray(packed.logprobs, dtype=np.float32)[fwd.scored]
+        ver = np.array([by_id[s.traj_id].policy_version for s in packed.segments])
+        keep = np.isfinite(roll) & (ver[seg_of_row[fwd.scored]] == version)
+        acc.train_lp.append(fwd.logprobs.detach().float().cpu().numpy()[keep])
+        acc.roll_lp.append(roll[keep])
+        if want_codes:
+            self._count_codes(packed, fwd, by_id, acc, version)
+
+    def _count_codes(self, packed, fwd, by_id: Mapping[str, Trajectory], acc: _StepAccumulator, version: int) -> None:
+        """Code agreement at hinted sites on the response rows of ``version``'s trajectories, against the rollout's
+        recorded codes."""
         codes = {s: c.cpu().numpy() for s, c in fwd.codes.items()}
         resp = np.isfinite(np.asarray(packed.logprobs))
         off = packed.cu_seqlens
         for i, seg in enumerate(packed.segments):
             traj = by_id[seg.traj_id]
-            if traj.policy_version != self.version:
+            if traj.policy_version != version:
                 continue
             rows = slice(int(off[i]), int(off[i + 1]))
             keep = resp[rows]
@@ -730,6 +776,7 @@ class GRPOTrainer:
         mismatch = fidelity.dlogp_stats(train_lp, roll_lp)
         mismatch["code_agreement"] = float(codes[0] / codes[1]) if codes[1] else math.nan
         mismatch["code_values"] = int(codes[1])
+        mismatch["unmeasured_tokens"] = int(sums.get("_unmeasured", 0))  # stale, without their version's weights
         mismatch["code_mismatch_one_step_share"] = float(codes[3] / codes[2]) if codes[2] else math.nan
         read = acc.read if self.world > 1 else [acc.read]
         return {"loss_stats": stats, "mismatch": mismatch, "lag": lag, "rank_traj_ids": read}

@@ -195,3 +195,31 @@ def test_restart_repairs_what_a_kill_left_between_side_effects(store, tmp_path):
     assert trainer.step_num == 2 and [m["step"] for m in log.records()] == [1, 2]
     run_training(trainer, follower, checkpoints=ck, weights_url=store.url, metrics=log, max_steps=4)
     assert [(m["step"], m["digest"]) for m in log.records()] == [(m["step"], m["digest"]) for m in redo]
+
+
+def test_stale_groups_are_measured_with_their_own_weights(store, tmp_path):
+    """With the rollout one version ahead, every step trains groups of the previous version; their mismatch is
+    measured with that version's kept weights (the extra forward changes nothing in training)."""
+    runs = {}
+    for measure in (True, False):
+        d = tmp_path / str(measure)
+        url = str(d / "store")
+        loop.create(url)
+        log = MetricsLog(d / "train.jsonl")
+        st = ts.open_store(url)
+        trainer, follower = start_or_resume(st, loop.train_cfg(max_staleness=1, measure_stale=measure),
+                                            checkpoints=str(d / "ck"), weights_url=url, metrics=log)
+        worker = RolloutWorker(st, loop.rollout_cfg(max_ahead=2, record_codes=True))
+        run_rollout(worker, metrics=MetricsLog(None), max_batches=2)  # v0, v0
+        for _ in range(3):
+            run_training(trainer, follower, checkpoints=str(d / "ck"), weights_url=url, metrics=log,
+                         max_steps=trainer.step_num + 1)
+            run_rollout(worker, metrics=MetricsLog(None), max_batches=1)
+        runs[measure] = log.records()
+    with_, without = runs[True], runs[False]
+    assert [m["policy_versions"] for m in with_] == [[0], [0], [1]]
+    assert [m["digest"] for m in with_] == [m["digest"] for m in without]  # training is the same
+    for m, n in zip(with_[1:], without[1:]):  # steps 2 and 3 train version v-1's groups
+        assert m["mismatch"]["tokens"] > 0 and m["mismatch"]["unmeasured_tokens"] == 0
+        assert m["mismatch"]["code_values"] > 0
+        assert n["mismatch"]["tokens"] == 0 and n["mismatch"]["unmeasured_tokens"] > 0

@@ -62,6 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replay-routes", action="store_true", help="the trainer's MoE layers use the rollout's routed experts")
     p.add_argument("--no-code-agreement", action="store_true",
                    help="do not observe codes at hinted sites (code agreement needs the rollout's --record-codes)")
+    p.add_argument("--no-measure-stale", action="store_true",
+                   help="measure the mismatch on on-policy groups only (default: also on stale groups, with their "
+                        "version's kept weights, one extra forward without gradient)")
     p.add_argument("--checkpoint-every", type=pos, default=_D.checkpoint_every, metavar="N",
                    help="commit a checkpoint every N steps (default 1; a kill loses at most the steps since)")
     p.add_argument("--keep-checkpoints", type=pos, metavar="N", help="keep the N newest checkpoints and the first")
@@ -82,6 +85,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         grad_clip=args.grad_clip, clip_low=args.clip_low, clip_high=args.clip_high, clip_ratio_c=args.clip_ratio_c,
         adv_scale=args.adv_scale, tis_cap=args.tis_cap, temperature=args.temperature, replay_routes=args.replay_routes,
         max_staleness=args.max_staleness, code_agreement=not args.no_code_agreement,
+        measure_stale=not args.no_measure_stale,
         checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
         keep_versions=args.keep_versions, seed=args.seed, deterministic=not args.no_deterministic)
     cfg.check()
