@@ -169,8 +169,8 @@ class RolloutConfig:
     group_size: int = 8
     temperature: float = 1.0
     seed: int = 0
-    #: batches generated with one policy version before waiting for a newer one (1: on-policy, synchronous;
-    #: 2: rollout overlaps training, one version behind)
+    #: how many batches the worker may be ahead of the trainer, which takes one of its batches per step (1:
+    #: on-policy, synchronous; 2: rollout overlaps training, one version behind)
     max_ahead: int = 1
     #: also store the rollout's FP4 codes at the hinted sites (4 bits per value, beside the store under
     #: ``audit/codes/``) so that the trainer can report code agreement; a measurement option

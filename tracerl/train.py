@@ -616,7 +616,7 @@ class GRPOTrainer:
         totals = self._reduce(acc)
         if self.cfg.max_staleness and self.cfg.measure_stale:
             # this version's weights, for measuring the mismatch of its groups that later steps train on
-            self._history[self.version] = [p.detach().clone() for p in self.params]
+            self._history[self.version] = [self._keep(p) for p in self.params]
             for v in [v for v in self._history if v < self.version + 1 - self.cfg.max_staleness]:
                 del self._history[v]
         grad_norm = self._optimizer_step()
@@ -691,13 +691,21 @@ class GRPOTrainer:
                                                 temperature=cfg.temperature, routes=False)
             self._measure(packed, fwd_v, by_id, acc, v, want_codes)
 
+    def _keep(self, p: torch.Tensor) -> torch.Tensor:
+        """A copy of parameter ``p`` for `_history`: on the host (pinned) for a GPU model, whose memory the
+        optimizer needs; on the CPU as it is."""
+        if p.device.type == "cuda":
+            return p.detach().to("cpu", non_blocking=False).pin_memory()
+        return p.detach().clone()
+
     @contextlib.contextmanager
     def _weights(self, snapshot: list[torch.Tensor]):
-        """The bf16 parameters of an earlier version for the block (storage swapped in, no copy)."""
+        """The bf16 parameters of an earlier version for the block (swapped in: no copy on the CPU, one host ->
+        device copy for a GPU model, freed after the block)."""
         current = [p.data for p in self.params]
         try:
             for p, t in zip(self.params, snapshot):
-                p.data = t
+                p.data = t.to(p.device, non_blocking=True)
             yield
         finally:
             for p, t in zip(self.params, current):
@@ -719,8 +727,7 @@ class GRPOTrainer:
     def _count_codes(self, packed, fwd, by_id: Mapping[str, Trajectory], acc: _StepAccumulator, version: int) -> None:
         """Code agreement at hinted sites on the response rows of ``version``'s trajectories, against the rollout's
         recorded codes."""
-        codes = {s: c.cpu().numpy() for s, c in fwd.codes.items()}
-        resp = np.isfinite(np.asarray(packed.logprobs))
+        resp = torch.as_tensor(np.isfinite(np.asarray(packed.logprobs))).to(self.device)
         off = packed.cu_seqlens
         for i, seg in enumerate(packed.segments):
             traj = by_id[seg.traj_id]
@@ -732,7 +739,8 @@ class GRPOTrainer:
                 ref = self._codes.get(traj, site)
                 if ref is None:
                     continue
-                m, t, bad, one = fidelity.count_code_matches(codes[site][rows][keep], ref[seg.start:seg.stop][keep])
+                m, t, bad, one = fidelity.count_code_matches(fwd.codes[site][rows][keep],
+                                                             torch.as_tensor(ref[seg.start:seg.stop]).to(self.device)[keep])
                 acc.codes += np.array([m, t, bad, one], dtype=np.int64)
 
     def _reduce(self, acc: _StepAccumulator) -> dict:

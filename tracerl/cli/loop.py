@@ -55,8 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-staleness", type=nonneg, default=_D.max_staleness, metavar="V",
                    help=f"trainer drops groups more than V versions old (default {_D.max_staleness})")
     p.add_argument("--max-ahead", type=pos, default=_D.max_ahead, metavar="N",
-                   help="rollout batches per policy version before waiting for a newer one (default 1: on-policy; "
-                        "2: rollout overlaps training)")
+                   help="rollout batches ahead of the trainer, which takes one batch per step (default 1: on-policy; "
+                        "2: rollout overlaps training, one version behind)")
     p.add_argument("--tis-cap", type=float_above(0), help="truncated importance sampling cap (default: off)")
     p.add_argument("--micro-batch-tokens", type=pos, default=_D.micro_batch_tokens, metavar="N",
                    help=f"trainer micro-batch tokens (default {_D.micro_batch_tokens})")

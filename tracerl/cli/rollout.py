@@ -14,8 +14,8 @@ DESCRIPTION = (
     "Loads the newest policy version published beside STORE (waiting for version 0 if needed), samples groups of "
     "responses to the store's task prompts with the FP4 rollout engine, records hints, scales, routed experts, "
     "tokens, log-probs and the policy version into STORE, and commits each trajectory's reward as its result. "
-    "Between batches it loads a newer version if one was published, and waits for one after --max-ahead batches "
-    "with the same version. Ctrl-C stops after the current batch (everything generated is committed)."
+    "Between batches it loads the newest version, and waits while it would be more than --max-ahead batches ahead "
+    "of the trainer (one batch per training step). Ctrl-C stops after the current batch (everything generated is committed)."
 )
 _D = RolloutConfig()
 
@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float_above(0), default=_D.temperature, help="sampling temperature (default 1)")
     p.add_argument("--seed", type=nonneg, default=_D.seed, metavar="N", help="seed of prompts and sampling (default 0)")
     p.add_argument("--max-ahead", type=pos, default=_D.max_ahead, metavar="N",
-                   help="batches generated with one policy version before waiting for a newer one (default 1: "
+                   help="batches the worker may run ahead of the trainer, which takes one batch per step (default 1: "
                         "on-policy; 2 lets rollout and training overlap, one version behind)")
     p.add_argument("--record-codes", action="store_true",
                    help="also store the rollout's FP4 codes at the hinted sites (audit/codes/ beside the store), so "
