@@ -311,20 +311,12 @@ class _CodeTally:
         for s in self.sites:
             per_req = self.roll.codes[s]
             rcp = np.concatenate([per_req[self.index[g.traj_id]][g.start : g.stop] for g in p.segments])[response]
-            tc = r.codes[s][response]  # [R, W] unpacked
-            # Compare packed bytes first (value 2j in the low nibble of byte j, as tracefp4 packs them); only
-            # differing bytes are unpacked (at full coverage and 32K tokens this is most of the metric's time).
-            rows, cols = np.nonzero((tc[:, 0::2] | (tc[:, 1::2] << 4)) != rcp)
-            a = np.stack([tc[rows, 2 * cols], tc[rows, 2 * cols + 1]], axis=-1)
-            b = tracefp4.unpack_codes(torch.from_numpy(rcp[rows, cols][:, None])).numpy()
-            bad = ~fidelity.code_matches(a, b)  # +0 / -0 differ as bytes but match as codes
-            n_bad = int(bad.sum())
+            match, total, n_bad, one = fidelity.count_code_matches(r.codes[s][response], rcp)
             c = self.counts[s]
-            c[0] += tc.size - n_bad
-            c[1] += tc.size
-            if n_bad:
-                self.mismatch += n_bad
-                self.one_step += round(fidelity.one_step_share(a[bad], b[bad]) * n_bad)
+            c[0] += match
+            c[1] += total
+            self.mismatch += n_bad
+            self.one_step += one
             eq = r.scales[s][response] == p.scales[s][response]
             self.scale_eq += int(eq.sum())
             self.scale_n += eq.size

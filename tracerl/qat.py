@@ -32,12 +32,13 @@ from torch import nn
 
 import tracefp4
 from tracefp4.constants import E2M1_MAGNITUDES, HINTS_PER_BYTE
+from tracerl.config import QAT_MODES
 from tracerl.errors import ConfigError, HintMismatchError
 from tracerl.models import moe_blocks
 from tracerl.sites import BLOCK, SitePlan, kv_cache_sites, linear_input_site, moe_down_site, moe_input_site
 from tracerl.state import swapped
 
-MODES = ("bf16", "fp4_rne_own_scales", "fp4_rne_rollout_scales", "fp4_hints")
+MODES = QAT_MODES  # defined in tracerl.config, which the command line imports without torch
 
 CaptureFn = Callable[[str, Any], None]  # (site, tracefp4.quantize result [N, W]) at hinted sites
 ObserveFn = Callable[[str, torch.Tensor, torch.Tensor], None]  # (site, codes_u8 [N, W], scale_e4m3 [N, W/16])

@@ -43,6 +43,17 @@ class RecomputeResult:
     seconds: float
 
 
+@dataclasses.dataclass
+class TokenLogprobs:
+    """What `QATTrainer.token_logprobs` returns: device tensors of one forward."""
+
+    logprobs: torch.Tensor | None  # float32 [S] (S scored tokens), with gradient when grad was enabled
+    scored: np.ndarray  # int64 [S]: THD row of each scored token (every token but each segment's first)
+    routes: dict[int, torch.Tensor]  # layer -> uint8 [T, top_k]
+    codes: dict[str, torch.Tensor]  # hinted site -> uint8 [T, W] effective codes (with observe)
+    scales: dict[str, torch.Tensor]  # hinted site -> uint8 [T, W/16] (with observe)
+
+
 class QATTrainer:
     """Forward (+ backward) of packed micro-batches in one of `tracerl.qat.MODES`."""
 
@@ -94,38 +105,16 @@ class QATTrainer:
 
         Raises `ConfigError` for an unknown mode, missing hinted sites (rollout-scale modes) or missing routes
         (``replay_routes``), and `HintMismatchError` for hints/scales/routes of the wrong shape."""
-        check_mode(mode)
         device = next(self.model.parameters()).device
-        inputs, rows = self._layout(packed, device)
-        nrows = int(inputs["input_ids"].numel())
         t0 = time.perf_counter()
-        provided = self._provided(packed, mode, rows, nrows, device)
-        forced = self._forced_routes(packed, rows, nrows, device) if replay_routes else {}
-        codes: dict[str, torch.Tensor] = {}
-        scales: dict[str, torch.Tensor] = {}
-        routes: dict[int, torch.Tensor] = {}
-
-        def on_observe(site, c, s):
-            codes[site] = c.index_select(0, rows)
-            scales[site] = s.index_select(0, rows)
-
-        def on_route(layer, idx):
-            routes[layer] = idx.index_select(0, rows).to(torch.uint8)
-
-        with self.runtime.using(mode=mode, provided=provided, forced_routes=forced, on_route=on_route,
-                                observe=on_observe if observe else None), torch.set_grad_enabled(backward):
-            logits = self._forward(inputs, rows)  # (T, V)
-            # Token t is scored by the logits at t-1 of the same segment. Which tokens (and which of them are
-            # response tokens) is known on the host: computed there and sent once, so nothing between the forward
-            # and the backward waits for the device.
-            scored = np.setdiff1d(np.arange(len(packed.token_ids)), packed.cu_seqlens[:-1])
-            idx, tok = (_to_device(torch.as_tensor(a), device)
-                        for a in (scored, np.asarray(packed.token_ids, dtype=np.int64)[scored]))
-            lp = torch.log_softmax(logits.float(), dim=-1).index_select(0, idx - 1).gather(-1, tok[:, None])[:, 0]
+        with torch.set_grad_enabled(backward):
+            fwd = self.token_logprobs(packed, mode, observe=observe, replay_routes=replay_routes)
+            lp, scored = fwd.logprobs, fwd.scored
             loss, grad_norm = self._backward(lp, packed, scored) if backward else (None, None)
         _sync(device)
         secs = time.perf_counter() - t0
         # Everything comes to the host in one transfer (a .cpu() per layer and site was one blocking copy each).
+        routes, codes, scales = fwd.routes, fwd.codes, fwd.scales
         host = iter(_to_host([lp.detach().float(), *routes.values(), *codes.values(), *scales.values()]))
         out = np.full(len(packed.token_ids), np.nan, dtype=np.float32)
         out[scored] = next(host)
@@ -139,6 +128,45 @@ class QATTrainer:
             grad_norm=grad_norm,
             seconds=secs,
         )
+
+    def token_logprobs(
+        self, packed: PackedHints, mode: str, *, observe: bool = False, replay_routes: bool = False,
+        temperature: float = 1.0, routes: bool = True,
+    ) -> TokenLogprobs:
+        """One forward of ``packed`` in ``mode``: the log-probs of its scored tokens (with gradient when grad is
+        enabled), and what the forward saw on the device (routes; with ``observe`` the hinted sites' codes and
+        scales), for the caller to turn into a loss. ``temperature`` divides the logits first (as the rollout's
+        sampler did). Raises what `recompute` raises."""
+        check_mode(mode)
+        device = next(self.model.parameters()).device
+        inputs, rows = self._layout(packed, device)
+        nrows = int(inputs["input_ids"].numel())
+        provided = self._provided(packed, mode, rows, nrows, device)
+        forced = self._forced_routes(packed, rows, nrows, device) if replay_routes else {}
+        out = TokenLogprobs(None, np.zeros(0, dtype=np.int64), {}, {}, {})
+
+        def on_observe(site, c, s):
+            out.codes[site] = c.index_select(0, rows)
+            out.scales[site] = s.index_select(0, rows)
+
+        def on_route(layer, idx):
+            out.routes[layer] = idx.index_select(0, rows).to(torch.uint8)
+
+        with self.runtime.using(mode=mode, provided=provided, forced_routes=forced,
+                                on_route=on_route if routes else None, observe=on_observe if observe else None):
+            logits = self._forward(inputs, rows)  # (T, V)
+            # Token t is scored by the logits at t-1 of the same segment. Which tokens (and which of them are
+            # response tokens) is known on the host: computed there and sent once, so nothing between the forward
+            # and the backward waits for the device.
+            scored = np.setdiff1d(np.arange(len(packed.token_ids)), packed.cu_seqlens[:-1])
+            idx, tok = (_to_device(torch.as_tensor(a), device)
+                        for a in (scored, np.asarray(packed.token_ids, dtype=np.int64)[scored]))
+            logits = logits.index_select(0, idx - 1).float()
+            if temperature != 1.0:
+                logits = logits / temperature
+            out.logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tok[:, None])[:, 0]
+        out.scored = scored
+        return out
 
     def _provided(self, packed: PackedHints, mode: str, rows, nrows: int, device) -> dict:
         """The rollout's scales (and, in ``fp4_hints``, hints) of every hinted site in forward rows; empty in the

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 import tracestore as ts
+from tracerl._objects import check_number, read_commit
 from tracerl.errors import ConfigError, TracerlError
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ FORMAT_VERSION = 1
 KIND = "tracerl.weights"
 _SIDECAR_RE = re.compile(rf"{WEIGHTS_PREFIX}(\d{{{VERSION_DIGITS}}})\.json")
 
-__all__ = ["publish", "latest_version", "list_versions", "read_meta", "load_state_dict", "load", "load_if_newer",
+__all__ = ["publish", "latest_version", "list_versions", "read_meta", "load_state_dict", "load", "load_if_newer", "prune",
            "WeightsError", "WeightsIntegrityError", "VersionNotFoundError", "VersionExistsError"]
 
 
@@ -84,9 +85,7 @@ def _backend(url: Location, storage_options: Mapping | None) -> tuple[ts.Backend
 
 
 def _check_version(version: Any) -> int:
-    if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < 10**VERSION_DIGITS:
-        raise ConfigError(f"policy version must be an int in [0, 10^{VERSION_DIGITS}), got {version!r}")
-    return version
+    return check_number(version, VERSION_DIGITS, "policy version")
 
 
 def sidecar_key(version: int) -> str:
@@ -179,19 +178,9 @@ def latest_version(url: Location, *, storage_options: Mapping | None = None) -> 
 
 def _read_sidecar(backend: ts.Backend, version: int) -> dict:
     key = sidecar_key(version)
-    try:
-        raw = backend.get(key)
-    except ts.ObjectNotFoundError:
-        raise VersionNotFoundError(f"{backend.url}: no policy version {version} ({key} does not exist)") from None
-    try:
-        side = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise WeightsIntegrityError(f"{backend.url}/{key}: sidecar is not JSON: {e}") from e
-    if not isinstance(side, dict) or side.get("kind") != KIND:
-        raise WeightsIntegrityError(f"{backend.url}/{key}: not a {KIND} sidecar")
-    if side.get("format_version") != FORMAT_VERSION:
-        raise ts.SchemaVersionError(f"{backend.url}/{key}: weights format_version {side.get('format_version')!r}; "
-                                    f"this code reads {FORMAT_VERSION}")
+    side = read_commit(backend, key, KIND, FORMAT_VERSION, corrupt=WeightsIntegrityError,
+                       version_error=ts.SchemaVersionError,
+                       missing=VersionNotFoundError(f"{backend.url}: no policy version {version} ({key} does not exist)"))
     sha = side.get("sha256")
     if (side.get("version") != version or not isinstance(sha, str) or not re.fullmatch(r"[0-9a-f]{64}", sha)
             or side.get("key") != _blob_key(version, sha) or not isinstance(side.get("bytes"), int)):
@@ -294,6 +283,29 @@ def load_if_newer(url: Location, model: torch.nn.Module, current: int | None, *,
         if latest is None or (current is not None and latest <= current):
             return None
         return load(backend, latest, model)
+    finally:
+        if owned:
+            backend.close()
+
+
+def prune(url: Location, keep_last: int, *, keep: tuple[int, ...] = (), storage_options: Mapping | None = None) -> list[int]:
+    """Delete all but the ``keep_last`` newest versions (and those in ``keep``); returns the deleted versions.
+
+    The sidecar goes first: from then on the version is not committed (`latest_version` and readers skip it) and
+    its blob is an orphan, deleted next. A reader that read the sidecar just before gets `WeightsIntegrityError`
+    (blob missing) and should look for the latest version again; keeping at least 2 leaves it the newest one.
+
+    Raises ConfigError for ``keep_last`` < 1."""
+    if keep_last < 1:
+        raise ConfigError(f"keep_last={keep_last}: keep at least the newest version")
+    backend, owned = _backend(url, storage_options)
+    try:
+        doomed = [v for v in list_versions(backend)[:-keep_last] if v not in keep]
+        for v in doomed:
+            side = _read_sidecar(backend, v)
+            backend.delete(sidecar_key(v))
+            backend.delete(side["key"])
+        return doomed
     finally:
         if owned:
             backend.close()

@@ -73,3 +73,27 @@ def test_by_position_buckets():
 
 def test_summarize_sites():
     assert fidelity.summarize_sites({"a": (9, 10), "b": (1, 10)}) == 0.5
+
+
+def test_count_code_matches_against_unpacked_reference():
+    """Packed-byte comparison (numpy and torch inputs) = value-by-value comparison of unpacked codes, with +0 == -0
+    and the one-step count on the signed ladder."""
+    import torch
+
+    from tracerl.fidelity import code_matches, count_code_matches
+
+    rng = np.random.default_rng(0)
+    ref = rng.integers(0, 16, (37, 64), dtype=np.uint8)
+    codes = ref.copy()
+    flip = rng.random(ref.shape) < 0.2
+    codes[flip] = rng.integers(0, 16, int(flip.sum()), dtype=np.uint8)
+    codes[0, :4], ref[0, :4] = [0, 8, 1, 9], [8, 0, 2, 1]  # +0/-0 match; 1 vs 2 one step; -0.5 vs +0.5 two
+    packed = (ref[:, 0::2] | (ref[:, 1::2] << 4)).astype(np.uint8)
+    match = code_matches(codes, ref)
+    signed = lambda x: np.where(x & 8, -(x.astype(int) & 7), x & 7)  # noqa: E731
+    one = int((~match & (np.abs(signed(codes) - signed(ref)) == 1)).sum())
+    want = (int(match.sum()), codes.size, int((~match).sum()), one)
+    assert count_code_matches(codes, packed) == want
+    assert count_code_matches(torch.from_numpy(codes), torch.from_numpy(packed)) == want
+    with pytest.raises(ValueError):
+        count_code_matches(codes, packed[:, :-1])

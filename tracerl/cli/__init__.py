@@ -18,7 +18,8 @@ from tracerl.cli.demo import render_table
 from tracerl.errors import TracerlError
 
 #: subcommand -> module under tracerl.cli
-COMMANDS = {"demo": "tracerl.cli.demo"}
+COMMANDS = {"demo": "tracerl.cli.demo", "train": "tracerl.cli.train", "rollout": "tracerl.cli.rollout",
+            "loop": "tracerl.cli.loop", "replay": "tracerl.cli.replay"}
 
 __all__ = ["COMMANDS", "build_parser", "main", "render_table"]
 

@@ -1,0 +1,206 @@
+"""The closed RL loop across processes: reward, commit-to-train lag, throughput, and the rollout/trainer mismatch
+per policy update in ``fp4_hints`` vs ``fp4_rne_own_scales`` (the paper's claim in miniature: hints keep the
+mismatch low through training), plus a bitwise replay of one run.
+
+Each run is `tracerl.loop.run_loop`: a fresh loop store, one ``tracerl rollout`` process and one ``tracerl
+train`` process (rollout one version ahead: ``max_ahead`` 2, ``max_staleness`` 1, so generation and training
+overlap; the mismatch of the groups trained one version late is measured with the weights that generated them),
+``--steps`` policy updates. The same seed gives both modes the same initial weights, prompts and sampling seeds.
+After the runs, the first run of the first mode is replayed from its checkpoint 0 on the trainer's device
+(`tracerl.replay.replay`, ``--replay-steps``) and compared bit for bit with its live log.
+
+    python benchmarks/benchmark_loop.py                       # CPU (2 processes), 3 seeds x 2 modes, 20 steps
+    python benchmarks/benchmark_loop.py --smoke               # tiny and short: checks the code paths
+    python benchmarks/benchmark_loop.py --device cuda --seeds 0 --modes fp4_hints --replay-steps 10
+                                                              # GPU: rollout on cuda:0, trainer on cuda:1
+
+GPU model: the H200 fidelity runs' (hidden 2048, 40 layers, 32 experts top-4; benchmarks/benchmark_tracerl_h200.py)
+with the task's 10-token vocabulary (a random-init policy over a 32K vocabulary would almost never emit a task
+symbol, leaving GRPO no signal); hints at the MoE input of the latter 20 layers. The trainer checkpoints only at
+step 0 (the replay's start; a full checkpoint of this model is ~60 GB) and keeps the 2 newest policy versions.
+
+Results accumulate in the JSON at --out (runs keyed by mode, seed and device; re-running a key replaces it), so a
+GPU session can run one mode per command; the table covers every run in the file: per mode the median over seeds
+(min..max) of the reward over the first and last 3 steps, lag median and p99, rollout and trainer tokens/s, and
+the mismatch (code agreement, mean |dlogp|, k3: medians over the steps). A PNG beside the JSON plots reward and
+mismatch per step for every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS for the replay, before CUDA
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from tracerl.config import LoopConfig  # noqa: E402
+
+GPU_SPEC = dict(hidden_size=2048, num_layers=40, num_heads=16, num_kv_heads=4, head_dim=128, num_experts=32,
+                top_k=4, moe_intermediate_size=512, max_position_embeddings=16384)
+CPU_SPEC = dict(hidden_size=128, num_layers=4)  # 16 experts top-2 (TinyMoESpec defaults)
+SMOKE_SPEC = dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32, num_experts=8,
+                  moe_intermediate_size=32)
+MODES = ("fp4_hints", "fp4_rne_own_scales")
+
+
+def _settings(args) -> dict:
+    """Model, task and batch settings of --smoke / CPU / GPU (the command line overrides steps and sizes)."""
+    if args.smoke:
+        return dict(spec=SMOKE_SPEC, response_len=8, groups=2, group=4, steps=3, hint_layers="all",
+                    micro=256, lr=1e-3, rollout_device="cpu", trainer_device="cpu", extra_train=())
+    if args.device == "cuda":
+        return dict(spec=GPU_SPEC, response_len=256, groups=8, group=8, steps=20, hint_layers="latter-half",
+                    micro=8192, lr=1e-5, rollout_device="cuda:0", trainer_device="cuda:1",
+                    extra_train=("--checkpoint-every", "1000000", "--keep-versions", "2"))
+    return dict(spec=CPU_SPEC, response_len=48, groups=8, group=8, steps=20, hint_layers="latter-half",
+                micro=2048, lr=3e-4, rollout_device="cpu", trainer_device="cpu", extra_train=())
+
+
+def _config(args, s: dict, mode: str, seed: int, run_dir: str) -> LoopConfig:
+    return LoopConfig(
+        run_dir=run_dir, steps=args.steps or s["steps"], rollouts=1,
+        task={"name": "target-set", "alphabet": 8, "prompt_len": 3, "response_len": args.response_len or s["response_len"]},
+        spec=s["spec"], hint_layers=s["hint_layers"], mode=mode, groups_per_step=args.groups or s["groups"],
+        group_size=s["group"], lr=args.lr or s["lr"], max_staleness=1, max_ahead=2, micro_batch_tokens=s["micro"],
+        record_codes=True, seed=seed, rollout_device=s["rollout_device"], trainer_device=s["trainer_device"],
+        threads=args.threads, extra_train_args=tuple(s["extra_train"]))
+
+
+def _med(xs: list) -> str:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return "-"
+    m = statistics.median(xs)
+    fmt = ".2e" if abs(m) < 1e-2 and m != 0 else ".3f"
+    return f"{m:{fmt}} ({min(xs):{fmt}}..{max(xs):{fmt}})"
+
+
+def table(doc: dict) -> str:
+    keys = [("reward_start", "reward first 3"), ("reward_end", "reward last 3"), ("lag_s_median", "lag median s"),
+            ("lag_s_p99", "lag p99 s"), ("rollout_tokens_per_s_median", "rollout tok/s"),
+            ("trainer_tokens_per_s_median", "trainer tok/s"), ("code_agreement_median", "code agreement"),
+            ("mismatch_mean_abs_dlogp_median", "mean |dlogp|"), ("mismatch_k3_median", "k3")]
+    groups: dict[tuple, list] = {}
+    for run in doc["runs"].values():
+        groups.setdefault((run["device"], run["mode"]), []).append(run["result"]["summary"])
+    lines = [f"{'device':<6} {'mode':<20} {'runs':>4}  " + "  ".join(f"{h:>26}" for _, h in keys)]
+    for (device, mode), sums in sorted(groups.items()):
+        lines.append(f"{device:<6} {mode:<20} {len(sums):>4}  " + "  ".join(f"{_med([s[k] for s in sums]):>26}"
+                                                                           for k, _ in keys))
+    for name, run in doc["runs"].items():
+        r = run.get("replay")
+        if r:
+            lines.append(f"replay of {name} from checkpoint {r['from_step']}: {r['steps']} steps, bitwise_equal="
+                         f"{r['bitwise_equal']}, first_divergence={r['first_divergence']}")
+    return "\n".join(lines)
+
+
+def plot_all(doc: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    for name, run in sorted(doc["runs"].items()):
+        rows = run["result"]["steps"]
+        x = [r["step"] for r in rows]
+        style = "-" if run["mode"] == "fp4_hints" else "--"
+        axes[0].plot(x, [r["reward"] for r in rows], style, label=name)
+        axes[1].plot(x, [r["mismatch_mean_abs_dlogp"] for r in rows], style, label=name)
+        axes[2].plot(x, [None if r["mismatch_code_agreement"] is None else 1 - r["mismatch_code_agreement"]
+                         for r in rows], style, label=name)
+    axes[0].set(title="reward (mean per step)", xlabel="policy update")
+    axes[1].set(title="mean |logp_trainer - logp_rollout|", xlabel="policy update")
+    axes[2].set(title="1 - code agreement at hinted sites", xlabel="policy update")
+    for a in axes[1:]:
+        a.set_yscale("symlog", linthresh=1e-6)  # log scale with a linear stretch around an exact 0
+    axes[0].legend(fontsize=6)
+    fig.suptitle("closed loop: fp4_hints (solid) vs fp4_rne_own_scales (dashed)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="tiny model, 3 steps (checks the code paths)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cpu: both processes on the CPU; cuda: rollout on cuda:0, trainer on cuda:1")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated QAT modes (default {','.join(MODES)})")
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds; every mode runs once per seed")
+    p.add_argument("--steps", type=int, help="policy updates per run (default 20; smoke 3)")
+    p.add_argument("--groups", type=int, help="prompts per step (default 8; smoke 2)")
+    p.add_argument("--response-len", type=int, help="response tokens (default: CPU 48, GPU 256, smoke 8)")
+    p.add_argument("--lr", type=float, help="AdamW learning rate (default: CPU 3e-4, GPU 1e-5, smoke 1e-3)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
+    p.add_argument("--replay-steps", type=int, default=10,
+                   help="replay this many steps of the first run (0: no replay; default 10)")
+    p.add_argument("--keep", metavar="DIR", help="keep the run directories below DIR (default: temporary)")
+    p.add_argument("--out", help="JSON results (default benchmarks/results/loop-<device>.json, smoke: "
+                                 "loop-smoke.json in a temporary directory)")
+    args = p.parse_args(argv)
+    s = _settings(args)
+    modes = [m for m in args.modes.split(",") if m]
+    seeds = [int(x) for x in args.seeds.split(",") if x]
+    device = "cpu" if args.smoke or args.device == "cpu" else "cuda"
+    default_out = (Path(tempfile.gettempdir()) / "loop-smoke.json" if args.smoke
+                   else Path(__file__).resolve().parent / "results" / f"loop-{device}.json")
+    out = Path(args.out) if args.out else default_out
+    doc = json.loads(out.read_text()) if out.exists() else {"runs": {}}
+
+    from tracerl.loop import run_loop
+    from tracerl.replay import replay
+    from tracerl.train import MetricsLog, json_ready
+
+    base = args.keep or tempfile.mkdtemp(prefix="benchmark-loop-")
+    first = None
+    for mode in modes:
+        for seed in seeds:
+            name = f"{device}-{mode}-seed{seed}"
+            run_dir = os.path.join(base, name)
+            cfg = _config(args, s, mode, seed, run_dir)
+            t0 = time.time()
+            print(f"{name}: {cfg.steps} steps ...", flush=True)
+            result = run_loop(cfg)
+            sm = result["summary"]
+            print(f"  {time.time() - t0:.0f}s: reward {sm['reward_start']:.3f} -> {sm['reward_end']:.3f}, lag median "
+                  f"{sm['lag_s_median']:.2f}s p99 {sm['lag_s_p99']:.2f}s, code agreement {sm['code_agreement_median']}, "
+                  f"mean |dlogp| {sm['mismatch_mean_abs_dlogp_median']}", flush=True)
+            doc["runs"][name] = {"device": device, "mode": mode, "seed": seed, "result": result, "replay": None,
+                                 "run_dir": run_dir if args.keep else None}
+            if first is None:
+                first = (name, cfg, result)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(json_ready(doc), indent=1))
+    if first is not None and args.replay_steps > 0:
+        import tracestore as ts
+
+        name, cfg, result = first
+        t0 = time.time()
+        live = MetricsLog(Path(cfg.run_dir) / "train.jsonl").records()
+        r = replay(ts.open_store(result["store"]), str(Path(cfg.run_dir) / "checkpoints"), live, step=0,
+                   max_steps=args.replay_steps, device=cfg.trainer_device)
+        r["seconds"] = time.time() - t0
+        r["device"] = cfg.trainer_device
+        doc["runs"][name]["replay"] = r
+        print(f"replay of {name}: {r['steps']} steps, bitwise_equal={r['bitwise_equal']} ({r['seconds']:.0f}s)")
+        out.write_text(json.dumps(json_ready(doc), indent=1))
+    print(table(doc))
+    try:
+        plot_all(doc, out.with_suffix(".png"))
+        print(f"saved {out} and {out.with_suffix('.png')}")
+    except ImportError:
+        print(f"saved {out} (no plot: matplotlib is not installed)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

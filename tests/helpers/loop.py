@@ -1,0 +1,52 @@
+"""Helpers for the closed-loop tests: a tiny loop store, rollout batches into it, trainer configs, CLI runs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tracerl.config import RolloutConfig, TrainConfig
+from tracerl.models import TinyMoESpec
+from tracerl.tasks import make_task
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+#: the task of every loop test: emit symbols of the prompt (3 of 8), 8 response tokens
+TASK = {"name": "target-set", "alphabet": 8, "prompt_len": 3, "response_len": 8}
+#: hidden 64, 2 layers, 8 experts top-2, vocabulary = the task's 10 ids
+SPEC = dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32, num_experts=8, top_k=2,
+            moe_intermediate_size=32)
+G = 4  # group size of the tests
+
+
+def create(url: str, storage_options=None, hint_layers: str = "all"):
+    """A loop store for the tiny model and task (every layer's MoE input hinted)."""
+    from tracerl.policy import create_loop_store
+
+    task = make_task(**TASK)
+    return create_loop_store(url, TinyMoESpec(**SPEC, vocab_size=task.vocab_size), task, hint_layers=hint_layers,
+                             calibration_prompts=16, storage_options=storage_options)
+
+
+def train_cfg(**kw) -> TrainConfig:
+    base = dict(groups_per_step=2, group_size=G, micro_batch_tokens=64, lr=1e-3)
+    return TrainConfig(**{**base, **kw})
+
+
+def rollout_cfg(**kw) -> RolloutConfig:
+    return RolloutConfig(**{**dict(groups_per_batch=2, group_size=G), **kw})
+
+
+def env() -> dict:
+    """The environment of a child ``tracerl`` process: this checkout first on the path, one torch thread."""
+    e = dict(os.environ)
+    e["PYTHONPATH"] = os.pathsep.join([REPO, os.path.join(REPO, "tests"), e.get("PYTHONPATH", "")])
+    e["OMP_NUM_THREADS"] = "1"
+    return e
+
+
+def tracerl(*args: str, **kw) -> subprocess.Popen:
+    """``tracerl ARGS`` as a child process (stdout and stderr piped)."""
+    return subprocess.Popen([sys.executable, "-m", "tracerl.cli", *args], env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kw)

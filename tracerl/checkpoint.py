@@ -1,0 +1,200 @@
+"""Trainer checkpoints as immutable objects at a location (local directory or S3), committed atomically.
+
+Layout, below the location URL (a directory of its own, or a prefix beside a store: tracestore's ``gc`` and
+``verify`` leave ``checkpoints/`` alone)::
+
+    checkpoints/<step, 12 digits>-<sha256[:16]>.<name>     one blob per part (model, optimizer, ...), immutable
+    checkpoints/<step, 12 digits>.json                      the commit: a manifest, created with put_if_absent
+
+Saving follows the store's commit protocol: the blobs first, each under a name that carries its hash (``put``:
+a reader never sees a partial object, and a retry cannot overwrite different bytes), then the manifest with
+``put_if_absent``. A checkpoint exists exactly when its manifest exists; a trainer killed while saving leaves
+orphan blobs that no reader looks at, and the previous checkpoint stays the latest. A second commit of the same
+step fails with `CheckpointExistsError`.
+
+Manifest (JSON)::
+
+    {"kind": "tracerl.checkpoint", "format_version": 1, "step": 12, "created_unix": 1.7e9,
+     "blobs": {"model": {"key": "checkpoints/000000000012-<hash>.model", "sha256": "<64 hex>", "bytes": 1234}, ...},
+     "state": {...}}
+
+``state`` is the caller's JSON (the trainer keeps its step, policy version, store cursor, RNG states and the last
+step's metrics there). `load` checks the manifest's kind and format version, then every blob's size and sha256,
+before it returns anything: a corrupt or missing checkpoint raises a typed error and the caller has changed
+nothing yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import re
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import tracestore as ts
+from tracerl._objects import check_number, read_commit
+from tracerl.errors import CheckpointCorruptError, CheckpointExistsError, CheckpointNotFoundError, ConfigError
+
+log = logging.getLogger(__name__)
+
+PREFIX = "checkpoints/"
+STEP_DIGITS = 12
+FORMAT_VERSION = 1
+KIND = "tracerl.checkpoint"
+_MANIFEST_RE = re.compile(rf"{PREFIX}(\d{{{STEP_DIGITS}}})\.json")
+_NAME_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")
+
+__all__ = ["Checkpoint", "save", "load", "list_steps", "latest_step", "prune", "manifest_key"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """A loaded, verified checkpoint: its ``step``, the caller's ``state`` JSON and the blobs' bytes by name."""
+
+    step: int
+    state: dict
+    blobs: dict[str, bytes]
+    created_unix: float
+
+
+def _check_step(step: Any) -> int:
+    return check_number(step, STEP_DIGITS, "checkpoint step")
+
+
+def manifest_key(step: int) -> str:
+    return f"{PREFIX}{_check_step(step):0{STEP_DIGITS}d}.json"
+
+
+def _open(location: str | ts.Backend, storage_options: Mapping | None) -> tuple[ts.Backend, bool]:
+    if isinstance(location, ts.Backend):
+        return location, False
+    return ts.open_backend(location, storage_options), True
+
+
+def save(location: str | ts.Backend, step: int, blobs: Mapping[str, bytes], state: Mapping[str, Any], *,
+         storage_options: Mapping | None = None) -> str:
+    """Commit checkpoint ``step`` (blobs by name, ``state`` JSON); returns the manifest key.
+
+    Raises:
+        ConfigError: bad step, a blob name outside ``[a-z][a-z0-9_]*`` (32 characters at most), state not JSON.
+        CheckpointExistsError: ``step`` is already committed (nothing is changed).
+        tracestore.BackendError: the storage failed (nothing is committed; a retry is safe).
+    """
+    step = _check_step(step)
+    for name in blobs:
+        if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+            raise ConfigError(f"checkpoint blob name {name!r}: use 1-32 characters of [a-z0-9_], starting with a letter")
+    refs = {}
+    for name, data in blobs.items():
+        sha = hashlib.sha256(data).hexdigest()
+        refs[name] = {"key": f"{PREFIX}{step:0{STEP_DIGITS}d}-{sha[:16]}.{name}", "sha256": sha, "bytes": len(data)}
+    manifest = {"kind": KIND, "format_version": FORMAT_VERSION, "step": step, "created_unix": time.time(),
+                "blobs": refs, "state": dict(state)}
+    try:
+        raw = json.dumps(manifest, sort_keys=True, allow_nan=False).encode()
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"checkpoint {step}: state is not JSON-serializable: {e}") from e
+    backend, owned = _open(location, storage_options)
+    try:
+        key = manifest_key(step)
+        if backend.exists(key):  # before uploading large blobs for nothing
+            raise CheckpointExistsError(f"{backend.url}: checkpoint {step} is already committed")
+        for name, data in blobs.items():
+            backend.put(refs[name]["key"], data)
+        if not backend.put_if_absent(key, raw):
+            raise CheckpointExistsError(f"{backend.url}: checkpoint {step} was committed concurrently")
+        log.info("checkpoint %d committed to %s (%d bytes)", step, backend.url, sum(map(len, blobs.values())))
+        return key
+    finally:
+        if owned:
+            backend.close()
+
+
+def list_steps(location: str | ts.Backend, *, storage_options: Mapping | None = None) -> list[int]:
+    """Committed checkpoint steps, ascending (a fresh listing)."""
+    backend, owned = _open(location, storage_options)
+    try:
+        return sorted(int(m.group(1)) for o in backend.list(PREFIX) if (m := _MANIFEST_RE.fullmatch(o.key)))
+    finally:
+        if owned:
+            backend.close()
+
+
+def latest_step(location: str | ts.Backend, *, storage_options: Mapping | None = None) -> int | None:
+    """The highest committed step, or None when the location holds no checkpoint."""
+    steps = list_steps(location, storage_options=storage_options)
+    return steps[-1] if steps else None
+
+
+def _manifest(backend: ts.Backend, step: int) -> dict:
+    key = manifest_key(step)
+    man = read_commit(backend, key, KIND, FORMAT_VERSION, corrupt=CheckpointCorruptError,
+                      version_error=CheckpointCorruptError,
+                      missing=CheckpointNotFoundError(f"{backend.url}: no checkpoint {step} ({key} does not exist)"))
+    blobs = man.get("blobs")
+    if (man.get("step") != step or not isinstance(man.get("state"), dict) or not isinstance(blobs, dict)
+            or not all(isinstance(r, dict) and isinstance(r.get("sha256"), str) and isinstance(r.get("bytes"), int)
+                       and r.get("key") == f"{PREFIX}{step:0{STEP_DIGITS}d}-{r['sha256'][:16]}.{n}"
+                       for n, r in blobs.items())):
+        raise CheckpointCorruptError(f"{backend.url}/{key}: manifest fields do not describe checkpoint {step}")
+    return man
+
+
+def load(location: str | ts.Backend, step: int | None = None, *, storage_options: Mapping | None = None) -> Checkpoint:
+    """The verified checkpoint ``step`` (None: the latest).
+
+    Raises:
+        CheckpointNotFoundError: no checkpoint at all (for None), or none of that step.
+        CheckpointCorruptError: a manifest that does not decode or describe the step, another kind or format
+            version, a blob missing or of the wrong size or sha256.
+        tracestore.BackendError: the storage failed.
+    """
+    backend, owned = _open(location, storage_options)
+    try:
+        if step is None:
+            step = latest_step(backend)
+            if step is None:
+                raise CheckpointNotFoundError(f"{backend.url}: holds no checkpoint ({PREFIX}*.json)")
+        man = _manifest(backend, _check_step(step))
+        blobs = {}
+        for name, ref in man["blobs"].items():
+            try:
+                data = backend.get(ref["key"])
+            except ts.ObjectNotFoundError:
+                raise CheckpointCorruptError(f"{backend.url}: checkpoint {step} is committed but its blob "
+                                             f"{ref['key']} is missing") from None
+            sha = hashlib.sha256(data).hexdigest()
+            if len(data) != ref["bytes"] or sha != ref["sha256"]:
+                raise CheckpointCorruptError(f"{backend.url}/{ref['key']}: {len(data)} bytes with sha256 {sha[:16]}..., "
+                                             f"the manifest says {ref['bytes']} bytes with {ref['sha256'][:16]}...")
+            blobs[name] = data
+        return Checkpoint(step, man["state"], blobs, float(man.get("created_unix", 0.0)))
+    finally:
+        if owned:
+            backend.close()
+
+
+def prune(location: str | ts.Backend, keep_last: int, *, keep: tuple[int, ...] = (),
+          storage_options: Mapping | None = None) -> list[int]:
+    """Delete all but the ``keep_last`` newest checkpoints (and those in ``keep``); returns the deleted steps.
+
+    The manifest goes first, so a reader sees a checkpoint whole or not at all; blobs of a deleted manifest are
+    orphans from then on and are deleted after it."""
+    if keep_last < 1:
+        raise ConfigError(f"keep_last={keep_last}: keep at least the newest checkpoint")
+    backend, owned = _open(location, storage_options)
+    try:
+        steps = list_steps(backend)
+        doomed = [s for s in steps[:-keep_last] if s not in keep]
+        for s in doomed:
+            man = _manifest(backend, s)
+            backend.delete(manifest_key(s))
+            backend.delete_many(r["key"] for r in man["blobs"].values())
+        return doomed
+    finally:
+        if owned:
+            backend.close()
