@@ -18,7 +18,7 @@ from tracerl.cli.demo import render_table
 from tracerl.errors import TracerlError
 
 #: subcommand -> module under tracerl.cli
-COMMANDS = {"demo": "tracerl.cli.demo"}
+COMMANDS = {"demo": "tracerl.cli.demo", "audit": "tracerl.cli.audit"}
 
 __all__ = ["COMMANDS", "build_parser", "main", "render_table"]
 
