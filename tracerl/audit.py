@@ -50,7 +50,8 @@ JSON (``run_audit``'s result, ``tracerl audit --json``; stable keys, ``audit_for
   modes (per_site / per_layer cover every FP4 site, hinted or not) and bf16 (no code columns).
 - ``histogram``: |dlogp| on shared log bins: edges, zero, counts ``{floor, fp4_rne_own_scales, fp4_hints, ...}``.
 - ``attribution`` (null with ``attribution=False``): order (sources, as made exact), groups, mean_abs, mean_sq
-  (each: total, floor, parts, sum_of_parts, residual, interaction), dominant, adds_up, tolerance.
+  (each: total, floor, parts, sum_of_parts, residual, interaction), dominant, adds_up, tolerance,
+  exact_code_agreement (code agreement of the last pass at every FP4 site: 1.0 when "exact" is exact).
 - ``planner`` (null with ``planner=False``): units, ranking, curve (``[{k, units, sites, bytes_per_token,
   mean_abs_dlogp, excess, excess_vs_rne}]``), rne_excess, store_coverage, budget (bytes_per_token, best),
   target (null, or target_excess, meets, point, site_table).
@@ -167,9 +168,12 @@ def attribution_passes(plan: SitePlan, groups: Sequence[ap.SiteGroup]) -> list[P
     store's hints at the other hinted sites; the last one is the residual (every FP4 site exact)."""
     stored = {s: "hints" for s in plan.hinted}
     out, exact = [], {}
-    for g in ap.attribution_order(groups):
+    order = ap.attribution_order(groups)
+    for i, g in enumerate(order):
         exact.update({s: "exact" for s in g.sites})
-        out.append(PassSpec(f"exact:{g.name}", actions={**stored, **exact}, replay_routes=True))
+        # the last pass (every FP4 site exact) also counts codes: a check that exact means the rollout's codes
+        out.append(PassSpec(f"exact:{g.name}", actions={**stored, **exact}, replay_routes=True,
+                            observe=i == len(order) - 1))
     return out
 
 
@@ -533,9 +537,14 @@ def _substitute(mb: _MicroBatch, spec: PassSpec, tally: am.CodeTally | None):
             return None
         g = rt.global_scale_on(site, x.device)
         if act == "exact":  # the rollout's quantized values, as its forward used them
-            return tracefp4.dequantize(mb.forward_rows((site, "rc"), lambda: mb.replay_codes(site)),
-                                       mb.forward_rows((site, "rs"), lambda: mb.replay_scales(site)),
-                                       fmt="nvfp4", global_scale=g, dtype=x.dtype, backend=rt.backend)
+            scales = mb.forward_rows((site, "rs"), lambda: mb.replay_scales(site))
+            y = tracefp4.dequantize(mb.forward_rows((site, "rc"), lambda: mb.replay_codes(site)), scales,
+                                    fmt="nvfp4", global_scale=g, dtype=x.dtype, backend=rt.backend)
+            if tally is not None:  # a self-check: the codes y carries are the rollout's
+                used = scales.index_select(0, mb.rows)
+                tally.add(site, effective_codes(y.index_select(0, mb.rows), used, g), mb.replay_codes(site), used,
+                          mb.replay_scales(site))
+            return y
         if act is not None:
             if act == "replay_hints":
                 scales = mb.forward_rows((site, "rs"), lambda: mb.replay_scales(site))
@@ -820,8 +829,11 @@ class _Audit:
             order = ap.attribution_order(self.groups)
             steps = [("routing", states["fp4_hints_replay_routes"].log.column("dlogp")),
                      *[(g.name, states[f"exact:{g.name}"].log.column("dlogp")) for g in order]]
+            last = states[f"exact:{order[-1].name}"].tally if order else None
+            check = am.agreement(np.stack(list(last.site_counts().values()))) if last is not None else None
             attribution = {"order": [name for name, _ in steps], "groups": [g.to_json() for g in order],
-                           **ap.attribute(states[AUDITED_MODE].log.column("dlogp"), floor_d, steps)}
+                           **ap.attribute(states[AUDITED_MODE].log.column("dlogp"), floor_d, steps),
+                           "exact_code_agreement": check["code_agreement"] if check else None}
         planner = self._planner(modes) if cfg.planner else None
         n_resp = int(sum(len(t.response) for t in self.trajs if t.data_ok))
         rep_lp = [np.array_equal(r.logprobs[b], t.logprobs, equal_nan=True) for r, _ in self.replays

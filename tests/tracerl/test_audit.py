@@ -167,3 +167,30 @@ def test_store_problems_one_line_exit_2(tmp_path):
     ts.create_store(plain, [ts.Site("a", 64)])  # a store without tracerl's model metadata
     rc, _, err = _cli("audit", plain)
     assert rc == 2 and "model metadata lacks" in err and err.count("\n") == 1
+
+
+def test_attribution_parts_add_up(audited):
+    """The attribution of the audited gap: floor + parts + (residual - floor) is the total; the parts add up
+    within the stated tolerance (|residual - floor| <= ADDITIVITY_TOLERANCE * total, mean |dlogp|); routing's part
+    is what routing replay removes; the pass with every FP4 site exact carries the rollout's codes everywhere."""
+    from tracerl.audit_plan import ADDITIVITY_TOLERANCE
+
+    _, audit, _, _ = audited
+    a, modes = audit["attribution"], audit["modes"]
+    assert a["tolerance"] == ADDITIVITY_TOLERANCE and a["exact_code_agreement"] == 1.0
+    assert a["order"][0] == "routing" and len(a["order"]) == 1 + len(a["groups"])
+    for which in ("mean_abs", "mean_sq"):
+        m = a[which]
+        assert m["floor"] + sum(m["parts"].values()) + m["interaction"] == pytest.approx(m["total"], rel=1e-12)
+        assert m["interaction"] == pytest.approx(m["residual"] - m["floor"], rel=1e-9, abs=1e-15)
+    ab = a["mean_abs"]
+    assert ab["total"] == pytest.approx(modes["fp4_hints"]["mean_abs_dlogp"], rel=1e-12)
+    assert ab["floor"] == pytest.approx(modes["floor"]["mean_abs_dlogp"], rel=1e-12)
+    assert ab["parts"]["routing"] == pytest.approx(
+        modes["fp4_hints"]["mean_abs_dlogp"] - modes["fp4_hints_replay_routes"]["mean_abs_dlogp"], rel=1e-9, abs=1e-15)
+    assert abs(ab["interaction"]) <= ADDITIVITY_TOLERANCE * ab["total"] and a["adds_up"] is True
+    assert a["dominant"] in ("floor", *ab["parts"])
+    assert max([ab["floor"], *ab["parts"].values()]) == ({"floor": ab["floor"]} | ab["parts"])[a["dominant"]]
+    # every non-KV FP4 site is in exactly one group
+    grouped = [s for g in a["groups"] for s in g["sites"]]
+    assert sorted(grouped) == sorted(audit["store"]["fp4_sites"])
