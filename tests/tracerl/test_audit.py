@@ -194,3 +194,73 @@ def test_attribution_parts_add_up(audited):
     # every non-KV FP4 site is in exactly one group
     grouped = [s for g in a["groups"] for s in g["sites"]]
     assert sorted(grouped) == sorted(audit["store"]["fp4_sites"])
+
+
+def test_planner_curve_is_measured(audited):
+    """The curve starts at round-to-nearest (nothing hinted), adds one ranked unit per point up to every FP4
+    site, and every point is a measured pass; a point that hints exactly the store's sites (hints derived from the
+    replay) measures what the store's own hints give."""
+    _, audit, _, _ = audited
+    p, modes = audit["planner"], audit["modes"]
+    curve, units = p["curve"], p["units"]
+    assert [c["k"] for c in curve] == list(range(len(units) + 1)) and len(p["ranking"]) == len(units)
+    assert curve[0]["sites"] == [] and curve[0]["mean_abs_dlogp"] == modes["fp4_rne_own_scales"]["mean_abs_dlogp"]
+    assert curve[0]["excess"] == pytest.approx(modes["fp4_rne_own_scales"]["excess_over_floor"], rel=1e-12)
+    assert sorted(curve[-1]["sites"]) == sorted(audit["store"]["fp4_sites"])
+    assert curve[-1]["bytes_per_token"] == sum(u["bytes_per_token"] for u in units)
+    assert all(a["bytes_per_token"] < b["bytes_per_token"] for a, b in zip(curve, curve[1:]))
+    assert p["store_coverage"]["excess"] == modes["fp4_hints"]["excess_over_floor"]
+    assert p["store_coverage"]["bytes_per_token"] == audit["store"]["hint_bytes_per_token"]
+    for c in curve:
+        if sorted(c["sites"]) == sorted(audit["store"]["hinted_sites"]):
+            assert c["mean_abs_dlogp"] == pytest.approx(modes["fp4_hints"]["mean_abs_dlogp"], rel=1e-12)
+    best = p["budget"]["best"]
+    assert best["bytes_per_token"] <= p["budget"]["bytes_per_token"] == 7680
+
+
+def test_target_excess_site_table_round_trips(audited, tmp_path):
+    """--target-excess prints the cheapest measured coverage as a site table: `tracestore create --site-table`
+    takes it, and the rollout side's site plan from it hints exactly those sites."""
+    from tracestore.cli.main import main as tracestore_main
+    from tracerl.audit_plan import hint_sites_from_table
+    from tracerl.models import TinyMoESpec, build_model
+    from tracerl.sites import plan_sites
+
+    _, audit, url, _ = audited
+    curve = audit["planner"]["curve"]
+    target = min(c["excess"] for c in curve[1:])
+    assert target < curve[0]["excess"]  # hints help on this store, so the plan hints something
+    want = min((c for c in curve if c["excess"] <= target), key=lambda c: c["bytes_per_token"])
+    rc, out, err = _cli("audit", url, "--target-excess", repr(target), "--no-attribution", "--threads", "2",
+                        "--bands", "2")
+    assert rc == 0, err
+    table = json.loads(out)  # stdout holds the table alone; the report went to stderr
+    assert "coverage planner" in err
+    assert [s["name"] for s in table["sites"]] == [s for s in audit["store"]["fp4_sites"] if s in want["sites"]]
+    path = tmp_path / "sites.json"
+    path.write_text(out)
+    new = str(tmp_path / "planned")
+    assert tracestore_main(["create", new, "--site-table", str(path)]) == 0
+    store = ts.open_store(new)
+    assert list(store.sites) == hint_sites_from_table(table)
+    assert store.model["site_plan"]["hinted"] == hint_sites_from_table(table)
+    assert store.top_k == table["top_k"] and list(store.moe_layers) == table["moe_layers"]
+    model = build_model(TinyMoESpec(**store.model["spec"]), seed=store.model["seed"])
+    plan = plan_sites(model, fp4=store.model["fp4"], hint_sites=hint_sites_from_table(table))
+    assert list(plan.hinted) == [s["name"] for s in table["sites"]]
+    assert {s.name: s.width for s in plan.hinted_specs()} == {s["name"]: s["width"] for s in table["sites"]}
+
+
+def test_hints_from_the_replay_equal_the_stored_ones(tmp_path):
+    """On a store that hints every MoE input, the planner's pass hinting that unit (hints and scales derived from
+    the replayed codes) gives exactly the audited fp4_hints figures; an unreachable target exits 1."""
+    url = str(tmp_path / "all")
+    run_demo(DemoConfig(store=url, trajectories=2, tokens=24, seed=5, hint_layers="all", spec=SPEC))
+    rc, out, err = _cli("audit", url, "--json", "--no-attribution", "--bands", "1", "--threads", "2",
+                        "--target-excess", "-1")
+    assert rc == 1 and "no measured coverage reaches" in err
+    res = json.loads(out)
+    assert res["planner"]["target"]["meets"] is False and res["planner"]["target"]["site_table"] is None
+    rne = res["modes"]["fp4_rne_own_scales"]["mean_abs_dlogp"]
+    gain = {r["unit"]: r["gain"] for r in res["planner"]["ranking"]}
+    assert rne - gain["moe-in L0-3"] == pytest.approx(res["modes"]["fp4_hints"]["mean_abs_dlogp"], rel=1e-9)
