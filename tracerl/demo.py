@@ -171,15 +171,19 @@ def _setup(cfg: DemoConfig, spec: TinyMoESpec) -> _Setup:
     return _Setup(spec, plan, runtime, engine, prompts, global_scales, [n for _, n, _ in moe_blocks(model)])
 
 
-def _create_store(url: str, cfg: DemoConfig, s: _Setup) -> ts.Store:
+def _create_store(url: str, cfg: DemoConfig, s: _Setup, rids: list[str]) -> ts.Store:
+    # What an audit (tracerl.audit) needs to rebuild the model, the FP4 sites and the rollout's decode: the
+    # rollout's batches (request ids in batch order), decode path, device type and sampling temperature.
+    rollout = {"engine": "tracerl.engine.RolloutEngine", "decode": s.engine.decode_path(torch.device(cfg.device)),
+               "device": torch.device(cfg.device).type, "temperature": 1.0, "batches": [list(rids)]}
     meta = {**model_metadata(s.spec, cfg.seed), "fp4": cfg.fp4, "site_plan": s.plan.to_json(),
-            "global_scales": s.global_scales}
+            "global_scales": s.global_scales, "rollout": rollout}
     return ts.create_store(url, [ts.Site(n, w) for n, w in s.site_widths.items()], model=meta,
                            moe_layers=s.moe_layers, top_k=s.spec.top_k, num_experts=s.spec.num_experts)
 
 
-def _rollouts(cfg: DemoConfig, s: _Setup, store: ts.Store, rids: list[str], on_step: StepFn):
-    """The FP4 rollout, recorded into ``store``, then the floor run (bf16, the sampled tokens forced)."""
+def _record(cfg: DemoConfig, s: _Setup, store: ts.Store, rids: list[str], on_step: StepFn) -> RolloutResult:
+    """The FP4 rollout, recorded into ``store``."""
     max_new = cfg.tokens - cfg.prompt_tokens[1]
     phase = f"FP4 rollout ({len(rids)} x {max_new} tokens)"
     on_step(phase, 0, max_new)
@@ -187,8 +191,32 @@ def _rollouts(cfg: DemoConfig, s: _Setup, store: ts.Store, rids: list[str], on_s
         recorder = RolloutRecorder(writer, s.site_widths, moe_layers=s.moe_layers, top_k=s.spec.top_k,
                                    flush_tokens=cfg.flush_tokens)
         with swapped(s.engine, recorder=recorder):
-            roll = s.engine.generate(s.prompts, max_new, seed=cfg.seed, request_ids=rids,
+            return s.engine.generate(s.prompts, max_new, seed=cfg.seed, request_ids=rids,
                                      on_step=lambda done, total: on_step(phase, done, total))
+
+
+def record_store(cfg: DemoConfig, on_step: StepFn | None = None) -> dict[str, Any]:
+    """The demo's recording half only: build and calibrate the model, create the store at ``cfg.store`` and
+    record the FP4 rollout into it (no floor run, no trainer; `tracerl.audit` recomputes the rest). Returns
+    ``{"store", "trajectories", "response_tokens", "decode_s", "seconds"}``.
+
+    Raises `ConfigError` as `run_demo` does, and when ``cfg.store`` is None."""
+    if cfg.store is None:
+        raise ConfigError("record_store needs cfg.store (the URL of the store to create)")
+    t0 = time.perf_counter()
+    spec = _check(cfg)
+    torch.manual_seed(cfg.seed)
+    s = _setup(cfg, spec)
+    rids = [f"traj-{i:04d}" for i in range(cfg.trajectories)]
+    roll = _record(cfg, s, _create_store(cfg.store, cfg, s, rids), rids, on_step or (lambda *a: None))
+    return {"store": cfg.store, "trajectories": len(rids), "response_tokens": int(sum(map(len, roll.logprobs))),
+            "decode_s": roll.decode_s, "seconds": time.perf_counter() - t0}
+
+
+def _rollouts(cfg: DemoConfig, s: _Setup, store: ts.Store, rids: list[str], on_step: StepFn):
+    """The FP4 rollout, recorded into ``store``, then the floor run (bf16, the sampled tokens forced)."""
+    max_new = cfg.tokens - cfg.prompt_tokens[1]
+    roll = _record(cfg, s, store, rids, on_step)
     phase = "floor run (bf16, tokens forced)"
     on_step(phase, 0, max_new)
     forced = torch.as_tensor(np.stack([q[len(p):] for q, p in zip(roll.sequences, s.prompts)]))
@@ -283,7 +311,7 @@ def run_demo(cfg: DemoConfig, progress: Callable[[str], None] | None = None, *,
     step("build and calibrate the model", 1, 1)
     rids = [f"traj-{i:04d}" for i in range(cfg.trajectories)]
     with _store_url(cfg.store) as url:
-        roll, floor = _rollouts(cfg, s, _create_store(url, cfg, s), rids, step)
+        roll, floor = _rollouts(cfg, s, _create_store(url, cfg, s, rids), rids, step)
         # the trainer reads the store back through a fresh handle, as THD micro-batches
         reader = ts.open_store(url).reader()
         mbs = pack_micro_batches({i.traj_id: i.num_tokens for i in reader.trajectories()}, cfg.micro_batch_tokens)

@@ -43,6 +43,8 @@ MODES = QAT_MODES  # defined in tracerl.config, which the command line imports w
 CaptureFn = Callable[[str, Any], None]  # (site, tracefp4.quantize result [N, W]) at hinted sites
 ObserveFn = Callable[[str, torch.Tensor, torch.Tensor], None]  # (site, codes_u8 [N, W], scale_e4m3 [N, W/16])
 RouteFn = Callable[[int, torch.Tensor], None]  # (layer, expert ids [N, top_k], ascending per row)
+# (site, activation x [N, W]) -> the site's quantized output [N, W] in x's dtype, or None for the mode's own
+SubstituteFn = Callable[[str, torch.Tensor], "torch.Tensor | None"]
 
 
 def check_mode(mode: str) -> None:
@@ -109,6 +111,9 @@ class FP4Runtime:
         # Routing replay: {layer: expert ids [N, top_k] (int64, forward rows)} that MoE blocks use instead of
         # their router's top-k (the router's probabilities still weight them, so the gate gets gradients).
         self.forced_routes: dict[int, torch.Tensor] = {}
+        # A per-site override of the FP4 modes (tracerl.audit: exact replacement by the rollout's values, hints at
+        # sites the plan does not hint); consulted at every FP4 activation site in every mode but bf16.
+        self.substitute: SubstituteFn | None = None
         self._calib: dict[str, torch.Tensor] | None = None
         # MoE calls on CUDA with at most this many (token, expert) slots take the gather/bmm decode path (on
         # the CPU, gathering expert weights costs more than the grouped GEMMs save).
@@ -134,13 +139,14 @@ class FP4Runtime:
         return {k: float(v) for k, v in self.global_scales.items()}
 
     #: the per-call state that `using` sets and restores
-    CALL_STATE = ("mode", "capture", "observe", "on_route", "provided", "forced_routes", "gather_max_slots")
+    CALL_STATE = ("mode", "capture", "observe", "on_route", "provided", "forced_routes", "gather_max_slots",
+                  "substitute")
 
     @contextlib.contextmanager
     def using(self, **state: Any) -> Iterator[FP4Runtime]:
         """Set per-call state (any of `CALL_STATE`: ``mode``, the ``capture`` / ``observe`` / ``on_route``
-        callbacks, ``provided`` hints and scales, ``forced_routes``, ``gather_max_slots``) for the block; the
-        previous values come back on exit, also when the block raises.
+        callbacks, ``provided`` hints and scales, ``forced_routes``, ``gather_max_slots``, ``substitute``) for the
+        block; the previous values come back on exit, also when the block raises.
 
         Raises `ConfigError` for an unknown key or mode, before anything changes."""
         unknown = sorted(set(state) - set(self.CALL_STATE))
@@ -194,6 +200,10 @@ class FP4Runtime:
             self._calib[site] = amax if prev is None else torch.maximum(prev, amax)
         if self.mode == "bf16" or site not in self._fp4:
             return x
+        if self.substitute is not None:
+            y = self.substitute(site, x)
+            if y is not None:
+                return y
         g = self.global_scale_on(site, x.device)
         hinted = site in self._hinted
         if hinted and self.mode in ("fp4_rne_rollout_scales", "fp4_hints"):

@@ -19,7 +19,7 @@ from tracerl.errors import TracerlError
 
 #: subcommand -> module under tracerl.cli
 COMMANDS = {"demo": "tracerl.cli.demo", "train": "tracerl.cli.train", "rollout": "tracerl.cli.rollout",
-            "loop": "tracerl.cli.loop", "replay": "tracerl.cli.replay"}
+            "loop": "tracerl.cli.loop", "replay": "tracerl.cli.replay", "audit": "tracerl.cli.audit"}
 
 __all__ = ["COMMANDS", "build_parser", "main", "render_table"]
 

@@ -1,0 +1,266 @@
+"""`tracerl audit` on a tiny demo store: the same agreement figures as `tracerl demo` (same seed), the replay
+reproduces the store, the JSON has the documented keys, a corrupt chunk is reported (object named) instead of a
+crash, bad arguments give one line and exit 2.
+
+One tiny store and one audit of it (module fixture, ~30 s on two cores) serve most tests."""
+
+import contextlib
+import io
+import json
+import os
+import shutil
+
+import pytest
+
+import tracestore as ts
+from tracerl.audit import DETAIL_KEYS, MODE_NAMES, TOP_KEYS
+from tracerl.cli import main
+from tracerl.config import DemoConfig
+from tracerl.demo import run_demo
+
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "README.md")
+SPEC = {"hidden_size": 64, "num_layers": 4, "num_experts": 4, "vocab_size": 128}
+CFG = dict(trajectories=4, tokens=40, seed=3, spec=SPEC)
+
+#: the documented JSON keys (README "Audit", tracerl.audit docstring)
+MODE_KEYS = {"code_agreement", "scale_agreement", "one_step_share", "multi_step_share", "router_flip_rate",
+             "mean_abs_dlogp", "p99_abs_dlogp", "max_abs_dlogp", "k3", "extreme_frac", "tokens", "excess_over_floor"}
+SITE_KEYS = {"site", "layer", "kind", "hinted", "width", "code_agreement", "one_step_share", "multi_step_share",
+             "scale_agreement", "values", "mismatches"}
+SLICE_KEYS = {"tokens", "mean_abs_dlogp", "floor_mean_abs_dlogp", "excess", "router_flip_rate", "code_agreement",
+              "one_step_share", "multi_step_share", "scale_agreement"}
+STORE_KEYS = {"url", "trajectories", "audited_trajectories", "response_tokens", "hinted_sites", "fp4_sites",
+              "hint_bytes_per_token", "policy_versions", "model"}
+INTEGRITY_KEYS = {"ok", "checked", "errors", "entries", "records", "segments", "chunks", "bytes",
+                  "skipped_trajectories"}
+REPLAY_KEYS = {"decode_path", "recorded_decode_path", "reproduced", "hints_equal", "scales_equal", "routes_equal",
+               "logprobs_equal", "max_abs_logprob_diff", "weights"}
+TIMING_KEYS = {"seconds", "verify_s", "setup_s", "replay_s", "floor_s", "passes_s", "curve_s", "passes",
+               "micro_batches"}
+
+
+def _cli(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(list(argv))
+        except SystemExit as e:  # argparse: the usage, then one error line
+            rc = e.code
+    return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def audited(tmp_path_factory):
+    """(demo result, audit JSON, store URL, tmp dir): `run_demo` keeps a store, `tracerl audit --json` audits it."""
+    tmp = tmp_path_factory.mktemp("audit")
+    url = str(tmp / "store")
+    demo = run_demo(DemoConfig(store=url, **CFG))
+    rc, out, err = _cli("audit", url, "--json", "--threads", "2", "--bands", "2")
+    assert rc == 0, err
+    return demo, json.loads(out), url, tmp
+
+
+def test_same_agreement_figures_as_the_demo(audited):
+    """The audit recomputes from the store alone what the demo measured with the rollout in memory: code and scale
+    agreement, one-step share, router flips and |dlogp| of every mode, and the floor, are the same numbers."""
+    demo, audit, _, _ = audited
+    for mode, d in demo["modes"].items():
+        a = audit["modes"][mode]
+        for key in ("code_agreement", "scale_agreement", "router_flip_rate", "mean_abs_dlogp", "p99_abs_dlogp",
+                    "max_abs_dlogp", "k3", "tokens"):
+            assert a[key] == pytest.approx(d[key], rel=1e-12, abs=0), (mode, key)
+        if d.get("mismatch_one_step_share") is not None:
+            assert a["one_step_share"] == pytest.approx(d["mismatch_one_step_share"], rel=1e-12)
+    # the hinted modes really differ from round-to-nearest here (the comparison is not between constants)
+    assert audit["modes"]["fp4_hints"]["code_agreement"] > audit["modes"]["fp4_rne_own_scales"]["code_agreement"]
+    assert audit["modes"]["fp4_rne_own_scales"]["code_agreement"] < 1
+
+
+def test_replay_reproduces_the_store(audited):
+    """The rollout's decode, replayed with the stored tokens forced (the recorded batch, decode path and
+    temperature from the store's metadata), gives back every stored hint bit, scale, route and log-prob."""
+    _, audit, url, _ = audited
+    rep = audit["replay"]
+    assert rep["reproduced"] is True and rep["decode_path"] == rep["recorded_decode_path"] == "static"
+    assert rep["hints_equal"] == rep["scales_equal"] == rep["routes_equal"] == rep["logprobs_equal"] == 1.0
+    meta = ts.open_store(url).model
+    assert meta["rollout"]["batches"] == [[f"traj-{i:04d}" for i in range(CFG["trajectories"])]]
+
+
+def test_json_has_the_documented_keys(audited):
+    _, audit, _, _ = audited
+    assert list(audit) == list(TOP_KEYS)
+    assert set(audit["modes"]) == set(MODE_NAMES) and audit["audited_mode"] == "fp4_hints"
+    for m in audit["modes"].values():
+        assert set(m) == MODE_KEYS
+    assert set(audit["store"]) == STORE_KEYS and set(audit["integrity"]) == INTEGRITY_KEYS
+    assert set(audit["replay"]) == REPLAY_KEYS and set(audit["timing"]) == TIMING_KEYS
+    assert set(audit["detail"]) == set(MODE_NAMES) - {"floor"}
+    for mode, d in audit["detail"].items():
+        assert list(d) == list(DETAIL_KEYS)
+        for r in d["per_trajectory"] + d["by_position"] + d["per_policy_version"]:
+            assert set(r) - {"traj_id", "policy_version", "lo", "hi"} == (
+                SLICE_KEYS if mode != "bf16" else SLICE_KEYS - {"code_agreement", "one_step_share",
+                                                                 "multi_step_share", "scale_agreement"})
+    sites = audit["detail"]["fp4_hints"]["per_site"]
+    assert {s["site"] for s in sites} == set(audit["store"]["fp4_sites"])  # every FP4 site, hinted or not
+    assert all(set(s) == SITE_KEYS for s in sites)
+    assert {s["site"] for s in sites if s["hinted"]} == set(audit["store"]["hinted_sites"])
+    # per-site counts add up to the mode's figure at the hinted sites
+    hinted = [s for s in sites if s["hinted"]]
+    agree = sum(s["values"] - s["mismatches"] for s in hinted) / sum(s["values"] for s in hinted)
+    assert agree == pytest.approx(audit["modes"]["fp4_hints"]["code_agreement"], rel=1e-12)
+    assert sum(r["tokens"] for r in audit["detail"]["fp4_hints"]["per_trajectory"]) == audit["store"]["response_tokens"]
+    with open(README, encoding="utf-8") as f:
+        readme = f.read()
+    section = readme[readme.index("## Audit"):]
+    for key in [*TOP_KEYS, *MODE_KEYS, *DETAIL_KEYS, *REPLAY_KEYS]:
+        assert f"`{key}`" in section or key in section, f"README's Audit section does not document {key}"
+
+
+def test_corrupt_chunk_is_reported_with_the_object(audited, tmp_path):
+    """A flipped byte in a hints shard: verify names the object, the audit names the trajectories it had to leave
+    out, prints one line and exits 1 (no traceback)."""
+    _, _, url, _ = audited
+    bad = tmp_path / "bad"
+    shutil.copytree(url, bad)
+    shard = next(p for p in sorted(bad.rglob("*")) if p.is_file() and p.parent.name.startswith("hints."))
+    data = bytearray(shard.read_bytes())
+    data[0] ^= 0x01
+    shard.write_bytes(bytes(data))
+    rc, out, err = _cli("audit", str(bad), "--json", "--threads", "2", "--no-attribution", "--no-planner")
+    assert rc == 1
+    res = json.loads(out)
+    integ = res["integrity"]
+    assert integ["ok"] is False and integ["checked"] is True
+    key = shard.relative_to(bad).as_posix()
+    assert any(key in e and "crc32c" in e for e in integ["errors"]), integ["errors"]
+    assert {s["traj_id"] for s in integ["skipped_trajectories"]} == {f"traj-{i:04d}" for i in range(4)}
+    assert all("IntegrityError" in s["reason"] for s in integ["skipped_trajectories"])
+    assert res["modes"] == {} and res["store"]["audited_trajectories"] == 0
+    assert "integrity problems" in err and "Traceback" not in err
+    rc, out, err = _cli("audit", str(bad), "--threads", "2", "--no-attribution", "--no-planner")
+    assert rc == 1 and "FAILED" in out and key in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--bands", "0"], "--bands"),
+    (["--target-excess", "nan"], "finite"),
+    (["--plan-out", "x.json"], "--plan-out needs --target-excess"),
+    (["--target-excess", "0.1", "--no-planner"], "needs the planner"),
+    (["--device", "gpu0"], "device"),
+    (["--device", "cuda:0"], "CUDA"),
+    (["--model", "/nonexistent.safetensors"], "--model"),
+    (["--storage-options", "{not json"], "--storage-options"),
+])
+def test_bad_arguments_one_line_exit_2(audited, argv, message):
+    _, _, url, _ = audited
+    rc, _, err = _cli("audit", url, "--no-attribution", "--no-planner", *argv)
+    assert rc == 2 and "Traceback" not in err
+    assert message in err.strip().splitlines()[-1], err
+
+
+def test_store_problems_one_line_exit_2(tmp_path):
+    rc, _, err = _cli("audit", str(tmp_path / "nope"))
+    assert rc == 2 and "StoreNotFoundError" in err and err.count("\n") == 1
+    plain = str(tmp_path / "plain")
+    ts.create_store(plain, [ts.Site("a", 64)])  # a store without tracerl's model metadata
+    rc, _, err = _cli("audit", plain)
+    assert rc == 2 and "model metadata lacks" in err and err.count("\n") == 1
+
+
+def test_attribution_parts_add_up(audited):
+    """The attribution of the audited gap: floor + parts + (residual - floor) is the total; the parts add up
+    within the stated tolerance (|residual - floor| <= ADDITIVITY_TOLERANCE * total, mean |dlogp|); routing's part
+    is what routing replay removes; the pass with every FP4 site exact carries the rollout's codes everywhere."""
+    from tracerl.audit_plan import ADDITIVITY_TOLERANCE
+
+    _, audit, _, _ = audited
+    a, modes = audit["attribution"], audit["modes"]
+    assert a["tolerance"] == ADDITIVITY_TOLERANCE and a["exact_code_agreement"] == 1.0
+    assert a["order"][0] == "routing" and len(a["order"]) == 1 + len(a["groups"])
+    for which in ("mean_abs", "mean_sq"):
+        m = a[which]
+        assert m["floor"] + sum(m["parts"].values()) + m["interaction"] == pytest.approx(m["total"], rel=1e-12)
+        assert m["interaction"] == pytest.approx(m["residual"] - m["floor"], rel=1e-9, abs=1e-15)
+    ab = a["mean_abs"]
+    assert ab["total"] == pytest.approx(modes["fp4_hints"]["mean_abs_dlogp"], rel=1e-12)
+    assert ab["floor"] == pytest.approx(modes["floor"]["mean_abs_dlogp"], rel=1e-12)
+    assert ab["parts"]["routing"] == pytest.approx(
+        modes["fp4_hints"]["mean_abs_dlogp"] - modes["fp4_hints_replay_routes"]["mean_abs_dlogp"], rel=1e-9, abs=1e-15)
+    assert abs(ab["interaction"]) <= ADDITIVITY_TOLERANCE * ab["total"] and a["adds_up"] is True
+    assert a["dominant"] in ("floor", *ab["parts"])
+    assert max([ab["floor"], *ab["parts"].values()]) == ({"floor": ab["floor"]} | ab["parts"])[a["dominant"]]
+    # every non-KV FP4 site is in exactly one group
+    grouped = [s for g in a["groups"] for s in g["sites"]]
+    assert sorted(grouped) == sorted(audit["store"]["fp4_sites"])
+
+
+def test_planner_curve_is_measured(audited):
+    """The curve starts at round-to-nearest (nothing hinted), adds one ranked unit per point up to every FP4
+    site, and every point is a measured pass; a point that hints exactly the store's sites (hints derived from the
+    replay) measures what the store's own hints give."""
+    _, audit, _, _ = audited
+    p, modes = audit["planner"], audit["modes"]
+    curve, units = p["curve"], p["units"]
+    assert [c["k"] for c in curve] == list(range(len(units) + 1)) and len(p["ranking"]) == len(units)
+    assert curve[0]["sites"] == [] and curve[0]["mean_abs_dlogp"] == modes["fp4_rne_own_scales"]["mean_abs_dlogp"]
+    assert curve[0]["excess"] == pytest.approx(modes["fp4_rne_own_scales"]["excess_over_floor"], rel=1e-12)
+    assert sorted(curve[-1]["sites"]) == sorted(audit["store"]["fp4_sites"])
+    assert curve[-1]["bytes_per_token"] == sum(u["bytes_per_token"] for u in units)
+    assert all(a["bytes_per_token"] < b["bytes_per_token"] for a, b in zip(curve, curve[1:]))
+    assert p["store_coverage"]["excess"] == modes["fp4_hints"]["excess_over_floor"]
+    assert p["store_coverage"]["bytes_per_token"] == audit["store"]["hint_bytes_per_token"]
+    for c in curve:
+        if sorted(c["sites"]) == sorted(audit["store"]["hinted_sites"]):
+            assert c["mean_abs_dlogp"] == pytest.approx(modes["fp4_hints"]["mean_abs_dlogp"], rel=1e-12)
+    best = p["budget"]["best"]
+    assert best["bytes_per_token"] <= p["budget"]["bytes_per_token"] == 7680
+
+
+def test_target_excess_site_table_round_trips(audited, tmp_path):
+    """--target-excess prints the cheapest measured coverage as a site table: `tracestore create --site-table`
+    takes it, and the rollout side's site plan from it hints exactly those sites."""
+    from tracestore.cli.main import main as tracestore_main
+    from tracerl.audit_plan import hint_sites_from_table
+    from tracerl.models import TinyMoESpec, build_model
+    from tracerl.sites import plan_sites
+
+    _, audit, url, _ = audited
+    curve = audit["planner"]["curve"]
+    target = min(c["excess"] for c in curve[1:])
+    assert target < curve[0]["excess"]  # hints help on this store, so the plan hints something
+    want = min((c for c in curve if c["excess"] <= target), key=lambda c: c["bytes_per_token"])
+    rc, out, err = _cli("audit", url, "--target-excess", repr(target), "--no-attribution", "--threads", "2",
+                        "--bands", "2")
+    assert rc == 0, err
+    table = json.loads(out)  # stdout holds the table alone; the report went to stderr
+    assert "coverage planner" in err
+    assert [s["name"] for s in table["sites"]] == [s for s in audit["store"]["fp4_sites"] if s in want["sites"]]
+    path = tmp_path / "sites.json"
+    path.write_text(out)
+    new = str(tmp_path / "planned")
+    assert tracestore_main(["create", new, "--site-table", str(path)]) == 0
+    store = ts.open_store(new)
+    assert list(store.sites) == hint_sites_from_table(table)
+    assert store.model["site_plan"]["hinted"] == hint_sites_from_table(table)
+    assert store.top_k == table["top_k"] and list(store.moe_layers) == table["moe_layers"]
+    model = build_model(TinyMoESpec(**store.model["spec"]), seed=store.model["seed"])
+    plan = plan_sites(model, fp4=store.model["fp4"], hint_sites=hint_sites_from_table(table))
+    assert list(plan.hinted) == [s["name"] for s in table["sites"]]
+    assert {s.name: s.width for s in plan.hinted_specs()} == {s["name"]: s["width"] for s in table["sites"]}
+
+
+def test_hints_from_the_replay_equal_the_stored_ones(tmp_path):
+    """On a store that hints every MoE input, the planner's pass hinting that unit (hints and scales derived from
+    the replayed codes) gives exactly the audited fp4_hints figures; an unreachable target exits 1."""
+    url = str(tmp_path / "all")
+    run_demo(DemoConfig(store=url, trajectories=2, tokens=24, seed=5, hint_layers="all", spec=SPEC))
+    rc, out, err = _cli("audit", url, "--json", "--no-attribution", "--bands", "1", "--threads", "2",
+                        "--target-excess", "-1")
+    assert rc == 1 and "no measured coverage reaches" in err
+    res = json.loads(out)
+    assert res["planner"]["target"]["meets"] is False and res["planner"]["target"]["site_table"] is None
+    rne = res["modes"]["fp4_rne_own_scales"]["mean_abs_dlogp"]
+    gain = {r["unit"]: r["gain"] for r in res["planner"]["ranking"]}
+    assert rne - gain["moe-in L0-3"] == pytest.approx(res["modes"]["fp4_hints"]["mean_abs_dlogp"], rel=1e-9)

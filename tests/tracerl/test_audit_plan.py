@@ -1,0 +1,97 @@
+"""The arithmetic of `tracerl.audit_plan` on hand-made inputs: layer bands, groups, the attribution's parts, the
+planner's ranking and choice of a point, site tables."""
+
+import numpy as np
+import pytest
+
+from tracerl.audit_plan import (
+    attribute,
+    attribution_groups,
+    attribution_order,
+    best_under_budget,
+    hint_sites_from_table,
+    layer_bands,
+    plan_for_target,
+    planner_units,
+    rank_units,
+    site_bytes_per_token,
+)
+from tracerl.errors import ConfigError
+from tracerl.sites import SitePlan, SiteSpec
+
+
+def _plan(layers=8, hinted=(4, 5, 6, 7)):
+    sites = []
+    for i in range(layers):
+        sites.append(SiteSpec(f"model.layers.{i}.mlp.experts.input", 256, i, "moe_input", f"l{i}"))
+        sites.append(SiteSpec(f"model.layers.{i}.mlp.experts.down_proj.input", 256, i, "moe_down", f"l{i}"))
+    sites.append(SiteSpec("model.layers.0.self_attn.k_cache", 64, 0, "kv", "a0"))
+    return SitePlan(tuple(sites), tuple(f"model.layers.{i}.mlp.experts.input" for i in hinted))
+
+
+def test_layer_bands():
+    assert layer_bands(8, 4) == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert layer_bands(40, 4) == [(0, 9), (10, 19), (20, 29), (30, 39)]
+    assert layer_bands(5, 2) == [(0, 1), (2, 4)]
+    assert layer_bands(3, 8) == [(0, 0), (1, 1), (2, 2)]  # never an empty band
+    bands = layer_bands(37, 5)
+    assert bands[0][0] == 0 and bands[-1][1] == 36 and all(b[0] == a[1] + 1 for a, b in zip(bands, bands[1:]))
+    with pytest.raises(ConfigError):
+        layer_bands(8, 0)
+
+
+def test_groups_cover_every_hintable_site_once():
+    plan = _plan()
+    for groups in (attribution_groups(plan, 8, 4), planner_units(plan, 8, 3)):
+        names = [s for g in groups for s in g.sites]
+        assert sorted(names) == sorted(s.name for s in plan.sites if s.kind != "kv")
+        assert all(g.bytes_per_token == len(g.sites) * site_bytes_per_token(256) for g in groups)
+    att = attribution_groups(plan, 8, 4)
+    assert {g.name for g in att if g.hinted} == {"moe-in hinted L4-5", "moe-in hinted L6-7"}
+    order = [g.name for g in attribution_order(att)]
+    assert order[:2] == ["moe-in unhinted L0-1", "moe-down unhinted L0-1"] and order[-1] == "moe-down unhinted L6-7"
+    assert site_bytes_per_token(2048) == 384  # 256 hint bytes + 128 E4M3 scales: the paper's 7,680 B for 20 sites
+
+
+def test_attribute_parts_and_interaction():
+    """Parts are the successive decrements; floor + parts + interaction == total; interaction == residual - floor."""
+    rng = np.random.default_rng(0)
+    total = rng.normal(0, 4.0, 1000)
+    step1 = total * 0.75
+    step2 = total * 0.5
+    floor = total * 0.4
+    a = attribute(total, floor, [("routing", step1), ("g", step2)])
+    t = np.abs(total).mean()
+    ab = a["mean_abs"]
+    assert ab["parts"]["routing"] == pytest.approx(0.25 * t) and ab["parts"]["g"] == pytest.approx(0.25 * t)
+    assert ab["residual"] == pytest.approx(0.5 * t) and ab["interaction"] == pytest.approx(0.1 * t)
+    assert ab["floor"] + sum(ab["parts"].values()) + ab["interaction"] == pytest.approx(t)
+    assert a["mean_sq"]["parts"]["routing"] == pytest.approx((1 - 0.75**2) * np.square(total).mean())
+    assert a["dominant"] == "floor" and a["adds_up"] is True
+    far = attribute(total, total * 0.01, [("x", total * 0.9)])  # residual 0.9 vs floor 0.01: does not add up
+    assert far["adds_up"] is False and far["dominant"] == "x"
+    nan_safe = attribute(np.array([np.nan, 1.0]), np.array([0.5, np.nan]), [])
+    assert nan_safe["mean_abs"]["total"] == 1.0 and nan_safe["mean_abs"]["residual"] is None
+
+
+def test_rank_and_choose():
+    plan = _plan()
+    units = planner_units(plan, 8, 4)
+    alone = {u.name: 1.0 - 0.1 * i for i, u in enumerate(units)}  # later units gain more
+    alone[units[0].name] = 1.2  # hinting the first unit alone makes it worse
+    ranked = rank_units(units, 1.0, alone)
+    assert ranked[0]["unit"] == units[-1].name and ranked[-1]["unit"] == units[0].name
+    assert [r["gain"] > 0 for r in ranked] == sorted([r["gain"] > 0 for r in ranked], reverse=True)
+    curve = [{"k": 0, "bytes_per_token": 0, "excess": 3.0}, {"k": 1, "bytes_per_token": 96, "excess": 1.0},
+             {"k": 2, "bytes_per_token": 192, "excess": 0.5}, {"k": 3, "bytes_per_token": 288, "excess": 0.6}]
+    assert plan_for_target(curve, 1.0)["k"] == 1 and plan_for_target(curve, 0.55)["k"] == 2
+    assert plan_for_target(curve, 5)["k"] == 0 and plan_for_target(curve, 0.1) is None
+    assert best_under_budget(curve, 300)["k"] == 2 and best_under_budget(curve, 100)["k"] == 1
+
+
+def test_hint_sites_from_table():
+    assert hint_sites_from_table({"sites": [{"name": "a", "width": 64}]}) == ["a"]
+    assert hint_sites_from_table([{"name": "b"}]) == ["b"]
+    for bad in ({}, {"sites": []}, [{"width": 3}], "x"):
+        with pytest.raises(ConfigError):
+            hint_sites_from_table(bad)

@@ -1,0 +1,237 @@
+"""Attribution of the rollout/trainer log-prob gap by source, and the hint-coverage planner (`tracerl audit`).
+
+Sources and groups
+------------------
+An audit recomputes the stored tokens several times, turning the sources of rollout/trainer mismatch *exact*
+one at a time (`tracerl.audit` runs the passes; this module names them and does the arithmetic):
+
+- **routing**: routing replay, i.e. every MoE layer uses the rollout's recorded experts;
+- **an FP4 site group**: every FP4 activation site of the group outputs exactly the rollout's quantized values
+  (the rollout's codes and block scales, from the audit's replay of the rollout decode, dequantized with the
+  site's global scale), instead of the trainer's own rounding. Groups split the FP4 sites by kind (attention
+  projection input, MoE input, MoE down-projection input), by whether the store hints them, and by layer band
+  (`layer_bands`: ``bands`` contiguous bands of layers).
+
+KV-cache sites (never hinted) stay as they are in every pass; their share stays in the residual.
+
+Attribution arithmetic (`attribute`)
+-----------------------------------
+For a pass P, ``d_P`` = logp_train(P) - logp_rollout per response token, and M(P) = mean |d_P| (also reported:
+mean d_P^2, ~2 KL(rollout || train) for small gaps). ``total`` is the audited configuration (`fp4_hints` at
+the store's hinted sites, own round-to-nearest elsewhere, no routing replay). The sources are made exact
+*cumulatively*, in the order the forward meets their effect (`attribution_order`): routing first (so its part
+is exactly what routing replay removes, ``M(fp4_hints) - M(fp4_hints_replay_routes)``), then the FP4 groups
+from the first layer band to the last. Pass k has sources 1..k exact, and
+
+    part_k = M(pass k-1) - M(pass k)          (pass 0 = total)
+
+Upstream groups are credited with the downstream mismatches they cause (a rounding difference in layer 3 moves
+every later activation); a one-at-a-time removal would count such an effect once per source on its path, and
+the floor plus those marginal parts came to 2.1x the total (mean d^2) on the demo store. The
+parts add up to ``total - residual`` by construction, where ``residual`` = M(every FP4 site exact, routes
+replayed): the gap of the two numerical paths with FP4 and routing out of the picture. That is the FP4 model's
+own floor; the **floor** part of the report is the measured one (the same tokens through the bf16 trainer
+against the bf16 decode path), so
+
+    total = floor + sum(parts) + (residual - floor)
+
+and the parts are said to *add up* when ``|residual - floor| <= ADDITIVITY_TOLERANCE * total`` (mean |dlogp|).
+The two floors differ for a physical reason: exact FP4 values at every MoE input snap the residual stream back
+to the rollout's at each layer, absorbing some of the path noise that the bf16 model carries to the logits
+(on the demo store the residual is 0.67x the floor). The dominant source is the largest of the floor and the
+parts.
+
+Coverage planner (`rank_units`, `coverage_curve`, `plan_for_target`)
+--------------------------------------------------------------------
+Units are (kind, layer band) groups of FP4 sites regardless of what the store hints; a unit's cost is its hint
+and scale bytes per token (W/8 + W/16 per site of width W). The planner starts from round-to-nearest with own
+scales everywhere (``fp4_rne_own_scales``, nothing hinted) and measures, per unit, the mean |dlogp| with only
+that unit hinted (hints and scales from the replayed rollout: exactly what a rollout that recorded them would
+have stored). Units are ranked by gain per byte; the curve is measured at every prefix of the ranking
+(k = 0 .. K units hinted), so each point is a measured excess, not an estimate. ``--target-excess X`` picks the
+cheapest measured point with excess <= X and prints its sites as a site table (`site_table`) that
+``tracestore create --site-table`` accepts and that the rollout side turns into a site plan with
+`hint_sites_from_table` (``plan_sites(model, hint_sites=hint_sites_from_table(table))``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from tracefp4.constants import HINTS_PER_BYTE, NVFP4_BLOCK_SIZE
+from tracerl.errors import ConfigError
+from tracerl.sites import SitePlan
+
+#: ``|total - floor - sum(parts)| <= ADDITIVITY_TOLERANCE * total`` in mean |dlogp| (see the module docstring)
+ADDITIVITY_TOLERANCE = 0.5
+#: site kinds of the attribution groups and planner units, and their short names in group names
+KIND_LABELS = {"linear": "attn", "moe_input": "moe-in", "moe_down": "moe-down"}
+METRICS = ("mean_abs", "mean_sq")
+
+
+def site_bytes_per_token(width: int) -> int:
+    """Stored bytes per token of one hinted NVFP4 site of ``width`` values: hint bits and E4M3 block scales."""
+    return width // HINTS_PER_BYTE + width // NVFP4_BLOCK_SIZE
+
+
+def layer_bands(num_layers: int, bands: int) -> list[tuple[int, int]]:
+    """``bands`` contiguous, nearly equal bands [lo, hi] (inclusive) covering layers 0 .. num_layers-1 (fewer when
+    there are fewer layers than bands). Raises `ConfigError` for bands < 1 or num_layers < 1."""
+    if bands < 1 or num_layers < 1:
+        raise ConfigError(f"layer bands: need bands >= 1 and num_layers >= 1, got {bands} and {num_layers}")
+    n = min(bands, num_layers)
+    edges = np.linspace(0, num_layers, n + 1).round().astype(int)
+    return [(int(a), int(b) - 1) for a, b in zip(edges[:-1], edges[1:])]
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteGroup:
+    """A named set of FP4 activation sites: an attribution group or a planner unit."""
+
+    name: str
+    kind: str
+    hinted: bool | None  # whether the store hints these sites (None: a planner unit, either)
+    layers: tuple[int, int]  # inclusive layer band
+    sites: tuple[str, ...]
+    bytes_per_token: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": self.kind, "hinted": self.hinted, "layers": list(self.layers),
+                "sites": list(self.sites), "bytes_per_token": self.bytes_per_token}
+
+
+def _groups(plan: SitePlan, bands: int, split_hinted: bool, num_layers: int) -> list[SiteGroup]:
+    hinted = set(plan.hinted)
+    out = []
+    for kind, label in KIND_LABELS.items():
+        for lo, hi in layer_bands(num_layers, bands):
+            sel = [s for s in plan.sites if s.kind == kind and lo <= s.layer <= hi]
+            splits = ((True, "hinted"), (False, "unhinted")) if split_hinted else ((None, ""),)
+            for flag, word in splits:
+                part = [s for s in sel if flag is None or (s.name in hinted) == flag]
+                if not part:
+                    continue
+                band = f"L{lo}" if lo == hi else f"L{lo}-{hi}"
+                name = f"{label} {word} {band}".replace("  ", " ")
+                out.append(SiteGroup(name, kind, flag, (lo, hi), tuple(s.name for s in part),
+                                     sum(site_bytes_per_token(s.width) for s in part)))
+    return out
+
+
+def attribution_groups(plan: SitePlan, num_layers: int, bands: int) -> list[SiteGroup]:
+    """Attribution groups: the non-KV FP4 sites of ``plan`` by kind, hinted or not (in the store), layer band."""
+    return _groups(plan, bands, True, num_layers)
+
+
+def planner_units(plan: SitePlan, num_layers: int, bands: int) -> list[SiteGroup]:
+    """Planner units: the non-KV FP4 sites of ``plan`` by kind and layer band (hinted or not)."""
+    return _groups(plan, bands, False, num_layers)
+
+
+def metric(d: np.ndarray, which: str) -> float:
+    """``mean_abs`` (mean |d|) or ``mean_sq`` (mean d^2) over the finite entries of ``d``."""
+    d = np.asarray(d, dtype=np.float64)
+    d = d[np.isfinite(d)]
+    if d.size == 0:
+        return math.nan
+    return float(np.abs(d).mean()) if which == "mean_abs" else float(np.square(d).mean())
+
+
+def attribution_order(groups: Sequence[SiteGroup]) -> list[SiteGroup]:
+    """Groups in the order the forward meets them: by layer band, then attention, MoE input, MoE down."""
+    kinds = list(KIND_LABELS)
+    return sorted(groups, key=lambda g: (g.layers[0], kinds.index(g.kind), not g.hinted))
+
+
+def attribute(total: np.ndarray, floor: np.ndarray, steps: Sequence[tuple[str, np.ndarray]]) -> dict[str, Any]:
+    """Parts of the gap ``total`` (per-token dlogp of the audited pass) by source (module docstring).
+
+    ``steps``: (source, per-token dlogp with that source and every earlier one exact), in order, the same tokens
+    as ``total``; the last step is the residual. ``floor``: the floor's per-token dlogp. Returns ``{metric:
+    {"total", "floor", "parts": {source: part}, "sum_of_parts", "residual", "interaction"}, "dominant",
+    "adds_up", "tolerance"}`` with interaction = total - floor - sum(parts) = residual - floor."""
+    out: dict[str, Any] = {}
+    for which in METRICS:
+        t = metric(total, which)
+        f = metric(floor, which)
+        parts, prev = {}, t
+        for name, d in steps:
+            cur = metric(d, which)
+            parts[name] = prev - cur
+            prev = cur
+        s = f + sum(parts.values())
+        out[which] = {"total": t, "floor": f, "parts": parts, "sum_of_parts": s,
+                      "residual": prev if steps else None, "interaction": t - s}
+    ab = out["mean_abs"]
+    candidates = {"floor": ab["floor"], **ab["parts"]}
+    out["dominant"] = max(candidates, key=lambda k: candidates[k])
+    out["tolerance"] = ADDITIVITY_TOLERANCE
+    out["adds_up"] = bool(abs(ab["interaction"]) <= ADDITIVITY_TOLERANCE * ab["total"])
+    return out
+
+
+def rank_units(units: Sequence[SiteGroup], baseline: float, hinted_alone: Mapping[str, float]) -> list[dict]:
+    """Units ordered by gain per byte, best first: gain = ``baseline`` (mean |dlogp| with nothing hinted) minus
+    ``hinted_alone[unit]`` (mean |dlogp| with only that unit hinted). Units that gain nothing go last, cheapest
+    first. Returns ``[{"unit", "gain", "bytes_per_token", "gain_per_kb"}]``."""
+    rows = []
+    for u in units:
+        gain = baseline - hinted_alone[u.name]
+        rows.append({"unit": u.name, "gain": gain, "bytes_per_token": u.bytes_per_token,
+                     "gain_per_kb": gain / u.bytes_per_token * 1024})
+    return sorted(rows, key=lambda r: (r["gain"] <= 0, -r["gain_per_kb"] if r["gain"] > 0 else r["bytes_per_token"]))
+
+
+def curve_point(k: int, units: Sequence[SiteGroup], mean_abs: float, floor: float, rne_excess: float) -> dict:
+    """One measured point of the coverage curve: the first ``k`` ranked units hinted."""
+    sites = [s for u in units for s in u.sites]
+    excess = mean_abs - floor
+    return {"k": k, "units": [u.name for u in units], "sites": sites,
+            "bytes_per_token": sum(u.bytes_per_token for u in units), "mean_abs_dlogp": mean_abs,
+            "excess": excess, "excess_vs_rne": excess / rne_excess if rne_excess > 0 else None}
+
+
+def plan_for_target(curve: Sequence[Mapping], target_excess: float) -> Mapping | None:
+    """The cheapest measured curve point (fewest bytes per token, then lowest excess) whose excess is at most
+    ``target_excess``; None when no measured point reaches it."""
+    ok = [p for p in curve if p["excess"] <= target_excess]
+    return min(ok, key=lambda p: (p["bytes_per_token"], p["excess"])) if ok else None
+
+
+def best_under_budget(curve: Sequence[Mapping], bytes_per_token: int) -> Mapping | None:
+    """The measured point with the lowest excess among those of at most ``bytes_per_token``."""
+    ok = [p for p in curve if p["bytes_per_token"] <= bytes_per_token]
+    return min(ok, key=lambda p: (p["excess"], p["bytes_per_token"])) if ok else None
+
+
+def site_table(sites: Sequence[str], plan: SitePlan, store_model: Mapping[str, Any], *, moe_layers: Sequence[str],
+               top_k: int, num_experts: int) -> dict[str, Any]:
+    """A site table for ``sites`` (hinted FP4 site names of ``plan``): ``{"sites": [{"name", "width"}], "model",
+    "moe_layers", "top_k", "num_experts"}``, the object ``tracestore create --site-table FILE`` reads. ``model``
+    is the audited store's model metadata with the site plan's hinted set replaced (and no ``rollout`` entry: a
+    new rollout records its own). Raises `ConfigError` for an empty list or a name that is not a non-KV FP4 site."""
+    by = plan.by_name
+    bad = [s for s in sites if s not in by or by[s].kind == "kv"]
+    if bad or not sites:
+        raise ConfigError(f"site table: {'no sites' if not sites else f'not hintable FP4 sites: {bad[:4]}'}")
+    order = [s.name for s in plan.sites if s.name in set(sites)]
+    new_plan = dataclasses.replace(plan, hinted=tuple(order))
+    model = {k: v for k, v in store_model.items() if k != "rollout"}
+    model["site_plan"] = new_plan.to_json()
+    return {"sites": [{"name": n, "width": by[n].width} for n in order], "model": model,
+            "moe_layers": list(moe_layers), "top_k": top_k, "num_experts": num_experts}
+
+
+def hint_sites_from_table(table: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> list[str]:
+    """The hinted site names of a site table (an object with ``sites``, or the list itself), for
+    ``tracerl.sites.plan_sites(model, hint_sites=...)``: the rollout side's plan from a planner table.
+    Raises `ConfigError` when there is no list of named sites."""
+    sites = table.get("sites") if isinstance(table, Mapping) else table
+    if not isinstance(sites, list) or not sites or not all(isinstance(s, Mapping) and "name" in s for s in sites):
+        raise ConfigError("site table: expected a non-empty list of sites with 'name' (or an object with 'sites')")
+    return [str(s["name"]) for s in sites]

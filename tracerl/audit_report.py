@@ -1,0 +1,165 @@
+"""Rendering of a `tracerl.audit.run_audit` result: rich tables for the terminal (`render_terminal`).
+
+Everything here reads the result dict only (what ``--json`` prints), so a saved result renders the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+#: by-position rows and trajectories shown on the terminal (all of them are in --json / --html)
+MAX_POSITION_ROWS = 16
+MAX_TRAJECTORY_ROWS = 8
+
+
+def fmt(v: Any, kind: str = "sci") -> str:
+    """A cell: ``pct`` (percent, 3 decimals), ``sci`` (3 significant digits, scientific), ``int``, ``x`` (ratio)."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if kind == "pct":
+        return f"{100 * v:.3f}%"
+    if kind == "int":
+        return f"{int(v):,}"
+    if kind == "x":
+        return f"{v:.2f}x"
+    return f"{v:.3e}"
+
+
+def _table(title: str, columns: Sequence[tuple[str, str | None]], rows: Sequence[Sequence[Any]], caption: str = ""):
+    from rich.table import Table
+
+    t = Table(title=title, caption=caption or None, title_justify="left", caption_justify="left")
+    for name, _ in columns:
+        t.add_column(name, justify="left" if _ is None else "right")
+    for r in rows:
+        t.add_row(*[str(v) if kind is None else fmt(v, kind) for v, (_, kind) in zip(r, columns)])
+    return t
+
+
+def summary_lines(result: Mapping[str, Any]) -> list[str]:
+    """The header: store, integrity, replay."""
+    st, integ, rep = result["store"], result["integrity"], result.get("replay")
+    model = st["model"]
+    lines = [f"store {st['url']}: {st['audited_trajectories']} of {st['trajectories']} trajectories audited, "
+             f"{st['response_tokens']:,} response tokens, {len(st['hinted_sites'])} of {len(st['fp4_sites'])} FP4 "
+             f"sites hinted ({st['hint_bytes_per_token'] or 0:,} B/token); model {model['family']} hidden "
+             f"{model['hidden_size']}, {model['num_layers']} layers; policy versions {st['policy_versions']}"]
+    if not integ["checked"]:
+        lines.append("integrity: not checked (--no-verify)")
+    elif integ["ok"] and not integ["skipped_trajectories"]:
+        lines.append(f"integrity: OK (tracestore verify: {integ['entries']} log entries, {integ['segments']} segments, "
+                     f"{integ['chunks']} chunks, every crc32c checked)")
+    else:
+        lines.append(f"integrity: FAILED, {len(integ['errors'])} problem(s) found by tracestore verify")
+        lines += [f"  {e}" for e in integ["errors"][:10]]
+        lines += [f"  skipped {s['traj_id']}: {s['reason']}" for s in integ["skipped_trajectories"][:10]]
+    if rep:
+        verdict = "reproduced bit for bit" if rep["reproduced"] else "NOT reproduced exactly"
+        lines.append(f"replay of the rollout ({rep['decode_path']} decode; recorded {rep['recorded_decode_path']}): "
+                     f"{verdict}: hints {fmt(rep['hints_equal'], 'pct')}, scales {fmt(rep['scales_equal'], 'pct')}, "
+                     f"routes {fmt(rep['routes_equal'], 'pct')}, log-probs {fmt(rep['logprobs_equal'], 'pct')} "
+                     f"equal (max |diff| {fmt(rep['max_abs_logprob_diff'])}); weights {rep['weights']}")
+    return lines
+
+
+def modes_table(result: Mapping[str, Any]):
+    cols = [("mode", None), ("code agr.", "pct"), ("1-step", "pct"), ("scale agr.", "pct"), ("router flips", "pct"),
+            ("mean |dlogp|", "sci"), ("excess", "sci"), ("p99 |dlogp|", "sci"), ("max |dlogp|", "sci"), ("k3", "sci")]
+    rows = [[m, v["code_agreement"], v["one_step_share"], v["scale_agreement"], v["router_flip_rate"],
+             v["mean_abs_dlogp"], v.get("excess_over_floor"), v["p99_abs_dlogp"], v["max_abs_dlogp"], v["k3"]]
+            for m, v in result["modes"].items()]
+    return _table("fidelity by trainer mode (code and scale agreement at hinted sites; excess = mean |dlogp| - "
+                  "floor's)", cols, rows, "1-step: share of code mismatches one codebook step apart")
+
+
+def layer_table(result: Mapping[str, Any], mode: str):
+    cols = [("layer", None), ("hinted code agr.", "pct"), ("code agr. (all FP4)", "pct"), ("1-step", "pct"),
+            ("scale agr.", "pct"), ("router flips", "pct")]
+    rows = [[r["layer"], r["hinted_code_agreement"], r["code_agreement"], r["one_step_share"], r["scale_agreement"],
+             r["router_flip_rate"]] for r in result["detail"][mode]["per_layer"]]
+    return _table(f"{mode} by layer", cols, rows)
+
+
+def _slice_cols(first: str) -> list[tuple[str, str | None]]:
+    return [(first, None), ("tokens", "int"), ("code agr.", "pct"), ("1-step", "pct"), ("router flips", "pct"),
+            ("mean |dlogp|", "sci"), ("floor", "sci"), ("excess", "sci")]
+
+
+def _slice_row(label: str, r: Mapping[str, Any]) -> list[Any]:
+    return [label, r["tokens"], r.get("code_agreement"), r.get("one_step_share"), r["router_flip_rate"],
+            r["mean_abs_dlogp"], r["floor_mean_abs_dlogp"], r["excess"]]
+
+
+def slice_tables(result: Mapping[str, Any], mode: str) -> Iterator[Any]:
+    d = result["detail"][mode]
+    pos = d["by_position"]
+    rows = [_slice_row(f"{r['lo']}-{r['hi']}", r) for r in pos[:MAX_POSITION_ROWS]]
+    more = f"{len(pos) - MAX_POSITION_ROWS} more rows in --json / --html" if len(pos) > MAX_POSITION_ROWS else ""
+    yield _table(f"{mode} by response position", _slice_cols("positions"), rows, more)
+    worst = sorted(d["per_trajectory"], key=lambda r: -(r["excess"] or 0))[:MAX_TRAJECTORY_ROWS]
+    yield _table(f"{mode}: trajectories with the largest excess ({len(d['per_trajectory'])} in --json)",
+                 _slice_cols("trajectory"), [_slice_row(f"{r['traj_id']} (v{r['policy_version']})", r) for r in worst])
+    if len(d["per_policy_version"]) > 1:
+        yield _table(f"{mode} by policy version", _slice_cols("version"),
+                     [_slice_row(str(r["policy_version"]), r) for r in d["per_policy_version"]])
+
+
+def attribution_table(result: Mapping[str, Any]):
+    a = result["attribution"]
+    ab, sq = a["mean_abs"], a["mean_sq"]
+    total = ab["total"]
+    cols = [("source (made exact in this order)", None), ("part of mean |dlogp|", "sci"), ("share", "pct"),
+            ("part of mean dlogp^2", "sci")]
+    rows = [["floor (bf16 trainer vs bf16 decode)", ab["floor"], ab["floor"] / total if total else None, sq["floor"]]]
+    rows += [[name, part, part / total if total else None, sq["parts"][name]] for name, part in ab["parts"].items()]
+    rows.append(["total (fp4_hints, no routing replay)", total, 1.0 if total else None, sq["total"]])
+    caption = (f"dominant: {a['dominant']}. residual (every FP4 site exact, routes replayed) {fmt(ab['residual'])} "
+               f"vs floor {fmt(ab['floor'])}: total - floor - parts = {fmt(ab['interaction'])} "
+               f"({fmt(abs(ab['interaction']) / total if total else None, 'pct')} of total; the parts add up within "
+               f"{fmt(a['tolerance'], 'pct')}: {'yes' if a['adds_up'] else 'NO'})")
+    return _table("attribution of the rollout/trainer gap by source", cols, rows, caption)
+
+
+def planner_table(result: Mapping[str, Any]):
+    p = result["planner"]
+    cols = [("k", None), ("unit added", None), ("B/token", "int"), ("mean |dlogp|", "sci"), ("excess", "sci"),
+            ("vs RNE", "x")]
+    rows = [[c["k"], c["units"][-1] if c["units"] else "(none: RNE, own scales)", c["bytes_per_token"],
+             c["mean_abs_dlogp"], c["excess"], c["excess_vs_rne"]] for c in p["curve"]]
+    sc, best = p["store_coverage"], p["budget"]["best"]
+    caption = (f"store's coverage: {sc['bytes_per_token']:,} B/token, excess {fmt(sc['excess'])} "
+               f"({fmt(sc['excess_vs_rne'], 'x')} RNE's). ")
+    if best is not None:
+        caption += (f"Best measured at <= {p['budget']['bytes_per_token']:,} B/token: k={best['k']}, "
+                    f"{best['bytes_per_token']:,} B/token, excess {fmt(best['excess'])} "
+                    f"({fmt(best['excess_vs_rne'], 'x')} RNE's). ")
+    t = p.get("target")
+    if t is not None:
+        caption += (f"Target excess {t['target_excess']:g}: " +
+                    (f"k={t['point']['k']}, {t['point']['bytes_per_token']:,} B/token" if t["meets"] else
+                     "not reached by any measured point"))
+    return _table("coverage planner: units ranked by gain per byte, excess measured at every prefix", cols, rows,
+                  caption)
+
+
+def render_terminal(result: Mapping[str, Any]) -> list[Any]:
+    """The report as a list of rich renderables (strings and tables), in print order."""
+    out: list[Any] = list(summary_lines(result))
+    if not result["modes"]:
+        out.append("nothing was measured: no trajectory could be read")
+        return out
+    mode = result["audited_mode"]
+    out.append(modes_table(result))
+    out.append(layer_table(result, mode))
+    out.extend(slice_tables(result, mode))
+    if result["attribution"] is not None:
+        out.append(attribution_table(result))
+    if result["planner"] is not None:
+        out.append(planner_table(result))
+    t = result["timing"]
+    out.append(f"audit {t['seconds']:.1f}s: verify {t['verify_s']:.1f}s, setup {t['setup_s']:.1f}s, replay decode "
+               f"{t['replay_s']:.1f}s, floor decode {t['floor_s']:.1f}s, {t['passes']} recompute passes over "
+               f"{t['micro_batches']} micro-batch(es) {t['passes_s'] + t['curve_s']:.1f}s")
+    return out

@@ -1,0 +1,139 @@
+"""``tracerl audit STORE``: a thin layer over `tracerl.audit.run_audit` (options -> `AuditConfig`, progress,
+tables, JSON, HTML, the planner's site table).
+
+Exit codes: 0 audited; 1 the audit found a problem (integrity failure or skipped trajectories, or a
+``--target-excess`` that no measured coverage reaches); 2 bad arguments or an error (one line on stderr)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import sys
+
+from tracerl.cli.args import int_at_least
+
+HELP = "recompute a store's trajectories: agreement, where the gap comes from, which sites to hint"
+DESCRIPTION = (
+    "Rebuilds the rollout's model from the store's metadata, checks the store (tracestore verify), replays the "
+    "rollout's decode path (FP4, stored tokens forced) and the bf16 floor, recomputes the tokens with the "
+    "trainer's numerical path in each mode and reports per site, layer, trajectory, policy version and token "
+    "position: code agreement at hinted sites, one-step vs multi-step mismatches, scale agreement, router flips "
+    "and |dlogp| against the floor; then attributes the gap by source (floor, routing, FP4 site groups) and "
+    "measures the excess against hint bytes per token for a ranked coverage (the planner)."
+)
+
+
+def _finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    pos, nonneg = int_at_least(1), int_at_least(0)
+    p.add_argument("store", metavar="STORE", help="store URL (local directory or s3://bucket/prefix)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (keys documented in tracerl.audit and the README) instead of tables")
+    p.add_argument("--target-excess", type=_finite_float, metavar="X",
+                   help="print the planner's cheapest measured coverage with excess <= X as a site table (JSON on "
+                        "stdout, for `tracestore create --site-table`; the report goes to stderr); exit 1 when no "
+                        "measured coverage reaches X")
+    p.add_argument("--plan-out", metavar="FILE", help="write the --target-excess site table to FILE instead")
+    p.add_argument("--device", default="auto",
+                   help="torch device: auto (default: the rollout's device type when available, else cpu), cpu, "
+                        "cuda, cuda:1")
+    p.add_argument("--model", metavar="CHECKPOINT",
+                   help="a safetensors checkpoint of the store's model to audit with, instead of the published "
+                        "policy versions (default: the version each trajectory was generated with, when published "
+                        "beside the store, else the initial weights from the store's spec and seed)")
+    p.add_argument("--max-trajectories", type=pos, metavar="N",
+                   help="audit only the first N trajectories by id (replay is then bit-exact only for whole "
+                        "recorded batches)")
+    p.add_argument("--micro-batch-tokens", type=pos, default=8192, metavar="N",
+                   help="tokens per trainer micro-batch (default 8192, as tracerl demo)")
+    p.add_argument("--bands", type=pos, default=4, metavar="N",
+                   help="layer bands of the attribution groups and planner units (default 4)")
+    p.add_argument("--position-bucket", type=pos, default=64, metavar="N",
+                   help="response positions per by-position slice (default 64)")
+    p.add_argument("--no-attribution", action="store_true", help="skip the attribution passes")
+    p.add_argument("--no-planner", action="store_true", help="skip the coverage planner passes")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip tracestore verify (a corrupt chunk then fails the audit where it is read)")
+    p.add_argument("--storage-options", metavar="JSON",
+                   help="fsspec storage options as JSON or @file.json (S3: key, secret, client_kwargs.endpoint_url)")
+    p.add_argument("--threads", type=nonneg, default=0, metavar="N",
+                   help="torch CPU threads (default 0: torch's choice)")
+
+
+def config_from_args(args: argparse.Namespace):
+    """The checked `AuditConfig` of parsed options (raises `ConfigError`)."""
+    from tracerl.audit import AuditConfig
+    from tracerl.errors import ConfigError
+
+    if args.plan_out and args.target_excess is None:
+        raise ConfigError("--plan-out needs --target-excess")
+    if args.target_excess is not None and args.no_planner:
+        raise ConfigError("--target-excess needs the planner (drop --no-planner)")
+    opts = None
+    if args.storage_options:
+        from tracestore.cli.main import UsageError, storage_options
+
+        try:
+            opts = storage_options(args, args.store)
+        except UsageError as e:
+            raise ConfigError(str(e)) from None
+    cfg = AuditConfig(store=args.store, device=args.device, model=args.model, max_trajectories=args.max_trajectories,
+                      micro_batch_tokens=args.micro_batch_tokens, bands=args.bands,
+                      position_bucket=args.position_bucket, attribution=not args.no_attribution,
+                      planner=not args.no_planner, target_excess=args.target_excess, storage_options=opts,
+                      verify=not args.no_verify)
+    cfg.check()
+    return cfg
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    import torch
+    from rich.console import Console
+
+    from tracerl.audit import run_audit
+    from tracerl.audit_report import render_terminal
+    from tracerl.cli.demo import _Bars
+
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    with contextlib.closing(_Bars(Console(stderr=True, log_path=False))) as bars:
+        result = run_audit(cfg, on_step=bars)
+    target = (result.get("planner") or {}).get("target")
+    table = target["site_table"] if target else None
+    if args.plan_out and table is not None:
+        with open(args.plan_out, "w", encoding="utf-8") as f:
+            json.dump(table, f, indent=1)
+    table_on_stdout = target is not None and not args.json and not args.plan_out
+    if args.json:
+        print(json.dumps(result, default=float))
+    else:
+        out = (Console(stderr=True) if table_on_stdout else
+               Console() if sys.stdout.isatty() else Console(width=160, soft_wrap=True))
+        for item in render_terminal(result):
+            out.print(item)
+    if table_on_stdout and table is not None:
+        print(json.dumps(table, indent=1))
+    integ = result["integrity"]
+    problems = integ["ok"] is False or bool(integ["skipped_trajectories"])
+    if problems:
+        print(f"tracerl audit: integrity problems in {cfg.store}: {len(integ['errors'])} verify error(s), "
+              f"{len(integ['skipped_trajectories'])} trajectory(ies) left out", file=sys.stderr)
+    if target is not None and not target["meets"]:
+        print(f"tracerl audit: no measured coverage reaches excess {cfg.target_excess:g} (best: "
+              f"{min(c['excess'] for c in result['planner']['curve']):.3e})", file=sys.stderr)
+        return 1
+    if target is not None and table is None:
+        print(f"tracerl audit: excess {cfg.target_excess:g} needs no hints (round-to-nearest reaches it)",
+              file=sys.stderr)
+    return 1 if problems else 0
