@@ -104,10 +104,10 @@ def run(args: argparse.Namespace) -> int:
 
     from tracerl.audit import run_audit
     from tracerl.audit_report import render_terminal
-    from tracerl.cli.demo import _Bars
+    from tracerl.cli.progress import StepBars
 
     torch.set_num_threads(args.threads or torch.get_num_threads())
-    with contextlib.closing(_Bars(Console(stderr=True, log_path=False))) as bars:
+    with contextlib.closing(StepBars(Console(stderr=True, log_path=False))) as bars:
         result = run_audit(cfg, on_step=bars)
     target = (result.get("planner") or {}).get("target")
     table = target["site_table"] if target else None

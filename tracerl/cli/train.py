@@ -6,7 +6,6 @@ import argparse
 import json
 import logging
 import os
-import sys
 
 from tracerl.cli.args import add_process_arguments, float_above, int_at_least, stop_on_signals, storage_options
 from tracerl.config import QAT_MODES, TrainConfig
