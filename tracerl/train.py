@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
@@ -493,6 +494,8 @@ class GRPOTrainer:
         self.last_metrics: dict | None = None
         self.metrics_path: str | None = None  # the live metrics log (kept in checkpoints, for replay)
         self._history: dict[int, list[torch.Tensor]] = {}  # version -> its bf16 parameters (measure_stale)
+        self._publisher: concurrent.futures.ThreadPoolExecutor | None = None
+        self._published: concurrent.futures.Future | None = None
         self._codes = _RolloutCodes(store)
 
     # ---- state ------------------------------------------------------------------------------------------
@@ -570,18 +573,40 @@ class GRPOTrainer:
         self.last_metrics = st.get("last_metrics")
         return follower
 
-    def publish(self, url: str, *, storage_options: Mapping | None = None) -> None:
+    def publish(self, url: str, *, storage_options: Mapping | None = None, wait: bool = True) -> None:
         """Publish the bf16 weights as policy ``self.version`` (rank 0). A version that is already published
-        (by a run that was killed after publishing it) is kept."""
+        (by a run that was killed after publishing it) is kept.
+
+        With ``wait=False`` the weights are copied to host memory here and serialized, hashed and written by a
+        background thread while training goes on (for a large model the publication takes as long as several
+        steps); the previous publication is waited for first, and `wait_published` waits for the last one and
+        raises what it raised. A trainer killed meanwhile has its checkpoint already: the restart publishes that
+        version again (`start_or_resume`)."""
         if self.rank != 0:
             return
+        self.wait_published()
+        host = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        args = (url, self.version, host, {"digest": self.digest(), "mode": self.cfg.mode}, self.step_num,
+                storage_options)
+        if wait:
+            self._publish(*args)
+            return
+        if self._publisher is None:
+            self._publisher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tracerl-publish")
+        self._published = self._publisher.submit(self._publish, *args)
+
+    def wait_published(self) -> None:
+        """Wait for a publication started with ``wait=False``; raises what it raised."""
+        pending, self._published = self._published, None
+        if pending is not None:
+            pending.result()
+
+    def _publish(self, url, version, state, meta, step, storage_options) -> None:
         try:
-            weights.publish(url, self.version, self.model.state_dict(), {"digest": self.digest(), "mode": self.cfg.mode},
-                            step=self.step_num, parent_version=self.version - 1 if self.version else None,
+            weights.publish(url, version, state, meta, step=step, parent_version=version - 1 if version else None,
                             storage_options=storage_options)
         except weights.VersionExistsError:
-            log.warning("policy version %d is already published (by an earlier run of this trainer); kept",
-                        self.version)
+            log.warning("policy version %d is already published (by an earlier run of this trainer); kept", version)
         if self.cfg.keep_versions is not None:
             weights.prune(url, self.cfg.keep_versions, keep=(0,), storage_options=storage_options)
 
@@ -853,7 +878,19 @@ def run_training(trainer: GRPOTrainer, follower: Follower, *, checkpoints: str, 
     step), ``stop`` is set, or no group became ready for ``wait_timeout_s``; returns the steps taken now.
 
     Per step: take groups -> `GRPOTrainer.step` -> checkpoint (every ``checkpoint_every`` steps) -> metrics line
-    -> publish the new version to ``weights_url`` (when given)."""
+    -> publish the new version to ``weights_url`` (when given; in the background, overlapping the next step,
+    and waited for before this returns)."""
+    done = 0
+    try:
+        done = _train_steps(trainer, follower, checkpoints, weights_url, metrics, max_steps, stop, wait_timeout_s,
+                            storage_options, on_step)
+    finally:
+        trainer.wait_published()  # the last version is committed before this returns
+    return done
+
+
+def _train_steps(trainer, follower, checkpoints, weights_url, metrics, max_steps, stop, wait_timeout_s,
+                 storage_options, on_step) -> int:
     cfg = trainer.cfg
     done = 0
     while max_steps is None or trainer.step_num < max_steps:
@@ -870,7 +907,7 @@ def run_training(trainer: GRPOTrainer, follower: Follower, *, checkpoints: str, 
         if trainer.rank == 0:
             metrics.append(m)
         if weights_url is not None:
-            trainer.publish(weights_url, storage_options=storage_options)
+            trainer.publish(weights_url, storage_options=storage_options, wait=False)
         done += 1
         if on_step is not None:
             on_step(m)
