@@ -57,10 +57,10 @@ def _settings(args) -> dict:
                     micro=256, lr=1e-3, rollout_device="cpu", trainer_device="cpu", extra_train=())
     if args.device == "cuda":
         return dict(spec=GPU_SPEC, response_len=256, groups=8, group=8, steps=20, hint_layers="latter-half",
-                    micro=8192, lr=1e-5, rollout_device="cuda:0", trainer_device="cuda:1",
+                    micro=4096, lr=1e-5, rollout_device="cuda:0", trainer_device="cuda:1",
                     extra_train=("--checkpoint-every", "1000000", "--keep-versions", "2"))
-    return dict(spec=CPU_SPEC, response_len=48, groups=8, group=8, steps=20, hint_layers="latter-half",
-                micro=2048, lr=3e-4, rollout_device="cpu", trainer_device="cpu", extra_train=())
+    return dict(spec=CPU_SPEC, response_len=16, groups=8, group=8, steps=20, hint_layers="latter-half",
+                micro=2048, lr=1e-3, rollout_device="cpu", trainer_device="cpu", extra_train=())
 
 
 def _config(args, s: dict, mode: str, seed: int, run_dir: str) -> LoopConfig:
@@ -129,6 +129,20 @@ def plot_all(doc: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _code_version() -> str:
+    import subprocess
+
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return (head + ("+changes" if dirty else "")) or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny model, 3 steps (checks the code paths)")
@@ -138,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds; every mode runs once per seed")
     p.add_argument("--steps", type=int, help="policy updates per run (default 20; smoke 3)")
     p.add_argument("--groups", type=int, help="prompts per step (default 8; smoke 2)")
-    p.add_argument("--response-len", type=int, help="response tokens (default: CPU 48, GPU 256, smoke 8)")
-    p.add_argument("--lr", type=float, help="AdamW learning rate (default: CPU 3e-4, GPU 1e-5, smoke 1e-3)")
+    p.add_argument("--response-len", type=int, help="response tokens (default: CPU 16, GPU 256, smoke 8)")
+    p.add_argument("--lr", type=float, help="AdamW learning rate (default: CPU 1e-3, GPU 1e-5, smoke 1e-3)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
     p.add_argument("--replay-steps", type=int, default=10,
                    help="replay this many steps of the first run (0: no replay; default 10)")
@@ -161,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     from tracerl.train import MetricsLog, json_ready
 
     base = args.keep or tempfile.mkdtemp(prefix="benchmark-loop-")
+    code = os.environ.get("BENCHMARK_CODE_VERSION") or _code_version()
     first = None
     for mode in modes:
         for seed in seeds:
@@ -175,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{sm['lag_s_median']:.2f}s p99 {sm['lag_s_p99']:.2f}s, code agreement {sm['code_agreement_median']}, "
                   f"mean |dlogp| {sm['mismatch_mean_abs_dlogp_median']}", flush=True)
             doc["runs"][name] = {"device": device, "mode": mode, "seed": seed, "result": result, "replay": None,
-                                 "run_dir": run_dir if args.keep else None}
+                                 "run_dir": run_dir if args.keep else None, "code": code,
+                                 "command": " ".join(sys.argv)}
             if first is None:
                 first = (name, cfg, result)
             out.parent.mkdir(parents=True, exist_ok=True)
