@@ -487,8 +487,9 @@ class GRPOTrainer:
         self.read_sites = list(store.sites)  # what a micro-batch reads (a hint-free store: its placeholder)
         self.params = [p for p in self.policy.model.parameters() if p.requires_grad]
         self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
+        # fused on CUDA: one elementwise kernel per step, without the multi-GB temporaries of the foreach path
         self.opt = torch.optim.AdamW(self.master, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
-                                     eps=1e-8)
+                                     eps=1e-8, fused=True if self.device.type == "cuda" else None)
         self.step_num = 0
         self.version = 0
         self.last_metrics: dict | None = None
@@ -641,9 +642,11 @@ class GRPOTrainer:
         totals = self._reduce(acc)
         if self.cfg.max_staleness and self.cfg.measure_stale:
             # this version's weights, for measuring the mismatch of its groups that later steps train on
-            self._history[self.version] = [self._keep(p) for p in self.params]
-            for v in [v for v in self._history if v < self.version + 1 - self.cfg.max_staleness]:
-                del self._history[v]
+            evicted = [self._history.pop(v) for v in sorted(self._history)
+                       if v < self.version + 1 - self.cfg.max_staleness]
+            spare = evicted[0] if evicted else None  # its buffers are reused (pinned host memory is slow to get)
+            self._history[self.version] = [self._keep(p, None if spare is None else spare[i])
+                                           for i, p in enumerate(self.params)]
         grad_norm = self._optimizer_step()
         _sync(self.device)
         self.step_num += 1
@@ -716,11 +719,13 @@ class GRPOTrainer:
                                                 temperature=cfg.temperature, routes=False)
             self._measure(packed, fwd_v, by_id, acc, v, want_codes)
 
-    def _keep(self, p: torch.Tensor) -> torch.Tensor:
-        """A copy of parameter ``p`` for `_history`: on the host (pinned) for a GPU model, whose memory the
-        optimizer needs; on the CPU as it is."""
+    def _keep(self, p: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+        """A copy of parameter ``p`` for `_history` (into ``into`` when given): on the host (pinned) for a GPU
+        model, whose memory the optimizer needs; on the CPU as it is."""
+        if into is not None:
+            return into.copy_(p.detach())
         if p.device.type == "cuda":
-            return p.detach().to("cpu", non_blocking=False).pin_memory()
+            return torch.empty(p.shape, dtype=p.dtype, pin_memory=True).copy_(p.detach())
         return p.detach().clone()
 
     @contextlib.contextmanager
