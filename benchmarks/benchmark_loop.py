@@ -15,12 +15,12 @@ After the runs, the first run of the first mode is replayed from its checkpoint 
                                                               # GPU: rollout on cuda:0, trainer on cuda:1
 
 GPU model: the H200 fidelity runs' (hidden 2048, 40 layers, 32 experts top-4; benchmarks/benchmark_tracerl_h200.py)
-with the task's 10-token vocabulary (a random-init policy over a 32K vocabulary would almost never emit a task
+with the task's 10-token vocabulary, 8 prompts x 8 samples x 128 response tokens per step (a random-init policy over a 32K vocabulary would almost never emit a task
 symbol, leaving GRPO no signal); hints at the MoE input of the latter 20 layers. The trainer checkpoints only at
 step 0 (the replay's start; a full checkpoint of this model is ~60 GB) and keeps the 2 newest policy versions.
 
 Results accumulate in the JSON at --out (runs keyed by mode, seed and device; re-running a key replaces it), so a
-GPU session can run one mode per command; the table covers every run in the file: per mode the median over seeds
+GPU session can run one mode per command (``--merge A.json B.json --out C.json`` joins files from separate runs); the table covers every run in the file: per mode the median over seeds
 (min..max) of the reward over the first and last 3 steps, lag median and p99, rollout and trainer tokens/s, and
 the mismatch (code agreement, mean |dlogp|, k3: medians over the steps). A PNG beside the JSON plots reward and
 mismatch per step for every run.
@@ -38,7 +38,10 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS for the replay, before CUDA
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _REPO)
+# the loop's child processes (python -m tracerl.cli ...) import this checkout too, whatever their working directory
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO, os.environ.get("PYTHONPATH", "")) if p)
 
 from tracerl.config import LoopConfig  # noqa: E402
 
@@ -56,11 +59,11 @@ def _settings(args) -> dict:
         return dict(spec=SMOKE_SPEC, response_len=8, groups=2, group=4, steps=3, hint_layers="all",
                     micro=256, lr=1e-3, rollout_device="cpu", trainer_device="cpu", extra_train=())
     if args.device == "cuda":
-        return dict(spec=GPU_SPEC, response_len=256, groups=8, group=8, steps=20, hint_layers="latter-half",
-                    micro=8192, lr=1e-5, rollout_device="cuda:0", trainer_device="cuda:1",
+        return dict(spec=GPU_SPEC, response_len=128, groups=8, group=8, steps=20, hint_layers="latter-half",
+                    micro=4096, lr=1e-5, rollout_device="cuda:0", trainer_device="cuda:1",
                     extra_train=("--checkpoint-every", "1000000", "--keep-versions", "2"))
-    return dict(spec=CPU_SPEC, response_len=48, groups=8, group=8, steps=20, hint_layers="latter-half",
-                micro=2048, lr=3e-4, rollout_device="cpu", trainer_device="cpu", extra_train=())
+    return dict(spec=CPU_SPEC, response_len=16, groups=8, group=8, steps=20, hint_layers="latter-half",
+                micro=2048, lr=1e-3, rollout_device="cpu", trainer_device="cpu", extra_train=())
 
 
 def _config(args, s: dict, mode: str, seed: int, run_dir: str) -> LoopConfig:
@@ -129,6 +132,20 @@ def plot_all(doc: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _code_version() -> str:
+    import subprocess
+
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return (head + ("+changes" if dirty else "")) or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny model, 3 steps (checks the code paths)")
@@ -138,12 +155,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds; every mode runs once per seed")
     p.add_argument("--steps", type=int, help="policy updates per run (default 20; smoke 3)")
     p.add_argument("--groups", type=int, help="prompts per step (default 8; smoke 2)")
-    p.add_argument("--response-len", type=int, help="response tokens (default: CPU 48, GPU 256, smoke 8)")
-    p.add_argument("--lr", type=float, help="AdamW learning rate (default: CPU 3e-4, GPU 1e-5, smoke 1e-3)")
+    p.add_argument("--response-len", type=int, help="response tokens (default: CPU 16, GPU 128, smoke 8)")
+    p.add_argument("--lr", type=float, help="AdamW learning rate (default: CPU 1e-3, GPU 1e-5, smoke 1e-3)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
     p.add_argument("--replay-steps", type=int, default=10,
                    help="replay this many steps of the first run (0: no replay; default 10)")
     p.add_argument("--keep", metavar="DIR", help="keep the run directories below DIR (default: temporary)")
+    p.add_argument("--merge", nargs="+", metavar="JSON",
+                   help="only merge the runs of these result files into --out, print the table and the plot")
     p.add_argument("--out", help="JSON results (default benchmarks/results/loop-<device>.json, smoke: "
                                  "loop-smoke.json in a temporary directory)")
     args = p.parse_args(argv)
@@ -155,12 +174,22 @@ def main(argv: list[str] | None = None) -> int:
                    else Path(__file__).resolve().parent / "results" / f"loop-{device}.json")
     out = Path(args.out) if args.out else default_out
     doc = json.loads(out.read_text()) if out.exists() else {"runs": {}}
+    if args.merge:
+        for path in args.merge:
+            doc["runs"].update(json.loads(Path(path).read_text())["runs"])
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(doc, indent=1))
+        print(table(doc))
+        plot_all(doc, out.with_suffix(".png"))
+        print(f"saved {out} and {out.with_suffix('.png')}")
+        return 0
 
     from tracerl.loop import run_loop
     from tracerl.replay import replay
     from tracerl.train import MetricsLog, json_ready
 
     base = args.keep or tempfile.mkdtemp(prefix="benchmark-loop-")
+    code = os.environ.get("BENCHMARK_CODE_VERSION") or _code_version()
     first = None
     for mode in modes:
         for seed in seeds:
@@ -175,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{sm['lag_s_median']:.2f}s p99 {sm['lag_s_p99']:.2f}s, code agreement {sm['code_agreement_median']}, "
                   f"mean |dlogp| {sm['mismatch_mean_abs_dlogp_median']}", flush=True)
             doc["runs"][name] = {"device": device, "mode": mode, "seed": seed, "result": result, "replay": None,
-                                 "run_dir": run_dir if args.keep else None}
+                                 "run_dir": run_dir if args.keep else None, "code": code,
+                                 "command": " ".join(sys.argv)}
             if first is None:
                 first = (name, cfg, result)
             out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,8 @@
-"""Prototype: a grouped MoE expert path whose backward is deterministic by construction (no accumulation whose
-order depends on thread scheduling), for `tracerl.qat.FP4MoEBlock._routed`.
+"""The grouped MoE expert path of `tracerl.qat.FP4MoEBlock._routed`, with a backward that is deterministic by
+construction (no accumulation whose order depends on thread scheduling).
 
-What the grouped path in ``qat.py`` does in autograd terms, per MoE layer with N tokens, top-k, E experts:
+What the plain grouped path (``qat.py`` before; the reference in ``tests/tracerl/test_deterministic.py``) does in
+autograd terms, per MoE layer with N tokens, top-k, E experts:
 
 * ``x_q[tok[off:off + c]]`` per expert: advanced indexing, whose backward is ``index_put_(accumulate=True)``
   into a fresh zero [N, H] tensor per expert; autograd then adds the E dense [N, H] gradients. Whatever the
@@ -12,7 +13,7 @@ What the grouped path in ``qat.py`` does in autograd terms, per MoE layer with N
   tensor of the full size per expert (for the weights O(E^2 * I * H), all zeros but one slice).
 * ``h_sorted[inv]``, ``[order]`` permutations: index backward with a sort of N*k indices each.
 
-The proposal (`routed_experts`): one gather of all k*N slot rows in expert order with a custom backward that
+This path (`routed_experts`): one gather of all k*N slot rows in expert order with a custom backward that
 permutes the slot gradients back to (token, slot) order and sums each token's k slots in a fixed order
 (ascending expert id, fp32 accumulation), `torch.split` / `torch.unbind` for the per-expert pieces (their
 backward is one ``cat`` / ``stack``), and permutations as index_select pairs (the backward of a permutation is
@@ -21,11 +22,13 @@ fixed-order sum, so two runs are bitwise equal by construction, whatever the tor
 and the dense per-expert buffers are gone.
 
 Measured on one H200 (torch 2.11, bf16, fwd + bwd of the routed experts alone, median of 10): N=8192 tokens,
-H=256, I=128, E=16, k=2: 12.2 ms today, 7.5 ms proposed; H=2048, I=768, E=128, k=8 (a Qwen3-30B-A3B-sized
-layer): 200.7 ms today, 35.4 ms proposed. Both paths gave bitwise-equal gradients over 4 runs there: with
+H=256, I=128, E=16, k=2: 12.2 ms plain, 7.5 ms this path; H=2048, I=768, E=128, k=8 (a Qwen3-30B-A3B-sized
+layer): 200.7 ms plain, 35.4 ms this path. Both paths gave bitwise-equal gradients over 4 runs there: with
 torch 2.11 the current path is already reproducible, and the whole-model nondeterminism seen on that GPU came
 from the attention backward (cuDNN / memory-efficient SDPA), not from the MoE gather.
-``tests/test_tracerl_deterministic.py`` checks the proposal against ``FP4MoEBlock._routed`` itself.
+``tests/tracerl/test_deterministic.py`` checks it against the plain grouped path: the same forward and weight
+gradients bit for bit, the input gradient up to one rounding (an fp32 sum of the k slots instead of autograd's
+adds in the input's dtype).
 """
 
 from __future__ import annotations

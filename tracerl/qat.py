@@ -32,6 +32,7 @@ from torch import nn
 
 import tracefp4
 from tracefp4.constants import E2M1_MAGNITUDES, HINTS_PER_BYTE
+from tracerl._deterministic import routed_experts
 from tracerl.config import QAT_MODES
 from tracerl.errors import ConfigError, HintMismatchError
 from tracerl.models import moe_blocks
@@ -324,38 +325,14 @@ class FP4MoEBlock(nn.Module):
         # device (CUDA; meta in the no-sync tests) take the gather path, which reads nothing.
         if x_q.device.type != "cpu" and n * k <= rt.gather_max_slots:
             return self._routed_gather(x_q, idx, weights, w_gate_up, w_down)
-        flat = idx.reshape(-1)  # (N*k,) slot-major within a token
-        order = torch.argsort(flat, stable=True)  # slots grouped by expert
-        counts = torch.bincount(flat, minlength=ex.num_experts).tolist()
-        tok = order // k  # token of each sorted slot
-        pieces = []
-        off = 0
-        for e, c in enumerate(counts):
-            if c == 0:
-                continue
-            gate, up = F.linear(x_q[tok[off : off + c]], w_gate_up[e]).chunk(2, dim=-1)
-            pieces.append(ex.act_fn(gate) * up)
-            off += c
-        h_sorted = torch.cat(pieces)  # (N*k, I) in expert order
-        inv = torch.empty_like(order)
-        inv[order] = torch.arange(order.numel(), device=order.device)
-        inter = h_sorted.shape[-1]
-        h = h_sorted[inv].reshape(n, k * inter)  # (N, k*I), slots ascending by expert id
-        h_q = rt.quant(self.down_site, h).reshape(n * k, inter)[order]
-        outs = []
-        off = 0
-        for e, c in enumerate(counts):
-            if c == 0:
-                continue
-            outs.append(F.linear(h_q[off : off + c], w_down[e]))
-            off += c
-        y_sorted = torch.cat(outs) * weights.reshape(-1)[order].unsqueeze(-1).to(h_q.dtype)
-        # Back to slot order and a sum over each token's k slots: deterministic (``index_add`` on CUDA adds with
-        # atomics in whatever order the threads arrive, so two identical forwards differed in the last bf16 bit,
-        # which 40 layers amplify into different FP4 codes), and the same reduction as the decode path's.
-        y = y_sorted[inv].reshape(n, k, -1)
-        return y.sum(dim=1).to(x_q.dtype)
-
+        # Grouped per-expert GEMMs with a backward that is deterministic by construction (`tracerl._deterministic`:
+        # gathers, permutations and a fixed-order fp32 sum of each token's k slots instead of index-put
+        # accumulation), whose forward is the same computation as the plain grouped path, bit for bit. Back in slot
+        # order the k slots are summed in a fixed order (``index_add`` on CUDA adds with atomics in whatever order
+        # the threads arrive: two identical forwards differed in the last bf16 bit, which 40 layers amplify into
+        # different FP4 codes), the same reduction as the decode path's.
+        return routed_experts(x_q, idx, weights, w_gate_up, w_down, ex.act_fn,
+                              down_quant=lambda h: rt.quant(self.down_site, h))
 
     def _routed_gather(self, x_q, idx, weights, w_gate_up, w_down) -> torch.Tensor:
         """Decode path: gather each slot's expert weights and run batched GEMVs (no host sync, few launches).

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
@@ -486,13 +487,16 @@ class GRPOTrainer:
         self.read_sites = list(store.sites)  # what a micro-batch reads (a hint-free store: its placeholder)
         self.params = [p for p in self.policy.model.parameters() if p.requires_grad]
         self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
+        # fused on CUDA: one elementwise kernel per step, without the multi-GB temporaries of the foreach path
         self.opt = torch.optim.AdamW(self.master, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
-                                     eps=1e-8)
+                                     eps=1e-8, fused=True if self.device.type == "cuda" else None)
         self.step_num = 0
         self.version = 0
         self.last_metrics: dict | None = None
         self.metrics_path: str | None = None  # the live metrics log (kept in checkpoints, for replay)
         self._history: dict[int, list[torch.Tensor]] = {}  # version -> its bf16 parameters (measure_stale)
+        self._publisher: concurrent.futures.ThreadPoolExecutor | None = None
+        self._published: concurrent.futures.Future | None = None
         self._codes = _RolloutCodes(store)
 
     # ---- state ------------------------------------------------------------------------------------------
@@ -570,18 +574,40 @@ class GRPOTrainer:
         self.last_metrics = st.get("last_metrics")
         return follower
 
-    def publish(self, url: str, *, storage_options: Mapping | None = None) -> None:
+    def publish(self, url: str, *, storage_options: Mapping | None = None, wait: bool = True) -> None:
         """Publish the bf16 weights as policy ``self.version`` (rank 0). A version that is already published
-        (by a run that was killed after publishing it) is kept."""
+        (by a run that was killed after publishing it) is kept.
+
+        With ``wait=False`` the weights are copied to host memory here and serialized, hashed and written by a
+        background thread while training goes on (for a large model the publication takes as long as several
+        steps); the previous publication is waited for first, and `wait_published` waits for the last one and
+        raises what it raised. A trainer killed meanwhile has its checkpoint already: the restart publishes that
+        version again (`start_or_resume`)."""
         if self.rank != 0:
             return
+        self.wait_published()
+        host = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        args = (url, self.version, host, {"digest": self.digest(), "mode": self.cfg.mode}, self.step_num,
+                storage_options)
+        if wait:
+            self._publish(*args)
+            return
+        if self._publisher is None:
+            self._publisher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tracerl-publish")
+        self._published = self._publisher.submit(self._publish, *args)
+
+    def wait_published(self) -> None:
+        """Wait for a publication started with ``wait=False``; raises what it raised."""
+        pending, self._published = self._published, None
+        if pending is not None:
+            pending.result()
+
+    def _publish(self, url, version, state, meta, step, storage_options) -> None:
         try:
-            weights.publish(url, self.version, self.model.state_dict(), {"digest": self.digest(), "mode": self.cfg.mode},
-                            step=self.step_num, parent_version=self.version - 1 if self.version else None,
+            weights.publish(url, version, state, meta, step=step, parent_version=version - 1 if version else None,
                             storage_options=storage_options)
         except weights.VersionExistsError:
-            log.warning("policy version %d is already published (by an earlier run of this trainer); kept",
-                        self.version)
+            log.warning("policy version %d is already published (by an earlier run of this trainer); kept", version)
         if self.cfg.keep_versions is not None:
             weights.prune(url, self.cfg.keep_versions, keep=(0,), storage_options=storage_options)
 
@@ -616,9 +642,11 @@ class GRPOTrainer:
         totals = self._reduce(acc)
         if self.cfg.max_staleness and self.cfg.measure_stale:
             # this version's weights, for measuring the mismatch of its groups that later steps train on
-            self._history[self.version] = [self._keep(p) for p in self.params]
-            for v in [v for v in self._history if v < self.version + 1 - self.cfg.max_staleness]:
-                del self._history[v]
+            evicted = [self._history.pop(v) for v in sorted(self._history)
+                       if v < self.version + 1 - self.cfg.max_staleness]
+            spare = evicted[0] if evicted else None  # its buffers are reused (pinned host memory is slow to get)
+            self._history[self.version] = [self._keep(p, None if spare is None else spare[i])
+                                           for i, p in enumerate(self.params)]
         grad_norm = self._optimizer_step()
         _sync(self.device)
         self.step_num += 1
@@ -691,11 +719,13 @@ class GRPOTrainer:
                                                 temperature=cfg.temperature, routes=False)
             self._measure(packed, fwd_v, by_id, acc, v, want_codes)
 
-    def _keep(self, p: torch.Tensor) -> torch.Tensor:
-        """A copy of parameter ``p`` for `_history`: on the host (pinned) for a GPU model, whose memory the
-        optimizer needs; on the CPU as it is."""
+    def _keep(self, p: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+        """A copy of parameter ``p`` for `_history` (into ``into`` when given): on the host (pinned) for a GPU
+        model, whose memory the optimizer needs; on the CPU as it is."""
+        if into is not None:
+            return into.copy_(p.detach())
         if p.device.type == "cuda":
-            return p.detach().to("cpu", non_blocking=False).pin_memory()
+            return torch.empty(p.shape, dtype=p.dtype, pin_memory=True).copy_(p.detach())
         return p.detach().clone()
 
     @contextlib.contextmanager
@@ -853,7 +883,19 @@ def run_training(trainer: GRPOTrainer, follower: Follower, *, checkpoints: str, 
     step), ``stop`` is set, or no group became ready for ``wait_timeout_s``; returns the steps taken now.
 
     Per step: take groups -> `GRPOTrainer.step` -> checkpoint (every ``checkpoint_every`` steps) -> metrics line
-    -> publish the new version to ``weights_url`` (when given)."""
+    -> publish the new version to ``weights_url`` (when given; in the background, overlapping the next step,
+    and waited for before this returns)."""
+    done = 0
+    try:
+        done = _train_steps(trainer, follower, checkpoints, weights_url, metrics, max_steps, stop, wait_timeout_s,
+                            storage_options, on_step)
+    finally:
+        trainer.wait_published()  # the last version is committed before this returns
+    return done
+
+
+def _train_steps(trainer, follower, checkpoints, weights_url, metrics, max_steps, stop, wait_timeout_s,
+                 storage_options, on_step) -> int:
     cfg = trainer.cfg
     done = 0
     while max_steps is None or trainer.step_num < max_steps:
@@ -870,7 +912,7 @@ def run_training(trainer: GRPOTrainer, follower: Follower, *, checkpoints: str, 
         if trainer.rank == 0:
             metrics.append(m)
         if weights_url is not None:
-            trainer.publish(weights_url, storage_options=storage_options)
+            trainer.publish(weights_url, storage_options=storage_options, wait=False)
         done += 1
         if on_step is not None:
             on_step(m)

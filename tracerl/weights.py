@@ -53,7 +53,8 @@ FORMAT_VERSION = 1
 KIND = "tracerl.weights"
 _SIDECAR_RE = re.compile(rf"{WEIGHTS_PREFIX}(\d{{{VERSION_DIGITS}}})\.json")
 
-__all__ = ["publish", "latest_version", "list_versions", "read_meta", "load_state_dict", "load", "load_if_newer", "prune",
+__all__ = ["publish", "latest_version", "list_versions", "read_meta", "load_state_dict", "load", "load_into",
+           "load_if_newer", "prune",
            "WeightsError", "WeightsIntegrityError", "VersionNotFoundError", "VersionExistsError"]
 
 
@@ -263,6 +264,14 @@ def load(url: Location, version: int | None, model: torch.nn.Module, *,
         and what `load_state_dict` raises.
     """
     tensors, side = load_state_dict(url, version, storage_options=storage_options)
+    return load_into(model, tensors, side)
+
+
+def load_into(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], side: dict) -> dict:
+    """Copy a loaded version (`load_state_dict`'s result) into ``model`` (strict names and shapes; values are
+    copied into the existing tensors, keeping their device and dtype); returns ``side``.
+
+    Raises ConfigError (nothing is loaded) when the names or shapes differ from the model's."""
     own = model.state_dict()
     missing, unexpected = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
     shapes = [k for k in own if k in tensors and tuple(own[k].shape) != tuple(tensors[k].shape)]

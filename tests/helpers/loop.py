@@ -50,3 +50,12 @@ def tracerl(*args: str, **kw) -> subprocess.Popen:
     """``tracerl ARGS`` as a child process (stdout and stderr piped)."""
     return subprocess.Popen([sys.executable, "-m", "tracerl.cli", *args], env=env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, **kw)
+
+
+def worker(store, **kw):
+    """A `RolloutWorker` on ``store`` (a fresh handle) with `rollout_cfg` settings; use it in a ``with`` block (it
+    runs a weight-prefetch thread until closed)."""
+    import tracestore as ts
+    from tracerl.rollout import RolloutWorker
+
+    return RolloutWorker(ts.open_store(store.url), rollout_cfg(**kw))

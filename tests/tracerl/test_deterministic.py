@@ -1,11 +1,13 @@
-"""Prototype deterministic grouped-MoE backward (`tracerl._deterministic`) against `FP4MoEBlock._routed`: the same
-forward bit for bit, the same gradients up to rounding, and bitwise-equal gradients across runs and thread
-counts."""
+"""The deterministic grouped-MoE path (`tracerl._deterministic`, what `FP4MoEBlock._routed` runs) against the plain
+grouped path it replaced (advanced-index gathers whose backward accumulates, kept here as the reference): the
+same forward bit for bit, the same weight gradients bit for bit, the input gradient up to one rounding, and
+bitwise-equal gradients across runs and thread counts."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tracerl._deterministic import _GatherSlots, _PermuteRows, routed_experts, slot_order
 from tracerl.models import TinyMoESpec, build_model, moe_blocks
@@ -58,8 +60,50 @@ def _proposed(block, rt):
     return fn
 
 
+def _grouped_reference(block, rt, x_q, idx, weights):
+    """The grouped path FP4MoEBlock._routed ran before: per-expert GEMMs on ``x_q[tok]`` gathers (an index
+    backward), slot permutations by advanced indexing, a sum over each token's k slots in slot order."""
+    ex = block.experts
+    n, k = idx.shape
+    w_gate_up = rt.weight(f"{block.module_name}.experts.gate_up_proj", ex.gate_up_proj)
+    w_down = rt.weight(f"{block.module_name}.experts.down_proj", ex.down_proj)
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=ex.num_experts).tolist()
+    tok = order // k
+    pieces, off = [], 0
+    for e, c in enumerate(counts):
+        if c:
+            gate, up = F.linear(x_q[tok[off : off + c]], w_gate_up[e]).chunk(2, dim=-1)
+            pieces.append(ex.act_fn(gate) * up)
+            off += c
+    h_sorted = torch.cat(pieces)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel())
+    inter = h_sorted.shape[-1]
+    h_q = rt.quant(block.down_site, h_sorted[inv].reshape(n, k * inter)).reshape(n * k, inter)[order]
+    outs, off = [], 0
+    for e, c in enumerate(counts):
+        if c:
+            outs.append(F.linear(h_q[off : off + c], w_down[e]))
+            off += c
+    y_sorted = torch.cat(outs) * weights.reshape(-1)[order].unsqueeze(-1).to(h_q.dtype)
+    return y_sorted[inv].reshape(n, k, -1).sum(dim=1).to(x_q.dtype)
+
+
 def _current(block, rt):
-    return lambda x, idx, w: block._routed(rt.quant(block.input_site, x), idx, w)
+    return lambda x, idx, w: _grouped_reference(block, rt, rt.quant(block.input_site, x), idx, w)
+
+
+def test_block_runs_the_deterministic_path():
+    block, rt = _block("fp4_rne_own_scales", torch.bfloat16)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(41, 64, generator=g).to(torch.bfloat16)
+    idx = _routes(41, 2, 8, seed=8)
+    w = torch.rand(41, 2, generator=g).to(torch.bfloat16)
+    block_fn = lambda x_, i_, w_: block._routed(rt.quant(block.input_site, x_), i_, w_)  # noqa: E731
+    for a, b in zip(_run(block_fn, block, rt, x, idx, w), _run(_proposed(block, rt), block, rt, x, idx, w)):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("mode", ["bf16", "fp4_rne_own_scales"])

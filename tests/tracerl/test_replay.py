@@ -24,11 +24,11 @@ def live(tmp_path_factory):
     log = MetricsLog(d / "train.jsonl")
     cfg = loop.train_cfg(max_staleness=1)
     trainer, follower = start_or_resume(store, cfg, checkpoints=str(d / "ckpt"), weights_url=store.url, metrics=log)
-    worker = RolloutWorker(store, loop.rollout_cfg(record_codes=True))
-    for _ in range(STEPS):  # the loop in lockstep: generate with the newest version, train one step on it
-        run_rollout(worker, metrics=MetricsLog(None), max_batches=1)
-        run_training(trainer, follower, checkpoints=str(d / "ckpt"), weights_url=store.url, metrics=log,
-                     max_steps=trainer.step_num + 1)
+    with RolloutWorker(store, loop.rollout_cfg(record_codes=True)) as worker:
+        for _ in range(STEPS):  # the loop in lockstep: generate with the newest version, train one step on it
+            run_rollout(worker, metrics=MetricsLog(None), max_batches=1)
+            run_training(trainer, follower, checkpoints=str(d / "ckpt"), weights_url=store.url, metrics=log,
+                         max_steps=trainer.step_num + 1)
     return d
 
 
