@@ -4,8 +4,11 @@ crash, bad arguments give one line and exit 2.
 
 One tiny store and one audit of it (module fixture, ~30 s on two cores) serve most tests."""
 
+import base64
 import contextlib
+import importlib.util
 import io
+import re
 import json
 import os
 import shutil
@@ -55,7 +58,8 @@ def audited(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("audit")
     url = str(tmp / "store")
     demo = run_demo(DemoConfig(store=url, **CFG))
-    rc, out, err = _cli("audit", url, "--json", "--threads", "2", "--bands", "2")
+    html = ["--html", str(tmp / "report.html")] if importlib.util.find_spec("matplotlib") else []
+    rc, out, err = _cli("audit", url, "--json", "--threads", "2", "--bands", "2", *html)
     assert rc == 0, err
     return demo, json.loads(out), url, tmp
 
@@ -139,8 +143,12 @@ def test_corrupt_chunk_is_reported_with_the_object(audited, tmp_path):
     assert all("IntegrityError" in s["reason"] for s in integ["skipped_trajectories"])
     assert res["modes"] == {} and res["store"]["audited_trajectories"] == 0
     assert "integrity problems" in err and "Traceback" not in err
-    rc, out, err = _cli("audit", str(bad), "--threads", "2", "--no-attribution", "--no-planner")
+    html = ["--html", str(tmp_path / "bad.html")] if importlib.util.find_spec("matplotlib") else []
+    rc, out, err = _cli("audit", str(bad), "--threads", "2", "--no-attribution", "--no-planner", *html)
     assert rc == 1 and "FAILED" in out and key in out
+    if html:
+        page = (tmp_path / "bad.html").read_text(encoding="utf-8")
+        assert "tracestore verify: FAILED" in page and key in page and "Nothing was measured" in page
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -152,6 +160,7 @@ def test_corrupt_chunk_is_reported_with_the_object(audited, tmp_path):
     (["--device", "cuda:0"], "CUDA"),
     (["--model", "/nonexistent.safetensors"], "--model"),
     (["--storage-options", "{not json"], "--storage-options"),
+    (["--html", "/nonexistent/dir/report.html"], "does not exist"),
 ])
 def test_bad_arguments_one_line_exit_2(audited, argv, message):
     _, _, url, _ = audited
@@ -264,3 +273,26 @@ def test_hints_from_the_replay_equal_the_stored_ones(tmp_path):
     rne = res["modes"]["fp4_rne_own_scales"]["mean_abs_dlogp"]
     gain = {r["unit"]: r["gain"] for r in res["planner"]["ranking"]}
     assert rne - gain["moe-in L0-3"] == pytest.approx(res["modes"]["fp4_hints"]["mean_abs_dlogp"], rel=1e-9)
+
+
+def test_html_report_is_self_contained_and_its_images_decode(audited):
+    """--html: one file, every image embedded as a PNG data URI that decodes; the integrity result and the plots'
+    subjects are on the page."""
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    _, audit, _, tmp = audited
+    page = (tmp / "report.html").read_text(encoding="utf-8")
+    assert page.startswith("<!DOCTYPE html>") and "tracestore verify: OK" in page
+    srcs = re.findall(r"<img [^>]*src='([^']*)'", page)
+    assert len(srcs) == 4  # agreement by layer, |dlogp| histogram, mismatch by position, excess vs bytes
+    for alt in ("agreement by layer", "|dlogp| histogram", "mismatch by token position", "excess vs bytes per token"):
+        assert f"alt='{alt}'" in page
+    for src in srcs:
+        assert src.startswith("data:image/png;base64,")
+        img = Image.open(io.BytesIO(base64.b64decode(src.split(",", 1)[1], validate=True)))
+        img.load()  # decodes every pixel
+        assert img.format == "PNG" and img.size[0] > 300 and img.size[1] > 200
+    assert not re.search(r"(src|href)=['\"](?!data:)", page)  # nothing outside the file
+    for site in audit["store"]["fp4_sites"]:
+        assert site in page
