@@ -132,8 +132,10 @@ def main(argv=None) -> int:
                 f"{rec['seconds']:.1f}s (decode {rec['decode_s']:.1f}s)")
             runs, result = [], None
             for rep in range(args.reps):
+                load_before = os.getloadavg()[0]
                 result = run_audit(AuditConfig(store=store))
-                runs.append(result["timing"])
+                # the 1-minute load average around the run: other jobs on a shared machine stretch the time
+                runs.append({**result["timing"], "loadavg_1min": [load_before, os.getloadavg()[0]]})
                 t = runs[-1]
                 say(f"{cov}: audit {rep + 1}/{args.reps} in {t['seconds']:.1f}s (replay {t['replay_s']:.1f}s, floor "
                     f"{t['floor_s']:.1f}s, {t['passes']} passes {t['passes_s'] + t['curve_s']:.1f}s)")
