@@ -40,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("store", metavar="STORE", help="store URL (local directory or s3://bucket/prefix)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (keys documented in tracerl.audit and the README) instead of tables")
+    p.add_argument("--html", metavar="FILE",
+                   help="also write a self-contained HTML report (PNG plots embedded; needs matplotlib)")
     p.add_argument("--target-excess", type=_finite_float, metavar="X",
                    help="print the planner's cheapest measured coverage with excess <= X as a site table (JSON on "
                         "stdout, for `tracestore create --site-table`; the report goes to stderr); exit 1 when no "
@@ -76,6 +78,15 @@ def config_from_args(args: argparse.Namespace):
     from tracerl.audit import AuditConfig
     from tracerl.errors import ConfigError
 
+    if args.html:
+        import importlib.util
+        import os
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise ConfigError("--html needs matplotlib (pip install matplotlib)")
+        folder = os.path.dirname(os.path.abspath(args.html))
+        if not os.path.isdir(folder):
+            raise ConfigError(f"--html {args.html}: folder {folder} does not exist")
     if args.plan_out and args.target_excess is None:
         raise ConfigError("--plan-out needs --target-excess")
     if args.target_excess is not None and args.no_planner:
@@ -109,6 +120,10 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or torch.get_num_threads())
     with contextlib.closing(StepBars(Console(stderr=True, log_path=False))) as bars:
         result = run_audit(cfg, on_step=bars)
+    if args.html:
+        from tracerl.audit_html import write_html
+
+        write_html(result, args.html)
     target = (result.get("planner") or {}).get("target")
     table = target["site_table"] if target else None
     if args.plan_out and table is not None:
@@ -122,6 +137,8 @@ def run(args: argparse.Namespace) -> int:
                Console() if sys.stdout.isatty() else Console(width=160, soft_wrap=True))
         for item in render_terminal(result):
             out.print(item)
+        if args.html:
+            out.print(f"HTML report: {args.html}")
     if table_on_stdout and table is not None:
         print(json.dumps(table, indent=1))
     integ = result["integrity"]

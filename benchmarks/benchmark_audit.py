@@ -1,0 +1,197 @@
+"""`tracerl audit` at a realistic size: the attribution table, the planner's curve and the audit's own time.
+
+    python benchmarks/benchmark_audit.py                     # GPU (H200): hidden 2048, 40 layers, 8 x 4096 tokens
+    python benchmarks/benchmark_audit.py --config cpu-demo   # CPU: the `tracerl demo` store (16 x 256, hidden 256)
+    python benchmarks/benchmark_audit.py --smoke             # CPU: a tiny model, same code paths
+
+For each coverage (``default``: the MoE input of the latter half of the layers, the paper's default; ``all-sites``:
+every FP4 site of every layer, 80 on the H200 model) the benchmark records a store with the demo's FP4 rollout
+(`tracerl.demo.record_store`, the configuration of benchmarks/benchmark_tracerl_h200.py's fidelity section), then
+audits it ``--reps`` times with the defaults a user gets (`tracerl.audit.run_audit`: verify, replay, floor, every
+pass, attribution, planner). The numbers of an audit are deterministic; its time is reported as the median of the
+runs with min..max. The JSON (``--out``) holds per coverage the store's recording, every run's time and phase
+breakdown, and the last run's result (modes, attribution, planner, replay, integrity); ``--html-dir`` keeps each
+coverage's HTML report and its plots as PNG files. Each coverage is saved as soon as it finishes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import gc
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import tracefp4  # noqa: E402
+from tracerl.audit import AuditConfig, run_audit  # noqa: E402
+from tracerl.config import DemoConfig  # noqa: E402
+from tracerl.demo import record_store  # noqa: E402
+
+GPU_SPEC = dict(hidden_size=2048, num_layers=40, num_heads=16, num_kv_heads=4, head_dim=128, num_experts=32,
+                top_k=4, moe_intermediate_size=512, vocab_size=32768, max_position_embeddings=16384)
+SMOKE_SPEC = dict(hidden_size=64, num_layers=4, num_heads=2, num_kv_heads=1, head_dim=32, num_experts=8, top_k=2,
+                  moe_intermediate_size=32, vocab_size=256)
+COVERAGES = {"default": dict(hint_layers="latter-half", hint_sites="moe-input"),
+             "all-sites": dict(hint_layers="all", hint_sites="all-fp4")}
+#: the planner's goal: at <= 7,680 B/token, an excess at most 1/3 of round-to-nearest's
+GOAL_BYTES, GOAL_RATIO = 7680, 1 / 3
+
+
+def demo_config(name: str, coverage: str, store: str, seed: int) -> DemoConfig:
+    cov = COVERAGES[coverage]
+    if name == "h200":
+        return DemoConfig(trajectories=8, tokens=4096, prompt_tokens=(64, 64), seed=seed, store=store, device="cuda",
+                          micro_batch_tokens=8192, flush_tokens=1024, spec=dict(GPU_SPEC), **cov)
+    if name == "cpu-demo":
+        return DemoConfig(seed=seed, store=store, **cov)  # tracerl demo's defaults
+    return DemoConfig(trajectories=2, tokens=48, seed=seed, store=store, spec=dict(SMOKE_SPEC), **cov)
+
+
+def save_html(result: dict, path: str) -> list[str]:
+    """The HTML report at ``path`` and its plots beside it as PNG files; returns the PNG paths."""
+    from tracerl.audit_html import render_html
+
+    page = render_html(result)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(page)
+    pngs = []
+    stem = path.removesuffix(".html")
+    for alt, data in re.findall(r"<img [^>]*alt='([^']*)' src='data:image/png;base64,([^']*)'", page):
+        name = f"{stem}-{re.sub(r'[^a-z0-9]+', '-', alt.lower()).strip('-')}.png"
+        with open(name, "wb") as f:
+            f.write(base64.b64decode(data))
+        pngs.append(name)
+    return pngs
+
+
+def summary(result: dict) -> dict:
+    """What the benchmark keeps of a result beside the timing (the whole result is large at 80 sites)."""
+    keep = ("store", "integrity", "replay", "modes", "attribution", "planner", "timing", "config", "machine")
+    out = {k: result[k] for k in keep}
+    out["per_site_fp4_hints"] = result["detail"]["fp4_hints"]["per_site"]
+    out["per_layer_fp4_hints"] = result["detail"]["fp4_hints"]["per_layer"]
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", choices=("h200", "cpu-demo", "smoke"), default="h200",
+                   help="h200 (GPU, default), cpu-demo (the tracerl demo store on the CPU) or smoke (tiny, CPU)")
+    p.add_argument("--smoke", action="store_true", help="same as --config smoke")
+    p.add_argument("--coverage", default="default,all-sites", help="comma-separated: default, all-sites")
+    p.add_argument("--reps", type=int, default=3, help="audits per store (median time reported; default 3)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's choice)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workdir", default=None, help="where the stores go (default: a temporary directory)")
+    p.add_argument("--out", default=None, help="JSON path (default $OUT or . /audit-<config>.json)")
+    p.add_argument("--html-dir", default=None, help="keep each coverage's HTML report and PNG plots here")
+    args = p.parse_args(argv)
+    name = "smoke" if args.smoke else args.config
+    coverages = args.coverage.split(",")
+    bad = [c for c in coverages if c not in COVERAGES]
+    if bad or args.reps < 1:
+        p.error(f"coverage {bad} unknown (choose from {', '.join(COVERAGES)}) or reps {args.reps} < 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if name == "h200" and not torch.cuda.is_available():
+        p.error("--config h200 needs a CUDA device; use --config cpu-demo or --smoke on the CPU")
+    out_path = args.out or os.path.join(os.environ.get("OUT", "."), f"audit-{name}.json")
+    device = torch.device("cuda" if name == "h200" else "cpu")
+    out = {"benchmark": "audit", "config": name, "reps": args.reps,
+           "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+           "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                       "python": platform.python_version(), "torch": torch.__version__,
+                       "kernels_backend": tracefp4.resolve_backend("auto", device)},
+           "goal": {"bytes_per_token": GOAL_BYTES, "excess_vs_rne": GOAL_RATIO}, "coverages": {}}
+    t0 = time.perf_counter()
+
+    def say(msg: str) -> None:
+        print(f"[{time.perf_counter() - t0:6.0f}s] {msg}", flush=True)
+
+    def save() -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+        with open(out_path, "w") as f:
+            json.dump(out, f, indent=1, default=float)
+
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        for cov in coverages:
+            store = os.path.join(tmp, f"store-{cov}")
+            say(f"{cov}: recording the FP4 rollout into {store}")
+            rec = record_store(demo_config(name, cov, store, args.seed))
+            say(f"{cov}: recorded {rec['trajectories']} trajectories, {rec['response_tokens']} response tokens in "
+                f"{rec['seconds']:.1f}s (decode {rec['decode_s']:.1f}s)")
+            runs, result = [], None
+            for rep in range(args.reps):
+                load_before = os.getloadavg()[0]
+                result = run_audit(AuditConfig(store=store))
+                # the 1-minute load average around the run: other jobs on a shared machine stretch the time
+                runs.append({**result["timing"], "loadavg_1min": [load_before, os.getloadavg()[0]]})
+                t = runs[-1]
+                say(f"{cov}: audit {rep + 1}/{args.reps} in {t['seconds']:.1f}s (replay {t['replay_s']:.1f}s, floor "
+                    f"{t['floor_s']:.1f}s, {t['passes']} passes {t['passes_s'] + t['curve_s']:.1f}s)")
+                if rep + 1 < args.reps:  # the model and its device buffers go before the next audit builds its own
+                    result = None
+                    gc.collect()
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+            secs = [r["seconds"] for r in runs]
+            entry = {"record": rec, "audit_seconds": secs, "median_s": statistics.median(secs), "min_s": min(secs),
+                     "max_s": max(secs), "runs": runs, "result": summary(result)}
+            best = result["planner"]["budget"]["best"]
+            entry["goal_met"] = bool(best is not None and best["excess_vs_rne"] is not None
+                                     and best["excess_vs_rne"] <= GOAL_RATIO)
+            if args.html_dir:
+                os.makedirs(args.html_dir, exist_ok=True)
+                entry["html"] = os.path.join(args.html_dir, f"audit-{name}-{cov}.html")
+                entry["pngs"] = save_html(result, entry["html"])
+            out["coverages"][cov] = entry
+            save()
+            print_coverage(cov, entry)
+    out["seconds"] = time.perf_counter() - t0
+    save()
+    say(f"saved {out_path}")
+    return 0
+
+
+def print_coverage(cov: str, e: dict) -> None:
+    r = e["result"]
+    m, a, p = r["modes"], r["attribution"], r["planner"]
+    print(f"\n== {cov}: {r['store']['response_tokens']} response tokens, {len(r['store']['hinted_sites'])} hinted sites "
+          f"({r['store']['hint_bytes_per_token']} B/token); audit {e['median_s']:.1f}s median of {len(e['audit_seconds'])} "
+          f"(min {e['min_s']:.1f}, max {e['max_s']:.1f}); replay reproduced: {r['replay']['reproduced']}")
+    print(f"{'mode':26s} {'code agr.':>10s} {'flips':>8s} {'mean|d|':>10s} {'excess':>10s}")
+    for name, v in m.items():
+        ca = "-" if v["code_agreement"] is None else f"{100 * v['code_agreement']:.3f}%"
+        ex = "-" if v["excess_over_floor"] is None else f"{v['excess_over_floor']:.3e}"
+        print(f"{name:26s} {ca:>10s} {100 * v['router_flip_rate']:7.3f}% {v['mean_abs_dlogp']:10.3e} {ex:>10s}")
+    ab = a["mean_abs"]
+    print(f"attribution (mean |dlogp|, sources made exact in order; dominant: {a['dominant']}):")
+    print(f"  {'floor':32s} {ab['floor']:.3e}")
+    for k, v in ab["parts"].items():
+        print(f"  {k:32s} {v:.3e}")
+    print(f"  {'total':32s} {ab['total']:.3e}  (residual {ab['residual']:.3e}, interaction {ab['interaction']:.3e}, "
+          f"adds up within {a['tolerance']:.0%}: {a['adds_up']})")
+    print("planner curve (k, unit added, B/token, excess, x RNE):")
+    for c in p["curve"]:
+        ratio = "-" if c["excess_vs_rne"] is None else f"{c['excess_vs_rne']:.2f}x"
+        print(f"  {c['k']:3d} {(c['units'][-1] if c['units'] else '(none)'):24s} {c['bytes_per_token']:8d} "
+              f"{c['excess']:10.3e} {ratio:>7s}")
+    best = p["budget"]["best"]
+    if best is not None:
+        print(f"best at <= {p['budget']['bytes_per_token']} B/token: k={best['k']}, {best['bytes_per_token']} B/token, "
+              f"{best['excess_vs_rne']:.2f}x RNE's excess (goal <= {GOAL_RATIO:.2f}x: "
+              f"{'met' if e['goal_met'] else 'missed'})")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
