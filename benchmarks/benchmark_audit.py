@@ -93,7 +93,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", default=None, help="where the stores go (default: a temporary directory)")
-    p.add_argument("--out", default=None, help="JSON path (default $OUT or . /audit-<config>.json)")
+    p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/audit-<config>.json; "
+                                               "smoke: audit-smoke.json in a temporary directory)")
     p.add_argument("--html-dir", default=None, help="keep each coverage's HTML report and PNG plots here")
     args = p.parse_args(argv)
     name = "smoke" if args.smoke else args.config
@@ -105,7 +106,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     if name == "h200" and not torch.cuda.is_available():
         p.error("--config h200 needs a CUDA device; use --config cpu-demo or --smoke on the CPU")
-    out_path = args.out or os.path.join(os.environ.get("OUT", "."), f"audit-{name}.json")
+    results = tempfile.gettempdir() if name == "smoke" else os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    out_path = args.out or os.path.join(results, f"audit-{name}.json")
     device = torch.device("cuda" if name == "h200" else "cpu")
     out = {"benchmark": "audit", "config": name, "reps": args.reps,
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import os
 import statistics
 import sys
@@ -55,9 +56,10 @@ MODES = ("fp4_hints", "fp4_rne_own_scales")
 
 def _settings(args) -> dict:
     """Model, task and batch settings of --smoke / CPU / GPU (the command line overrides steps and sizes)."""
-    if args.smoke:
+    if args.smoke:  # with --device cuda: the tiny model on cuda:0 / cuda:1 (checks the GPU code paths)
+        dev = ("cuda:0", "cuda:1") if args.device == "cuda" else ("cpu", "cpu")
         return dict(spec=SMOKE_SPEC, response_len=8, groups=2, group=4, steps=3, hint_layers="all",
-                    micro=256, lr=1e-3, rollout_device="cpu", trainer_device="cpu", extra_train=())
+                    micro=256, lr=1e-3, rollout_device=dev[0], trainer_device=dev[1], extra_train=())
     if args.device == "cuda":
         return dict(spec=GPU_SPEC, response_len=128, groups=8, group=8, steps=20, hint_layers="latter-half",
                     micro=4096, lr=1e-5, rollout_device="cuda:0", trainer_device="cuda:1",
@@ -97,12 +99,32 @@ def table(doc: dict) -> str:
     for (device, mode), sums in sorted(groups.items()):
         lines.append(f"{device:<6} {mode:<20} {len(sums):>4}  " + "  ".join(f"{_med([s[k] for s in sums]):>26}"
                                                                            for k, _ in keys))
+    lines += paired(doc)
     for name, run in doc["runs"].items():
         r = run.get("replay")
         if r:
             lines.append(f"replay of {name} from checkpoint {r['from_step']}: {r['steps']} steps, bitwise_equal="
                          f"{r['bitwise_equal']}, first_divergence={r['first_divergence']}")
     return "\n".join(lines)
+
+
+def paired(doc: dict) -> list[str]:
+    """fp4_hints vs fp4_rne_own_scales of the same device and seed, over the steps both ran: the mean |dlogp|
+    ratio per step (hints / RNE) and in how many steps hints had the smaller mismatch."""
+    lines = []
+    runs = doc["runs"].values()
+    for h in (r for r in runs if r["mode"] == "fp4_hints"):
+        for o in (r for r in runs if r["mode"] == "fp4_rne_own_scales" and (r["device"], r["seed"]) ==
+                  (h["device"], h["seed"])):
+            a = {x["step"]: x["mismatch_mean_abs_dlogp"] for x in h["result"]["steps"]}
+            b = {x["step"]: x["mismatch_mean_abs_dlogp"] for x in o["result"]["steps"]}
+            common = sorted(k for k in set(a) & set(b) if a[k] is not None and b[k])
+            if common:
+                ratios = [a[k] / b[k] for k in common]
+                lines.append(f"{h['device']} seed {h['seed']}: over the {len(common)} steps both modes ran, hints have "
+                             f"the smaller mean |dlogp| in {sum(x < 1 for x in ratios)}; ratio hints/RNE median "
+                             f"{statistics.median(ratios):.3f} ({min(ratios):.3f}..{max(ratios):.3f})")
+    return lines
 
 
 def plot_all(doc: dict, path: Path) -> None:
@@ -148,7 +170,8 @@ def _code_version() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--smoke", action="store_true", help="tiny model, 3 steps (checks the code paths)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny model, 3 steps (checks the code paths; on the GPUs with --device cuda)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="cpu: both processes on the CPU; cuda: rollout on cuda:0, trainer on cuda:1")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated QAT modes (default {','.join(MODES)})")
@@ -163,17 +186,40 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", metavar="DIR", help="keep the run directories below DIR (default: temporary)")
     p.add_argument("--merge", nargs="+", metavar="JSON",
                    help="only merge the runs of these result files into --out, print the table and the plot")
+    p.add_argument("--from-run", nargs="+", metavar="DIR",
+                   help="only add the runs in these run directories (named <device>-<mode>-seed<N>, holding train.jsonl "
+                        "and rollout-*.jsonl) to --out: for a loop cut short by a time limit before it returned")
     p.add_argument("--out", help="JSON results (default benchmarks/results/loop-<device>.json, smoke: "
                                  "loop-smoke.json in a temporary directory)")
     args = p.parse_args(argv)
     s = _settings(args)
     modes = [m for m in args.modes.split(",") if m]
     seeds = [int(x) for x in args.seeds.split(",") if x]
-    device = "cpu" if args.smoke or args.device == "cpu" else "cuda"
-    default_out = (Path(tempfile.gettempdir()) / "loop-smoke.json" if args.smoke
+    device = args.device
+    default_out = (Path(tempfile.gettempdir()) / f"loop-smoke-{device}.json" if args.smoke
                    else Path(__file__).resolve().parent / "results" / f"loop-{device}.json")
     out = Path(args.out) if args.out else default_out
     doc = json.loads(out.read_text()) if out.exists() else {"runs": {}}
+    if args.from_run:
+        from tracerl.loop import summarize
+        from tracerl.train import MetricsLog, json_ready
+
+        for d in map(Path, args.from_run):
+            dev, mode, seed = re.fullmatch(r"(cpu|cuda)-(\w+)-seed(\d+)", d.name).groups()
+            steps = MetricsLog(d / "train.jsonl").records()
+            batches = [r for f in sorted(d.glob("rollout-*.jsonl")) for r in MetricsLog(f).records()]
+            result = summarize(None, steps, batches)
+            result.update(store=None, wall_s=None, stopped_early=True)
+            doc["runs"][d.name] = {"device": dev, "mode": mode, "seed": int(seed), "result": result, "replay": None,
+                                   "run_dir": None, "code": os.environ.get("BENCHMARK_CODE_VERSION"),
+                                   "command": f"summarized from {d.name}/train.jsonl: the loop was stopped by a time "
+                                              f"limit after {len(steps)} steps"}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(json_ready(doc), indent=1))
+        print(table(doc))
+        plot_all(doc, out.with_suffix(".png"))
+        print(f"saved {out} and {out.with_suffix('.png')}")
+        return 0
     if args.merge:
         for path in args.merge:
             doc["runs"].update(json.loads(Path(path).read_text())["runs"])

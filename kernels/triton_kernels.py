@@ -104,6 +104,20 @@ CONFIG_CASES: dict[tuple[str, str, str], tuple] = {
 _DTYPE_NAME = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
+def _on_input_device(fn):
+    """Launch on the device of the first argument (a CUDA tensor), not on the current device: Triton launches on
+    the current CUDA device, and a tensor of another GPU is then an inaccessible pointer."""
+
+    @functools.wraps(fn)
+    def wrapper(x, *args, **kwargs):
+        if x.is_cuda and x.device.index != torch.cuda.current_device():
+            with torch.cuda.device(x.device):
+                return fn(x, *args, **kwargs)
+        return fn(x, *args, **kwargs)
+
+    return wrapper
+
+
 def default_config(kernel: str, dtype: torch.dtype, fmt: str) -> tuple:
     """The configuration a launch of `kernel` ("quantize", "fake_quant", "fake_quant_rtn", "quantize_fake",
     "dequantize", "fake_quant_bwd") gets without an explicit config, for inputs of `dtype` in `fmt`."""
@@ -929,6 +943,7 @@ def _launch_quantize(xb, fmt, g, scale_rule, emit_hints, fake, config, key):
     return codes, scales, hints, out
 
 
+@_on_input_device
 def quantize_blocks_triton(
     xb: torch.Tensor, fmt: str, g: torch.Tensor | None, scale_rule: str = "floor", emit_hints: bool = True,
     config: tuple | None = None,
@@ -940,6 +955,7 @@ def quantize_blocks_triton(
     return codes, scales, hints
 
 
+@_on_input_device
 def quantize_fake_blocks_triton(
     xb: torch.Tensor, fmt: str, g: torch.Tensor | None, scale_rule: str = "floor", emit_hints: bool = True,
     config: tuple | None = None,
@@ -953,6 +969,7 @@ def quantize_fake_blocks_triton(
     return out, codes, scales, hints
 
 
+@_on_input_device
 def fake_quantize_blocks_triton(
     xb: torch.Tensor, fmt: str, g: torch.Tensor | None, scales_u8: torch.Tensor | None,
     hints_packed: torch.Tensor | None, scale_rule: str = "floor", return_scales: bool = False,
@@ -993,6 +1010,7 @@ def fake_quantize_blocks_triton(
     return out, (scales_u8 if has_scales else scales_out)
 
 
+@_on_input_device
 def dequantize_blocks_triton(
     codes_packed: torch.Tensor, scales_u8: torch.Tensor, fmt: str, g: torch.Tensor | None, dtype: torch.dtype,
     config: tuple | None = None,
@@ -1028,6 +1046,7 @@ def _bwd_cfg(config: tuple | None) -> tuple[int, int]:
     return cfg
 
 
+@_on_input_device
 def fake_quantize_bwd_blocks_triton(
     grad_b: torch.Tensor, xb: torch.Tensor, fmt: str, g: torch.Tensor | None, scales_u8: torch.Tensor,
     config: tuple | None = None,

@@ -13,6 +13,9 @@ from typing import Any
 
 from tracerl.errors import ConfigError
 
+#: set by `tracerl loop` in its children's environment: the loop process's pid (tracerl.cli.args.stop_with_parent)
+LOOP_PARENT_ENV = "TRACERL_LOOP_PARENT"
+
 MODEL_FAMILIES = ("qwen3-moe", "qwen3.5-moe")
 #: FP4 placement: none, the routed experts' GEMMs (inputs and weights), or also the attention projections
 FP4_PLACEMENTS = ("none", "experts", "experts+attention")

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from tracerl.config import LoopConfig
+from tracerl.config import LOOP_PARENT_ENV, LoopConfig
 from tracerl.errors import TracerlError
 
 log = logging.getLogger(__name__)
@@ -129,7 +129,9 @@ class LoopProcesses:
     def _spawn(self, argv: list[str], name: str) -> subprocess.Popen:
         with open(self.run_dir / f"{name}.log", "wb") as err:
             # own session: a terminal's Ctrl-C goes to the loop only, which forwards one SIGINT (two would abort)
-            return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+            # the child stops (SIGINT) when this process dies, whatever kills it (tracerl.cli.args.stop_with_parent)
+            env = {**os.environ, LOOP_PARENT_ENV: str(os.getpid())}
+            return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True, env=env)
 
     def poll(self) -> None:
         """Read new metrics; raise `LoopProcessError` if a child failed."""

@@ -4,10 +4,12 @@ sides cleanly (the trainer's newest checkpoint is its last logged step, every re
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -62,3 +64,44 @@ def test_ctrl_c_stops_both_sides_cleanly(tmp_path):
     assert all(i.complete for i in reader.trajectories())  # no rollout batch left half-committed
     trained = [t for m in steps for t in m["traj_ids"]]
     assert trained == reader.complete_traj_ids()[: len(trained)]
+
+
+def _children_of(run_dir) -> list[int]:
+    """Pids of the live processes whose command line names ``run_dir`` (the loop's trainer and rollouts)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            try:
+                cmd = (d / "cmdline").read_bytes().split(b"\0")
+                state = next(ln for ln in (d / "status").read_text().splitlines() if ln.startswith("State:"))
+            except (OSError, StopIteration):
+                continue
+            if b"tracerl.cli" in cmd and any(str(run_dir).encode() in c for c in cmd) and "zombie" not in state:
+                pids.append(int(d.name))
+    return pids
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_children_stop_when_the_loop_process_is_killed(tmp_path):
+    """A loop killed outright (SIGKILL, or a timeout's SIGTERM to a program calling run_loop) leaves no orphan
+    trainer or rollout holding a device: both stop at their next boundary with everything committed."""
+    run = tmp_path / "run"
+    p = _loop(run, "--steps", "1000")
+    log = MetricsLog(run / "train.jsonl")
+    deadline = time.monotonic() + 240
+    while len(log.records()) < 1:
+        assert p.poll() is None, p.communicate()[1][-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    children = _children_of(run / "store")
+    assert len(children) == 2, children  # the trainer and one rollout
+    p.kill()
+    p.communicate(timeout=60)
+    deadline = time.monotonic() + 120
+    while _children_of(run / "store"):
+        assert time.monotonic() < deadline, f"orphans still running: {_children_of(run / 'store')}"
+        time.sleep(0.2)
+    steps = log.records()
+    assert ckpt.latest_step(str(run / "checkpoints")) == steps[-1]["step"]  # the trainer stopped cleanly
+    reader = ts.open_store(str(run / "store")).reader()
+    assert all(i.complete for i in reader.trajectories())

@@ -5,9 +5,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import logging
+import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
+
+from tracerl.config import LOOP_PARENT_ENV
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
 
 
 def int_at_least(lo: int) -> Callable[[str], int]:
@@ -94,3 +104,22 @@ def stop_on_signals() -> Iterator[threading.Event]:
     finally:
         for sig, h in previous.items():
             signal.signal(sig, h)
+
+
+def stop_with_parent(stop: threading.Event) -> None:
+    """Under `tracerl loop` (``TRACERL_LOOP_PARENT`` names the loop's pid): set ``stop`` when the loop process dies,
+    however it dies (SIGKILL, a timeout's SIGTERM to a program that called `tracerl.loop.run_loop`), so no trainer
+    or rollout outlives it holding a GPU. On Linux the kernel sends SIGINT at the parent's death (prctl
+    PR_SET_PDEATHSIG), which `stop_on_signals` turns into a stop at the next boundary; elsewhere nothing changes.
+    Call inside `stop_on_signals`."""
+    parent = os.environ.get(LOOP_PARENT_ENV)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGINT), 0, 0, 0) != 0:
+            log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d): this process may outlive the loop", ctypes.get_errno())
+    except (OSError, AttributeError) as e:
+        log.warning("prctl is not available (%s): this process may outlive the loop", e)
+    if str(os.getppid()) != parent:  # the loop died before prctl took effect
+        stop.set()

@@ -6,7 +6,8 @@ import argparse
 import json
 import logging
 
-from tracerl.cli.args import add_process_arguments, float_above, int_at_least, stop_on_signals, storage_options
+from tracerl.cli.args import (add_process_arguments, float_above, int_at_least, stop_on_signals, stop_with_parent,
+                              storage_options)
 from tracerl.config import DECODE_PATHS, RolloutConfig
 
 HELP = "rollout worker: generate GRPO groups with the newest policy version into a loop store"
@@ -74,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
                 f"{worker.task.name}, into {args.store}")
     try:
         with stop_on_signals() as stop:
+            stop_with_parent(stop)
             n = run_rollout(worker, metrics=MetricsLog(args.metrics), max_batches=args.batches, stop=stop,
                             weights_timeout_s=args.weights_timeout, on_batch=on_batch)
     finally:

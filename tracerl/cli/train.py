@@ -7,7 +7,8 @@ import json
 import logging
 import os
 
-from tracerl.cli.args import add_process_arguments, float_above, int_at_least, stop_on_signals, storage_options
+from tracerl.cli.args import (add_process_arguments, float_above, int_at_least, stop_on_signals, stop_with_parent,
+                              storage_options)
 from tracerl.config import QAT_MODES, TrainConfig
 
 HELP = "GRPO trainer that follows a live loop store, checkpoints, and publishes policy versions"
@@ -153,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
         console.log(step_line(m, args.steps))
 
     with stop_on_signals() as stop:
+        stop_with_parent(stop)
         run_training(trainer, follower, checkpoints=args.checkpoints, weights_url=weights_url, metrics=metrics,
                      max_steps=args.steps, stop=stop, wait_timeout_s=args.wait_timeout, storage_options=opts,
                      on_step=on_step)
