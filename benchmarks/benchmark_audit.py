@@ -139,6 +139,10 @@ def main(argv=None) -> int:
                 # the 1-minute load average around the run: other jobs on a shared machine stretch the time
                 runs.append({**result["timing"], "loadavg_1min": [load_before, os.getloadavg()[0]]})
                 t = runs[-1]
+                # saved after every audit: a run cut short (a device call's time limit) keeps what it measured
+                out["coverages"][cov] = {"record": rec, "audit_seconds": [r["seconds"] for r in runs], "runs": runs,
+                                         "complete": False, "result": summary(result)}
+                save()
                 say(f"{cov}: audit {rep + 1}/{args.reps} in {t['seconds']:.1f}s (replay {t['replay_s']:.1f}s, floor "
                     f"{t['floor_s']:.1f}s, {t['passes']} passes {t['passes_s'] + t['curve_s']:.1f}s)")
                 if rep + 1 < args.reps:  # the model and its device buffers go before the next audit builds its own
@@ -148,7 +152,7 @@ def main(argv=None) -> int:
                         torch.cuda.empty_cache()
             secs = [r["seconds"] for r in runs]
             entry = {"record": rec, "audit_seconds": secs, "median_s": statistics.median(secs), "min_s": min(secs),
-                     "max_s": max(secs), "runs": runs, "result": summary(result)}
+                     "max_s": max(secs), "runs": runs, "complete": True, "result": summary(result)}
             best = result["planner"]["budget"]["best"]
             entry["goal_met"] = bool(best is not None and best["excess_vs_rne"] is not None
                                      and best["excess_vs_rne"] <= GOAL_RATIO)
