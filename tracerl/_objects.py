@@ -1,9 +1,22 @@
-"""Immutable JSON commit objects (a policy version's sidecar, a checkpoint's manifest): the one reader both use."""
+"""Immutable JSON commit objects (a policy version's sidecar, a checkpoint's manifest): the one reader both use,
+and the checksums of the blobs they commit.
+
+A blob reference is ``{"key": "<stem>-<checksum[:16]>.<suffix>", "<algorithm>": "<hex>", "bytes": n}``. Format 1
+of both objects used sha256; format 2 uses crc32c, the store's own checksum (hardware crc32c runs at ~10 GB/s,
+sha256 at ~0.8-2 GB/s: for a 9 GB policy version that is ~1 s instead of 5-11 s at each end, which paced the
+two-GPU loop). The checksum guards against torn, truncated or flipped bytes, not against a hostile writer: the
+store and the weights share one trust model. Readers read both formats.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
+from collections.abc import Collection, Mapping
 from typing import Any
+
+import crc32c as _crc32c
 
 import tracestore as ts
 from tracerl.errors import ConfigError
@@ -16,9 +29,52 @@ def check_number(value: Any, digits: int, what: str) -> int:
     return value
 
 
-def read_commit(backend: ts.Backend, key: str, kind: str, format_version: int, *, missing: Exception,
+#: the blob checksum of each format version of the commit objects
+CHECKSUMS: dict[int, str] = {1: "sha256", 2: "crc32c"}
+#: the format version written
+WRITE_FORMAT = 2
+_HEX = {"sha256": re.compile(r"[0-9a-f]{64}"), "crc32c": re.compile(r"[0-9a-f]{8}")}
+
+
+def checksum(data: bytes | memoryview, algorithm: str) -> str:
+    """Hex checksum of ``data``: ``sha256`` (64 hex) or ``crc32c`` (8 hex). Both release the GIL."""
+    if algorithm == "sha256":
+        return hashlib.sha256(data).hexdigest()
+    return f"{_crc32c.crc32c(data):08x}"
+
+
+def blob_ref(data: bytes, stem: str, suffix: str, fmt: int = WRITE_FORMAT) -> dict[str, Any]:
+    """The reference to ``data`` in a commit object of format ``fmt``: its key (named by its checksum, so a retry
+    or a racing writer never overwrites other bytes), checksum and size."""
+    algorithm = CHECKSUMS[fmt]
+    hexsum = checksum(data, algorithm)
+    return {"key": f"{stem}-{hexsum[:16]}{suffix}", algorithm: hexsum, "bytes": len(data)}
+
+
+def ref_is_valid(ref: Any, fmt: int, stem: str, suffix: str) -> bool:
+    """Whether ``ref`` is a well-formed blob reference of a format-``fmt`` object whose key is ``stem``/``suffix``."""
+    if not isinstance(ref, Mapping) or isinstance(ref.get("bytes"), bool) or not isinstance(ref.get("bytes"), int):
+        return False
+    algorithm = CHECKSUMS[fmt]
+    hexsum = ref.get(algorithm)
+    return (isinstance(hexsum, str) and _HEX[algorithm].fullmatch(hexsum) is not None
+            and ref.get("key") == f"{stem}-{hexsum[:16]}{suffix}")
+
+
+def blob_mismatch(data: bytes, ref: Mapping[str, Any], fmt: int) -> str | None:
+    """None when ``data`` has the size and checksum ``ref`` names; else what differs (for the error message)."""
+    algorithm = CHECKSUMS[fmt]
+    if len(data) != ref["bytes"]:
+        return f"{len(data)} bytes, the commit object says {ref['bytes']}"
+    got = checksum(data, algorithm)
+    if got != ref[algorithm]:
+        return f"{algorithm} {got[:16]}, the commit object says {ref[algorithm][:16]}"
+    return None
+
+
+def read_commit(backend: ts.Backend, key: str, kind: str, formats: Collection[int], *, missing: Exception,
                 corrupt: type[Exception], version_error: type[Exception]) -> dict:
-    """The JSON object at ``key``, checked to be of ``kind`` and ``format_version``.
+    """The JSON object at ``key``, checked to be of ``kind`` and one of the format versions ``formats``.
 
     Raises ``missing`` when the object does not exist, ``corrupt`` when it is not a JSON object of ``kind``, and
     ``version_error`` for another format version (each message names the URL and the key)."""
@@ -32,7 +88,8 @@ def read_commit(backend: ts.Backend, key: str, kind: str, format_version: int, *
         raise corrupt(f"{backend.url}/{key}: not JSON: {e}") from e
     if not isinstance(obj, dict) or obj.get("kind") != kind:
         raise corrupt(f"{backend.url}/{key}: not a {kind} object")
-    if obj.get("format_version") != format_version:
-        raise version_error(f"{backend.url}/{key}: {kind} format_version {obj.get('format_version')!r}; this code "
-                            f"reads {format_version}")
+    fv = obj.get("format_version")
+    if isinstance(fv, bool) or fv not in formats:
+        raise version_error(f"{backend.url}/{key}: {kind} format_version {fv!r}; this code reads "
+                            f"{', '.join(map(str, sorted(formats)))}")
     return obj

@@ -3,7 +3,7 @@
 Layout, below the location URL (a directory of its own, or a prefix beside a store: tracestore's ``gc`` and
 ``verify`` leave ``checkpoints/`` alone)::
 
-    checkpoints/<step, 12 digits>-<sha256[:16]>.<name>     one blob per part (model, optimizer, ...), immutable
+    checkpoints/<step, 12 digits>-<checksum>.<name>        one blob per part (model, optimizer, ...), immutable
     checkpoints/<step, 12 digits>.json                      the commit: a manifest, created with put_if_absent
 
 Saving follows the store's commit protocol: the blobs first, each under a name that carries its hash (``put``:
@@ -14,12 +14,14 @@ step fails with `CheckpointExistsError`.
 
 Manifest (JSON)::
 
-    {"kind": "tracerl.checkpoint", "format_version": 1, "step": 12, "created_unix": 1.7e9,
-     "blobs": {"model": {"key": "checkpoints/000000000012-<hash>.model", "sha256": "<64 hex>", "bytes": 1234}, ...},
+    {"kind": "tracerl.checkpoint", "format_version": 2, "step": 12, "created_unix": 1.7e9,
+     "blobs": {"model": {"key": "checkpoints/000000000012-<crc32c>.model", "crc32c": "<8 hex>", "bytes": 1234}, ...},
      "state": {...}}
 
+(format 1, still read: ``sha256`` with 64 hex digits, its first 16 in the key; see `tracerl._objects`.)
+
 ``state`` is the caller's JSON (the trainer keeps its step, policy version, store cursor, RNG states and the last
-step's metrics there). `load` checks the manifest's kind and format version, then every blob's size and sha256,
+step's metrics there). `load` checks the manifest's kind and format version, then every blob's size and checksum,
 before it returns anything: a corrupt or missing checkpoint raises a typed error and the caller has changed
 nothing yet.
 """
@@ -27,7 +29,6 @@ nothing yet.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import re
@@ -36,14 +37,15 @@ from collections.abc import Mapping
 from typing import Any
 
 import tracestore as ts
-from tracerl._objects import check_number, read_commit
+from tracerl._objects import WRITE_FORMAT, blob_mismatch, blob_ref, check_number, read_commit, ref_is_valid
 from tracerl.errors import CheckpointCorruptError, CheckpointExistsError, CheckpointNotFoundError, ConfigError
 
 log = logging.getLogger(__name__)
 
 PREFIX = "checkpoints/"
 STEP_DIGITS = 12
-FORMAT_VERSION = 1
+FORMAT_VERSION = WRITE_FORMAT  # written; READ_FORMATS are read
+READ_FORMATS = (1, 2)
 KIND = "tracerl.checkpoint"
 _MANIFEST_RE = re.compile(rf"{PREFIX}(\d{{{STEP_DIGITS}}})\.json")
 _NAME_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")
@@ -88,10 +90,8 @@ def save(location: str | ts.Backend, step: int, blobs: Mapping[str, bytes], stat
     for name in blobs:
         if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
             raise ConfigError(f"checkpoint blob name {name!r}: use 1-32 characters of [a-z0-9_], starting with a letter")
-    refs = {}
-    for name, data in blobs.items():
-        sha = hashlib.sha256(data).hexdigest()
-        refs[name] = {"key": f"{PREFIX}{step:0{STEP_DIGITS}d}-{sha[:16]}.{name}", "sha256": sha, "bytes": len(data)}
+    refs = {name: blob_ref(data, f"{PREFIX}{step:0{STEP_DIGITS}d}", f".{name}", FORMAT_VERSION)
+            for name, data in blobs.items()}
     manifest = {"kind": KIND, "format_version": FORMAT_VERSION, "step": step, "created_unix": time.time(),
                 "blobs": refs, "state": dict(state)}
     try:
@@ -132,13 +132,12 @@ def latest_step(location: str | ts.Backend, *, storage_options: Mapping | None =
 
 def _manifest(backend: ts.Backend, step: int) -> dict:
     key = manifest_key(step)
-    man = read_commit(backend, key, KIND, FORMAT_VERSION, corrupt=CheckpointCorruptError,
+    man = read_commit(backend, key, KIND, READ_FORMATS, corrupt=CheckpointCorruptError,
                       version_error=CheckpointCorruptError,
                       missing=CheckpointNotFoundError(f"{backend.url}: no checkpoint {step} ({key} does not exist)"))
     blobs = man.get("blobs")
     if (man.get("step") != step or not isinstance(man.get("state"), dict) or not isinstance(blobs, dict)
-            or not all(isinstance(r, dict) and isinstance(r.get("sha256"), str) and isinstance(r.get("bytes"), int)
-                       and r.get("key") == f"{PREFIX}{step:0{STEP_DIGITS}d}-{r['sha256'][:16]}.{n}"
+            or not all(ref_is_valid(r, man["format_version"], f"{PREFIX}{step:0{STEP_DIGITS}d}", f".{n}")
                        for n, r in blobs.items())):
         raise CheckpointCorruptError(f"{backend.url}/{key}: manifest fields do not describe checkpoint {step}")
     return man
@@ -150,7 +149,7 @@ def load(location: str | ts.Backend, step: int | None = None, *, storage_options
     Raises:
         CheckpointNotFoundError: no checkpoint at all (for None), or none of that step.
         CheckpointCorruptError: a manifest that does not decode or describe the step, another kind or format
-            version, a blob missing or of the wrong size or sha256.
+            version, a blob missing or of the wrong size or checksum.
         tracestore.BackendError: the storage failed.
     """
     backend, owned = _open(location, storage_options)
@@ -167,10 +166,9 @@ def load(location: str | ts.Backend, step: int | None = None, *, storage_options
             except ts.ObjectNotFoundError:
                 raise CheckpointCorruptError(f"{backend.url}: checkpoint {step} is committed but its blob "
                                              f"{ref['key']} is missing") from None
-            sha = hashlib.sha256(data).hexdigest()
-            if len(data) != ref["bytes"] or sha != ref["sha256"]:
-                raise CheckpointCorruptError(f"{backend.url}/{ref['key']}: {len(data)} bytes with sha256 {sha[:16]}..., "
-                                             f"the manifest says {ref['bytes']} bytes with {ref['sha256'][:16]}...")
+            bad = blob_mismatch(data, ref, man["format_version"])
+            if bad is not None:
+                raise CheckpointCorruptError(f"{backend.url}/{ref['key']}: {bad}")
             blobs[name] = data
         return Checkpoint(step, man["state"], blobs, float(man.get("created_unix", 0.0)))
     finally:

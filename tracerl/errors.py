@@ -29,7 +29,7 @@ class CheckpointNotFoundError(CheckpointError, LookupError):
 
 class CheckpointCorruptError(CheckpointError, ValueError):
     """A committed checkpoint whose bytes fail a check: manifest undecodable, of another kind or format version,
-    a blob missing, of the wrong size or sha256, or not what its manifest says."""
+    a blob missing, of the wrong size or checksum, or not what its manifest says."""
 
 
 class CheckpointExistsError(CheckpointError, FileExistsError):

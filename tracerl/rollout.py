@@ -190,7 +190,7 @@ class RolloutWorker:
 
 class _Prefetch:
     """Reads the newest published policy version into host memory in a background thread (listing, download,
-    sha256 check, decoding: the slow part for a large model), so that the worker only copies it into its model
+    checksum, decoding: the slow part for a large model), so that the worker only copies it into its model
     between generations. A version pruned between listing and reading is looked up again; any other error is
     raised by the next `take`."""
 

@@ -3,7 +3,7 @@ and loaded by the rollout engine between generations.
 
 Layout, below the URL (usually the store's own URL; tracestore's ``gc`` and ``verify`` leave ``weights/`` alone)::
 
-    weights/<version, 12 digits>-<sha256[:16]>.safetensors   the tensors (immutable)
+    weights/<version, 12 digits>-<checksum>.safetensors      the tensors (immutable)
     weights/<version, 12 digits>.json                         the commit: sidecar JSON, created with put_if_absent
 
 Publishing mirrors the store's commit protocol: data first, then an immutable commit object. The tensors are
@@ -15,14 +15,16 @@ leaves an orphan ``.safetensors`` that no reader looks at.
 
 Sidecar (JSON)::
 
-    {"kind": "tracerl.weights", "format_version": 1, "version": 7, "key": "weights/000000000007-<hash>.safetensors",
-     "sha256": "<64 hex>", "bytes": 1234, "created_unix": 1.7e9, "step": 70, "parent_version": 6,
+    {"kind": "tracerl.weights", "format_version": 2, "version": 7, "key": "weights/000000000007-<crc32c>.safetensors",
+     "crc32c": "<8 hex>", "bytes": 1234, "created_unix": 1.7e9, "step": 70, "parent_version": 6,
      "tensors": 123, "meta": {...}}
+
+(format 1, still read: ``sha256`` with 64 hex digits, its first 16 in the key; see `tracerl._objects`.)
 
 ``step`` and ``parent_version`` are optional (null); ``meta`` is the caller's JSON-ready dict. The safetensors
 header metadata carries ``tracerl.version`` too (a blob copied elsewhere still says what it is); the hash lives
 only in the sidecar, since it covers the whole blob.
-A reader checks the sidecar's ``kind`` and ``format_version`` first, then the blob's size and sha256, and raises
+A reader checks the sidecar's ``kind`` and ``format_version`` first, then the blob's size and checksum, and raises
 `WeightsIntegrityError` on any mismatch, never loading a tensor from unverified bytes.
 
 Versions are integers >= 0; they need not be consecutive. ``latest_version`` lists ``weights/`` afresh (the
@@ -31,7 +33,6 @@ backends bypass listing caches), so a rollout engine that polls it sees a new ve
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import re
@@ -42,14 +43,15 @@ from typing import Any
 import torch
 
 import tracestore as ts
-from tracerl._objects import check_number, read_commit
+from tracerl._objects import WRITE_FORMAT, blob_mismatch, blob_ref, check_number, read_commit, ref_is_valid
 from tracerl.errors import ConfigError, TracerlError
 
 log = logging.getLogger(__name__)
 
 WEIGHTS_PREFIX = "weights/"
 VERSION_DIGITS = 12
-FORMAT_VERSION = 1
+FORMAT_VERSION = WRITE_FORMAT  # written; READ_FORMATS are read
+READ_FORMATS = (1, 2)
 KIND = "tracerl.weights"
 _SIDECAR_RE = re.compile(rf"{WEIGHTS_PREFIX}(\d{{{VERSION_DIGITS}}})\.json")
 
@@ -64,7 +66,7 @@ class WeightsError(TracerlError):
 
 class WeightsIntegrityError(WeightsError, ts.IntegrityError):
     """A published version's bytes fail a check: sidecar undecodable or of another kind/format version, blob
-    missing, size or sha256 mismatch, or not a safetensors file."""
+    missing, size or checksum mismatch, or not a safetensors file."""
 
 
 class VersionNotFoundError(WeightsError, LookupError):
@@ -93,8 +95,8 @@ def sidecar_key(version: int) -> str:
     return f"{WEIGHTS_PREFIX}{_check_version(version):0{VERSION_DIGITS}d}.json"
 
 
-def _blob_key(version: int, sha256: str) -> str:
-    return f"{WEIGHTS_PREFIX}{version:0{VERSION_DIGITS}d}-{sha256[:16]}.safetensors"
+def _stem(version: int) -> str:
+    return f"{WEIGHTS_PREFIX}{version:0{VERSION_DIGITS}d}"
 
 
 def _encode(state_dict: Mapping[str, torch.Tensor], version: int) -> bytes:
@@ -132,11 +134,10 @@ def publish(url: Location, version: int, state_dict: Mapping[str, torch.Tensor],
     if parent_version is not None:
         _check_version(parent_version)
     blob = _encode(state_dict, version)
-    sha = hashlib.sha256(blob).hexdigest()
-    key = _blob_key(version, sha)
-    side = {"kind": KIND, "format_version": FORMAT_VERSION, "version": version, "key": key, "sha256": sha,
-            "bytes": len(blob), "created_unix": time.time(), "step": step, "parent_version": parent_version,
-            "tensors": len(state_dict), "meta": dict(meta or {})}
+    ref = blob_ref(blob, _stem(version), ".safetensors", FORMAT_VERSION)
+    key = ref["key"]
+    side = {"kind": KIND, "format_version": FORMAT_VERSION, "version": version, **ref, "created_unix": time.time(),
+            "step": step, "parent_version": parent_version, "tensors": len(state_dict), "meta": dict(meta or {})}
     try:
         side_bytes = json.dumps(side, sort_keys=True, allow_nan=False).encode()
     except (TypeError, ValueError) as e:
@@ -149,7 +150,7 @@ def publish(url: Location, version: int, state_dict: Mapping[str, torch.Tensor],
         if not backend.put_if_absent(sidecar_key(version), side_bytes):
             raise VersionExistsError(f"{backend.url}: policy version {version} was published concurrently by "
                                      "another publisher")
-        log.info("published policy version %d to %s (%d bytes, sha256 %s)", version, backend.url, len(blob), sha[:16])
+        log.info("published policy version %d to %s (%d bytes, %s)", version, backend.url, len(blob), key)
         return sidecar_key(version)
     finally:
         if owned:
@@ -179,12 +180,10 @@ def latest_version(url: Location, *, storage_options: Mapping | None = None) -> 
 
 def _read_sidecar(backend: ts.Backend, version: int) -> dict:
     key = sidecar_key(version)
-    side = read_commit(backend, key, KIND, FORMAT_VERSION, corrupt=WeightsIntegrityError,
+    side = read_commit(backend, key, KIND, READ_FORMATS, corrupt=WeightsIntegrityError,
                        version_error=ts.SchemaVersionError,
                        missing=VersionNotFoundError(f"{backend.url}: no policy version {version} ({key} does not exist)"))
-    sha = side.get("sha256")
-    if (side.get("version") != version or not isinstance(sha, str) or not re.fullmatch(r"[0-9a-f]{64}", sha)
-            or side.get("key") != _blob_key(version, sha) or not isinstance(side.get("bytes"), int)):
+    if side.get("version") != version or not ref_is_valid(side, side["format_version"], _stem(version), ".safetensors"):
         raise WeightsIntegrityError(f"{backend.url}/{key}: sidecar fields do not describe version {version} "
                                     f"(version {side.get('version')!r}, key {side.get('key')!r})")
     return side
@@ -216,7 +215,7 @@ def _resolve(backend: ts.Backend, version: int | None) -> int:
 
 def load_state_dict(url: Location, version: int | None = None, *, device: str | torch.device = "cpu",
                     storage_options: Mapping | None = None) -> tuple[dict[str, torch.Tensor], dict]:
-    """(state dict on ``device``, sidecar) of ``version`` (None: the latest), after checking size and sha256.
+    """(state dict on ``device``, sidecar) of ``version`` (None: the latest), after checking size and checksum.
 
     Raises:
         VersionNotFoundError: not committed (or nothing published, for None).
@@ -239,10 +238,9 @@ def load_state_dict(url: Location, version: int | None = None, *, device: str | 
     finally:
         if owned:
             backend.close()
-    if len(blob) != side["bytes"] or hashlib.sha256(blob).hexdigest() != side["sha256"]:
-        raise WeightsIntegrityError(f"{backend.url}/{side['key']}: {len(blob)} bytes with sha256 "
-                                    f"{hashlib.sha256(blob).hexdigest()[:16]}..., the sidecar says {side['bytes']} "
-                                    f"bytes with {side['sha256'][:16]}...")
+    bad = blob_mismatch(blob, side, side["format_version"])
+    if bad is not None:
+        raise WeightsIntegrityError(f"{backend.url}/{side['key']}: {bad}")
     try:
         tensors = st_load(blob)
     except (SafetensorError, ValueError) as e:  # unreachable unless the hash was of bad bytes to begin with

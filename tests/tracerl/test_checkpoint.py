@@ -47,7 +47,8 @@ def test_immutable_and_bad_input(location):
 
 
 @pytest.mark.parametrize("damage", ["flip_blob", "delete_blob", "manifest_not_json", "manifest_other_kind",
-                                    "manifest_other_version", "manifest_wrong_step"])
+                                    "manifest_other_version", "manifest_wrong_step", "manifest_wrong_checksum",
+                                    "manifest_format_1_fields"])
 def test_corruption_is_a_typed_error(location, damage):
     url, opts = location.url, location.options
     C.save(url, 5, _blobs(5), {"x": 1}, storage_options=opts)
@@ -60,6 +61,18 @@ def test_corruption_is_a_typed_error(location, damage):
         location.delete(blob)
     elif damage == "manifest_not_json":
         location.write(man_key, b"{not json")
+    elif damage == "manifest_wrong_checksum":  # a well-formed checksum that is not the blob's
+        ref = man["blobs"]["model"]
+        ref["crc32c"] = f"{int(ref['crc32c'], 16) ^ 1:08x}"
+        ref["key"] = ref["key"].rsplit("-", 1)[0] + f"-{ref['crc32c']}.model"
+        location.write(ref["key"], location.read(blob))
+        location.write(man_key, json.dumps(man).encode())
+    elif damage == "manifest_format_1_fields":  # format 2 says crc32c; a sha256 reference does not describe it
+        import hashlib
+
+        data = location.read(blob)
+        man["blobs"]["model"] = {"key": blob, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+        location.write(man_key, json.dumps(man).encode())
     else:
         field, value = {"manifest_other_kind": ("kind", "something.else"),
                         "manifest_other_version": ("format_version", 99),
@@ -69,6 +82,25 @@ def test_corruption_is_a_typed_error(location, damage):
     with pytest.raises(CheckpointCorruptError):
         C.load(url, storage_options=opts)
     assert location.snapshot() == before
+
+
+def test_format_1_checkpoints_still_load(location):
+    """A checkpoint committed by format 1 (sha256 in the manifest and the keys) loads and verifies."""
+    import hashlib
+
+    url, opts = location.url, location.options
+    refs = {}
+    for name, data in _blobs(4).items():
+        sha = hashlib.sha256(data).hexdigest()
+        refs[name] = {"key": f"{C.PREFIX}{4:012d}-{sha[:16]}.{name}", "sha256": sha, "bytes": len(data)}
+        location.write(refs[name]["key"], data)
+    man = {"kind": C.KIND, "format_version": 1, "step": 4, "created_unix": 0.0, "blobs": refs, "state": {"s": 4}}
+    location.write(C.manifest_key(4), json.dumps(man).encode())
+    c = C.load(url, storage_options=opts)
+    assert (c.step, c.state, c.blobs) == (4, {"s": 4}, _blobs(4))
+    location.flip(refs["model"]["key"], 7)
+    with pytest.raises(CheckpointCorruptError, match="sha256"):
+        C.load(url, 4, storage_options=opts)
 
 
 def test_prune_keeps_newest_and_first(location):

@@ -107,7 +107,8 @@ def test_corrupt_tensors_raise_integrity_error(location, damage):
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())  # nothing was loaded
 
 
-@pytest.mark.parametrize("edit", ["garbage", "other-kind", "other-version", "wrong-sha", "format"])
+@pytest.mark.parametrize("edit", ["garbage", "other-kind", "other-version", "wrong-checksum", "bad-checksum",
+                                  "bool-bytes", "format"])
 def test_corrupt_sidecar(location, edit):
     url, opts = location.url, location.options
     W.publish(url, 0, _sd(0), storage_options=opts)
@@ -117,7 +118,8 @@ def test_corrupt_sidecar(location, edit):
         location.write(key, b"\xff{not json")
     else:
         side.update({"other-kind": {"kind": "something.else"}, "other-version": {"version": 1},
-                     "wrong-sha": {"sha256": "0" * 64}, "format": {"format_version": 2}}[edit])
+                     "wrong-checksum": {"crc32c": "0" * 8}, "bad-checksum": {"crc32c": "XYZ"},
+                     "bool-bytes": {"bytes": True}, "format": {"format_version": 3}}[edit])
         location.write(key, json.dumps(side).encode())
     err = ts.SchemaVersionError if edit == "format" else W.WeightsIntegrityError
     with pytest.raises(err):
@@ -239,3 +241,23 @@ def test_tiny_moe_model_round_trip(tmp_path):
     W.load(url, 0, dst)
     for (k, a), (_, b) in zip(src.state_dict().items(), dst.state_dict().items()):
         assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a, b), k
+
+
+def test_format_1_versions_still_load(location):
+    """A version published by format 1 (sha256 in the sidecar and the key) loads and verifies; a flipped byte in
+    its blob is still caught."""
+    import hashlib
+
+    url, opts = location.url, location.options
+    blob = W._encode(_sd(0), 0)
+    sha = hashlib.sha256(blob).hexdigest()
+    key = f"{W.WEIGHTS_PREFIX}{0:012d}-{sha[:16]}.safetensors"
+    side = {"kind": W.KIND, "format_version": 1, "version": 0, "key": key, "sha256": sha, "bytes": len(blob),
+            "created_unix": 0.0, "step": None, "parent_version": None, "tensors": 1, "meta": {}}
+    location.write(key, blob)
+    location.write(W.sidecar_key(0), json.dumps(side).encode())
+    tensors, got = W.load_state_dict(url, 0, storage_options=opts)
+    assert got["format_version"] == 1 and all(torch.equal(tensors[k], v) for k, v in _sd(0).items())
+    location.flip(key, len(blob) - 3)
+    with pytest.raises(W.WeightsIntegrityError, match="sha256"):
+        W.load_state_dict(url, 0, storage_options=opts)

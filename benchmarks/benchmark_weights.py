@@ -1,0 +1,97 @@
+"""Weight sync of the closed loop: publishing a policy version (`tracerl.weights.publish`) and loading it
+(`tracerl.weights.load_state_dict`) through a local directory, and the share of each that the blob checksum takes.
+
+On the two-H200 loop (benchmarks/results/loop-cuda.json) the rollout waited 20-28 s per policy version of 9 GB;
+format 1 of the sidecar checksummed the blob with sha256 at both ends. Format 2 uses crc32c. This program times,
+on the same bf16 state dict: publish and load end to end with the default format, and the checksum alone with
+each algorithm (the difference is what format 2 saves per version at each end). Medians of --reps runs with
+min..max.
+
+    python benchmarks/benchmark_weights.py                # 2 GiB of bf16 tensors, 3 runs
+    python benchmarks/benchmark_weights.py --smoke        # 64 MiB, checks the code paths
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tracerl import weights as W  # noqa: E402
+from tracerl._objects import checksum  # noqa: E402
+
+
+def _stats(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "runs": xs}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gib", type=float, default=2.0, help="size of the state dict in GiB (default 2)")
+    p.add_argument("--reps", type=int, default=3, help="runs (median reported; default 3)")
+    p.add_argument("--smoke", action="store_true", help="64 MiB, 1 run")
+    p.add_argument("--workdir", help="where the versions are written (default: a temporary directory)")
+    p.add_argument("--out", help="JSON path (default benchmarks/results/weights-<machine>.json; smoke: a temp file)")
+    args = p.parse_args(argv)
+    gib, reps = (1 / 16, 1) if args.smoke else (args.gib, args.reps)
+    if reps < 1 or gib <= 0:
+        p.error("--reps must be >= 1 and --gib > 0")
+    n_tensors = 64
+    per = int(gib * (1 << 30)) // 2 // n_tensors
+    sd = {f"layer{i}.w": torch.randn(per, dtype=torch.bfloat16) for i in range(n_tensors)}
+    nbytes = sum(t.numel() * t.element_size() for t in sd.values())
+    rows: dict[str, list[float]] = {"publish_s": [], "load_s": [], "sha256_s": [], "crc32c_s": []}
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        for rep in range(reps):
+            url = os.path.join(tmp, f"run{rep}")
+            t0 = time.perf_counter()
+            W.publish(url, 0, sd)
+            rows["publish_s"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            tensors, side = W.load_state_dict(url, 0)
+            rows["load_s"].append(time.perf_counter() - t0)
+            assert all(torch.equal(tensors[k], v) for k, v in sd.items())
+            blob = Path(url, side["key"]).read_bytes()
+            for algo in ("sha256", "crc32c"):
+                t0 = time.perf_counter()
+                checksum(blob, algo)
+                rows[f"{algo}_s"].append(time.perf_counter() - t0)
+            del tensors, blob
+    res = {k: _stats(v) for k, v in rows.items()}
+    gb = nbytes / 1e9
+    out = {"benchmark": "weights", "bytes": nbytes, "tensors": n_tensors, "reps": reps, "format_version": W.FORMAT_VERSION,
+           "results": res,
+           "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
+                       "python": platform.python_version(), "torch": torch.__version__,
+                       "loadavg_1min": os.getloadavg()[0]}}
+    print(f"{gb:.2f} GB of bf16 tensors, {reps} run(s), local directory {tempfile.gettempdir() if not args.workdir else args.workdir}")
+    print(f"{'':22s} {'median s':>9s} {'min..max':>15s} {'GB/s':>7s}")
+    for k, label in (("publish_s", "publish (format 2)"), ("load_s", "load (format 2)"), ("sha256_s", "sha256 (format 1)"),
+                     ("crc32c_s", "crc32c (format 2)")):
+        r = res[k]
+        print(f"{label:22s} {r['median']:9.3f} {r['min']:7.3f}..{r['max']:.3f} {gb / r['median']:7.2f}")
+    saved = res["sha256_s"]["median"] - res["crc32c_s"]["median"]
+    print(f"format 2 saves {saved:.2f} s per version at each end ({saved / gb:.2f} s/GB): publish and load each "
+          f"checksum the blob once")
+    out["saved_s_per_end"] = saved
+    path = Path(args.out) if args.out else (Path(tempfile.gettempdir()) / "weights-smoke.json" if args.smoke else
+                                            Path(__file__).resolve().parent / "results" /
+                                            f"weights-{platform.machine()}-{os.cpu_count()}cpu.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1))
+    print(f"saved {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
