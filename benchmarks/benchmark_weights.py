@@ -1,5 +1,7 @@
 """Weight sync of the closed loop: publishing a policy version (`tracerl.weights.publish`) and loading it
-(`tracerl.weights.load_state_dict`) through a local directory, and the share of each that the blob checksum takes.
+(`tracerl.weights.load_state_dict`) through a local directory, the share of each that the blob checksum takes,
+and how long each keeps other Python threads from running (both run on background threads in the loop: the
+trainer publishes while it trains the next step, the rollout prefetches while it generates).
 
 On the two-H200 loop (benchmarks/results/loop-cuda.json) the rollout waited 20-28 s per policy version of 9 GB;
 format 1 of the sidecar checksummed the blob with sha256 at both ends. Format 2 uses crc32c. This program times,
@@ -17,9 +19,11 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -29,6 +33,31 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tracerl import weights as W  # noqa: E402
 from tracerl._objects import checksum  # noqa: E402
+
+
+def _in_thread(fn) -> tuple[float, float]:
+    """Run ``fn`` on a background thread (as the trainer publishes and the rollout prefetches) while this thread
+    ticks every millisecond: (seconds, the longest this thread was kept from running)."""
+    done, result = threading.Event(), []
+
+    def run():
+        try:
+            result.append(fn())
+        finally:
+            done.set()
+
+    th = threading.Thread(target=run)
+    t0 = last = time.perf_counter()
+    th.start()
+    gap = 0.0
+    while not done.is_set():
+        time.sleep(0.001)
+        now = time.perf_counter()
+        gap, last = max(gap, now - last), now
+    th.join()
+    if not result:
+        raise RuntimeError("the timed call failed")
+    return time.perf_counter() - t0, gap
 
 
 def _stats(xs: list[float]) -> dict:
@@ -50,23 +79,31 @@ def main(argv: list[str] | None = None) -> int:
     per = int(gib * (1 << 30)) // 2 // n_tensors
     sd = {f"layer{i}.w": torch.randn(per, dtype=torch.bfloat16) for i in range(n_tensors)}
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
-    rows: dict[str, list[float]] = {"publish_s": [], "load_s": [], "sha256_s": [], "crc32c_s": []}
+    rows: dict[str, list[float]] = {k: [] for k in ("publish_s", "load_s", "sha256_s", "crc32c_s", "publish_stall_s",
+                                                    "load_stall_s", "library_save_stall_s", "library_load_stall_s")}
+    from safetensors.torch import load as lib_load
+    from safetensors.torch import save as lib_save
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         for rep in range(reps):
             url = os.path.join(tmp, f"run{rep}")
-            t0 = time.perf_counter()
-            W.publish(url, 0, sd)
-            rows["publish_s"].append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
+            secs, gap = _in_thread(lambda: W.publish(url, 0, sd))
+            rows["publish_s"].append(secs)
+            rows["publish_stall_s"].append(gap)
+            secs, gap = _in_thread(lambda: W.load_state_dict(url, 0))
+            rows["load_s"].append(secs)
+            rows["load_stall_s"].append(gap)
             tensors, side = W.load_state_dict(url, 0)
-            rows["load_s"].append(time.perf_counter() - t0)
             assert all(torch.equal(tensors[k], v) for k, v in sd.items())
             blob = Path(url, side["key"]).read_bytes()
+            del tensors
+            rows["library_save_stall_s"].append(_in_thread(lambda: lib_save(sd))[1])
+            rows["library_load_stall_s"].append(_in_thread(lambda: lib_load(blob))[1])
+            shutil.rmtree(url)  # the next run starts with as much free memory as this one
             for algo in ("sha256", "crc32c"):
                 t0 = time.perf_counter()
                 checksum(blob, algo)
                 rows[f"{algo}_s"].append(time.perf_counter() - t0)
-            del tensors, blob
+            del blob
     res = {k: _stats(v) for k, v in rows.items()}
     gb = nbytes / 1e9
     out = {"benchmark": "weights", "bytes": nbytes, "tensors": n_tensors, "reps": reps, "format_version": W.FORMAT_VERSION,
@@ -80,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
                      ("crc32c_s", "crc32c (format 2)")):
         r = res[k]
         print(f"{label:22s} {r['median']:9.3f} {r['min']:7.3f}..{r['max']:.3f} {gb / r['median']:7.2f}")
+    print(f"longest pause of another Python thread: publish {1e3 * res['publish_stall_s']['median']:.0f} ms, load "
+          f"{1e3 * res['load_stall_s']['median']:.0f} ms (safetensors' own save {1e3 * res['library_save_stall_s']['median']:.0f}"
+          f" ms, load {1e3 * res['library_load_stall_s']['median']:.0f} ms: they hold the GIL for the whole copy)")
     saved = res["sha256_s"]["median"] - res["crc32c_s"]["median"]
     print(f"format 2 saves {saved:.2f} s per version at each end ({saved / gb:.2f} s/GB): publish and load each "
           f"checksum the blob once")

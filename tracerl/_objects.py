@@ -36,19 +36,31 @@ WRITE_FORMAT = 2
 _HEX = {"sha256": re.compile(r"[0-9a-f]{64}"), "crc32c": re.compile(r"[0-9a-f]{8}")}
 
 
-def checksum(data: bytes | memoryview, algorithm: str) -> str:
-    """Hex checksum of ``data``: ``sha256`` (64 hex) or ``crc32c`` (8 hex). Both release the GIL."""
+def _parts(data: Any) -> list:
+    return list(data) if isinstance(data, (list, tuple)) else [data]
+
+
+def checksum(data: Any, algorithm: str) -> str:
+    """Hex checksum of ``data`` (bytes-like, or a list of bytes-like parts taken in order): ``sha256`` (64 hex) or
+    ``crc32c`` (8 hex). Both release the GIL."""
     if algorithm == "sha256":
-        return hashlib.sha256(data).hexdigest()
-    return f"{_crc32c.crc32c(data):08x}"
+        h = hashlib.sha256()
+        for part in _parts(data):
+            h.update(part)
+        return h.hexdigest()
+    crc = 0
+    for part in _parts(data):
+        crc = _crc32c.crc32c(part, crc)
+    return f"{crc:08x}"
 
 
-def blob_ref(data: bytes, stem: str, suffix: str, fmt: int = WRITE_FORMAT) -> dict[str, Any]:
-    """The reference to ``data`` in a commit object of format ``fmt``: its key (named by its checksum, so a retry
-    or a racing writer never overwrites other bytes), checksum and size."""
+def blob_ref(data: Any, stem: str, suffix: str, fmt: int = WRITE_FORMAT) -> dict[str, Any]:
+    """The reference to ``data`` (bytes-like or a list of parts) in a commit object of format ``fmt``: its key
+    (named by its checksum, so a retry or a racing writer never overwrites other bytes), checksum and size."""
     algorithm = CHECKSUMS[fmt]
     hexsum = checksum(data, algorithm)
-    return {"key": f"{stem}-{hexsum[:16]}{suffix}", algorithm: hexsum, "bytes": len(data)}
+    return {"key": f"{stem}-{hexsum[:16]}{suffix}", algorithm: hexsum,
+            "bytes": sum(memoryview(p).nbytes for p in _parts(data))}
 
 
 def ref_is_valid(ref: Any, fmt: int, stem: str, suffix: str) -> bool:

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 import tracestore as ts
+from tracerl import _safetensors as st
 from tracerl._objects import WRITE_FORMAT, blob_mismatch, blob_ref, check_number, read_commit, ref_is_valid
 from tracerl.errors import ConfigError, TracerlError
 
@@ -99,17 +100,16 @@ def _stem(version: int) -> str:
     return f"{WEIGHTS_PREFIX}{version:0{VERSION_DIGITS}d}"
 
 
-def _encode(state_dict: Mapping[str, torch.Tensor], version: int) -> bytes:
-    from safetensors.torch import save
-
+def _encode(state_dict: Mapping[str, torch.Tensor], version: int) -> list:
+    """The safetensors file as parts (`tracerl._safetensors.encode`: no copy, and the GIL stays free)."""
     tensors = {}
     for name, t in state_dict.items():
         if not isinstance(t, torch.Tensor):
             raise ConfigError(f"state_dict[{name!r}] is a {type(t).__name__}; only tensors can be published")
         tensors[name] = t.detach().to("cpu").contiguous()
     try:
-        return save(tensors, metadata={"tracerl.version": str(version)})
-    except RuntimeError as e:  # safetensors refuses tensors that share storage (tied weights)
+        return st.encode(tensors, metadata={"tracerl.version": str(version)})
+    except ValueError as e:  # tensors that share memory (tied weights), an unsupported dtype
         raise ConfigError(f"cannot serialize the state dict as safetensors: {e}") from e
 
 
@@ -150,7 +150,7 @@ def publish(url: Location, version: int, state_dict: Mapping[str, torch.Tensor],
         if not backend.put_if_absent(sidecar_key(version), side_bytes):
             raise VersionExistsError(f"{backend.url}: policy version {version} was published concurrently by "
                                      "another publisher")
-        log.info("published policy version %d to %s (%d bytes, %s)", version, backend.url, len(blob), key)
+        log.info("published policy version %d to %s (%d bytes, %s)", version, backend.url, ref["bytes"], key)
         return sidecar_key(version)
     finally:
         if owned:
@@ -223,9 +223,6 @@ def load_state_dict(url: Location, version: int | None = None, *, device: str | 
         tracestore.SchemaVersionError: a sidecar of a format version this code does not read.
         tracestore.BackendError: the storage failed.
     """
-    from safetensors import SafetensorError
-    from safetensors.torch import load as st_load
-
     backend, owned = _backend(url, storage_options)
     try:
         version = _resolve(backend, version)
@@ -242,8 +239,8 @@ def load_state_dict(url: Location, version: int | None = None, *, device: str | 
     if bad is not None:
         raise WeightsIntegrityError(f"{backend.url}/{side['key']}: {bad}")
     try:
-        tensors = st_load(blob)
-    except (SafetensorError, ValueError) as e:  # unreachable unless the hash was of bad bytes to begin with
+        tensors, _ = st.decode(blob)
+    except st.SafetensorsFormatError as e:  # unreachable unless the hash was of bad bytes to begin with
         raise WeightsIntegrityError(f"{backend.url}/{side['key']}: not a safetensors file: {e}") from e
     if device != "cpu":
         tensors = {k: v.to(device) for k, v in tensors.items()}

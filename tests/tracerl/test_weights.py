@@ -248,8 +248,10 @@ def test_format_1_versions_still_load(location):
     its blob is still caught."""
     import hashlib
 
+    from safetensors.torch import save  # what format-1 publishers wrote with
+
     url, opts = location.url, location.options
-    blob = W._encode(_sd(0), 0)
+    blob = save(_sd(0), metadata={"tracerl.version": "0"})
     sha = hashlib.sha256(blob).hexdigest()
     key = f"{W.WEIGHTS_PREFIX}{0:012d}-{sha[:16]}.safetensors"
     side = {"kind": W.KIND, "format_version": 1, "version": 0, "key": key, "sha256": sha, "bytes": len(blob),

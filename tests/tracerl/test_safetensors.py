@@ -1,0 +1,100 @@
+"""`tracerl._safetensors` against the safetensors library itself: files it encodes load with the library, files
+the library saves decode here, bit for bit, every dtype the policy weights use; malformed files are typed errors."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load as lib_load
+from safetensors.torch import save as lib_save
+
+from tracerl import _safetensors as st
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    out = {
+        "bf16": torch.randn(3, 5, generator=g).to(torch.bfloat16),
+        "f16": torch.randn(7, generator=g).to(torch.float16),
+        "f32": torch.randn(2, 3, 4, generator=g),
+        "f64": torch.randn(3, generator=g, dtype=torch.float64),
+        "i64": torch.randint(-(2**62), 2**62, (4,), generator=g),
+        "i32": torch.randint(-(2**31), 2**31 - 1, (5,), generator=g, dtype=torch.int32),
+        "i16": torch.randint(-(2**15), 2**15 - 1, (3,), generator=g, dtype=torch.int16),
+        "i8": torch.randint(-128, 127, (9,), generator=g, dtype=torch.int8),
+        "u8": torch.randint(0, 255, (2, 2), generator=g, dtype=torch.uint8),
+        "bool": torch.rand(6, generator=g) > 0.5,
+        "f8": torch.randn(8, generator=g).to(torch.float8_e4m3fn),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.zeros(0, 4),
+        "special": torch.tensor([float("nan"), -float("nan"), float("inf"), -0.0], dtype=torch.bfloat16),
+    }
+    return out
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.dtype, a.shape) == (b.dtype, b.shape) and torch.equal(a.reshape(-1).view(torch.uint8),
+                                                                       b.reshape(-1).view(torch.uint8))
+
+
+def test_our_files_load_with_the_library():
+    sd = _tensors()
+    blob = b"".join(bytes(p) for p in st.encode(sd, {"tracerl.version": "7"}))
+    got = lib_load(blob)
+    assert set(got) == set(sd) and all(_bits_equal(got[k], sd[k]) for k in sd)
+    assert len(blob) == st.size(st.encode(sd, {"tracerl.version": "7"}))
+
+
+def test_library_files_decode_here(tmp_path):
+    sd = _tensors()
+    blob = lib_save(sd, metadata={"a": "b"})
+    got, meta = st.decode(blob)
+    assert meta == {"a": "b"} and set(got) == set(sd) and all(_bits_equal(got[k], sd[k]) for k in sd)
+    got["f32"] += 1  # fresh, writable tensors: the blob is untouched
+    assert st.decode(blob)[0]["f32"].equal(sd["f32"])
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(b"".join(bytes(p) for p in st.encode(sd, {"k": "v"})))
+    with safe_open(str(path), framework="pt") as f:
+        assert f.metadata() == {"k": "v"} and _bits_equal(f.get_tensor("bf16"), sd["bf16"])
+
+
+def test_encode_refuses_what_the_library_refuses():
+    shared = torch.zeros(4, 4)
+    with pytest.raises(ValueError, match="share memory"):
+        st.encode({"a": shared, "b": shared})
+    with pytest.raises(ValueError, match="share memory"):
+        st.encode({"a": shared, "b": shared[1]})
+    st.encode({"a": shared[0], "b": shared[1]})  # disjoint views of one storage are two tensors
+    with pytest.raises(ValueError, match="contiguous CPU tensor"):
+        st.encode({"a": torch.zeros(4, 4).t()})
+    with pytest.raises(ValueError, match="contiguous CPU tensor"):
+        st.encode({"a": torch.zeros(2, dtype=torch.complex64)})
+    with pytest.raises(ValueError, match="metadata"):
+        st.encode({"a": torch.zeros(1)}, {"k": 1})
+
+
+def _file(header: dict, data: bytes = b"") -> bytes:
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+@pytest.mark.parametrize("blob, match", [
+    (b"\x01\x02", "shorter"),
+    (struct.pack("<Q", 10**12) + b"{}", "does not fit"),
+    (struct.pack("<Q", 4) + b"{no}", "not JSON"),
+    (_file([1, 2]), "not a JSON object"),
+    (_file({"a": {"dtype": "C64", "shape": [1], "data_offsets": [0, 8]}}, bytes(8)), "dtype"),
+    (_file({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, bytes(4)), "4 bytes for shape"),
+    (_file({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 8]}}, bytes(4)), "within"),
+    (_file({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, bytes(4)), "within"),
+    (_file({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, bytes(8)), "starts at 4"),
+    (_file({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, bytes(8)), "cover 4 of the 8"),
+    (_file({"__metadata__": {"k": 1}}), "__metadata__"),
+])
+def test_malformed_files_are_typed_errors(blob, match):
+    with pytest.raises(st.SafetensorsFormatError, match=match):
+        st.decode(blob)
