@@ -89,7 +89,8 @@ def _med(xs: list) -> str:
 
 def table(doc: dict) -> str:
     keys = [("reward_start", "reward first 3"), ("reward_end", "reward last 3"), ("lag_s_median", "lag median s"),
-            ("lag_s_p99", "lag p99 s"), ("rollout_tokens_per_s_median", "rollout tok/s"),
+            ("lag_s_p99", "lag p99 s"), ("ready_lag_s_median", "ready lag median s"),
+            ("rollout_tokens_per_s_median", "rollout tok/s"),
             ("trainer_tokens_per_s_median", "trainer tok/s"), ("code_agreement_median", "code agreement"),
             ("mismatch_mean_abs_dlogp_median", "mean |dlogp|"), ("mismatch_k3_median", "k3")]
     groups: dict[tuple, list] = {}
@@ -97,7 +98,7 @@ def table(doc: dict) -> str:
         groups.setdefault((run["device"], run["mode"]), []).append(run["result"]["summary"])
     lines = [f"{'device':<6} {'mode':<20} {'runs':>4}  " + "  ".join(f"{h:>26}" for _, h in keys)]
     for (device, mode), sums in sorted(groups.items()):
-        lines.append(f"{device:<6} {mode:<20} {len(sums):>4}  " + "  ".join(f"{_med([s[k] for s in sums]):>26}"
+        lines.append(f"{device:<6} {mode:<20} {len(sums):>4}  " + "  ".join(f"{_med([s.get(k) for s in sums]):>26}"
                                                                            for k, _ in keys))
     lines += paired(doc)
     for name, run in doc["runs"].items():

@@ -275,7 +275,8 @@ def render_summary(result: dict):
     s = result["summary"]
     line = (f"reward {_fmt(s['reward_start'], '.3f')} -> {_fmt(s['reward_end'], '.3f')} (first / last 3 steps); "
             f"commit-to-train lag median {_fmt(s['lag_s_median'], '.2f')} s, p99 {_fmt(s['lag_s_p99'], '.2f')} s "
-            f"({s['lag_trajectories']} trajectories); rollout {_fmt(s['rollout_tokens_per_s_median'], '.0f')} tok/s, "
+            f"({s['lag_trajectories']} trajectories; from the trainer being free: median "
+            f"{_fmt(s.get('ready_lag_s_median'), '.2f')} s, p99 {_fmt(s.get('ready_lag_s_p99'), '.2f')} s); rollout {_fmt(s['rollout_tokens_per_s_median'], '.0f')} tok/s, "
             f"trainer {_fmt(s['trainer_tokens_per_s_median'], '.0f')} tok/s (medians); mismatch median: code "
             f"agreement {_fmt(s['code_agreement_median'], '.5f')}, mean |dlogp| "
             f"{_fmt(s['mismatch_mean_abs_dlogp_median'], '.2e')}, k3 {_fmt(s['mismatch_k3_median'], '.2e')}")
@@ -292,6 +293,7 @@ def summarize(cfg: LoopConfig | None, steps: list[dict], batches: list[dict]) ->
     first and last 3 steps; lag median and p99 over every trained trajectory; throughput medians; mismatch
     medians over the steps that had on-policy tokens)."""
     lags = [x for m in steps for x in m.get("lag_s", [])]
+    ready_lags = [x for m in steps for x in (m.get("ready_lag_s") or [])]
     k = min(3, len(steps))
     rows = [{"step": m["step"], "version": m["version"], "reward": m["reward_mean"],
              "policy_versions": m["policy_versions"], "trainer_tokens_per_s": m["tokens_per_s"],
@@ -307,6 +309,9 @@ def summarize(cfg: LoopConfig | None, steps: list[dict], batches: list[dict]) ->
         "lag_s_median": float(np.median(lags)) if lags else math.nan,
         "lag_s_p99": float(np.percentile(lags, 99)) if lags else math.nan,
         "lag_trajectories": len(lags),
+        # from max(commit, the trainer starting to wait): without queueing behind the previous step
+        "ready_lag_s_median": float(np.median(ready_lags)) if ready_lags else math.nan,
+        "ready_lag_s_p99": float(np.percentile(ready_lags, 99)) if ready_lags else math.nan,
         "rollout_tokens_per_s_median": _median(b["generated_tokens_per_s"] for b in batches),
         "trainer_tokens_per_s_median": _median(r["trainer_tokens_per_s"] for r in rows),
         "mismatch_mean_abs_dlogp_median": _median(r["mismatch_mean_abs_dlogp"] for r in rows),

@@ -612,8 +612,13 @@ class GRPOTrainer:
             weights.prune(url, self.cfg.keep_versions, keep=(0,), storage_options=storage_options)
 
     # ---- one step ---------------------------------------------------------------------------------------
-    def step(self, taken: Taken) -> dict[str, Any]:
-        """One optimizer step on ``taken.groups``; returns the step's metrics (JSON-ready)."""
+    def step(self, taken: Taken, *, ready_since: float | None = None) -> dict[str, Any]:
+        """One optimizer step on ``taken.groups``; returns the step's metrics (JSON-ready).
+
+        ``ready_since`` (unix time): when the trainer began waiting for these groups. Each trajectory's lag (its
+        result's commit -> its micro-batch read into the trainer's device memory) is then also reported from
+        ``max(commit, ready_since)`` (``ready_lag_s*``): the pipeline's own latency, without the time a batch
+        queued while the trainer was busy with the previous step."""
         cfg = self.cfg
         t_start = time.perf_counter()
         trajs = [t for g in taken.groups for t in g.trajectories]
@@ -654,6 +659,9 @@ class GRPOTrainer:
         n_tok = sum(t.num_tokens for t in trajs)
         wall = time.perf_counter() - t_start
         lags = np.asarray(sorted(totals["lag"].values()), dtype=np.float64)
+        queued = {} if ready_since is None else {
+            t: max(0.0, ready_since - by_id[t].committed_unix) for t in totals["lag"] if t in by_id}
+        ready_lags = np.asarray(sorted(v - queued.get(t, 0.0) for t, v in totals["lag"].items()), dtype=np.float64)
         metrics = {
             "step": self.step_num, "version": self.version, "time_unix": time.time(), "mode": cfg.mode,
             "groups": len(taken.groups), "trajectories": len(trajs), "traj_ids": list(by_id),
@@ -664,6 +672,8 @@ class GRPOTrainer:
             "grad_norm": grad_norm, **totals["loss_stats"],
             "lag_s_median": float(np.median(lags)) if lags.size else math.nan,
             "lag_s_max": float(lags.max()) if lags.size else math.nan, "lag_s": lags.tolist(),
+            "ready_lag_s_median": float(np.median(ready_lags)) if ready_since is not None and ready_lags.size else None,
+            "ready_lag_s": ready_lags.tolist() if ready_since is not None else None,
             "mismatch": totals["mismatch"],
             "step_s": wall, "read_s": read_s, "compute_s": fwd_s, "reduce_s": time.perf_counter() - t_reduce,
             "tokens_per_s": n_tok / wall if wall > 0 else math.nan,
@@ -901,11 +911,12 @@ def _train_steps(trainer, follower, checkpoints, weights_url, metrics, max_steps
     while max_steps is None or trainer.step_num < max_steps:
         if _any_rank(stop is not None and stop.is_set()):
             break
+        ready_since = time.time()
         taken = follower.take(cfg.groups_per_step, version=trainer.version, max_staleness=cfg.max_staleness,
                               stop=stop, timeout_s=wait_timeout_s)
         if _any_rank(taken is None):
             break
-        m = trainer.step(taken)  # (also the trainer's last_metrics, which the checkpoint keeps)
+        m = trainer.step(taken, ready_since=ready_since)  # (also the trainer's last_metrics, kept by the checkpoint)
         m["follower"] = {"cursor": follower.cursor, "ready_groups": follower.ready, **dict(follower.counts)}
         if trainer.step_num % cfg.checkpoint_every == 0:
             trainer.save(checkpoints, follower, storage_options=storage_options)

@@ -37,6 +37,7 @@ def test_loop_runs_both_sides_and_reports(tmp_path):
     assert [r["step"] for r in result["steps"]] == [1, 2, 3]
     s = result["summary"]
     assert s["steps"] == 3 and s["lag_trajectories"] == 3 * 2 * loop.G and s["rollout_batches"] >= 3
+    assert 0 <= s["ready_lag_s_median"] <= s["lag_s_median"]  # queueing behind a busy trainer taken out
     for r in result["steps"]:  # max-ahead 1: every step trains the version the trainer had
         assert r["policy_versions"] == [r["version"] - 1] and r["mismatch_tokens"] > 0
         assert 0.99 <= r["mismatch_code_agreement"] <= 1 and r["mismatch_mean_abs_dlogp"] >= 0
