@@ -139,13 +139,17 @@ class LocalBackend(Backend):
         bounds.append(len(requests))
         counts = [0] * len(requests)
         stop = threading.Event()
-        futures = [self._executor().submit(self._read_run, requests, range(a, b), counts, done, stop)
-                   for a, b in zip(bounds, bounds[1:]) if b > a]
+        runs = [range(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+        futures = [self._executor().submit(self._read_run, requests, ks, counts, done, stop) for ks in runs[1:]]
         failures = []
+        try:  # the first run on this thread: it would only wait otherwise
+            self._read_run(requests, runs[0], counts, done, stop)
+        except BaseException as e:  # noqa: BLE001 - re-raised below: the failure of the earliest request
+            failures.append(e)
         for f in futures:
             try:
                 f.result()
-            except BaseException as e:  # noqa: BLE001 - re-raised below: the failure of the earliest request
+            except BaseException as e:  # noqa: BLE001 - as above
                 failures.append(e)
         if failures:
             raise min(failures, key=lambda e: getattr(e, "_tracestore_request", 0))
