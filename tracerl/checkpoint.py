@@ -77,9 +77,10 @@ def _open(location: str | ts.Backend, storage_options: Mapping | None) -> tuple[
     return ts.open_backend(location, storage_options), True
 
 
-def save(location: str | ts.Backend, step: int, blobs: Mapping[str, bytes], state: Mapping[str, Any], *,
+def save(location: str | ts.Backend, step: int, blobs: Mapping[str, Any], state: Mapping[str, Any], *,
          storage_options: Mapping | None = None) -> str:
-    """Commit checkpoint ``step`` (blobs by name, ``state`` JSON); returns the manifest key.
+    """Commit checkpoint ``step`` (blobs by name: bytes-like, or lists of bytes-like parts written as their
+    concatenation; ``state`` JSON); returns the manifest key.
 
     Raises:
         ConfigError: bad step, a blob name outside ``[a-z][a-z0-9_]*`` (32 characters at most), state not JSON.
@@ -107,7 +108,7 @@ def save(location: str | ts.Backend, step: int, blobs: Mapping[str, bytes], stat
             backend.put(refs[name]["key"], data)
         if not backend.put_if_absent(key, raw):
             raise CheckpointExistsError(f"{backend.url}: checkpoint {step} was committed concurrently")
-        log.info("checkpoint %d committed to %s (%d bytes)", step, backend.url, sum(map(len, blobs.values())))
+        log.info("checkpoint %d committed to %s (%d bytes)", step, backend.url, sum(r["bytes"] for r in refs.values()))
         return key
     finally:
         if owned:

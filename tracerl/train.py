@@ -59,6 +59,7 @@ import torch
 
 import tracestore as ts
 from tracestore.format.log import SegmentRef
+from tracerl import _safetensors as st
 from tracerl import checkpoint as ckpt
 from tracerl import fidelity, rl, weights
 from tracerl.config import TrainConfig
@@ -508,17 +509,16 @@ class GRPOTrainer:
         """`param_digest` of the fp32 master weights (the bf16 model is their rounding)."""
         return param_digest(self.master)
 
-    def blobs(self) -> dict[str, bytes]:
-        """Checkpoint blobs: ``model`` (safetensors of the bf16 state dict) and ``optim`` (torch.save of the
-        fp32 master weights, None while they are the bf16 weights widened, and the AdamW state)."""
-        from safetensors.torch import save
-
+    def blobs(self) -> dict[str, Any]:
+        """Checkpoint blobs: ``model`` (safetensors of the bf16 state dict, as `tracerl._safetensors.encode` parts:
+        no serialization copy) and ``optim`` (torch.save of the fp32 master weights, None while they are the bf16
+        weights widened, and the AdamW state)."""
         buf = io.BytesIO()
         # Before the first update the masters are the bf16 weights widened (exactly): not stored twice.
         fresh = not self.opt.state and all(torch.equal(m, p.float()) for m, p in zip(self.master, self.params))
         master = None if fresh else [m.detach().cpu() for m in self.master]
         torch.save({"master": master, "opt": self.opt.state_dict()}, buf)
-        model = save({k: v.detach().cpu().contiguous() for k, v in self.model.state_dict().items()})
+        model = st.encode({k: v.detach().cpu().contiguous() for k, v in self.model.state_dict().items()})
         return {"model": model, "optim": buf.getvalue()}
 
     def state(self, follower: Follower) -> dict:
@@ -540,38 +540,35 @@ class GRPOTrainer:
 
         Everything is decoded and checked against this trainer's model before anything changes: a checkpoint of
         another store or model raises `CheckpointCorruptError` / `ConfigError` and leaves the trainer as it was."""
-        from safetensors import SafetensorError
-        from safetensors.torch import load as st_load
-
-        st = c.state
-        if st.get("store_id") != self.store.store_id:
-            raise ConfigError(f"checkpoint {c.step} belongs to store {st.get('store_id')}, not {self.store.store_id}")
+        state = c.state
+        if state.get("store_id") != self.store.store_id:
+            raise ConfigError(f"checkpoint {c.step} belongs to store {state.get('store_id')}, not {self.store.store_id}")
         try:
-            model_sd = st_load(c.blobs["model"])
+            model_sd, _ = st.decode(c.blobs["model"])
             opt = torch.load(io.BytesIO(c.blobs["optim"]), weights_only=True, map_location="cpu")
             master, opt_sd = opt["master"], opt["opt"]
             if master is None:  # saved before the first update: the bf16 weights widened
                 names = [n for n, p in self.model.named_parameters() if p.requires_grad]
                 master = [model_sd[n].float() for n in names]
-        except (KeyError, SafetensorError, RuntimeError, ValueError, TypeError) as e:
+        except (KeyError, RuntimeError, ValueError, TypeError) as e:  # ValueError: st.SafetensorsFormatError
             raise CheckpointCorruptError(f"checkpoint {c.step}: blobs do not decode: {e}") from e
         own = self.model.state_dict()
         if set(model_sd) != set(own) or any(model_sd[k].shape != own[k].shape for k in own) or \
                 [tuple(m.shape) for m in master] != [tuple(m.shape) for m in self.master]:
             raise ConfigError(f"checkpoint {c.step} does not fit this model (names or shapes differ)")
-        if st.get("digest") and param_digest(master) != st["digest"]:
+        if state.get("digest") and param_digest(master) != state["digest"]:
             raise CheckpointCorruptError(f"checkpoint {c.step}: the saved weights' digest {param_digest(master)} is "
-                                         f"not the recorded {st['digest']}")
-        follower = Follower(self.store, self.cfg.group_size, state=st["follower"],
+                                         f"not the recorded {state['digest']}")
+        follower = Follower(self.store, self.cfg.group_size, state=state["follower"],
                             max_open_groups=self.cfg.max_open_groups, log_end=log_end)
         self.model.load_state_dict(model_sd)
         with torch.no_grad():
             for m, v in zip(self.master, master):
                 m.copy_(v)
         self.opt.load_state_dict(opt_sd)
-        _set_rng_state(st["rng"])
-        self.step_num, self.version = int(st["step"]), int(st["version"])
-        self.last_metrics = st.get("last_metrics")
+        _set_rng_state(state["rng"])
+        self.step_num, self.version = int(state["step"]), int(state["version"])
+        self.last_metrics = state.get("last_metrics")
         return follower
 
     def publish(self, url: str, *, storage_options: Mapping | None = None, wait: bool = True) -> None:
