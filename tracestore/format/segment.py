@@ -423,7 +423,8 @@ class ReadTargets:
         one pass over memory, not two.
 
         Raises:
-            IntegrityError: as :meth:`finish` (the first failing request; nothing after it is read).
+            IntegrityError: as :meth:`finish` (the earliest failing request; requests after it may have been read
+                by other threads, but the outputs of a failed read must not be used).
             ObjectNotFoundError, BackendError: from the backend.
         """
         backend.readinto_ranges(self.build(), done=self.check)

@@ -123,6 +123,11 @@ class LocalBackend(Backend):
         return self._pool
 
     def readinto_ranges(self, requests, done=None) -> list[int]:
+        """`Backend.readinto_ranges` with ``preadv`` straight into the buffers. A call of at least
+        ``parallel_read_bytes`` is split into up to ``read_threads`` contiguous runs of about equal bytes, read (and
+        handed to ``done``, which must then be safe to call from several threads for different requests)
+        concurrently, the first run on the calling thread. On failure the error of the earliest failing request
+        is raised (typed as by the one-thread path); the other runs stop at their next request."""
         total = sum(r.stop - r.start for r, _ in requests)
         # at least ~half the threshold per thread: small calls are not worth a handoff
         n = min(self.read_threads, len(requests), max(1, total // max(1, self.parallel_read_bytes // 2)))

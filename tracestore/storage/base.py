@@ -179,8 +179,10 @@ class Backend(abc.ABC):
         """Scatter-read: fill each request's buffers, in order, from its byte range (the buffers' sizes add up to
         the range's length). Returns the number of bytes read per request (less than the range if the object is
         shorter); ``done(k, nread)``, if given, is called as soon as request ``k`` has been filled (its buffers are
-        not touched again). Nearby ranges of one object are coalesced into one ``get_ranges`` request; local
-        files read straight into the buffers (``preadv``)."""
+        not touched again): once per request, not necessarily in request order, and possibly from several threads
+        at once for different requests (the local backend reads large calls on several threads). Nearby ranges of
+        one object are coalesced into one ``get_ranges`` request; local files read straight into the buffers
+        (``preadv``)."""
         order = sorted(range(len(requests)), key=lambda k: (requests[k][0].key, requests[k][0].start))
         groups: list[list] = []  # [key, start, stop, [request index, ...]]
         for k in order:
