@@ -62,17 +62,24 @@ def test_parallel_reads_equal_one_thread(tmp_path):
             assert np.array_equal(parallel[t].scales[s.name], serial[t].scales[s.name])
 
 
-@pytest.mark.parametrize("damage", ["flip", "delete"])
+@pytest.mark.parametrize("damage", ["flip", "delete", "flip-all"])
 def test_parallel_reads_fail_like_one_thread(tmp_path, damage):
+    """One damaged object, or every data object (then every thread's run fails, and the error raised must still
+    be the one of the earliest request, as one thread reading in order meets it)."""
     store = _store(tmp_path)
-    segs = sorted(p for p in (tmp_path / "s" / "data").rglob("*") if p.is_file() and "hints" in str(p))
-    victim = max(segs, key=lambda p: p.stat().st_size)
-    if damage == "flip":
-        data = bytearray(victim.read_bytes())
-        data[len(data) // 2] ^= 0x10
-        victim.write_bytes(bytes(data))
+    data_dir = tmp_path / "s" / "data"
+    segs = sorted(p for p in data_dir.rglob("*") if p.is_file() and "hints" in str(p))
+    if damage == "flip-all":
+        victims = [p for p in data_dir.rglob("*") if p.is_file() and p.name != "zarr.json"]
     else:
-        os.unlink(victim)
+        victims = [max(segs, key=lambda p: p.stat().st_size)]
+    for victim in victims:
+        if damage.startswith("flip"):
+            data = bytearray(victim.read_bytes())
+            data[len(data) // 2] ^= 0x10
+            victim.write_bytes(bytes(data))
+        else:
+            os.unlink(victim)
     errors = []
     for n, threshold in ((1, 1 << 40), (4, 1)):
         _threads(store, n, threshold)
@@ -84,3 +91,14 @@ def test_parallel_reads_fail_like_one_thread(tmp_path, damage):
     assert type(errors[0]) is type(errors[1])
     assert isinstance(errors[1], ts.IntegrityError if damage == "flip" else (ts.IntegrityError, ts.ObjectNotFoundError))
     assert str(errors[0]) == str(errors[1])  # the same (first failing) request is named
+
+
+@pytest.mark.parametrize("sizes, n", [([5] * 10, 2), ([1, 1, 100, 1], 3), ([7], 4), ([0, 0, 3], 2), (list(range(1, 40)), 4)])
+def test_even_runs_tile_the_requests_in_order(sizes, n):
+    from tracestore.storage._local import even_runs
+
+    runs = even_runs(sizes, n)
+    assert 1 <= len(runs) <= n and all(len(r) for r in runs)
+    assert [k for r in runs for k in r] == list(range(len(sizes)))  # contiguous, in order, every item once
+    if len(runs) == n:
+        assert max(sum(sizes[k] for k in r) for r in runs) <= sum(sizes) / n + max(sizes)

@@ -55,7 +55,7 @@ import numpy as np
 
 from .argtypes import nonneg_int, positive_int
 from ..maintenance import info
-from ..storage._local import LocalBackend
+from ..storage._local import LocalBackend, even_runs
 from ..store import Site, create_store
 
 __all__ = ["BenchConfig", "run_bench", "summary_rows", "to_json", "machine_info", "machine_name", "MotoServer",
@@ -308,14 +308,10 @@ def _plain_read_local(root: str, objects) -> float:
 def _plain_read_local_threads(root: str, objects, threads: int) -> float:
     """The plain read on ``threads`` threads, each reading a contiguous run of about equal bytes (as the store's
     local reads share a large read): the baseline for the store's own overhead when both use the cores."""
-    runs: list[list] = [[] for _ in range(threads)]
-    total, acc = sum(o.size for o in objects) or 1, 0
-    for o in objects:
-        runs[min(threads - 1, acc * threads // total)].append(o)
-        acc += o.size
+    runs = [[objects[k] for k in ks] for ks in even_runs([o.size for o in objects], threads)]
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(threads) as ex:
+    with ThreadPoolExecutor(len(runs)) as ex:
         t0 = time.perf_counter()
         list(ex.map(lambda run: [np.fromfile(os.path.join(root, o.key), dtype=np.uint8) for o in run], runs))
         return time.perf_counter() - t0

@@ -5,7 +5,6 @@ from __future__ import annotations
 import errno
 import os
 import stat
-import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,6 +14,18 @@ from ..errors import AccessDeniedError, BackendError, LocationError, ObjectNotFo
 
 
 _IOV_MAX = 512
+
+
+def even_runs(sizes: list[int], n: int) -> list[range]:
+    """Split items of ``sizes`` bytes, in order, into at most ``n`` non-empty contiguous runs of about equal bytes."""
+    total = sum(sizes)
+    bounds, acc = [0], 0
+    for k, size in enumerate(sizes):
+        acc += size
+        if len(bounds) < n and acc >= total * len(bounds) / n and k + 1 < len(sizes):
+            bounds.append(k + 1)
+    bounds.append(len(sizes))
+    return [range(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
 def _advance(views: list[memoryview], n: int) -> list[memoryview]:
@@ -127,48 +138,35 @@ class LocalBackend(Backend):
         ``parallel_read_bytes`` is split into up to ``read_threads`` contiguous runs of about equal bytes, read (and
         handed to ``done``, which must then be safe to call from several threads for different requests)
         concurrently, the first run on the calling thread. On failure the error of the earliest failing request
-        is raised (typed as by the one-thread path); the other runs stop at their next request."""
-        total = sum(r.stop - r.start for r, _ in requests)
+        is raised (the one the one-thread path raises, typed alike); runs after it stop at their next request."""
+        sizes = [r.stop - r.start for r, _ in requests]
+        total = sum(sizes)
         # at least ~half the threshold per thread: small calls are not worth a handoff
         n = min(self.read_threads, len(requests), max(1, total // max(1, self.parallel_read_bytes // 2)))
-        if n <= 1 or total < self.parallel_read_bytes:
-            counts = [0] * len(requests)
-            self._read_run(requests, range(len(requests)), counts, done, None)
-            return counts
-        # contiguous runs of about equal bytes: each thread keeps the requests' file order
-        bounds, acc, k = [0], 0, 0
-        for k, (r, _) in enumerate(requests):
-            acc += r.stop - r.start
-            if acc >= total * len(bounds) / n and len(bounds) < n:
-                bounds.append(k + 1)
-        bounds.append(len(requests))
         counts = [0] * len(requests)
-        stop = threading.Event()
-        runs = [range(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
-        futures = [self._executor().submit(self._read_run, requests, ks, counts, done, stop) for ks in runs[1:]]
-        failures = []
-        try:  # the first run on this thread: it would only wait otherwise
-            self._read_run(requests, runs[0], counts, done, stop)
-        except BaseException as e:  # noqa: BLE001 - re-raised below: the failure of the earliest request
-            failures.append(e)
-        for f in futures:
-            try:
+        failed: list[tuple[int, BaseException]] = []
+        if n <= 1 or total < self.parallel_read_bytes:
+            self._read_run(requests, range(len(requests)), counts, done, failed)
+        else:
+            runs = even_runs(sizes, n)
+            futures = [self._executor().submit(self._read_run, requests, ks, counts, done, failed) for ks in runs[1:]]
+            self._read_run(requests, runs[0], counts, done, failed)  # this thread would only wait otherwise
+            for f in futures:
                 f.result()
-            except BaseException as e:  # noqa: BLE001 - as above
-                failures.append(e)
-        if failures:
-            raise min(failures, key=lambda e: getattr(e, "_tracestore_request", 0))
+        if failed:  # the earliest failing request, as one thread reading in order would have met it
+            raise min(failed, key=lambda kf: kf[0])[1]
         return counts
 
-    def _read_run(self, requests, ks, counts: list[int], done, stop: threading.Event | None) -> None:
-        """Read requests ``ks`` in order into their buffers (``counts[k]`` = bytes read), calling ``done(k, n)``
-        after each; stops at the first failure, or when ``stop`` is set by another thread's failure."""
+    def _read_run(self, requests, ks, counts: list[int], done, failed: list) -> None:
+        """Read requests ``ks`` (ascending) in order into their buffers (``counts[k]`` = bytes read), calling
+        ``done(k, n)`` after each. A failure is appended to ``failed`` as (request index, typed error); a run
+        stops at its first failure or at a request after one that another run has already seen fail."""
         fd = -1
         current = None
-        k = None
+        k = -1
         try:
             for k in ks:
-                if stop is not None and stop.is_set():
+                if failed and k > min(kf[0] for kf in failed):
                     return
                 r, bufs = requests[k]
                 if r.key != current:
@@ -197,14 +195,12 @@ class LocalBackend(Backend):
                 counts[k] = got
                 if done is not None:
                     done(k, got)
-        except BaseException as e:
-            if stop is not None:
-                stop.set()
-            err = self._wrap(e, current or "") if isinstance(e, OSError) else e
-            err._tracestore_request = k  # which request failed: the caller raises the earliest
-            if err is e:
-                raise
-            raise err from e
+        except BaseException as e:  # noqa: BLE001 - handed to the caller, which raises the earliest
+            err = e
+            if isinstance(e, OSError):
+                err = self._wrap(e, current or "")
+                err.__cause__ = e
+            failed.append((k, err))
         finally:
             if fd >= 0:
                 os.close(fd)
