@@ -1,7 +1,7 @@
 """safetensors encoding and decoding that leave the GIL to other threads.
 
-`safetensors.torch.save` and `load` hold the GIL for the whole copy: measured on the 2-core VM, serializing 1 GB
-stopped every other Python thread for 4.1 s and loading it for 0.8 s. The trainer publishes policy versions from a
+`safetensors.torch.save` and `load` hold the GIL for the whole copy: on the 2-core VM, saving 2.15 GB stopped every
+other Python thread for 5.6 s and loading it for 1.2 s (`benchmarks/benchmark_weights.py`, medians of 3). The trainer publishes policy versions from a
 background thread while it trains the next step, and the rollout reads new versions in a background thread while
 it generates, so for a 9 GB policy those pauses land in the middle of training steps and decode loops.
 
@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-__all__ = ["encode", "decode", "size", "SafetensorsFormatError"]
+__all__ = ["encode", "decode", "SafetensorsFormatError"]
 
 #: safetensors dtype names of the torch dtypes (the library's names)
 _DTYPES: dict[torch.dtype, str] = {
@@ -132,7 +132,3 @@ def _ints(xs: object) -> bool:
     return isinstance(xs, Sequence) and not isinstance(xs, str) and all(
         isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in xs)
 
-
-def size(parts: Sequence) -> int:
-    """Bytes of a file given as parts (see `encode`)."""
-    return sum(memoryview(p).nbytes for p in parts)
