@@ -206,7 +206,10 @@ def main(argv: list[str] | None = None) -> int:
         from tracerl.train import MetricsLog, json_ready
 
         for d in map(Path, args.from_run):
-            dev, mode, seed = re.fullmatch(r"(cpu|cuda)-(\w+)-seed(\d+)", d.name).groups()
+            m = re.fullmatch(r"(cpu|cuda)-(\w+)-seed(\d+)", d.name)
+            if m is None or not (d / "train.jsonl").is_file():
+                p.error(f"--from-run {d}: needs a run directory named <cpu|cuda>-<mode>-seed<N> holding train.jsonl")
+            dev, mode, seed = m.groups()
             steps = MetricsLog(d / "train.jsonl").records()
             batches = [r for f in sorted(d.glob("rollout-*.jsonl")) for r in MetricsLog(f).records()]
             result = summarize(None, steps, batches)

@@ -72,7 +72,10 @@ def test_same_agreement_figures_as_the_demo(audited):
         a = audit["modes"][mode]
         for key in ("code_agreement", "scale_agreement", "router_flip_rate", "mean_abs_dlogp", "p99_abs_dlogp",
                     "max_abs_dlogp", "k3", "tokens"):
-            assert a[key] == pytest.approx(d[key], rel=1e-12, abs=0), (mode, key)
+            if d[key] is None:  # (the floor has no codes) pytest >= 9.2 refuses approx(None) with a tolerance
+                assert a[key] is None, (mode, key)
+            else:
+                assert a[key] == pytest.approx(d[key], rel=1e-12, abs=0), (mode, key)
         if d.get("mismatch_one_step_share") is not None:
             assert a["one_step_share"] == pytest.approx(d["mismatch_one_step_share"], rel=1e-12)
     # the hinted modes really differ from round-to-nearest here (the comparison is not between constants)
