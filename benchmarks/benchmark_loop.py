@@ -13,11 +13,15 @@ After the runs, the first run of the first mode is replayed from its checkpoint 
     python benchmarks/benchmark_loop.py --smoke               # tiny and short: checks the code paths
     python benchmarks/benchmark_loop.py --device cuda --seeds 0 --modes fp4_hints --replay-steps 10
                                                               # GPU: rollout on cuda:0, trainer on cuda:1
+    python benchmarks/benchmark_loop.py --device cuda --gpus 1 --seeds 0 --replay-steps 0
+                                                              # one GPU: both processes on cuda:0 ("cuda-1gpu")
 
 GPU model: the H200 fidelity runs' (hidden 2048, 40 layers, 32 experts top-4; benchmarks/benchmark_tracerl_h200.py)
-with the task's 10-token vocabulary, 8 prompts x 8 samples x 128 response tokens per step (a random-init policy over a 32K vocabulary would almost never emit a task
-symbol, leaving GRPO no signal); hints at the MoE input of the latter 20 layers. The trainer checkpoints only at
-step 0 (the replay's start; a full checkpoint of this model is ~60 GB) and keeps the 2 newest policy versions.
+with the task's 10-token vocabulary, 8 prompts (4 when both processes share one GPU) x 8 samples x 128 response
+tokens per step (micro-batches of 4096 tokens, 2048 on one GPU; a random-init policy over a 32K vocabulary would almost never emit a task symbol, leaving GRPO no
+signal); hints at the MoE input of the latter 20 layers. The trainer checkpoints only at step 0, the replay's start,
+and not at all with ``--replay-steps 0`` (a full checkpoint of this model is ~60 GB), and keeps the 2 newest policy
+versions.
 
 Results accumulate in the JSON at --out (runs keyed by mode, seed and device; re-running a key replaces it), so a
 GPU session can run one mode per command (``--merge A.json B.json --out C.json`` joins files from separate runs); the table covers every run in the file: per mode the median over seeds
@@ -56,16 +60,28 @@ MODES = ("fp4_hints", "fp4_rne_own_scales")
 
 def _settings(args) -> dict:
     """Model, task and batch settings of --smoke / CPU / GPU (the command line overrides steps and sizes)."""
-    if args.smoke:  # with --device cuda: the tiny model on cuda:0 / cuda:1 (checks the GPU code paths)
-        dev = ("cuda:0", "cuda:1") if args.device == "cuda" else ("cpu", "cpu")
+    if args.device == "cuda":
+        dev = ("cuda:0", "cuda:1") if args.gpus == 2 else ("cuda:0", "cuda:0")
+    else:
+        dev = ("cpu", "cpu")
+    if args.smoke:  # with --device cuda: the tiny model on the GPU(s) (checks the GPU code paths)
         return dict(spec=SMOKE_SPEC, response_len=8, groups=2, group=4, steps=3, hint_layers="all",
                     micro=256, lr=1e-3, rollout_device=dev[0], trainer_device=dev[1], extra_train=())
     if args.device == "cuda":
-        return dict(spec=GPU_SPEC, response_len=128, groups=8, group=8, steps=20, hint_layers="latter-half",
-                    micro=4096, lr=1e-5, rollout_device="cuda:0", trainer_device="cuda:1",
-                    extra_train=("--checkpoint-every", "1000000", "--keep-versions", "2"))
+        # a full checkpoint of this model is ~60 GB: only checkpoint 0, and only when the replay needs it (one H200's
+        # machine has a 64 GB disk)
+        every = "1000000" if args.replay_steps > 0 else "0"
+        two = args.gpus == 2
+        return dict(spec=GPU_SPEC, response_len=128, groups=8 if two else 4, group=8, steps=20, hint_layers="latter-half",
+                    micro=4096 if two else 2048, lr=1e-5, rollout_device=dev[0], trainer_device=dev[1],
+                    extra_train=("--checkpoint-every", every, "--keep-versions", "2"))
     return dict(spec=CPU_SPEC, response_len=16, groups=8, group=8, steps=20, hint_layers="latter-half",
                 micro=2048, lr=1e-3, rollout_device="cpu", trainer_device="cpu", extra_train=())
+
+
+def _device_label(args) -> str:
+    """cpu, cuda (rollout and trainer on two GPUs) or cuda-1gpu (both on one GPU)."""
+    return "cuda-1gpu" if args.device == "cuda" and args.gpus == 1 else args.device
 
 
 def _config(args, s: dict, mode: str, seed: int, run_dir: str) -> LoopConfig:
@@ -174,11 +190,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true",
                    help="tiny model, 3 steps (checks the code paths; on the GPUs with --device cuda)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                   help="cpu: both processes on the CPU; cuda: rollout on cuda:0, trainer on cuda:1")
+                   help="cpu: both processes on the CPU; cuda: rollout on cuda:0, trainer on cuda:1 (see --gpus)")
+    p.add_argument("--gpus", type=int, choices=(1, 2),
+                   help="with --device cuda: 2 puts the trainer on cuda:1, 1 puts both processes on cuda:0 (runs are "
+                        "then labelled cuda-1gpu, and a step trains 4 prompts instead of 8 by default); default: 2 when "
+                        "two GPUs are visible, else 1")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated QAT modes (default {','.join(MODES)})")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds; every mode runs once per seed")
     p.add_argument("--steps", type=int, help="policy updates per run (default 20; smoke 3)")
-    p.add_argument("--groups", type=int, help="prompts per step (default 8; smoke 2)")
+    p.add_argument("--groups", type=int, help="prompts per step (default 8; one GPU 4; smoke 2)")
     p.add_argument("--response-len", type=int, help="response tokens (default: CPU 16, GPU 128, smoke 8)")
     p.add_argument("--lr", type=float, help="AdamW learning rate (default: CPU 1e-3, GPU 1e-5, smoke 1e-3)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
@@ -193,10 +213,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="JSON results (default benchmarks/results/loop-<device>.json, smoke: "
                                  "loop-smoke.json in a temporary directory)")
     args = p.parse_args(argv)
+    if args.device == "cuda" and args.gpus is None and not (args.merge or args.from_run):
+        import torch
+
+        args.gpus = 2 if torch.cuda.device_count() >= 2 else 1
     s = _settings(args)
     modes = [m for m in args.modes.split(",") if m]
     seeds = [int(x) for x in args.seeds.split(",") if x]
-    device = args.device
+    device = _device_label(args)
     default_out = (Path(tempfile.gettempdir()) / f"loop-smoke-{device}.json" if args.smoke
                    else Path(__file__).resolve().parent / "results" / f"loop-{device}.json")
     out = Path(args.out) if args.out else default_out
@@ -206,9 +230,10 @@ def main(argv: list[str] | None = None) -> int:
         from tracerl.train import MetricsLog, json_ready
 
         for d in map(Path, args.from_run):
-            m = re.fullmatch(r"(cpu|cuda)-(\w+)-seed(\d+)", d.name)
+            m = re.fullmatch(r"(cpu|cuda|cuda-1gpu)-(\w+)-seed(\d+)", d.name)
             if m is None or not (d / "train.jsonl").is_file():
-                p.error(f"--from-run {d}: needs a run directory named <cpu|cuda>-<mode>-seed<N> holding train.jsonl")
+                p.error(f"--from-run {d}: needs a run directory named <cpu|cuda|cuda-1gpu>-<mode>-seed<N> holding "
+                        "train.jsonl")
             dev, mode, seed = m.groups()
             steps = MetricsLog(d / "train.jsonl").records()
             batches = [r for f in sorted(d.glob("rollout-*.jsonl")) for r in MetricsLog(f).records()]

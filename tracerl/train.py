@@ -64,7 +64,7 @@ from tracerl import checkpoint as ckpt
 from tracerl import fidelity, rl, weights
 from tracerl.config import TrainConfig
 from tracerl.engine import _sync
-from tracerl.errors import CheckpointCorruptError, ConfigError, FollowError
+from tracerl.errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, FollowError
 from tracerl.packing import dp_shard, pack_micro_batches, read_packed
 from tracerl.policy import NO_SITE, Policy, build_policy
 from tracerl.trainer import QATTrainer
@@ -915,7 +915,7 @@ def _train_steps(trainer, follower, checkpoints, weights_url, metrics, max_steps
             break
         m = trainer.step(taken, ready_since=ready_since)  # (also the trainer's last_metrics, kept by the checkpoint)
         m["follower"] = {"cursor": follower.cursor, "ready_groups": follower.ready, **dict(follower.counts)}
-        if trainer.step_num % cfg.checkpoint_every == 0:
+        if cfg.checkpoint_every and trainer.step_num % cfg.checkpoint_every == 0:
             trainer.save(checkpoints, follower, storage_options=storage_options)
         if trainer.rank == 0:
             metrics.append(m)
@@ -964,7 +964,12 @@ def start_or_resume(store: ts.Store, cfg: TrainConfig, *, checkpoints: str, weig
         trainer = GRPOTrainer(store, cfg, device=device, backend=backend)
         trainer.metrics_path = None if metrics.path is None else str(metrics.path.resolve())
         follower = Follower(store, cfg.group_size, cursor=cursor, max_open_groups=cfg.max_open_groups)
-        trainer.save(checkpoints, follower, storage_options=storage_options)
+        if cfg.checkpoint_every:
+            trainer.save(checkpoints, follower, storage_options=storage_options)
+        elif any(r.get("step", 0) > 0 for r in metrics.records()):
+            raise CheckpointNotFoundError(
+                f"no checkpoint at {checkpoints} but the metrics log {metrics.path} has trained steps: a run started "
+                "with checkpoint_every=0 cannot resume; start a new run (new metrics log and weights) or checkpoint")
         if trainer.rank == 0:
             metrics.truncate_after(0)
     else:

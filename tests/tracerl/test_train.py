@@ -16,7 +16,7 @@ from helpers import loop
 from helpers.store import rows
 from tracerl import checkpoint as ckpt
 from tracerl import weights
-from tracerl.errors import CheckpointCorruptError, FollowError
+from tracerl.errors import CheckpointCorruptError, CheckpointNotFoundError, FollowError
 from tracerl.policy import build_policy
 from tracerl.rollout import RolloutWorker, run_rollout
 from tracerl.train import Follower, GRPOTrainer, MetricsLog, param_digest, run_training, start_or_resume
@@ -246,3 +246,19 @@ def test_rollout_waits_loads_the_newest_version_and_stamps_it(store):
     assert versions == {0, 3}
     for t in reader.complete_traj_ids():  # every record of a trajectory carries its result's version
         assert reader.info(t).policy_versions == (reader.result(t).policy_version,)
+
+
+def test_checkpoint_every_0_never_checkpoints_and_refuses_to_restart(store, tmp_path):
+    """checkpoint_every=0 (throughput runs whose checkpoint does not fit): no checkpoint, not even step 0, training
+    and publication as usual; a restart on the same metrics log cannot resume and says so, changing nothing."""
+    ck, log = tmp_path / "ckpt", MetricsLog(tmp_path / "train.jsonl")
+    cfg = loop.train_cfg(checkpoint_every=0, max_staleness=5)
+    trainer, follower = start_or_resume(store, cfg, checkpoints=str(ck), weights_url=store.url, metrics=log)
+    _gen(store, 2, max_ahead=4)
+    assert run_training(trainer, follower, checkpoints=str(ck), weights_url=store.url, metrics=log, max_steps=2) == 2
+    assert [m["step"] for m in log.records()] == [1, 2] and weights.latest_version(store.url) == 2
+    assert not ck.exists() or not any(p.is_file() for p in ck.rglob("*"))
+    before = log.path.read_bytes()
+    with pytest.raises(CheckpointNotFoundError, match="cannot resume"):
+        start_or_resume(ts.open_store(store.url), cfg, checkpoints=str(ck), weights_url=store.url, metrics=log)
+    assert log.path.read_bytes() == before and weights.latest_version(store.url) == 2

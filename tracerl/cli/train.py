@@ -65,8 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-measure-stale", action="store_true",
                    help="measure the mismatch on on-policy groups only (default: also on stale groups, with their "
                         "version's kept weights, one extra forward without gradient)")
-    p.add_argument("--checkpoint-every", type=pos, default=_D.checkpoint_every, metavar="N",
-                   help="commit a checkpoint every N steps (default 1; a kill loses at most the steps since)")
+    p.add_argument("--checkpoint-every", type=nonneg, default=_D.checkpoint_every, metavar="N",
+                   help="commit a checkpoint every N steps (default 1; a kill loses at most the steps since); 0: never, "
+                        "not even step 0 (for throughput runs whose checkpoint does not fit; such a run cannot resume)")
     p.add_argument("--keep-checkpoints", type=pos, metavar="N", help="keep the N newest checkpoints and the first")
     p.add_argument("--keep-versions", type=pos, metavar="N", help="keep the N newest policy versions and version 0")
     p.add_argument("--weights", metavar="URL", help="where policy versions are published (default: STORE)")
@@ -160,9 +161,11 @@ def run(args: argparse.Namespace) -> int:
                      on_step=on_step)
         stopped = stop.is_set()
     if trainer.rank == 0:
+        every = trainer.cfg.checkpoint_every
+        where = (f"checkpoint {trainer.step_num if trainer.step_num % every == 0 else 'earlier'} in {args.checkpoints}"
+                 if every else "no checkpoints (--checkpoint-every 0)")
         console.log(f"trainer {'stopped' if stopped else 'done'} at step {trainer.step_num} (policy version "
-                    f"{trainer.version}); checkpoint {trainer.step_num if trainer.step_num % cfg.checkpoint_every == 0 else 'earlier'} "
-                    f"in {args.checkpoints}")
+                    f"{trainer.version}); {where}")
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
