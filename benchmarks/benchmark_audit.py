@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import tracefp4  # noqa: E402
 from tracerl.audit import AuditConfig, run_audit  # noqa: E402
+from tracerl.audit_plan import curve_rows  # noqa: E402
 from tracerl.config import DemoConfig  # noqa: E402
 from tracerl.demo import record_store  # noqa: E402
 
@@ -187,11 +188,10 @@ def print_coverage(cov: str, e: dict) -> None:
         print(f"  {k:32s} {v:.3e}")
     print(f"  {'total':32s} {ab['total']:.3e}  (residual {ab['residual']:.3e}, interaction {ab['interaction']:.3e}, "
           f"adds up within {a['tolerance']:.0%}: {a['adds_up']})")
-    print("planner curve (k, unit added, B/token, excess, x RNE):")
-    for c in p["curve"]:
-        ratio = "-" if c["excess_vs_rne"] is None else f"{c['excess_vs_rne']:.2f}x"
-        print(f"  {c['k']:3d} {(c['units'][-1] if c['units'] else '(none)'):24s} {c['bytes_per_token']:8d} "
-              f"{c['excess']:10.3e} {ratio:>7s}")
+    print("planner curve (k, unit added, B/token, excess, x RNE; units set aside last):")
+    for k, label, b, _, exc, r in curve_rows(p):
+        ratio = "-" if r is None else f"{r:.2f}x"
+        print(f"  {k:3d} {label:36s} {b:8d} {exc:10.3e} {ratio:>7s}")
     best = p["budget"]["best"]
     if best is not None:
         print(f"best at <= {p['budget']['bytes_per_token']} B/token: k={best['k']}, {best['bytes_per_token']} B/token, "

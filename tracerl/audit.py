@@ -30,7 +30,7 @@ Passes (names as in the JSON ``modes``, ``detail`` and ``attribution``):
 | ``fp4_hints_replay_routes`` | as fp4_hints | the rollout's (routing replay) |
 | ``exact:<group>`` | as fp4_hints, this and every earlier group exact (`audit_plan.attribution_order`) | the rollout's |
 | ``hint:<unit>`` | RNE everywhere, the unit's sites hinted (replay) | own |
-| ``curve:<k>`` | RNE everywhere, the first k ranked units hinted | own |
+| ``curve:<k>`` | RNE everywhere, k units hinted: the kept ones and the next in the ranking (or all) | own |
 
 JSON (``run_audit``'s result, ``tracerl audit --json``; stable keys, ``audit_format`` 1):
 
@@ -53,8 +53,10 @@ JSON (``run_audit``'s result, ``tracerl audit --json``; stable keys, ``audit_for
   (each: total, floor, parts, sum_of_parts, residual, interaction), dominant, adds_up, tolerance,
   exact_code_agreement (code agreement of the last pass at every FP4 site: 1.0 when "exact" is exact).
 - ``planner`` (null with ``planner=False``): units, ranking, curve (``[{k, units, sites, bytes_per_token,
-  mean_abs_dlogp, excess, excess_vs_rne}]``), rne_excess, store_coverage, budget (bytes_per_token, best),
-  target (null, or target_excess, meets, point, site_table).
+  mean_abs_dlogp, excess, excess_vs_rne}]``: k units hinted, the kept ones in order; the last point hints every
+  unit), rejected (the units set aside: the same keys plus ``unit``, measured on top of the units kept before
+  them), rne_excess, store_coverage, budget (bytes_per_token, best), target (null, or target_excess, meets,
+  point, site_table).
 - ``timing``: seconds, verify_s, setup_s, replay_s, floor_s, passes_s, curve_s, passes, micro_batches.
 - ``config``, ``machine``.
 """
@@ -778,7 +780,9 @@ class _Audit:
         self.timing["passes_s"] = sum(st.seconds for st in self.states.values())
 
     def curve(self) -> list[dict]:
-        """The planner's ranking and its measured curve (each prefix of the ranking one more pass)."""
+        """The planner's ranking and its measured curve: the units are tried in ranking order, each on top of the
+        units kept so far (one pass per unit); a unit whose pass does not lower the mean |dlogp| is set aside
+        (``self.rejected``), and when any was, one last pass hints every unit (the full-coverage point)."""
         s = self.s
         mean_abs = {name: am.dlogp_summary(st.log.column("dlogp"))["mean_abs_dlogp"]
                     for name, st in self.states.items()}
@@ -787,26 +791,30 @@ class _Audit:
         self.ranking = ap.rank_units(self.units, rne, {u.name: mean_abs[f"hint:{u.name}"] for u in self.units})
         by = {u.name: u for u in self.units}
         order = [by[r["unit"]] for r in self.ranking]
-        points = {0: rne, 1: mean_abs[f"hint:{order[0].name}"]} if order else {0: rne}
-        todo = [hint_pass(f"curve:{k}", order[:k]) for k in range(2, len(order) + 1)]
-        phase = "coverage curve (micro-batches x prefixes)"
-        total = self.n_mb * len(todo)
+        phase = "coverage curve (units tried on top of the kept ones)"
+        total = self.n_mb * len(order)  # at most: the first unit's pass is its hint pass, a full one may follow
         self.step(phase, 0, max(total, 1))
         done = 0
         t0 = time.perf_counter()
-        for spec in todo:
-            st = _PassState(spec, am.TokenLog(), None, {})
+        self.curve_passes = 0
+
+        def measure(units: list[ap.SiteGroup]) -> float:
+            nonlocal done
+            st = _PassState(hint_pass(f"curve:{len(units)}", units), am.TokenLog(), None, {})
             for rep, light in self.replays:
                 _use_weights(s, self.store.url, rep.trajs[0].version, self.published, self.cfg.storage_options)
                 for packed in light:
                     _run_pass(s, _MicroBatch(s, rep, packed), st)
                     done += 1
                     self.step(phase, done, total)
-            points[int(spec.name.split(":")[1])] = am.dlogp_summary(st.log.column("dlogp"))["mean_abs_dlogp"]
-        self.step(phase, max(total, 1), max(total, 1))
+            self.curve_passes += 1
+            return am.dlogp_summary(st.log.column("dlogp"))["mean_abs_dlogp"]
+
+        first = mean_abs[f"hint:{order[0].name}"] if order else None
+        points, self.rejected = ap.greedy_curve(order, rne, floor, first, measure)
+        self.step(phase, max(done, 1), max(done, 1))
         self.timing["curve_s"] = time.perf_counter() - t0
-        self.curve_passes = len(todo)
-        return [ap.curve_point(k, order[:k], points[k], floor, rne - floor) for k in sorted(points)]
+        return points
 
     def result(self) -> dict[str, Any]:
         s, cfg = self.s, self.cfg
@@ -900,7 +908,7 @@ class _Audit:
             target = {"target_excess": cfg.target_excess, "meets": point is not None, "point": point,
                       "site_table": table}
         return {"units": [u.to_json() for u in self.units], "ranking": self.ranking, "curve": curve,
-                "rne_excess": rne_excess,
+                "rejected": self.rejected, "rne_excess": rne_excess,
                 "store_coverage": {"bytes_per_token": store_bytes, "excess": modes[AUDITED_MODE]["excess_over_floor"],
                                    "excess_vs_rne": (modes[AUDITED_MODE]["excess_over_floor"] / rne_excess
                                                      if rne_excess and rne_excess > 0 else None)},

@@ -16,6 +16,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from tracerl import audit_plan as ap
 from tracerl.audit_report import fmt
 from tracerl.errors import ConfigError
 
@@ -119,7 +120,11 @@ def plot_curve(plt, result: Mapping[str, Any]) -> str:
     fig, ax = plt.subplots(figsize=(7, 3.8))
     curve = p["curve"]
     ax.plot([c["bytes_per_token"] for c in curve], [c["excess"] for c in curve], "o-", color="#1f77b4",
-            label="ranked coverage (measured)")
+            label="kept units (measured)")
+    rejected = p.get("rejected") or []
+    if rejected:
+        ax.plot([r["bytes_per_token"] for r in rejected], [r["excess"] for r in rejected], "x", color="#d62728",
+                ms=8, label="unit set aside (measured)")
     sc = p["store_coverage"]
     ax.plot([sc["bytes_per_token"]], [sc["excess"]], "*", ms=14, color="#2ca02c", label="the store's coverage")
     ax.axhline(p["rne_excess"], color=COLORS["fp4_rne_own_scales"], ls=":", label="round-to-nearest")
@@ -201,13 +206,14 @@ def _sections(result: Mapping[str, Any], plt) -> list[str]:
                    f"{fmt(a['exact_code_agreement'], 'pct')}.</p>")
     p = result["planner"]
     if p is not None:
-        rows = [[c["k"], c["units"][-1] if c["units"] else "(none: round-to-nearest)", f"{c['bytes_per_token']:,}",
-                 fmt(c["mean_abs_dlogp"]), fmt(c["excess"]), fmt(c["excess_vs_rne"], "x")] for c in p["curve"]]
+        rows = [[k, label, f"{b:,}", fmt(m), fmt(e), fmt(r, "x")] for k, label, b, m, e, r in ap.curve_rows(p)]
         best = p["budget"]["best"]
         note = (f"best measured at <= {p['budget']['bytes_per_token']:,} B/token: k={best['k']}, "
                 f"{best['bytes_per_token']:,} B/token, excess {fmt(best['excess'])} "
                 f"({fmt(best['excess_vs_rne'], 'x')} round-to-nearest's). " if best else "")
-        note += ("Excess is mean |dlogp| minus the bf16 floor's; it can go below zero: FP4 values that follow the "
+        note += ("Units are tried in order of gain per byte, each on top of the units kept before it, and kept "
+                 "only when the measured mean |dlogp| falls; units set aside are listed with their measured point. "
+                 "Excess is mean |dlogp| minus the bf16 floor's; it can go below zero: FP4 values that follow the "
                  "rollout's snap the trainer's activations to the rollout's and absorb path noise that the bf16 "
                  "floor carries to the logits.")
         out.append("<h2>Coverage planner</h2>" + _table(["k", "unit added", "B/token", "mean |dlogp|", "excess",

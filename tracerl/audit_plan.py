@@ -47,8 +47,11 @@ Units are (kind, layer band) groups of FP4 sites regardless of what the store hi
 and scale bytes per token (W/8 + W/16 per site of width W). The planner starts from round-to-nearest with own
 scales everywhere (``fp4_rne_own_scales``, nothing hinted) and measures, per unit, the mean |dlogp| with only
 that unit hinted (hints and scales from the replayed rollout: exactly what a rollout that recorded them would
-have stored). Units are ranked by gain per byte; the curve is measured at every prefix of the ranking
-(k = 0 .. K units hinted), so each point is a measured excess, not an estimate. ``--target-excess X`` picks the
+have stored). Units are ranked by gain per byte. The curve is built greedily and measured at every step: each
+unit in ranking order is tried on top of the units kept so far and kept only if the mean |dlogp| falls (units
+overlap: hints at a layer's MoE input fix most of its down-projection input, so a unit good alone can add
+nothing after another); units set aside are reported with their measured point, and a last pass hints every
+unit. Each point is a measured excess, not an estimate (one recompute pass per unit, plus one). ``--target-excess X`` picks the
 cheapest measured point with excess <= X and prints its sites as a site table (`site_table`) that
 ``tracestore create --site-table`` accepts and that the rollout side turns into a site plan with
 `hint_sites_from_table` (``plan_sites(model, hint_sites=hint_sites_from_table(table))``).
@@ -58,7 +61,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -194,6 +197,44 @@ def curve_point(k: int, units: Sequence[SiteGroup], mean_abs: float, floor: floa
     return {"k": k, "units": [u.name for u in units], "sites": sites,
             "bytes_per_token": sum(u.bytes_per_token for u in units), "mean_abs_dlogp": mean_abs,
             "excess": excess, "excess_vs_rne": excess / rne_excess if rne_excess > 0 else None}
+
+
+def greedy_curve(order: Sequence[SiteGroup], rne: float, floor: float, first: float | None,
+                 measure: Callable[[list[SiteGroup]], float]) -> tuple[list[dict], list[dict]]:
+    """The measured coverage curve: ``order`` (units, best ranked first) tried one at a time on top of the units
+    kept so far; a unit is kept when the mean |dlogp| ``measure(units)`` gives falls below the last kept point's,
+    else set aside. ``rne``: mean |dlogp| with nothing hinted; ``first``: the first unit's, already measured
+    (its hint pass; None: measured here); ``floor``: the floor's. When a unit was set aside, a last point hints
+    every unit. Returns (curve points, units set aside: `curve_point` keys plus ``unit``)."""
+    points = [curve_point(0, [], rne, floor, rne - floor)]
+    rejected: list[dict] = []
+    kept: list[SiteGroup] = []
+    for i, u in enumerate(order):
+        m = first if i == 0 and first is not None else measure(kept + [u])
+        if m < points[-1]["mean_abs_dlogp"]:
+            kept.append(u)
+            points.append(curve_point(len(kept), kept, m, floor, rne - floor))
+        else:
+            rejected.append({**curve_point(len(kept) + 1, kept + [u], m, floor, rne - floor), "unit": u.name})
+    if rejected:
+        points.append(curve_point(len(order), list(order), measure(list(order)), floor, rne - floor))
+    return points, rejected
+
+
+def curve_rows(planner: Mapping[str, Any]) -> list[tuple[int, str, int, float, float, float | None]]:
+    """The planner's measured points as table rows (k, what the point adds, bytes per token, mean |dlogp|, excess,
+    excess / RNE's): the curve (kept units; "(every unit)" for the full-coverage point after units were set aside),
+    then each unit set aside, measured on top of the units kept before it."""
+    rejected = planner.get("rejected") or []
+    rows = []
+    for i, c in enumerate(planner["curve"]):
+        label = ("(none: round-to-nearest)" if not c["units"] else
+                 "(every unit)" if rejected and i == len(planner["curve"]) - 1 else c["units"][-1])
+        rows.append((c["k"], label, c["bytes_per_token"], c["mean_abs_dlogp"], c["excess"], c["excess_vs_rne"]))
+    for r in rejected:
+        rows.append((r["k"], f"set aside: {r['unit']}", r["bytes_per_token"], r["mean_abs_dlogp"], r["excess"],
+                     r["excess_vs_rne"]))
+    return rows
 
 
 def plan_for_target(curve: Sequence[Mapping], target_excess: float) -> Mapping | None:

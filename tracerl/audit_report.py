@@ -9,6 +9,8 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from tracerl import audit_plan as ap
+
 #: by-position rows and trajectories shown on the terminal (all of them are in --json / --html)
 MAX_POSITION_ROWS = 16
 MAX_TRAJECTORY_ROWS = 8
@@ -126,8 +128,7 @@ def planner_table(result: Mapping[str, Any]):
     p = result["planner"]
     cols = [("k", None), ("unit added", None), ("B/token", "int"), ("mean |dlogp|", "sci"), ("excess", "sci"),
             ("vs RNE", "x")]
-    rows = [[c["k"], c["units"][-1] if c["units"] else "(none: RNE, own scales)", c["bytes_per_token"],
-             c["mean_abs_dlogp"], c["excess"], c["excess_vs_rne"]] for c in p["curve"]]
+    rows = [list(r) for r in ap.curve_rows(p)]
     sc, best = p["store_coverage"], p["budget"]["best"]
     caption = (f"store's coverage: {sc['bytes_per_token']:,} B/token, excess {fmt(sc['excess'])} "
                f"({fmt(sc['excess_vs_rne'], 'x')} RNE's). ")
@@ -140,8 +141,8 @@ def planner_table(result: Mapping[str, Any]):
         caption += (f"Target excess {t['target_excess']:g}: " +
                     (f"k={t['point']['k']}, {t['point']['bytes_per_token']:,} B/token" if t["meets"] else
                      "not reached by any measured point"))
-    return _table("coverage planner: units ranked by gain per byte, excess measured at every prefix", cols, rows,
-                  caption)
+    return _table("coverage planner: units in order of gain per byte, each kept if it lowers the measured excess",
+                  cols, rows, caption)
 
 
 def render_terminal(result: Mapping[str, Any]) -> list[Any]:

@@ -209,18 +209,27 @@ def test_attribution_parts_add_up(audited):
 
 
 def test_planner_curve_is_measured(audited):
-    """The curve starts at round-to-nearest (nothing hinted), adds one ranked unit per point up to every FP4
-    site, and every point is a measured pass; a point that hints exactly the store's sites (hints derived from the
-    replay) measures what the store's own hints give."""
+    """The curve starts at round-to-nearest (nothing hinted), tries the units in ranking order and keeps each that
+    lowers the measured mean |dlogp|, ends at every FP4 site, and every point is a measured pass; a point that
+    hints exactly the store's sites (hints derived from the replay) measures what the store's own hints give."""
     _, audit, _, _ = audited
     p, modes = audit["planner"], audit["modes"]
-    curve, units = p["curve"], p["units"]
-    assert [c["k"] for c in curve] == list(range(len(units) + 1)) and len(p["ranking"]) == len(units)
+    curve, units, rejected = p["curve"], p["units"], p["rejected"]
+    assert len(p["ranking"]) == len(units) and curve[0]["k"] == 0 and curve[-1]["k"] == len(units)
     assert curve[0]["sites"] == [] and curve[0]["mean_abs_dlogp"] == modes["fp4_rne_own_scales"]["mean_abs_dlogp"]
     assert curve[0]["excess"] == pytest.approx(modes["fp4_rne_own_scales"]["excess_over_floor"], rel=1e-12)
     assert sorted(curve[-1]["sites"]) == sorted(audit["store"]["fp4_sites"])
     assert curve[-1]["bytes_per_token"] == sum(u["bytes_per_token"] for u in units)
     assert all(a["bytes_per_token"] < b["bytes_per_token"] for a, b in zip(curve, curve[1:]))
+    kept = curve[:-1] if rejected else curve  # (the full-coverage point follows the kept ones when units were set aside)
+    assert all(b["mean_abs_dlogp"] < a["mean_abs_dlogp"] for a, b in zip(kept, kept[1:]))
+    assert all(b["units"][:-1] == a["units"] for a, b in zip(kept, kept[1:]))  # each point adds one unit
+    order = [r["unit"] for r in p["ranking"]]
+    tried = [c["units"][-1] for c in kept[1:]] + [r["unit"] for r in rejected]
+    assert sorted(tried, key=order.index) == order  # every unit tried once: kept or set aside
+    for r in rejected:  # measured on top of the units kept before it, and no better than them
+        before = next(c for c in kept if c["units"] == r["units"][:-1])
+        assert r["units"][-1] == r["unit"] and r["mean_abs_dlogp"] >= before["mean_abs_dlogp"]
     assert p["store_coverage"]["excess"] == modes["fp4_hints"]["excess_over_floor"]
     assert p["store_coverage"]["bytes_per_token"] == audit["store"]["hint_bytes_per_token"]
     for c in curve:

@@ -8,7 +8,10 @@ from tracerl.audit_plan import (
     attribute,
     attribution_groups,
     attribution_order,
+    SiteGroup,
     best_under_budget,
+    curve_rows,
+    greedy_curve,
     hint_sites_from_table,
     layer_bands,
     plan_for_target,
@@ -95,3 +98,34 @@ def test_hint_sites_from_table():
     for bad in ({}, {"sites": []}, [{"width": 3}], "x"):
         with pytest.raises(ConfigError):
             hint_sites_from_table(bad)
+
+
+def test_greedy_curve_sets_aside_a_unit_that_adds_nothing_after_the_kept_ones():
+    """Units overlap: B is good alone but adds nothing after A (as a layer's MoE down-projection input after its
+    MoE input). The curve keeps A, sets B aside (measured on top of A), keeps C, and ends with every unit; each
+    measured set is asked for once, in ranking order."""
+    u = {n: SiteGroup(n, "moe_input", None, (0, 0), (f"s{n}",), 100) for n in "ABC"}
+    value = {("A",): 6.0, ("A", "B"): 6.5, ("A", "C"): 4.0, ("A", "B", "C"): 4.2}
+    asked = []
+
+    def measure(units):
+        key = tuple(x.name for x in units)
+        asked.append(key)
+        return value[key]
+
+    curve, rejected = greedy_curve([u["A"], u["B"], u["C"]], rne=10.0, floor=1.0, first=6.0, measure=measure)
+    assert asked == [("A", "B"), ("A", "C"), ("A", "B", "C")]
+    assert [(c["k"], c["units"], c["bytes_per_token"], c["mean_abs_dlogp"]) for c in curve] == [
+        (0, [], 0, 10.0), (1, ["A"], 100, 6.0), (2, ["A", "C"], 200, 4.0), (3, ["A", "B", "C"], 300, 4.2)]
+    assert curve[1]["excess"] == 5.0 and curve[1]["excess_vs_rne"] == pytest.approx(5 / 9)
+    assert [(r["unit"], r["k"], r["units"], r["mean_abs_dlogp"]) for r in rejected] == [("B", 2, ["A", "B"], 6.5)]
+    labels = [r[1] for r in curve_rows({"curve": curve, "rejected": rejected})]
+    assert labels == ["(none: round-to-nearest)", "A", "C", "(every unit)", "set aside: B"]
+    # nothing set aside: no extra pass, the last kept point is the full coverage
+    asked.clear()
+    value[("A", "B")] = 5.0
+    value[("A", "B", "C")] = 3.0
+    curve, rejected = greedy_curve([u["A"], u["B"], u["C"]], rne=10.0, floor=1.0, first=None, measure=measure)
+    assert asked == [("A",), ("A", "B"), ("A", "B", "C")] and rejected == []
+    assert [c["units"] for c in curve][-1] == ["A", "B", "C"]
+    assert [r[1] for r in curve_rows({"curve": curve, "rejected": []})][-1] == "C"
