@@ -18,10 +18,10 @@ After the runs, the first run of the first mode is replayed from its checkpoint 
 
 GPU model: the H200 fidelity runs' (hidden 2048, 40 layers, 32 experts top-4; benchmarks/benchmark_tracerl_h200.py)
 with the task's 10-token vocabulary, 8 prompts (4 when both processes share one GPU) x 8 samples x 128 response
-tokens per step (micro-batches of 4096 tokens, 2048 on one GPU; a random-init policy over a 32K vocabulary would almost never emit a task symbol, leaving GRPO no
-signal); hints at the MoE input of the latter 20 layers. The trainer checkpoints only at step 0, the replay's start,
-and not at all with ``--replay-steps 0`` (a full checkpoint of this model is ~60 GB), and keeps the 2 newest policy
-versions.
+tokens per step, micro-batches of 4096 tokens (2048 on one GPU) (a random-init policy over a 32K vocabulary would
+almost never emit a task symbol, leaving GRPO no signal); hints at the MoE input of the latter 20 layers. The
+trainer checkpoints only at step 0, the replay's start, and not at all with ``--replay-steps 0`` (a full
+checkpoint of this model is ~60 GB), and keeps the 2 newest policy versions.
 
 Results accumulate in the JSON at --out (runs keyed by mode, seed and device; re-running a key replaces it), so a
 GPU session can run one mode per command (``--merge A.json B.json --out C.json`` joins files from separate runs); the table covers every run in the file: per mode the median over seeds
@@ -89,9 +89,11 @@ def _config(args, s: dict, mode: str, seed: int, run_dir: str) -> LoopConfig:
         run_dir=run_dir, steps=args.steps or s["steps"], rollouts=1,
         task={"name": "target-set", "alphabet": 8, "prompt_len": 3, "response_len": args.response_len or s["response_len"]},
         spec=s["spec"], hint_layers=s["hint_layers"], mode=mode, groups_per_step=args.groups or s["groups"],
-        group_size=s["group"], lr=args.lr or s["lr"], max_staleness=1, max_ahead=2, micro_batch_tokens=s["micro"],
+        group_size=s["group"], lr=args.lr or s["lr"], max_staleness=1, max_ahead=2,
+        micro_batch_tokens=args.micro_batch_tokens or s["micro"],
         record_codes=True, seed=seed, rollout_device=s["rollout_device"], trainer_device=s["trainer_device"],
-        threads=args.threads, extra_train_args=tuple(s["extra_train"]))
+        threads=args.threads, extra_train_args=tuple(s["extra_train"]) + (
+            () if args.read_ahead_mb is None else ("--read-ahead-mb", str(args.read_ahead_mb))))
 
 
 def _med(xs: list) -> str:
@@ -200,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, help="policy updates per run (default 20; smoke 3)")
     p.add_argument("--groups", type=int, help="prompts per step (default 8; one GPU 4; smoke 2)")
     p.add_argument("--response-len", type=int, help="response tokens (default: CPU 16, GPU 128, smoke 8)")
+    p.add_argument("--micro-batch-tokens", type=int,
+                   help="trainer micro-batch tokens (default: CPU 2048, GPU 4096, one GPU 2048, smoke 256)")
+    p.add_argument("--read-ahead-mb", type=int,
+                   help="the trainer's --read-ahead-mb (default: the trainer's, 256; 0 reads one micro-batch at a time)")
     p.add_argument("--lr", type=float, help="AdamW learning rate (default: CPU 1e-3, GPU 1e-5, smoke 1e-3)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
     p.add_argument("--replay-steps", type=int, default=10,

@@ -110,6 +110,10 @@ class TrainConfig:
     #: measure the mismatch of stale groups too: keep the last ``max_staleness`` versions' bf16 weights and run one
     #: extra forward (no gradient) with the generating version's weights per micro-batch that holds such groups
     measure_stale: bool = True
+    #: a step's micro-batches are read from the store ahead of their forward/backward while the batches read and not
+    #: yet trained hold at most this many bytes (at least one is always read): a step's batch is in the trainer's
+    #: memory as soon as the store delivers it instead of one micro-batch at a time between computations
+    read_ahead_bytes: int = 256 << 20
     #: commit a checkpoint every N steps; 0 never checkpoints (not even step 0: for throughput runs where a checkpoint
     #: does not fit on the disk; such a trainer cannot resume and refuses to start on a run that already trained)
     checkpoint_every: int = 1
@@ -125,7 +129,7 @@ class TrainConfig:
         if self.mode not in QAT_MODES:
             raise ConfigError(f"mode={self.mode!r}; supported: {', '.join(QAT_MODES)}")
         for name, lo in (("groups_per_step", 1), ("group_size", 2), ("micro_batch_tokens", 1), ("max_staleness", 0),
-                         ("max_open_groups", 1), ("checkpoint_every", 0), ("seed", 0)):
+                         ("max_open_groups", 1), ("checkpoint_every", 0), ("read_ahead_bytes", 0), ("seed", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < lo:
                 raise ConfigError(f"{name}={value!r}: must be an integer >= {lo}")

@@ -49,7 +49,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -65,7 +65,7 @@ from tracerl import fidelity, rl, weights
 from tracerl.config import TrainConfig
 from tracerl.engine import _sync
 from tracerl.errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, FollowError
-from tracerl.packing import dp_shard, pack_micro_batches, read_packed
+from tracerl.packing import MicroBatch, PackedHints, dp_shard, pack_micro_batches, read_packed
 from tracerl.policy import NO_SITE, Policy, build_policy
 from tracerl.trainer import QATTrainer
 
@@ -630,15 +630,12 @@ class GRPOTrainer:
         acc = _StepAccumulator()
         read_s = fwd_s = 0.0
         acc.read = list(dict.fromkeys(seg.traj_id for mb in mine for seg in mb.segments))
-        for mb in mine:
-            t0 = time.perf_counter()
-            packed = read_packed(source, mb, self.read_sites, read_kwargs={"fmt": "numpy"})
-            t_loaded = time.time()
-            for seg in mb.segments:
+        for packed, t_loaded, secs in read_ahead(source, mine, self.read_sites, cfg.read_ahead_bytes):
+            for seg in packed.segments:
                 acc.lag.setdefault(seg.traj_id, t_loaded - by_id[seg.traj_id].committed_unix)
             t1 = time.perf_counter()
             self._micro_batch(packed, by_id, adv_of, n_resp, acc)
-            read_s += t1 - t0
+            read_s += secs
             fwd_s += time.perf_counter() - t1
         t_reduce = time.perf_counter()
         totals = self._reduce(acc)
@@ -879,6 +876,41 @@ class _StepAccumulator:
                 self.maxs[k] = max(self.maxs.get(k, v), v)
             else:
                 self.sums[k] += v * n
+
+
+def packed_nbytes(packed: PackedHints) -> int:
+    """Bytes of a micro-batch's arrays (token ids, positions, log-probs, hints, scales, experts)."""
+    arrays = [packed.cu_seqlens, packed.token_ids, packed.positions, packed.logprobs,
+              *packed.hints.values(), *packed.scales.values(), *packed.experts.values()]
+    return sum(int(a.nbytes) for a in arrays)
+
+
+def read_ahead(source: Any, mbs: Sequence[MicroBatch], sites: Sequence[str],
+               cap_bytes: int) -> Iterator[tuple[PackedHints, float, float]]:
+    """Yield ``(packed, loaded_unix, read_seconds)`` for each micro-batch of ``mbs`` in order, reading ahead of
+    the consumer: before each yield, further micro-batches are read while those read and not yet yielded hold at
+    most ``cap_bytes`` (at least one is always read). With the default cap a step's whole batch is read before its
+    first forward, so its lag is the store's, not the time the trainer computes on earlier micro-batches."""
+    queue: collections.deque = collections.deque()
+    held = 0
+    it = iter(mbs)
+    more = True
+    while True:
+        while more and (not queue or held < cap_bytes):
+            mb = next(it, None)
+            if mb is None:
+                more = False
+                break
+            t0 = time.perf_counter()
+            packed = read_packed(source, mb, sites, read_kwargs={"fmt": "numpy"})
+            n = packed_nbytes(packed)
+            queue.append((packed, time.time(), time.perf_counter() - t0, n))
+            held += n
+        if not queue:
+            return
+        packed, loaded, secs, n = queue.popleft()
+        held -= n
+        yield packed, loaded, secs
 
 
 # ----------------------------------------------------------------------------------------------- the loop

@@ -262,3 +262,60 @@ def test_checkpoint_every_0_never_checkpoints_and_refuses_to_restart(store, tmp_
     with pytest.raises(CheckpointNotFoundError, match="cannot resume"):
         start_or_resume(ts.open_store(store.url), cfg, checkpoints=str(ck), weights_url=store.url, metrics=log)
     assert log.path.read_bytes() == before and weights.latest_version(store.url) == 2
+
+
+def test_read_ahead_reads_a_step_before_its_first_forward_and_trains_the_same_bits(store, tmp_path):
+    """With the default read-ahead every micro-batch of a step is read before the first is trained (the batch is
+    in the trainer's memory when the store delivers it: no lag from computing earlier micro-batches), with 0 one
+    at a time between computations; the byte cap bounds what is held; training is the same to the last bit."""
+    from tracerl.packing import pack_micro_batches
+    from tracerl.train import packed_nbytes, read_ahead
+
+    _publish_init(store)
+    _gen(store, 1, max_ahead=4)
+    reader = ts.open_store(store.url).reader()
+    ids = reader.complete_traj_ids()
+    mbs = pack_micro_batches({t: reader.info(t).num_tokens for t in ids}, 16)
+    assert len(mbs) >= 3
+    sites = list(store.sites)
+    events = []
+
+    class Counting:
+        def read(self, *a, **kw):
+            events.append("read")
+            return reader.read(*a, **kw)
+
+    def trace(cap):
+        events.clear()
+        out = []
+        for packed, _, secs in read_ahead(Counting(), mbs, sites, cap):
+            events.append("train")
+            out.append((packed, secs))
+        return list(events), out
+
+    ev_all, got = trace(1 << 30)
+    n_reads = ev_all.index("train")
+    assert n_reads == ev_all.count("read") and ev_all.count("train") == len(mbs)  # every read before the first
+    ev_one, got_one = trace(0)
+    assert ev_one[ev_one.index("train"):].count("read") > 0  # reads between computations
+    assert [ [s.traj_id for s in p.segments] for p, _ in got] == [[s.traj_id for s in p.segments] for p, _ in got_one]
+    for (a, _), (b, _) in zip(got, got_one):
+        assert packed_nbytes(a) == packed_nbytes(b) and np.array_equal(a.token_ids, b.token_ids)
+    cap = packed_nbytes(got[0][0]) + 1  # room for about one more micro-batch: reads stay about one ahead
+    ev_cap, _ = trace(cap)
+    assert ev_cap.index("train") < n_reads
+
+    digests = []
+    for cap in (256 << 20, 0):
+        d = tmp_path / str(cap)
+        url = str(d / "store")
+        loop.create(url)
+        st = ts.open_store(url)
+        log = MetricsLog(d / "train.jsonl")
+        trainer, follower = start_or_resume(st, loop.train_cfg(micro_batch_tokens=16, read_ahead_bytes=cap,
+                                                                max_staleness=5),
+                                            checkpoints=str(d / "ck"), weights_url=url, metrics=log)
+        _gen(st, 2, max_ahead=4)
+        run_training(trainer, follower, checkpoints=str(d / "ck"), weights_url=url, metrics=log, max_steps=2)
+        digests.append([(m["digest"], m["loss"]) for m in log.records()])
+    assert digests[0] == digests[1] and len(digests[0]) == 2

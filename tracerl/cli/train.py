@@ -73,6 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", metavar="URL", help="where policy versions are published (default: STORE)")
     p.add_argument("--no-publish", action="store_true", help="do not publish policy versions")
     p.add_argument("--cursor", help="a fresh trainer follows the store from this stream cursor (default: the beginning)")
+    p.add_argument("--read-ahead-mb", type=nonneg, default=_D.read_ahead_bytes >> 20, metavar="MB",
+                   help="read a step's micro-batches ahead of their forward/backward up to this many MB held "
+                        f"(default {_D.read_ahead_bytes >> 20}; 0: one micro-batch at a time)")
     p.add_argument("--seed", type=nonneg, default=_D.seed, metavar="N", help="seed of torch's RNG (default 0)")
     p.add_argument("--no-deterministic", action="store_true",
                    help="allow nondeterministic kernels (replay is then not bitwise)")
@@ -88,7 +91,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         max_staleness=args.max_staleness, code_agreement=not args.no_code_agreement,
         measure_stale=not args.no_measure_stale,
         checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
-        keep_versions=args.keep_versions, seed=args.seed, deterministic=not args.no_deterministic)
+        keep_versions=args.keep_versions, read_ahead_bytes=args.read_ahead_mb << 20, seed=args.seed,
+        deterministic=not args.no_deterministic)
     cfg.check()
     return cfg
 
