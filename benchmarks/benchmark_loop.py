@@ -93,7 +93,14 @@ def _config(args, s: dict, mode: str, seed: int, run_dir: str) -> LoopConfig:
         micro_batch_tokens=args.micro_batch_tokens or s["micro"],
         record_codes=True, seed=seed, rollout_device=s["rollout_device"], trainer_device=s["trainer_device"],
         threads=args.threads, extra_train_args=tuple(s["extra_train"]) + (
-            () if args.read_ahead_mb is None else ("--read-ahead-mb", str(args.read_ahead_mb))))
+            () if args.read_ahead_mb is None else ("--read-ahead-mb", str(args.read_ahead_mb))) + (
+            ("--time-phases",) if _time_phases(args) else ()))
+
+
+def _time_phases(args) -> bool:
+    """The trainer times its phases on the GPU by default (a few device syncs per micro-batch, next to the host
+    reads of log-probs and codes the trainer makes anyway), on the CPU only when asked."""
+    return args.time_phases if args.time_phases is not None else args.device == "cuda"
 
 
 def _med(xs: list) -> str:
@@ -206,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="trainer micro-batch tokens (default: CPU 2048, GPU 4096, one GPU 2048, smoke 256)")
     p.add_argument("--read-ahead-mb", type=int,
                    help="the trainer's --read-ahead-mb (default: the trainer's, 256; 0 reads one micro-batch at a time)")
+    p.add_argument("--time-phases", action=argparse.BooleanOptionalAction,
+                   help="the trainer's --time-phases: seconds per phase of each step in the results (default: on "
+                        "with --device cuda)")
     p.add_argument("--lr", type=float, help="AdamW learning rate (default: CPU 1e-3, GPU 1e-5, smoke 1e-3)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
     p.add_argument("--replay-steps", type=int, default=10,
@@ -284,6 +294,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {time.time() - t0:.0f}s: reward {sm['reward_start']:.3f} -> {sm['reward_end']:.3f}, lag median "
                   f"{sm['lag_s_median']:.2f}s p99 {sm['lag_s_p99']:.2f}s, code agreement {sm['code_agreement_median']}, "
                   f"mean |dlogp| {sm['mismatch_mean_abs_dlogp_median']}", flush=True)
+            if sm.get("phases_s_median"):
+                print("  trainer step phases, median s: " + ", ".join(f"{k} {v:.3f}" for k, v in
+                                                                   sm["phases_s_median"].items())
+                      + f" (step {sm['step_s_median']:.3f})", flush=True)
             doc["runs"][name] = {"device": device, "mode": mode, "seed": seed, "result": result, "replay": None,
                                  "run_dir": run_dir if args.keep else None, "code": code,
                                  "command": " ".join(sys.argv)}

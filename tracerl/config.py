@@ -114,6 +114,10 @@ class TrainConfig:
     #: yet trained hold at most this many bytes (at least one is always read): a step's batch is in the trainer's
     #: memory as soon as the store delivers it instead of one micro-batch at a time between computations
     read_ahead_bytes: int = 256 << 20
+    #: time the phases of a step (forward, backward, mismatch measurement, stale forwards, optimizer, weight
+    #: history) in ``phases_s`` of its metrics, waiting for the device at each phase boundary (a few syncs per
+    #: micro-batch: for finding where a step's time goes, off by default)
+    time_phases: bool = False
     #: commit a checkpoint every N steps; 0 never checkpoints (not even step 0: for throughput runs where a checkpoint
     #: does not fit on the disk; such a trainer cannot resume and refuses to start on a run that already trained)
     checkpoint_every: int = 1

@@ -299,6 +299,7 @@ def summarize(cfg: LoopConfig | None, steps: list[dict], batches: list[dict]) ->
              "policy_versions": m["policy_versions"], "trainer_tokens_per_s": m["tokens_per_s"],
              "lag_s_median": m["lag_s_median"], "stale_groups": m["stale_groups"], "loss": m.get("loss"),
              "grad_norm": m["grad_norm"], "digest": m["digest"],
+             **{key: m.get(key) for key in ("step_s", "read_s", "compute_s", "reduce_s", "phases_s")},
              **{f"mismatch_{key}": m["mismatch"].get(key) for key in
                 ("mean_abs_dlogp", "k3", "code_agreement", "tokens", "p99_abs_dlogp", "max_abs_dlogp")}}
             for m in steps]
@@ -319,6 +320,10 @@ def summarize(cfg: LoopConfig | None, steps: list[dict], batches: list[dict]) ->
         "code_agreement_median": _median(r["mismatch_code_agreement"] for r in rows),
         "stale_groups": sum(r["stale_groups"] for r in rows),
         "rollout_batches": len(batches),
+        "step_s_median": _median(r["step_s"] for r in rows),
+        # with the trainer's time_phases: the median seconds of each phase of a step
+        "phases_s_median": {k: _median((r["phases_s"] or {}).get(k) for r in rows)
+                            for k in sorted({k for r in rows for k in (r["phases_s"] or {})})} or None,
     }
     return _nan_none({"config": None if cfg is None else dataclasses.asdict(cfg), "summary": summary, "steps": rows,
                       "rollout": batches, "machine": _machine()})

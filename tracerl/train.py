@@ -638,7 +638,9 @@ class GRPOTrainer:
             read_s += secs
             fwd_s += time.perf_counter() - t1
         t_reduce = time.perf_counter()
+        tick = self._phase_clock(acc)
         totals = self._reduce(acc)
+        tick("reduce")
         if self.cfg.max_staleness and self.cfg.measure_stale:
             # this version's weights, for measuring the mismatch of its groups that later steps train on
             evicted = [self._history.pop(v) for v in sorted(self._history)
@@ -646,8 +648,10 @@ class GRPOTrainer:
             spare = evicted[0] if evicted else None  # its buffers are reused (pinned host memory is slow to get)
             self._history[self.version] = [self._keep(p, None if spare is None else spare[i])
                                            for i, p in enumerate(self.params)]
+        tick("keep_weights")
         grad_norm = self._optimizer_step()
         _sync(self.device)
+        tick("optimizer")
         self.step_num += 1
         self.version += 1
         n_tok = sum(t.num_tokens for t in trajs)
@@ -670,6 +674,7 @@ class GRPOTrainer:
             "ready_lag_s": ready_lags.tolist() if ready_since is not None else None,
             "mismatch": totals["mismatch"],
             "step_s": wall, "read_s": read_s, "compute_s": fwd_s, "reduce_s": time.perf_counter() - t_reduce,
+            "phases_s": dict(acc.phases) if cfg.time_phases else None,
             "tokens_per_s": n_tok / wall if wall > 0 else math.nan,
             "digest": self.digest(), "world_size": self.world, "rank_traj_ids": totals["rank_traj_ids"],
         }
@@ -682,8 +687,10 @@ class GRPOTrainer:
         """Forward + backward of one micro-batch; adds its weighted loss stats, mismatch and codes to ``acc``."""
         cfg = self.cfg
         want_codes = cfg.code_agreement and bool(self.sites) and cfg.mode != "bf16"
+        tick = self._phase_clock(acc)
         fwd = self.qat.token_logprobs(packed, cfg.mode, observe=want_codes, replay_routes=cfg.replay_routes,
                                       temperature=cfg.temperature, routes=False)
+        tick("forward")
         seg_of_row = np.repeat(np.arange(len(packed.segments)), np.diff(packed.cu_seqlens))
         roll_scored = np.asarray(packed.logprobs, dtype=np.float32)[fwd.scored]
         resp = np.isfinite(roll_scored)  # response tokens (prompt tokens carry NaN)
@@ -707,10 +714,13 @@ class GRPOTrainer:
             loss, st = rl.policy_loss(lp, lp.detach(), adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                                       clip_ratio_c=cfg.clip_ratio_c, logp_rollout=lp_roll, tis_cap=cfg.tis_cap)
         n = lp.shape[1]
+        tick("loss")
         (loss * (n / n_resp)).backward()
         self._accumulate_grads()
+        tick("backward")
         acc.add_stats(st, n)
         self._measure(packed, fwd, by_id, acc, self.version, want_codes)
+        tick("measure")
         stale = sorted({by_id[s.traj_id].policy_version for s in packed.segments} - {self.version})
         for v in stale:  # the mismatch of older groups needs the weights that generated them
             snap = self._history.get(v)
@@ -722,6 +732,24 @@ class GRPOTrainer:
                 fwd_v = self.qat.token_logprobs(packed, cfg.mode, observe=want_codes, replay_routes=cfg.replay_routes,
                                                 temperature=cfg.temperature, routes=False)
             self._measure(packed, fwd_v, by_id, acc, v, want_codes)
+        tick("stale_versions")
+
+    def _phase_clock(self, acc: _StepAccumulator) -> Callable[[str], None]:
+        """With ``time_phases``: a function that adds the seconds since its last call (after waiting for the
+        device) to ``acc.phases[name]``; else one that does nothing."""
+        if not self.cfg.time_phases:
+            return lambda name: None
+        last = [time.perf_counter()]
+
+        def tick(name: str) -> None:
+            _sync(self.device)
+            now = time.perf_counter()
+            acc.phases[name] += now - last[0]
+            last[0] = now
+
+        _sync(self.device)
+        last[0] = time.perf_counter()
+        return tick
 
     def _keep(self, p: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
         """A copy of parameter ``p`` for `_history` (into ``into`` when given): on the host (pinned) for a GPU
@@ -864,6 +892,7 @@ class _StepAccumulator:
         self.codes = np.zeros(4, dtype=np.int64)  # matching, values, mismatching, one step apart
         self.lag: dict[str, float] = {}
         self.read: list = []  # trajectories whose tokens this rank read (all ranks' after the reduce)
+        self.phases: collections.Counter = collections.Counter()  # seconds per phase (time_phases)
 
     def add_stats(self, st: Mapping[str, float], n: int) -> None:
         self.sums["_tokens"] += n

@@ -319,3 +319,27 @@ def test_read_ahead_reads_a_step_before_its_first_forward_and_trains_the_same_bi
         run_training(trainer, follower, checkpoints=str(d / "ck"), weights_url=url, metrics=log, max_steps=2)
         digests.append([(m["digest"], m["loss"]) for m in log.records()])
     assert digests[0] == digests[1] and len(digests[0]) == 2
+
+
+def test_time_phases_reports_where_a_step_goes_and_trains_the_same_bits(tmp_path):
+    """time_phases: each step's metrics carry seconds per phase, which sum to no more than the step; the trained
+    bits are those of a run without it."""
+    runs = {}
+    for timed in (False, True):
+        d = tmp_path / str(timed)
+        url = str(d / "store")
+        loop.create(url)
+        st = ts.open_store(url)
+        log = MetricsLog(d / "train.jsonl")
+        trainer, follower = start_or_resume(st, loop.train_cfg(time_phases=timed, max_staleness=5),
+                                            checkpoints=str(d / "ck"), weights_url=url, metrics=log)
+        _gen(st, 2, max_ahead=4)
+        run_training(trainer, follower, checkpoints=str(d / "ck"), weights_url=url, metrics=log, max_steps=2)
+        runs[timed] = log.records()
+    assert [m["digest"] for m in runs[True]] == [m["digest"] for m in runs[False]]
+    assert all(m["phases_s"] is None for m in runs[False])
+    for m in runs[True]:
+        ph = m["phases_s"]
+        assert {"forward", "loss", "backward", "measure", "stale_versions", "reduce", "keep_weights",
+                "optimizer"} <= set(ph)
+        assert all(v >= 0 for v in ph.values()) and 0 < sum(ph.values()) <= m["step_s"]

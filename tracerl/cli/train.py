@@ -76,6 +76,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--read-ahead-mb", type=nonneg, default=_D.read_ahead_bytes >> 20, metavar="MB",
                    help="read a step's micro-batches ahead of their forward/backward up to this many MB held "
                         f"(default {_D.read_ahead_bytes >> 20}; 0: one micro-batch at a time)")
+    p.add_argument("--time-phases", action="store_true",
+                   help="time each step's phases (forward, backward, mismatch, optimizer, ...) into the metrics' "
+                        "phases_s, waiting for the device at each phase boundary")
     p.add_argument("--seed", type=nonneg, default=_D.seed, metavar="N", help="seed of torch's RNG (default 0)")
     p.add_argument("--no-deterministic", action="store_true",
                    help="allow nondeterministic kernels (replay is then not bitwise)")
@@ -91,7 +94,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         max_staleness=args.max_staleness, code_agreement=not args.no_code_agreement,
         measure_stale=not args.no_measure_stale,
         checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
-        keep_versions=args.keep_versions, read_ahead_bytes=args.read_ahead_mb << 20, seed=args.seed,
+        keep_versions=args.keep_versions, read_ahead_bytes=args.read_ahead_mb << 20, time_phases=args.time_phases,
+        seed=args.seed,
         deterministic=not args.no_deterministic)
     cfg.check()
     return cfg
