@@ -788,22 +788,27 @@ class GRPOTrainer:
 
     def _count_codes(self, packed, fwd, by_id: Mapping[str, Trajectory], acc: _StepAccumulator, version: int) -> None:
         """Code agreement at hinted sites on the response rows of ``version``'s trajectories, against the rollout's
-        recorded codes."""
-        resp = torch.as_tensor(np.isfinite(np.asarray(packed.logprobs))).to(self.device)
+        recorded codes: per site, one comparison over every such row of the micro-batch (one host -> device copy
+        of the reference codes and one count per site, not per trajectory and site)."""
+        resp = np.isfinite(np.asarray(packed.logprobs))
         off = packed.cu_seqlens
-        for i, seg in enumerate(packed.segments):
-            traj = by_id[seg.traj_id]
-            if traj.policy_version != version:
-                continue
-            rows = slice(int(off[i]), int(off[i + 1]))
-            keep = resp[rows]
-            for site in self.sites:
+        mine = [(i, seg, by_id[seg.traj_id]) for i, seg in enumerate(packed.segments)
+                if by_id[seg.traj_id].policy_version == version]
+        for site in self.sites:
+            rows, refs = [], []
+            for i, seg, traj in mine:
                 ref = self._codes.get(traj, site)
                 if ref is None:
                     continue
-                m, t, bad, one = fidelity.count_code_matches(fwd.codes[site][rows][keep],
-                                                             torch.as_tensor(ref[seg.start:seg.stop]).to(self.device)[keep])
-                acc.codes += np.array([m, t, bad, one], dtype=np.int64)
+                keep = resp[int(off[i]):int(off[i + 1])]
+                rows.append(np.arange(int(off[i]), int(off[i + 1]))[keep])
+                refs.append(ref[seg.start:seg.stop][keep])
+            if not refs:
+                continue
+            idx = torch.as_tensor(np.concatenate(rows)).to(self.device)
+            m, t, bad, one = fidelity.count_code_matches(fwd.codes[site].index_select(0, idx),
+                                                         torch.as_tensor(np.concatenate(refs)).to(self.device))
+            acc.codes += np.array([m, t, bad, one], dtype=np.int64)
 
     def _reduce(self, acc: _StepAccumulator) -> dict:
         """Sum gradients and statistics over the data-parallel ranks (``all_reduce``; nothing with one rank)."""

@@ -343,3 +343,56 @@ def test_time_phases_reports_where_a_step_goes_and_trains_the_same_bits(tmp_path
         assert {"forward", "loss", "backward", "measure", "stale_versions", "reduce", "keep_weights",
                 "optimizer"} <= set(ph)
         assert all(v >= 0 for v in ph.values()) and 0 < sum(ph.values()) <= m["step_s"]
+
+
+def test_code_counts_of_a_micro_batch_equal_per_trajectory_counts():
+    """The trainer counts code agreement per site over every row of the micro-batch at once; the counts equal the
+    sums of per-trajectory comparisons (response rows only, other versions' and unrecorded trajectories left out),
+    with mismatches of one and of several ladder steps."""
+    from types import SimpleNamespace
+
+    from tracerl import fidelity
+    from tracerl.packing import Segment
+    from tracerl.train import _StepAccumulator
+
+    rng = np.random.default_rng(0)
+    width, sites = 32, ["a", "b"]
+    segs = [Segment("t0", 0, 7), Segment("t1", 2, 9), Segment("t2", 0, 5), Segment("t3", 0, 6)]
+    version = {"t0": 3, "t1": 3, "t2": 2, "t3": 3}
+    lens = [s.stop - s.start for s in segs]
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    logprobs = rng.normal(size=int(cu[-1])).astype(np.float32)
+    logprobs[[0, 1, 14, 20]] = np.nan  # prompt rows
+    codes = {s: torch.as_tensor(rng.integers(0, 16, (int(cu[-1]), width), dtype=np.uint8)) for s in sites}
+    refs = {}
+    for i, seg in enumerate(segs):
+        for s in sites:  # recorded codes for the whole trajectory; 80% of the segment's bytes agree with the trainer's
+            r = rng.integers(0, 256, (seg.stop + 2, width // 2), dtype=np.uint8)
+            mine = codes[s][int(cu[i]):int(cu[i + 1])].numpy()
+            agree = mine[:, 0::2] | (mine[:, 1::2] << 4)
+            mask = rng.random(agree.shape) < 0.8
+            r[seg.start:seg.stop][mask] = agree[mask]
+            refs[(seg.traj_id, s)] = r
+    refs.pop(("t3", "b"))  # not recorded
+    trajs = {t: SimpleNamespace(traj_id=t, policy_version=v) for t, v in version.items()}
+    trainer = GRPOTrainer.__new__(GRPOTrainer)
+    trainer.sites, trainer.device = sites, torch.device("cpu")
+    trainer._codes = SimpleNamespace(get=lambda traj, site: refs.get((traj.traj_id, site)))
+    packed = SimpleNamespace(segments=tuple(segs), cu_seqlens=cu, logprobs=logprobs)
+    acc = _StepAccumulator()
+    trainer._count_codes(packed, SimpleNamespace(codes=codes), trajs, acc, 3)
+
+    want = np.zeros(4, np.int64)
+    resp = np.isfinite(logprobs)
+    for i, seg in enumerate(segs):
+        if version[seg.traj_id] != 3:
+            continue
+        for s in sites:
+            ref = refs.get((seg.traj_id, s))
+            if ref is None:
+                continue
+            rows = np.arange(cu[i], cu[i + 1])[resp[cu[i]:cu[i + 1]]]
+            keep = resp[cu[i]:cu[i + 1]]
+            want += np.array(fidelity.count_code_matches(codes[s][rows], ref[seg.start:seg.stop][keep]))
+    assert want[1] > 0 and 0 < want[2] < want[1] and 0 < want[3] < want[2]  # matches, one- and multi-step misses
+    assert acc.codes.tolist() == want.tolist()
