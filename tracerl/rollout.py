@@ -191,8 +191,9 @@ class RolloutWorker:
 class _Prefetch:
     """Reads the newest published policy version into host memory in a background thread (listing, download,
     checksum, decoding: the slow part for a large model), so that the worker only copies it into its model
-    between generations. A version pruned between listing and reading is looked up again; any other error is
-    raised by the next `take`."""
+    between generations. A version pruned between listing and reading (its sidecar gone, or its blob gone with it)
+    is looked up again at the next poll; a version that fails its checks while its sidecar is still committed is
+    corrupt, and that error, like any other, is raised by the next `take`."""
 
     def __init__(self, url: str, storage_options: Mapping | None, poll_interval_s: float):
         self.url, self.storage_options, self.poll_interval_s = url, storage_options, poll_interval_s
@@ -212,14 +213,26 @@ class _Prefetch:
                     try:
                         tensors, side = weights.load_state_dict(self.url, latest, storage_options=self.storage_options)
                     except (weights.WeightsIntegrityError, weights.VersionNotFoundError) as e:
+                        if self._committed(latest):
+                            raise  # not pruned meanwhile: corrupt
                         log.info("policy version %d vanished while loading (%s); looking again", latest, e)
-                        continue
-                    with self._lock:
-                        self._ready = (tensors, side)
-                    newest = latest
+                    else:
+                        with self._lock:
+                            self._ready = (tensors, side)
+                        newest = latest
                 self._stop.wait(self.poll_interval_s)
         except BaseException as e:  # handed to the worker's thread by take()
             self._error = e
+
+    def _committed(self, version: int) -> bool:
+        """Whether ``version``'s sidecar is (still) committed; a storage error is raised, never read as "no"."""
+        try:
+            weights.read_meta(self.url, version, storage_options=self.storage_options)
+        except weights.VersionNotFoundError:
+            return False
+        except weights.WeightsIntegrityError:
+            return True
+        return True
 
     def take(self, newer_than: int | None) -> tuple[dict, dict] | None:
         """(host tensors, sidecar) of the newest version read, if newer than ``newer_than``; else None."""

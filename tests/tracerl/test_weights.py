@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 import torch
@@ -263,3 +264,42 @@ def test_format_1_versions_still_load(location):
     location.flip(key, len(blob) - 3)
     with pytest.raises(W.WeightsIntegrityError, match="sha256"):
         W.load_state_dict(url, 0, storage_options=opts)
+
+
+def test_rollout_prefetch_raises_a_corrupt_version_and_retries_a_pruned_one(tmp_path, monkeypatch):
+    """The rollout's background reader hands a version that fails its checks while still committed to the worker
+    as WeightsIntegrityError (once, not a tight loop re-reading it), and looks again for a version whose sidecar was
+    pruned meanwhile."""
+    from tracerl.rollout import _Prefetch
+
+    url = str(tmp_path / "w")
+    W.publish(url, 0, _sd(0))
+    blob = tmp_path / "w" / json.loads((tmp_path / "w" / W.sidecar_key(0)).read_text())["key"]
+    blob.write_bytes(blob.read_bytes()[:-10])  # committed, but truncated
+    calls = []
+    real = W.load_state_dict
+
+    def counting(*a, **kw):
+        calls.append(a)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(W, "load_state_dict", counting)
+    p = _Prefetch(url, None, poll_interval_s=0.05)
+    p._thread.join(timeout=10)
+    assert not p._thread.is_alive()  # stopped on the corrupt version
+    with pytest.raises(W.WeightsIntegrityError):
+        p.take(None)
+    assert len(calls) == 1
+    p.close()
+    assert p._committed(0)
+    (tmp_path / "w" / W.sidecar_key(0)).unlink()  # as if pruned
+    assert not p._committed(0)
+    W.publish(url, 1, _sd(1))
+    p = _Prefetch(url, None, poll_interval_s=0.05)
+    deadline = time.monotonic() + 10
+    got = None
+    while got is None and time.monotonic() < deadline:
+        got = p.take(None)
+        time.sleep(0.01)
+    p.close()
+    assert got is not None and got[1]["version"] == 1 and torch.equal(got[0]["a.weight"], _sd(1)["a.weight"])
