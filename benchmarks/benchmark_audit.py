@@ -60,11 +60,11 @@ def demo_config(name: str, coverage: str, store: str, seed: int) -> DemoConfig:
 
 def save_html(result: dict, path: str) -> list[str]:
     """The HTML report at ``path`` and its plots beside it as PNG files; returns the PNG paths."""
-    from tracerl.audit_html import render_html
+    from tracerl.audit_html import write_html
 
-    page = render_html(result)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(page)
+    write_html(result, path)
+    with open(path, encoding="utf-8") as f:
+        page = f.read()
     pngs = []
     stem = path.removesuffix(".html")
     for alt, data in re.findall(r"<img [^>]*alt='([^']*)' src='data:image/png;base64,([^']*)'", page):
@@ -107,7 +107,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     if name == "h200" and not torch.cuda.is_available():
         p.error("--config h200 needs a CUDA device; use --config cpu-demo or --smoke on the CPU")
-    results = tempfile.gettempdir() if name == "smoke" else os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    results = (tempfile.gettempdir() if name == "smoke"
+               else os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     out_path = args.out or os.path.join(results, f"audit-{name}.json")
     device = torch.device("cuda" if name == "h200" else "cpu")
     out = {"benchmark": "audit", "config": name, "reps": args.reps,

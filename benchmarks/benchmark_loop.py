@@ -229,10 +229,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="JSON results (default benchmarks/results/loop-<device>.json, smoke: "
                                  "loop-smoke.json in a temporary directory)")
     args = p.parse_args(argv)
-    if args.device == "cuda" and args.gpus is None and not (args.merge or args.from_run):
+    if args.gpus is not None and args.device != "cuda":
+        p.error("--gpus needs --device cuda")
+    if args.device == "cuda" and not (args.merge or args.from_run):
         import torch
 
-        args.gpus = 2 if torch.cuda.device_count() >= 2 else 1
+        visible = torch.cuda.device_count()
+        if args.gpus is None:
+            args.gpus = 2 if visible >= 2 else 1
+        if visible < args.gpus:
+            p.error(f"--device cuda --gpus {args.gpus}: {visible} CUDA device(s) visible")
     s = _settings(args)
     modes = [m for m in args.modes.split(",") if m]
     seeds = [int(x) for x in args.seeds.split(",") if x]

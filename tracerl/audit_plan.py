@@ -41,7 +41,7 @@ to the rollout's at each layer, absorbing some of the path noise that the bf16 m
 (on the demo store the residual is 0.67x the floor). The dominant source is the largest of the floor and the
 parts.
 
-Coverage planner (`rank_units`, `coverage_curve`, `plan_for_target`)
+Coverage planner (`rank_units`, `greedy_curve`, `plan_for_target`)
 --------------------------------------------------------------------
 Units are (kind, layer band) groups of FP4 sites regardless of what the store hints; a unit's cost is its hint
 and scale bytes per token (W/8 + W/16 per site of width W). The planner starts from round-to-nearest with own
@@ -51,8 +51,8 @@ have stored). Units are ranked by gain per byte. The curve is built greedily and
 unit in ranking order is tried on top of the units kept so far and kept only if the mean |dlogp| falls (units
 overlap: hints at a layer's MoE input fix most of its down-projection input, so a unit good alone can add
 nothing after another); units set aside are reported with their measured point, and a last pass hints every
-unit. Each point is a measured excess, not an estimate (one recompute pass per unit, plus one). ``--target-excess X`` picks the
-cheapest measured point with excess <= X and prints its sites as a site table (`site_table`) that
+unit. Each point is a measured excess, not an estimate (one recompute pass per unit, plus one). ``--target-excess
+X`` picks the cheapest measured point with excess <= X and prints its sites as a site table (`site_table`) that
 ``tracestore create --site-table`` accepts and that the rollout side turns into a site plan with
 `hint_sites_from_table` (``plan_sites(model, hint_sites=hint_sites_from_table(table))``).
 """

@@ -613,7 +613,8 @@ class GRPOTrainer:
         """One optimizer step on ``taken.groups``; returns the step's metrics (JSON-ready).
 
         ``ready_since`` (unix time): when the trainer began waiting for these groups. Each trajectory's lag (its
-        result's commit -> its micro-batch read into the trainer's device memory) is then also reported from
+        result's commit -> its micro-batch read from the store into the trainer's host memory; the copy to the
+        device follows when that micro-batch is computed) is then also reported from
         ``max(commit, ready_since)`` (``ready_lag_s*``): the pipeline's own latency, without the time a batch
         queued while the trainer was busy with the previous step."""
         cfg = self.cfg

@@ -46,15 +46,21 @@ def test_loop_runs_both_sides_and_reports(tmp_path):
     assert json.loads((tmp_path / "run" / "loop.json").read_text())["summary"] == s
 
 
-def test_ctrl_c_stops_both_sides_cleanly(tmp_path):
-    run = tmp_path / "run"
-    p = _loop(run, "--steps", "1000")
+def _wait_for_steps(p, run, n: int, timeout_s: float = 240) -> MetricsLog:
+    """The loop's metrics log once it holds ``n`` steps (the loop process ``p`` still running)."""
     log = MetricsLog(run / "train.jsonl")
-    deadline = time.monotonic() + 240
-    while len(log.records()) < 2:
+    deadline = time.monotonic() + timeout_s
+    while len(log.records()) < n:
         assert p.poll() is None, p.communicate()[1][-3000:]
         assert time.monotonic() < deadline
         time.sleep(0.1)
+    return log
+
+
+def test_ctrl_c_stops_both_sides_cleanly(tmp_path):
+    run = tmp_path / "run"
+    p = _loop(run, "--steps", "1000")
+    log = _wait_for_steps(p, run, 2)
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=240)
     assert p.returncode == 0, err[-3000:]
@@ -88,12 +94,7 @@ def test_children_stop_when_the_loop_process_is_killed(tmp_path):
     trainer or rollout holding a device: both stop at their next boundary with everything committed."""
     run = tmp_path / "run"
     p = _loop(run, "--steps", "1000")
-    log = MetricsLog(run / "train.jsonl")
-    deadline = time.monotonic() + 240
-    while len(log.records()) < 1:
-        assert p.poll() is None, p.communicate()[1][-3000:]
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    log = _wait_for_steps(p, run, 1)
     children = _children_of(run / "store")
     assert len(children) == 2, children  # the trainer and one rollout
     p.kill()

@@ -95,8 +95,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         measure_stale=not args.no_measure_stale,
         checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
         keep_versions=args.keep_versions, read_ahead_bytes=args.read_ahead_mb << 20, time_phases=args.time_phases,
-        seed=args.seed,
-        deterministic=not args.no_deterministic)
+        seed=args.seed, deterministic=not args.no_deterministic)
     cfg.check()
     return cfg
 
