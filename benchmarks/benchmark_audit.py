@@ -145,8 +145,10 @@ def main(argv=None) -> int:
                 out["coverages"][cov] = {"record": rec, "audit_seconds": [r["seconds"] for r in runs], "runs": runs,
                                          "complete": False, "result": summary(result)}
                 save()
-                say(f"{cov}: audit {rep + 1}/{args.reps} in {t['seconds']:.1f}s (replay {t['replay_s']:.1f}s, floor "
-                    f"{t['floor_s']:.1f}s, {t['passes']} passes {t['passes_s'] + t['curve_s']:.1f}s)")
+                side = " side by side" if t["concurrent_decode"] else ""
+                say(f"{cov}: audit {rep + 1}/{args.reps} in {t['seconds']:.1f}s (decodes{side} {t['decode_s']:.1f}s: "
+                    f"replay {t['replay_s']:.1f}s, floor {t['floor_s']:.1f}s; {t['passes']} passes "
+                    f"{t['passes_s'] + t['curve_s']:.1f}s)")
                 if rep + 1 < args.reps:  # the model and its device buffers go before the next audit builds its own
                     result = None
                     gc.collect()

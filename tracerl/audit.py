@@ -57,12 +57,14 @@ JSON (``run_audit``'s result, ``tracerl audit --json``; stable keys, ``audit_for
   unit), rejected (the units set aside: the same keys plus ``unit``, measured on top of the units kept before
   them), rne_excess, store_coverage, budget (bytes_per_token, best), target (null, or target_excess, meets,
   point, site_table).
-- ``timing``: seconds, verify_s, setup_s, replay_s, floor_s, passes_s, curve_s, passes, micro_batches.
+- ``timing``: seconds, verify_s, setup_s, replay_s, floor_s, decode_s (wall time of both decodes: their sum, or
+  less when they ran side by side), concurrent_decode (bool), passes_s, curve_s, passes, micro_batches.
 - ``config``, ``machine``.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import importlib.metadata
@@ -90,6 +92,7 @@ from tracerl.models import TinyMoESpec, build_model, moe_blocks
 from tracerl.packing import PackedHints, pack_micro_batches, read_packed
 from tracerl.qat import FP4Linear, FP4MoEBlock, FP4Runtime, effective_codes, install_fp4
 from tracerl.sites import SitePlan
+from tracerl.state import swapped
 from tracerl.trainer import QATTrainer
 
 log = logging.getLogger(__name__)
@@ -126,6 +129,7 @@ class AuditConfig:
     backend: str = "auto"
     storage_options: dict | None = None
     verify: bool = True
+    concurrent_decode: str = "auto"  # replay and floor decodes side by side: auto (CUDA graphs) | on | off
 
     def check(self) -> None:
         """Raise `ConfigError` for values that cannot run (what arrived, what is allowed)."""
@@ -139,6 +143,8 @@ class AuditConfig:
         if self.target_excess is not None and not (isinstance(self.target_excess, (int, float))
                                                    and math.isfinite(self.target_excess)):
             raise ConfigError(f"target_excess={self.target_excess!r}: must be a finite number")
+        if self.concurrent_decode not in ("auto", "on", "off"):
+            raise ConfigError(f"concurrent_decode={self.concurrent_decode!r}: must be auto, on or off")
         if self.target_excess is not None and not self.planner:
             raise ConfigError("target_excess needs the planner (planner=False given)")
 
@@ -435,8 +441,22 @@ def _decode_path(s: _Setup, engine: RolloutEngine) -> str:
     return engine.decode_path(s.device)
 
 
+def concurrent_decode(cfg_value: str, device: torch.device, path: str) -> bool:
+    """Whether the replay and floor decodes run side by side (``auto``: CUDA-graph decodes on a GPU, where a
+    decode step of a small batch leaves most of the device idle; on the CPU both would share the same cores)."""
+    if cfg_value == "auto":
+        return device.type == "cuda" and path == "graph"
+    return cfg_value == "on"
+
+
 def _replay(s: _Setup, chunk: list[_Traj], weights: str, step: StepFn, done: dict[str, int],
-            totals: dict[str, int]) -> tuple[_Replay, dict[str, float]]:
+            totals: dict[str, int], concurrency: str = "auto") -> tuple[_Replay, dict[str, Any]]:
+    """The replay decode (FP4) and the floor decode (bf16) of one recorded batch, the stored tokens forced.
+
+    With `concurrent_decode` the floor runs in a second thread (its own CUDA stream on a GPU) while the replay
+    runs in this one: each decode is the same computation as alone (the same captured graph per step, the same
+    kernels), so the results are the same bits either way (tests/tracerl/test_audit.py); the runtime's per-call
+    state is per thread (`FP4Runtime`), so the two modes do not see each other."""
     rids = [t.traj_id for t in chunk]
     prompts = [t.prompt for t in chunk]
     max_new = max(len(t.response) for t in chunk)
@@ -449,26 +469,47 @@ def _replay(s: _Setup, chunk: list[_Traj], weights: str, step: StepFn, done: dic
                    torch.zeros(len(chunk), length, by[n].width // ap.NVFP4_BLOCK_SIZE, dtype=torch.uint8,
                                device=s.device)) for n in s.observable}
     temperature = float(s.rollout.get("temperature") or 1.0)
-    secs = {}
-    with _bound(s.model, s.replay):
-        engine = _ReplayEngine(s.model, s.replay, buffers, rids)
-        path = _decode_path(s, engine)
-        runs = {}
-        for phase, mode in (("replay decode (FP4, tokens forced)", "fp4_rne_own_scales"),
-                            ("floor decode (bf16, tokens forced)", "bf16")):
+    phases = (("replay decode (FP4, tokens forced)", "fp4_rne_own_scales"),
+              ("floor decode (bf16, tokens forced)", "bf16"))
+    # The engines leave the model's attention implementation alone (two threads swapping it would race).
+    with _bound(s.model, s.replay), swapped(s.model.config, _attn_implementation="sdpa"):
+        engines = {"fp4_rne_own_scales": _ReplayEngine(s.model, s.replay, buffers, rids, attn_implementation=None),
+                   "bf16": _ReplayEngine(s.model, s.replay, {}, rids, attn_implementation=None)}
+        path = _decode_path(s, engines["fp4_rne_own_scales"])
+        engines["bf16"].decode = engines["fp4_rne_own_scales"].decode
+        side_by_side = concurrent_decode(concurrency, s.device, path)
+
+        def run(phase: str, mode: str) -> tuple[Any, float]:
             base = done[phase]
+            stream = (torch.cuda.stream(torch.cuda.Stream(s.device)) if side_by_side and s.device.type == "cuda"
+                      else contextlib.nullcontext())
             t0 = time.perf_counter()
-            runs[mode] = engine.generate(prompts, max_new, request_ids=rids, forced_tokens=forced, mode=mode,
-                                         temperature=temperature,
-                                         on_step=lambda d, _t, p=phase, b0=base: step(p, b0 + d, totals[p]))
+            with stream:
+                out = engines[mode].generate(prompts, max_new, request_ids=rids, forced_tokens=forced, mode=mode,
+                                             temperature=temperature,
+                                             on_step=lambda d, _t, p=phase, b0=base: step(p, b0 + d, totals[p]))
             done[phase] = base + max_new
-            secs[mode] = time.perf_counter() - t0
-    roll, floor = runs["fp4_rne_own_scales"], runs["bf16"]
+            return out, time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        if side_by_side:
+            with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="audit-floor") as pool:
+                floor_job = pool.submit(run, *phases[1])
+                try:
+                    roll, replay_s = run(*phases[0])
+                except BaseException:
+                    concurrent.futures.wait([floor_job])  # the replay's error wins; the floor is not left running
+                    raise
+                floor, floor_s = floor_job.result()  # the floor's own error, if it failed
+        else:
+            roll, replay_s = run(*phases[0])
+            floor, floor_s = run(*phases[1])
+        decode_s = time.perf_counter() - t0
     rep = _Replay(chunk, {k: v[0] for k, v in buffers.items()}, {k: v[1] for k, v in buffers.items()},
                   [lp[: len(t.response)] for lp, t in zip(roll.logprobs, chunk)], roll.experts,
                   _dense([lp[: len(t.response)] for lp, t in zip(floor.logprobs, chunk)], max_new, np.nan),
                   {la: _dense(per, length, 0) for la, per in floor.experts.items()}, path, weights)
-    return rep, {"replay_s": secs["fp4_rne_own_scales"], "floor_s": secs["bf16"]}
+    return rep, {"replay_s": replay_s, "floor_s": floor_s, "decode_s": decode_s, "concurrent": side_by_side}
 
 
 # ---- one micro-batch ----------------------------------------------------------------------------------------
@@ -706,8 +747,8 @@ class _Audit:
 
     def __init__(self, cfg: AuditConfig, step: StepFn):
         self.cfg, self.step = cfg, step
-        self.timing: dict[str, float] = {"verify_s": 0.0, "setup_s": 0.0, "replay_s": 0.0, "floor_s": 0.0,
-                                         "passes_s": 0.0, "curve_s": 0.0}
+        self.timing: dict[str, Any] = {"verify_s": 0.0, "setup_s": 0.0, "replay_s": 0.0, "floor_s": 0.0,
+                                       "decode_s": 0.0, "concurrent_decode": False, "passes_s": 0.0, "curve_s": 0.0}
 
     def open(self) -> None:
         cfg = self.cfg
@@ -763,9 +804,10 @@ class _Audit:
         for chunk, mbs in self.mbs:
             version = chunk[0].version
             self.weights[version] = _use_weights(s, self.store.url, version, self.published, cfg.storage_options)
-            rep, secs = _replay(s, chunk, self.weights[version], self.step, done, totals)
-            self.timing["replay_s"] += secs["replay_s"]
-            self.timing["floor_s"] += secs["floor_s"]
+            rep, secs = _replay(s, chunk, self.weights[version], self.step, done, totals, cfg.concurrent_decode)
+            for key in ("replay_s", "floor_s", "decode_s"):
+                self.timing[key] += secs[key]
+            self.timing["concurrent_decode"] |= secs["concurrent"]
             light = []
             for mbatch in mbs:
                 packed = read_packed(self.reader, mbatch, list(s.plan.hinted), read_kwargs={"fmt": "numpy"})

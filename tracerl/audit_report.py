@@ -160,7 +160,10 @@ def render_terminal(result: Mapping[str, Any]) -> list[Any]:
     if result["planner"] is not None:
         out.append(planner_table(result))
     t = result["timing"]
-    out.append(f"audit {t['seconds']:.1f}s: verify {t['verify_s']:.1f}s, setup {t['setup_s']:.1f}s, replay decode "
-               f"{t['replay_s']:.1f}s, floor decode {t['floor_s']:.1f}s, {t['passes']} recompute passes over "
+    decodes = (f"replay and floor decodes side by side {t['decode_s']:.1f}s (replay {t['replay_s']:.1f}s, floor "
+               f"{t['floor_s']:.1f}s)" if t["concurrent_decode"] else
+               f"replay decode {t['replay_s']:.1f}s, floor decode {t['floor_s']:.1f}s")
+    out.append(f"audit {t['seconds']:.1f}s: verify {t['verify_s']:.1f}s, setup {t['setup_s']:.1f}s, {decodes}, "
+               f"{t['passes']} recompute passes over "
                f"{t['micro_batches']} micro-batch(es) {t['passes_s'] + t['curve_s']:.1f}s")
     return out

@@ -24,6 +24,7 @@ Hugging Face decode path (`RolloutEngine` picks it).
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 
 import torch
@@ -37,6 +38,10 @@ from tracerl.qat import FP4Runtime
 log = logging.getLogger(__name__)
 
 RingKey = tuple[str, str]  # ("site", site name) or ("route", layer index as str)
+
+# One graph capture at a time in this process. Captures are thread-local (``capture_error_mode``), so another
+# thread may run kernels (or replay its own graph) meanwhile, as the audit's side-by-side decodes do.
+_CAPTURE_LOCK = threading.Lock()
 
 
 def supports_static_decode(model: nn.Module) -> bool:
@@ -190,7 +195,7 @@ class StaticDecoder:
         runtime's weight cache, allocates the rings), then capture it as a CUDA graph. Resets the state after.
         Eager decoders need no tracing (rings are allocated at the first step)."""
         if self.use_graph:
-            with self._step_state():
+            with self._step_state(), _CAPTURE_LOCK:
                 side = torch.cuda.Stream(self.device)
                 side.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(side):
@@ -198,7 +203,7 @@ class StaticDecoder:
                         self._forward()
                 torch.cuda.current_stream(self.device).wait_stream(side)
                 self._graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self._graph):
+                with torch.cuda.graph(self._graph, capture_error_mode="thread_local"):
                     self._forward()
         self.reset()
         self._ready = True

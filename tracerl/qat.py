@@ -23,6 +23,7 @@ All numerics are `tracefp4`'s (`quantize_fake`, `fake_quantize`); gradients are 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -93,40 +94,81 @@ def _ladder(device: torch.device) -> torch.Tensor:
     return t
 
 
+class _CallState(threading.local):
+    """`FP4Runtime`'s per-call state, one copy per thread, each starting from the runtime's defaults."""
+
+    def __init__(self, defaults: dict[str, Any]):
+        self.__dict__.update({k: dict(v) if isinstance(v, dict) else v for k, v in defaults.items()})
+
+
+def _call_state_property(name: str) -> property:
+    def get(self: FP4Runtime) -> Any:
+        return getattr(self._state, name)
+
+    def put(self: FP4Runtime, value: Any) -> None:
+        setattr(self._state, name, value)
+
+    return property(get, put, doc=f"``{name}`` of the calling thread (see `FP4Runtime.CALL_STATE`)")
+
+
 class FP4Runtime:
-    """State shared by every FP4 module of one model: mode, global scales, callbacks, provided hints."""
+    """State shared by every FP4 module of one model: mode, global scales, callbacks, provided hints.
+
+    The per-call state (`CALL_STATE`: mode, callbacks, provided hints, forced routes, ...) is per thread: each
+    thread starts from the runtime's defaults (the construction values, and the mode of the last `set_mode`) and
+    its assignments, `using` blocks and `provide` calls change only what that thread sees. Two threads can
+    therefore run the same model in different modes at once (`tracerl.audit` decodes the replay and the bf16
+    floor side by side on two CUDA streams). Global scales, the weight cache and calibration are shared.
+    """
+
+    #: the per-call state that `using` sets and restores (per thread)
+    CALL_STATE = ("mode", "capture", "observe", "on_route", "provided", "forced_routes", "gather_max_slots",
+                  "substitute")
 
     def __init__(self, plan: SitePlan, global_scales: Mapping[str, float] | None = None, *, backend: str = "auto"):
         self.plan = plan
         self.backend = backend
         self._fp4 = {s.name for s in plan.sites}
         self._hinted = set(plan.hinted)
-        self.mode = "fp4_rne_own_scales"
+        self._defaults: dict[str, Any] = {
+            "mode": "fp4_rne_own_scales",
+            "capture": None,  # CaptureFn | None
+            "observe": None,  # ObserveFn | None
+            "on_route": None,  # RouteFn | None
+            "provided": {},  # {site: (scale_e4m3, hints | None)} for the rows of the next forward
+            # Routing replay: {layer: expert ids [N, top_k] (int64, forward rows)} that MoE blocks use instead of
+            # their router's top-k (the router's probabilities still weight them, so the gate gets gradients).
+            "forced_routes": {},
+            # MoE calls on CUDA with at most this many (token, expert) slots take the gather/bmm decode path (on
+            # the CPU, gathering expert weights costs more than the grouped GEMMs save).
+            "gather_max_slots": 64,
+            # A per-site override of the FP4 modes (tracerl.audit: exact replacement by the rollout's values, hints
+            # at sites the plan does not hint); consulted at every FP4 activation site in every mode but bf16.
+            "substitute": None,  # SubstituteFn | None
+        }
+        self._state = _CallState(self._defaults)
         self.global_scales: dict[str, torch.Tensor] = {}
         if global_scales is not None:
             self.set_global_scales(global_scales)
-        self.capture: CaptureFn | None = None
-        self.observe: ObserveFn | None = None
-        self.on_route: RouteFn | None = None
-        self.provided: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        # Routing replay: {layer: expert ids [N, top_k] (int64, forward rows)} that MoE blocks use instead of
-        # their router's top-k (the router's probabilities still weight them, so the gate gets gradients).
-        self.forced_routes: dict[int, torch.Tensor] = {}
-        # A per-site override of the FP4 modes (tracerl.audit: exact replacement by the rollout's values, hints at
-        # sites the plan does not hint); consulted at every FP4 activation site in every mode but bf16.
-        self.substitute: SubstituteFn | None = None
         self._calib: dict[str, torch.Tensor] | None = None
-        # MoE calls on CUDA with at most this many (token, expert) slots take the gather/bmm decode path (on
-        # the CPU, gathering expert weights costs more than the grouped GEMMs save).
-        self.gather_max_slots = 64
         self._wcache: dict[str, tuple[int, int, torch.Tensor]] = {}
         # Device copies of the (host) global scales: {(site, device): (host tensor, its version, device copy)}.
         self._gdev: dict[tuple[str, torch.device], tuple[torch.Tensor, int, torch.Tensor]] = {}
+
+    mode = _call_state_property("mode")
+    capture = _call_state_property("capture")
+    observe = _call_state_property("observe")
+    on_route = _call_state_property("on_route")
+    provided = _call_state_property("provided")
+    forced_routes = _call_state_property("forced_routes")
+    gather_max_slots = _call_state_property("gather_max_slots")
+    substitute = _call_state_property("substitute")
 
     # ---- configuration -------------------------------------------------------------------------------
     def set_mode(self, mode: str) -> None:
         """Switch the mode for good (`using` switches it for a block). Raises `ConfigError` for an unknown mode."""
         check_mode(mode)
+        self._defaults["mode"] = mode  # threads that have not run yet start in it
         self.mode = mode
 
     def set_global_scales(self, scales: Mapping[str, float]) -> None:
@@ -138,10 +180,6 @@ class FP4Runtime:
 
     def global_scales_json(self) -> dict[str, float]:
         return {k: float(v) for k, v in self.global_scales.items()}
-
-    #: the per-call state that `using` sets and restores
-    CALL_STATE = ("mode", "capture", "observe", "on_route", "provided", "forced_routes", "gather_max_slots",
-                  "substitute")
 
     @contextlib.contextmanager
     def using(self, **state: Any) -> Iterator[FP4Runtime]:

@@ -38,8 +38,8 @@ INTEGRITY_KEYS = {"ok", "checked", "errors", "entries", "records", "segments", "
                   "skipped_trajectories"}
 REPLAY_KEYS = {"decode_path", "recorded_decode_path", "reproduced", "hints_equal", "scales_equal", "routes_equal",
                "logprobs_equal", "max_abs_logprob_diff", "weights"}
-TIMING_KEYS = {"seconds", "verify_s", "setup_s", "replay_s", "floor_s", "passes_s", "curve_s", "passes",
-               "micro_batches"}
+TIMING_KEYS = {"seconds", "verify_s", "setup_s", "replay_s", "floor_s", "decode_s", "concurrent_decode", "passes_s",
+               "curve_s", "passes", "micro_batches"}
 
 
 def _cli(*argv: str) -> tuple[int, str, str]:
@@ -346,3 +346,17 @@ def test_policy_versions_replay_with_their_published_weights(tmp_path):
     assert set(rows) == {0, 1} and rows[0]["tokens"] == rows[1]["tokens"] == 2 * max_new
     assert {r["traj_id"]: r["policy_version"] for r in res["detail"]["fp4_hints"]["per_trajectory"]} == {
         rids[0]: 0, rids[1]: 0, rids[2]: 1, rids[3]: 1}
+
+
+def test_side_by_side_decodes_give_the_same_audit(audited):
+    """--concurrent-decode on (the floor decode in a second thread while the replay runs; the GPU default) gives
+    the same replay result and the same figures of every mode as the sequential decodes (the CPU default)."""
+    _, audit, url, _ = audited
+    rc, out, err = _cli("audit", url, "--json", "--threads", "2", "--no-attribution", "--no-planner",
+                        "--concurrent-decode", "on")
+    assert rc == 0, err
+    side = json.loads(out)
+    assert side["timing"]["concurrent_decode"] is True and audit["timing"]["concurrent_decode"] is False
+    assert side["replay"] == audit["replay"]
+    assert side["modes"] == audit["modes"]
+    assert side["detail"]["bf16"] == audit["detail"]["bf16"]  # the floor's per-token figures too

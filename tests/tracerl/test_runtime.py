@@ -87,3 +87,39 @@ def test_generate_restores_model_and_runtime_on_failure(tiny):
     res = eng.generate([[1, 2, 3]], 2, on_step=lambda done, total: outer.append((done, total)))
     assert outer == [(1, 2), (2, 2)] and len(res.logprobs[0]) == 2
     assert sorted(res.experts) == [0, 1] and moe_input_site(0).startswith(moe_layer_name(0) + ".")
+
+
+def test_call_state_is_per_thread(tiny):
+    """Two threads run the same model in two modes at once (the audit's side-by-side replay and floor decodes):
+    a `using` block, `provide` or an assignment in one thread is not seen by the other; a thread starts from the
+    defaults, which `set_mode` changes for threads that start later."""
+    import threading
+
+    _, rt = tiny
+    entered, release, seen = threading.Event(), threading.Event(), {}
+
+    def other():
+        seen["start"] = rt.mode
+        with rt.using(mode="bf16", forced_routes={0: torch.zeros(1, 2, dtype=torch.long)}):
+            rt.provide({"x": (torch.zeros(1), None)})
+            entered.set()
+            release.wait(10)
+            seen["inside"] = (rt.mode, set(rt.forced_routes), set(rt.provided))
+        seen["after"] = rt.mode
+
+    t = threading.Thread(target=other)
+    with rt.using(mode="fp4_hints"):
+        t.start()
+        assert entered.wait(10)
+        # the other thread is inside its bf16 block with routes and hints of its own: none of it shows here
+        assert rt.mode == "fp4_hints" and rt.forced_routes == {} and rt.provided == {}
+        release.set()
+        t.join(10)
+    assert seen == {"start": "fp4_rne_own_scales", "inside": ("bf16", {0}, {"x"}), "after": "fp4_rne_own_scales"}
+    assert rt.mode == "fp4_rne_own_scales"
+    rt.set_mode("bf16")
+    later = {}
+    t2 = threading.Thread(target=lambda: later.setdefault("mode", rt.mode))
+    t2.start()
+    t2.join(10)
+    assert later == {"mode": "bf16"} and rt.mode == "bf16"

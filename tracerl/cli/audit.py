@@ -69,6 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip tracestore verify (a corrupt chunk then fails the audit where it is read)")
     p.add_argument("--storage-options", metavar="JSON",
                    help="fsspec storage options as JSON or @file.json (S3: key, secret, client_kwargs.endpoint_url)")
+    p.add_argument("--concurrent-decode", choices=("auto", "on", "off"), default="auto",
+                   help="run the replay decode (FP4) and the floor decode (bf16) side by side, the floor in a "
+                        "second thread on its own CUDA stream (default auto: with CUDA-graph decodes on a GPU; the "
+                        "results are the same bits either way)")
     p.add_argument("--threads", type=nonneg, default=0, metavar="N",
                    help="torch CPU threads (default 0: torch's choice)")
 
@@ -103,7 +107,7 @@ def config_from_args(args: argparse.Namespace):
                       micro_batch_tokens=args.micro_batch_tokens, bands=args.bands,
                       position_bucket=args.position_bucket, attribution=not args.no_attribution,
                       planner=not args.no_planner, target_excess=args.target_excess, storage_options=opts,
-                      verify=not args.no_verify)
+                      verify=not args.no_verify, concurrent_decode=args.concurrent_decode)
     cfg.check()
     return cfg
 
