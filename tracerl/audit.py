@@ -72,6 +72,7 @@ import logging
 import math
 import os
 import platform
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -441,6 +442,39 @@ def _decode_path(s: _Setup, engine: RolloutEngine) -> str:
     return engine.decode_path(s.device)
 
 
+class _LineUp:
+    """Lines up ``n`` decodes that run side by side: their set-ups (graph capture, prefill) run one at a time,
+    and every decode loop starts only when all are set up. A CUDA graph capture forbids device-wide syncs in
+    every thread (the prefill's, the end of a decode), so no capture may overlap another decode's work.
+
+    Use: ``with gate.setup(): engine.generate(..., on_ready=gate.ready)`` in each thread. A thread that fails
+    before it is ready releases the set-up and breaks the line-up, so the others raise instead of waiting."""
+
+    def __init__(self, n: int):
+        self._lock = threading.Lock()
+        self._barrier = threading.Barrier(n)
+        self._local = threading.local()
+
+    @contextlib.contextmanager
+    def setup(self) -> Iterator[None]:
+        self._lock.acquire()
+        self._local.holding = True
+        try:
+            yield
+        except BaseException:
+            self._barrier.abort()
+            raise
+        finally:
+            if self._local.holding:
+                self._local.holding = False
+                self._lock.release()
+
+    def ready(self) -> None:
+        self._local.holding = False
+        self._lock.release()
+        self._barrier.wait()
+
+
 def concurrent_decode(cfg_value: str, device: torch.device, path: str) -> bool:
     """Whether the replay and floor decodes run side by side (``auto``: CUDA-graph decodes on a GPU, where a
     decode step of a small batch leaves most of the device idle; on the CPU both would share the same cores)."""
@@ -479,14 +513,16 @@ def _replay(s: _Setup, chunk: list[_Traj], weights: str, step: StepFn, done: dic
         engines["bf16"].decode = engines["fp4_rne_own_scales"].decode
         side_by_side = concurrent_decode(concurrency, s.device, path)
 
+        gate = _LineUp(2 if side_by_side else 1)
+
         def run(phase: str, mode: str) -> tuple[Any, float]:
             base = done[phase]
             stream = (torch.cuda.stream(torch.cuda.Stream(s.device)) if side_by_side and s.device.type == "cuda"
                       else contextlib.nullcontext())
             t0 = time.perf_counter()
-            with stream:
+            with stream, gate.setup():
                 out = engines[mode].generate(prompts, max_new, request_ids=rids, forced_tokens=forced, mode=mode,
-                                             temperature=temperature,
+                                             temperature=temperature, on_ready=gate.ready,
                                              on_step=lambda d, _t, p=phase, b0=base: step(p, b0 + d, totals[p]))
             done[phase] = base + max_new
             return out, time.perf_counter() - t0
@@ -498,7 +534,9 @@ def _replay(s: _Setup, chunk: list[_Traj], weights: str, step: StepFn, done: dic
                 try:
                     roll, replay_s = run(*phases[0])
                 except BaseException:
-                    concurrent.futures.wait([floor_job])  # the replay's error wins; the floor is not left running
+                    concurrent.futures.wait([floor_job])  # the floor is not left running
+                    if isinstance(floor_job.exception(), Exception):  # the floor failed first: its error, not the
+                        raise floor_job.exception() from None  # replay's broken line-up
                     raise
                 floor, floor_s = floor_job.result()  # the floor's own error, if it failed
         else:

@@ -271,12 +271,15 @@ class RolloutEngine:
         policy_version: int = 0,
         mode: str = "fp4_rne_own_scales",
         on_step: Callable[[int, int], None] | None = None,
+        on_ready: Callable[[], None] | None = None,
     ) -> RolloutResult:
         """Sample ``max_new_tokens`` per prompt; ``forced_tokens`` [B, G] replaces sampling (teacher forcing).
 
         ``on_step(done, total)`` is called on the host after each of the ``max_new_tokens`` sampling steps
-        (progress display; it reads nothing from the device). Raises `ConfigError` for a decode path or mode
-        that cannot run, before anything is recorded or changed."""
+        (progress display; it reads nothing from the device). ``on_ready()`` is called once the decode step is
+        prepared (graph captured) and the prompts are prefilled, before the first decode step (the audit lines
+        up two decodes there). Raises `ConfigError` for a decode path or mode that cannot run, before anything
+        is recorded or changed."""
         device = next(self.model.parameters()).device
         path = self.decode_path(device)
         check_mode(mode)
@@ -296,6 +299,8 @@ class RolloutEngine:
             dec = self._static_decoder(b)
             t0 = time.perf_counter()
             logits, cache = self._prefill(b, dec)
+            if on_ready is not None:
+                on_ready()
             t1 = time.perf_counter()
             toks, lps = self._decode(b, logits, cache, dec, sample, on_step)
             t2 = time.perf_counter()

@@ -9,6 +9,7 @@ import contextlib
 import importlib.util
 import io
 import re
+import time
 import json
 import os
 import shutil
@@ -360,3 +361,49 @@ def test_side_by_side_decodes_give_the_same_audit(audited):
     assert side["replay"] == audit["replay"]
     assert side["modes"] == audit["modes"]
     assert side["detail"]["bf16"] == audit["detail"]["bf16"]  # the floor's per-token figures too
+
+
+def test_line_up_runs_set_ups_one_at_a_time_and_never_hangs():
+    """The side-by-side decodes' line-up: set-ups (graph capture, prefill) never overlap and the decode loops
+    start together; a thread that fails during its set-up breaks the line-up, so the other raises, never waits."""
+    import threading
+
+    from tracerl.audit import _LineUp
+
+    gate, inside, overlaps, started = _LineUp(2), [], [], []
+
+    def ok(name):
+        with gate.setup():
+            inside.append(name)
+            overlaps.append(len(inside))
+            time.sleep(0.05)
+            inside.remove(name)
+            gate.ready()
+            started.append(name)
+
+    threads = [threading.Thread(target=ok, args=(n,)) for n in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert overlaps == [1, 1] and sorted(started) == ["a", "b"]
+
+    gate, errors = _LineUp(2), []
+
+    def fails():
+        with contextlib.suppress(RuntimeError), gate.setup():
+            raise RuntimeError("set-up failed")
+
+    def waits():
+        try:
+            with gate.setup():
+                gate.ready()
+        except threading.BrokenBarrierError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=f) for f in (waits, fails)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads) and len(errors) == 1
