@@ -33,6 +33,7 @@ adds in the input's dtype).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -93,6 +94,25 @@ def slot_order(idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch
     return order, inv, counts
 
 
+def grouped_gemm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `routed_experts` runs its expert GEMMs as two ``torch._grouped_mm`` calls for these operands.
+
+    ``torch._grouped_mm`` (one GEMM over all experts, the groups given by device offsets) is used on the CPU for
+    bf16 / fp16 / fp32 (torch's fallback there computes each group with the same matmul as a per-expert
+    ``F.linear``: the same bits, tests/tracerl/test_deterministic.py) and on CUDA for bf16 on Hopper or newer
+    (CUTLASS grouped GEMM, no split-K: deterministic). Elsewhere (float64, older GPUs, a torch without it) the
+    per-expert loop runs. ``TRACERL_GROUPED_MM=0`` forces the loop (to compare the two)."""
+    if os.environ.get("TRACERL_GROUPED_MM", "1") == "0" or not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.dtype != w.dtype or x.device != w.device:
+        return False
+    if x.device.type == "cpu":
+        return x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    return False
+
+
 def routed_experts(x_q: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w_gate_up: torch.Tensor,
                    w_down: torch.Tensor, act_fn: Act, down_quant: Quant | None = None) -> torch.Tensor:
     """The routed experts of one MoE layer, grouped by expert, with a deterministic backward.
@@ -107,25 +127,45 @@ def routed_experts(x_q: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, 
 
     Returns:
         [N, H] in x_q's dtype: sum over each token's k slots (ascending expert id) of weight * expert output.
+
+    The expert GEMMs are two grouped GEMMs (`grouped_gemm_supported`: no host sync, two launches per layer) or,
+    elsewhere, a Python loop over the experts (2 GEMMs and ~10 more operations per expert, and one host read of
+    the expert counts).
     """
     n, k = idx.shape
-    order, inv, counts = slot_order(idx, w_gate_up.shape[0])
+    num_experts = w_gate_up.shape[0]
+    grouped = grouped_gemm_supported(x_q, w_gate_up)
+    if grouped:
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        inv = torch.empty_like(order)
+        inv[order] = torch.arange(order.numel(), device=order.device)
+        offs = torch.bincount(flat, minlength=num_experts).cumsum(0).to(torch.int32)  # group ends, on the device
+    else:
+        order, inv, counts = slot_order(idx, num_experts)
     x_sorted = _GatherSlots.apply(x_q, order, inv, k)  # (N*k, H), expert order
-    w1, w2 = w_gate_up.unbind(0), w_down.unbind(0)
-    pieces = []
-    for e, xe in enumerate(x_sorted.split(counts)):
-        if counts[e]:
-            gate, up = F.linear(xe, w1[e]).chunk(2, dim=-1)
-            pieces.append(act_fn(gate) * up)
-    h_sorted = torch.cat(pieces)  # (N*k, I), expert order
+    if grouped:
+        gate, up = torch._grouped_mm(x_sorted, w_gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+        h_sorted = act_fn(gate) * up  # (N*k, I), expert order
+    else:
+        w1 = w_gate_up.unbind(0)
+        pieces = []
+        for e, xe in enumerate(x_sorted.split(counts)):
+            if counts[e]:
+                gate, up = F.linear(xe, w1[e]).chunk(2, dim=-1)
+                pieces.append(act_fn(gate) * up)
+        h_sorted = torch.cat(pieces)  # (N*k, I), expert order
     inter = h_sorted.shape[-1]
     h = _PermuteRows.apply(h_sorted, inv, order).reshape(n, k * inter)  # (N, k*I), slot order
     if down_quant is not None:
         h = down_quant(h)
     h_q = _PermuteRows.apply(h.reshape(n * k, inter), order, inv)  # (N*k, I), expert order
-    outs = [F.linear(he, w2[e]) for e, he in enumerate(h_q.split(counts)) if counts[e]]
+    if grouped:
+        y_experts = torch._grouped_mm(h_q, w_down.transpose(-2, -1), offs=offs)  # (N*k, H)
+    else:
+        w2 = w_down.unbind(0)
+        y_experts = torch.cat([F.linear(he, w2[e]) for e, he in enumerate(h_q.split(counts)) if counts[e]])
     w_sorted = _PermuteRows.apply(weights.reshape(-1, 1), order, inv).to(h_q.dtype)  # (N*k, 1)
-    y_sorted = torch.cat(outs) * w_sorted
+    y_sorted = y_experts * w_sorted
     y = _PermuteRows.apply(y_sorted, inv, order).reshape(n, k, -1)  # (N, k, H), slot order
     return y.sum(dim=1).to(x_q.dtype)
-
