@@ -113,6 +113,32 @@ def grouped_gemm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     return False
 
 
+_SYNC_FREE: dict[str, bool] = {}
+
+
+def grouped_gemm_sync_free(device: torch.device) -> bool:
+    """Whether ``torch._grouped_mm`` runs on ``device`` without a host sync (so a CUDA graph can capture it: the
+    decode step). Probed once per device type and index with torch's sync debug mode; the CPU is always free."""
+    if device.type != "cuda":
+        return device.type == "cpu"
+    key = str(device)
+    if key not in _SYNC_FREE:
+        a = torch.zeros(32, 64, dtype=torch.bfloat16, device=device)
+        b = torch.zeros(2, 64, 32, dtype=torch.bfloat16, device=device)
+        offs = torch.tensor([16, 32], dtype=torch.int32, device=device)
+        torch.cuda.synchronize(device)
+        prev = torch.cuda.get_sync_debug_mode()
+        try:
+            torch.cuda.set_sync_debug_mode("error")
+            torch._grouped_mm(a, b, offs=offs)
+            _SYNC_FREE[key] = True
+        except RuntimeError:
+            _SYNC_FREE[key] = False
+        finally:
+            torch.cuda.set_sync_debug_mode(prev)
+    return _SYNC_FREE[key]
+
+
 def routed_experts(x_q: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w_gate_up: torch.Tensor,
                    w_down: torch.Tensor, act_fn: Act, down_quant: Quant | None = None) -> torch.Tensor:
     """The routed experts of one MoE layer, grouped by expert, with a deterministic backward.
@@ -140,7 +166,9 @@ def routed_experts(x_q: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, 
         order = torch.argsort(flat, stable=True)
         inv = torch.empty_like(order)
         inv[order] = torch.arange(order.numel(), device=order.device)
-        offs = torch.bincount(flat, minlength=num_experts).cumsum(0).to(torch.int32)  # group ends, on the device
+        # Group ends on the device without a host read (graph-capturable): slots with an expert id below e + 1.
+        ends = torch.arange(1, num_experts + 1, device=flat.device, dtype=flat.dtype)
+        offs = torch.searchsorted(flat.index_select(0, order), ends).to(torch.int32)
     else:
         order, inv, counts = slot_order(idx, num_experts)
     x_sorted = _GatherSlots.apply(x_q, order, inv, k)  # (N*k, H), expert order

@@ -182,8 +182,8 @@ class StaticDecoder:
         self.slot.add_(1).remainder_(self.ring)
 
     def _step_state(self):
-        """The runtime state a step runs (or is traced) in: this decoder's ring callbacks, and the gather path for
-        MoE calls at any batch (the grouped path reads expert counts on the host)."""
+        """The runtime state a step runs (or is traced) in: this decoder's ring callbacks, and the sync-free MoE
+        path at any batch (`FP4MoEBlock._routed`: grouped GEMMs with device offsets, or the gather path)."""
         rt = self.runtime
         return rt.using(capture=self._on_capture if self.capture else None,
                         on_route=self._on_route if self.routes else None,

@@ -33,7 +33,7 @@ from torch import nn
 
 import tracefp4
 from tracefp4.constants import E2M1_MAGNITUDES, HINTS_PER_BYTE
-from tracerl._deterministic import routed_experts
+from tracerl._deterministic import grouped_gemm_supported, grouped_gemm_sync_free, routed_experts
 from tracerl.config import QAT_MODES
 from tracerl.errors import ConfigError, HintMismatchError
 from tracerl.models import moe_blocks
@@ -139,8 +139,8 @@ class FP4Runtime:
             # Routing replay: {layer: expert ids [N, top_k] (int64, forward rows)} that MoE blocks use instead of
             # their router's top-k (the router's probabilities still weight them, so the gate gets gradients).
             "forced_routes": {},
-            # MoE calls on CUDA with at most this many (token, expert) slots take the gather/bmm decode path (on
-            # the CPU, gathering expert weights costs more than the grouped GEMMs save).
+            # MoE calls on CUDA with at most this many (token, expert) slots take a path without host syncs:
+            # grouped GEMMs where they run sync-free, else the gather/bmm path (`FP4MoEBlock._routed`).
             "gather_max_slots": 64,
             # A per-site override of the FP4 modes (tracerl.audit: exact replacement by the rollout's values, hints
             # at sites the plan does not hint); consulted at every FP4 activation site in every mode but bf16.
@@ -359,9 +359,11 @@ class FP4MoEBlock(nn.Module):
         n, k = idx.shape
         w_gate_up = rt.weight(f"{self.module_name}.experts.gate_up_proj", ex.gate_up_proj)  # (E, 2I, H)
         w_down = rt.weight(f"{self.module_name}.experts.down_proj", ex.down_proj)  # (E, H, I)
-        # The grouped path reads the per-expert counts on the host (a sync on a device); decode calls on a
-        # device (CUDA; meta in the no-sync tests) take the gather path, which reads nothing.
-        if x_q.device.type != "cpu" and n * k <= rt.gather_max_slots:
+        # Decode calls on a device (CUDA; meta in the no-sync tests) must not sync with the host (a CUDA graph
+        # captures them): the grouped GEMMs where they run sync-free (bf16 on Hopper: each used expert's weights
+        # are read once), else the gather path (each slot gathers its expert's weights: 3x the weight bytes).
+        if x_q.device.type != "cpu" and n * k <= rt.gather_max_slots and not (
+                grouped_gemm_supported(x_q, w_gate_up) and grouped_gemm_sync_free(x_q.device)):
             return self._routed_gather(x_q, idx, weights, w_gate_up, w_down)
         # Grouped per-expert GEMMs with a backward that is deterministic by construction (`tracerl._deterministic`:
         # gathers, permutations and a fixed-order fp32 sum of each token's k slots instead of index-put
