@@ -15,8 +15,9 @@ autograd terms, per MoE layer with N tokens, top-k, E experts:
 
 This path (`routed_experts`): one gather of all k*N slot rows in expert order with a custom backward that
 permutes the slot gradients back to (token, slot) order and sums each token's k slots in a fixed order
-(ascending expert id, fp32 accumulation), `torch.split` / `torch.unbind` for the per-expert pieces (their
-backward is one ``cat`` / ``stack``), and permutations as index_select pairs (the backward of a permutation is
+(ascending expert id, fp32 accumulation), the expert GEMMs as two grouped GEMMs over all experts
+(``torch._grouped_mm`` with group offsets computed on the device; where it is not available, `torch.split` /
+`torch.unbind` per-expert pieces, whose backward is one ``cat`` / ``stack``), and permutations as index_select pairs (the backward of a permutation is
 the inverse permutation: a gather, nothing accumulates). Every gradient is then a gather, a GEMM or a
 fixed-order sum, so two runs are bitwise equal by construction, whatever the torch version's scatter kernels,
 and the dense per-expert buffers are gone.
