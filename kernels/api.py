@@ -342,14 +342,22 @@ class _QuantizeFakeFn(torch.autograd.Function):
     scales (reference). Backward of the fake-quantized output: straight-through, as `fake_quantize`."""
 
     @staticmethod
-    def forward(ctx, x, g, fmt, backend, scale_rule, emit_hints, ste):
+    def forward(ctx, x, g, fmt, backend, scale_rule, emit_hints, ste, scales_out, hints_out):
         block = BLOCK_SIZES[fmt]
         xb = x.reshape(-1, block)  # [NB, B]
+        nb = xb.shape[0]
+        s_out = None if scales_out is None else scales_out.view(nb)
+        h_out = None if hints_out is None else hints_out.view(nb, block // HINTS_PER_BYTE)
         if backend == "triton":
-            y, codes, scales, hints = _triton().quantize_fake_blocks_triton(xb, fmt, g, scale_rule, emit_hints)
+            y, codes, scales, hints = _triton().quantize_fake_blocks_triton(xb, fmt, g, scale_rule, emit_hints,
+                                                                            scales_out=s_out, hints_out=h_out)
         else:
             codes, scales, hints = ref.quantize_blocks_ref(xb, fmt, g, scale_rule, emit_hints)
             y = ref.fake_quantize_blocks_ref(xb, fmt, g, scales, None, scale_rule)  # the same own scales
+            if s_out is not None:
+                scales = s_out.copy_(scales)
+            if h_out is not None and hints is not None:
+                hints = h_out.copy_(hints)
         ctx.ste, ctx.fmt, ctx.backend = ste, fmt, backend
         if ste == "clip":
             ctx.save_for_backward(x, g, scales)
@@ -360,12 +368,24 @@ class _QuantizeFakeFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y, _gc, _gs, _gh):
-        return _ste_backward(ctx, grad_y), None, None, None, None, None, None
+        return _ste_backward(ctx, grad_y), None, None, None, None, None, None, None, None
+
+
+def _check_out(t: torch.Tensor | None, name: str, shape: tuple[int, ...], device: torch.device) -> None:
+    """A caller's output buffer: uint8, exactly ``shape``, contiguous, on ``device`` (ShapeError / DTypeError)."""
+    if t is None:
+        return
+    if t.dtype != torch.uint8:
+        raise DTypeError(f"{name} must be uint8; got {t.dtype}")
+    if tuple(t.shape) != shape or not t.is_contiguous() or t.device != device:
+        raise ShapeError(f"{name} must be a contiguous uint8 tensor of shape {list(shape)} on {device}; got shape "
+                         f"{list(t.shape)}{'' if t.is_contiguous() else ' (not contiguous)'} on {t.device}")
 
 
 def quantize_fake(
     x: torch.Tensor, fmt: str = "nvfp4", global_scale: torch.Tensor | float | None = None, backend: str = "auto",
     *, scale_rule: str = "floor", emit_hints: bool = True, ste: str = "identity",
+    scales_out: torch.Tensor | None = None, hints_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, QuantizedFP4]:
     """The rollout's capture at a hinted site in one pass: ``(y, q)`` with
 
@@ -378,17 +398,25 @@ def quantize_fake(
     of 2 + 2 + 2.69 for `quantize` followed by `fake_quantize`); it allocates only its outputs, reads no device
     value on the host and copies nothing host -> device, so it can run inside CUDA-graph capture (pass a
     device ``global_scale`` tensor, or None for dynamic scaling, which adds a torch reduction over x).
-    Raises the errors of `quantize` (ShapeError, DTypeError, FormatError, BackendError) and FormatError for an
-    unknown ``ste``.
+    ``scales_out`` ([..., D/block] uint8) and ``hints_out`` ([..., D/8] uint8), contiguous, on x's device: the
+    scales and hints are written into these buffers instead of fresh tensors, and ``q.scales`` / ``q.hints`` are
+    them (a CUDA-graph decode hands its capture buffers here, so recording costs no copy per site).
+
+    Raises the errors of `quantize` (ShapeError, DTypeError, FormatError, BackendError), FormatError for an
+    unknown ``ste``, and ShapeError / DTypeError for an output buffer of another shape, layout, device or dtype.
     """
     _check_x(x, fmt)
     _check_rule(scale_rule)
     if ste not in STE_MODES:
         raise FormatError(f"ste must be one of {STE_MODES}; got {ste!r}")
+    block = BLOCK_SIZES[fmt]
+    lead, d = tuple(x.shape[:-1]), x.shape[-1]
+    _check_out(scales_out, "scales_out", (*lead, d // block), x.device)
+    _check_out(hints_out if emit_hints else None, "hints_out", (*lead, d // HINTS_PER_BYTE), x.device)
     g = _global_scale(global_scale, fmt, x.device, x)
     be = resolve_backend(backend, x.device)
-    block = BLOCK_SIZES[fmt]
-    y, codes, scales, hints = _QuantizeFakeFn.apply(x.contiguous(), g, fmt, be, scale_rule, emit_hints, ste)
+    y, codes, scales, hints = _QuantizeFakeFn.apply(x.contiguous(), g, fmt, be, scale_rule, emit_hints, ste,
+                                                    scales_out, hints_out if emit_hints else None)
     lead, d = x.shape[:-1], x.shape[-1]
     q = QuantizedFP4(
         codes=codes.reshape(*lead, d // 2),

@@ -918,13 +918,16 @@ def _fwd_cfg(config: tuple | None, key: str, dtype: torch.dtype, fmt: str) -> tu
     return cfg[0], cfg[1], cfg[2], opts
 
 
-def _launch_quantize(xb, fmt, g, scale_rule, emit_hints, fake, config, key):
+def _launch_quantize(xb, fmt, g, scale_rule, emit_hints, fake, config, key, scales_out=None, hints_out=None):
     xb = xb.contiguous()
     nb, b = xb.shape
     dev = xb.device
     codes = torch.empty((nb, b // 2), dtype=torch.uint8, device=dev)
-    scales = torch.empty((nb,), dtype=torch.uint8, device=dev)
-    hints = torch.empty((nb, b // 8), dtype=torch.uint8, device=dev) if emit_hints else None
+    # scales_out [NB] / hints_out [NB, B/8]: caller's contiguous uint8 buffers to write into (checked by the API)
+    scales = torch.empty((nb,), dtype=torch.uint8, device=dev) if scales_out is None else scales_out
+    hints = None
+    if emit_hints:
+        hints = torch.empty((nb, b // 8), dtype=torch.uint8, device=dev) if hints_out is None else hints_out
     out = torch.empty_like(xb) if fake else None
     if nb:
         bn, warps, per_sm, opts = _fwd_cfg(config, key, xb.dtype, fmt)
@@ -958,14 +961,15 @@ def quantize_blocks_triton(
 @_on_input_device
 def quantize_fake_blocks_triton(
     xb: torch.Tensor, fmt: str, g: torch.Tensor | None, scale_rule: str = "floor", emit_hints: bool = True,
-    config: tuple | None = None,
+    config: tuple | None = None, scales_out: torch.Tensor | None = None, hints_out: torch.Tensor | None = None,
 ):
     """One pass over xb [NB, B]: (round-to-nearest fake-quantized values [NB, B] in xb.dtype, codes, scales,
     hints or None), equal to `reference.fake_quantize_blocks_ref(xb, fmt, g)` and
     `reference.quantize_blocks_ref(xb, fmt, g)`. config as for `quantize_blocks_triton` (default:
-    `default_config("quantize_fake", ...)`)."""
+    `default_config("quantize_fake", ...)`). scales_out (uint8 [NB]) / hints_out (uint8 [NB, B/8]), contiguous:
+    written in place of fresh scales / hints tensors."""
     codes, scales, hints, out = _launch_quantize(xb, fmt, g, scale_rule, emit_hints, True, config,
-                                                 "quantize_fake")
+                                                 "quantize_fake", scales_out, hints_out)
     return out, codes, scales, hints
 
 

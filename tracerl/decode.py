@@ -24,6 +24,7 @@ Hugging Face decode path (`RolloutEngine` picks it).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Callable
 
@@ -126,29 +127,77 @@ class StaticDecoder:
         self.col = torch.zeros(1, dtype=torch.long, device=device)  # its KV column (same for every row)
         self.slot = torch.zeros(1, dtype=torch.long, device=device)  # ring slot this step writes
         self.logits: torch.Tensor | None = None  # [B, V] of the last step (overwritten by the next one)
-        self.rings: dict[RingKey, list[torch.Tensor]] = {}
+        # Captures of one step, packed: ``_stage`` uint8 [S] holds every capture part (hint bits, scales, codes,
+        # routes) at a 16-byte aligned offset; ``_ring`` uint8 [ring, S] keeps ``ring`` steps of it, written by
+        # one copy per step. Hinted sites' hints and scales are written into their stage views by the fused
+        # quantize kernel itself (`FP4Runtime` ``capture_into``), so a site costs no copy of its own.
+        self._layout: dict[RingKey, list[tuple[int, tuple[int, ...]]]] = {}  # part -> (offset, shape)
+        self._views: dict[RingKey, list[torch.Tensor]] = {}  # stage views per part
+        self._pending: dict[RingKey, list[torch.Tensor]] = {}  # parts seen before the stage exists (first step)
+        self._stage: torch.Tensor | None = None
+        self._ring: torch.Tensor | None = None
+        self._served: str | None = None  # the site whose capture `_stage_for` just handed out
         self._kv_sites = runtime.plan.has_kv
         self._rope = _rope_fn()
         self._graph: torch.cuda.CUDAGraph | None = None
         self._ready = False
 
     # ---- callbacks (called while the step is traced or run eagerly) --------------------------------------
-    def _ring_write(self, key: RingKey, parts: tuple[torch.Tensor, ...]) -> None:
-        bufs = self.rings.get(key)
-        if bufs is None:
+    def _ring_write(self, key: RingKey, parts: tuple[torch.Tensor | None, ...]) -> None:
+        """This step's capture ``parts`` (uint8, or int ids that fit a byte) into their stage views; None: the part
+        is already there (written by the quantize kernel)."""
+        views = self._views.get(key)
+        if views is None:
             if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise ConfigError(f"capture {key} first seen while a graph was being captured (no warm-up?)")
-            bufs = self.rings[key] = [torch.zeros((self.ring, *p.shape), dtype=p.dtype, device=p.device)
-                                      for p in parts]
-        for b, p in zip(bufs, parts):
-            b.index_copy_(0, self.slot, p.unsqueeze(0))
+            self._pending[key] = [p.to(torch.uint8, copy=True) for p in parts]  # the stage is built after the step
+            return
+        for v, p in zip(views, parts):
+            if p is not None:
+                v.copy_(p)
+
+    def _stage_for(self, site: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`FP4Runtime` ``capture_into``: the stage views (scales [B, W/16], hints [B, W/8]) that the fused kernel
+        writes ``site``'s capture into; None before the stage exists or for a shape it was not built for."""
+        views = self._views.get(("site", site))
+        if views is None or views[0].shape[0] != x.shape[0]:
+            return None
+        self._served = site  # the next `_on_capture` of this site finds its hints and scales in place
+        return views[1], views[0]
 
     def _on_capture(self, site: str, q) -> None:
-        parts = (q.hints, q.scales) + ((q.codes,) if self.keep_codes else ())
-        self._ring_write(("site", site), parts)
+        direct, self._served = self._served == site, None
+        parts = (None, None) if direct else (q.hints, q.scales)
+        self._ring_write(("site", site), parts + ((q.codes,) if self.keep_codes else ()))
 
     def _on_route(self, layer: int, idx: torch.Tensor) -> None:
-        self._ring_write(("route", str(layer)), (idx.to(torch.uint8),))
+        self._ring_write(("route", str(layer)), (idx,))
+
+    def _build_stage(self) -> None:
+        """Lay out the stage and the ring from the parts the first step captured, and put that step's values in."""
+        offset, layout = 0, dict(self._layout)
+        for key, parts in self._pending.items():
+            layout[key] = []
+            for p in parts:
+                layout[key].append((offset, tuple(p.shape)))
+                offset += -(-p.numel() // 16) * 16  # 16-byte aligned parts (the kernels' vector stores)
+        self._layout = layout
+        self._stage = torch.zeros(offset, dtype=torch.uint8, device=self.device)
+        self._ring = torch.zeros(self.ring, offset, dtype=torch.uint8, device=self.device)
+        self._views = {key: [self._stage[o:o + math.prod(shape)].view(shape) for o, shape in parts]
+                       for key, parts in layout.items()}
+        for key, parts in self._pending.items():
+            for v, p in zip(self._views[key], parts):
+                v.copy_(p)
+        self._pending = {}
+
+    @property
+    def rings(self) -> dict[RingKey, list[torch.Tensor]]:
+        """Per capture key, views [ring, B, ...] of each part's column of the ring (empty before the first step)."""
+        if self._ring is None:
+            return {}
+        return {key: [self._ring[:, o:o + math.prod(shape)].view(self.ring, *shape) for o, shape in parts]
+                for key, parts in self._layout.items()}
 
     # ---- the step ----------------------------------------------------------------------------------------
     def _forward(self) -> None:
@@ -177,6 +226,10 @@ class StaticDecoder:
             h = h + attn.o_proj(o.reshape(b, 1, kvh * grp * d))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         self.logits = self.model.lm_head(m.norm(h)[:, 0])  # [B, V]
+        if self._pending:
+            self._build_stage()
+        if self._ring is not None:  # one copy per step puts every capture of the step in its ring slot
+            self._ring.index_copy_(0, self.slot, self._stage.unsqueeze(0))
         self.pos.add_(1)
         self.col.add_(1)
         self.slot.add_(1).remainder_(self.ring)
@@ -186,6 +239,7 @@ class StaticDecoder:
         path at any batch (`FP4MoEBlock._routed`: grouped GEMMs with device offsets, or the gather path)."""
         rt = self.runtime
         return rt.using(capture=self._on_capture if self.capture else None,
+                        capture_into=self._stage_for if self.capture else None,
                         on_route=self._on_route if self.routes else None,
                         gather_max_slots=max(rt.gather_max_slots, self.batch * self.top_k))
 
@@ -249,5 +303,6 @@ class StaticDecoder:
         order the steps ran since the ring was last taken. Call after every ``ring`` steps and at the end."""
         if not 0 <= n <= self.ring:
             raise ConfigError(f"take({n}): the ring holds {self.ring} steps")
-        return {key: [b[:n].reshape(n * self.batch, *b.shape[2:]).clone() for b in bufs]
+        # clone first: a part's ring column is strided (or, alone in the stage, the ring itself)
+        return {key: [b[:n].clone().reshape(n * self.batch, *b.shape[2:]) for b in bufs]
                 for key, bufs in self.rings.items()}

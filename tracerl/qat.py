@@ -122,8 +122,8 @@ class FP4Runtime:
     """
 
     #: the per-call state that `using` sets and restores (per thread)
-    CALL_STATE = ("mode", "capture", "observe", "on_route", "provided", "forced_routes", "gather_max_slots",
-                  "substitute")
+    CALL_STATE = ("mode", "capture", "capture_into", "observe", "on_route", "provided", "forced_routes",
+                  "gather_max_slots", "substitute")
 
     def __init__(self, plan: SitePlan, global_scales: Mapping[str, float] | None = None, *, backend: str = "auto"):
         self.plan = plan
@@ -133,6 +133,9 @@ class FP4Runtime:
         self._defaults: dict[str, Any] = {
             "mode": "fp4_rne_own_scales",
             "capture": None,  # CaptureFn | None
+            # (site, x [N, W]) -> (scales_out [N, W/16], hints_out [N, W/8]) for the capture to be written into
+            # (a decoder's stage buffers), or None: fresh tensors
+            "capture_into": None,
             "observe": None,  # ObserveFn | None
             "on_route": None,  # RouteFn | None
             "provided": {},  # {site: (scale_e4m3, hints | None)} for the rows of the next forward
@@ -157,6 +160,7 @@ class FP4Runtime:
 
     mode = _call_state_property("mode")
     capture = _call_state_property("capture")
+    capture_into = _call_state_property("capture_into")
     observe = _call_state_property("observe")
     on_route = _call_state_property("on_route")
     provided = _call_state_property("provided")
@@ -184,8 +188,8 @@ class FP4Runtime:
     @contextlib.contextmanager
     def using(self, **state: Any) -> Iterator[FP4Runtime]:
         """Set per-call state (any of `CALL_STATE`: ``mode``, the ``capture`` / ``observe`` / ``on_route``
-        callbacks, ``provided`` hints and scales, ``forced_routes``, ``gather_max_slots``, ``substitute``) for the
-        block; the previous values come back on exit, also when the block raises.
+        callbacks, ``capture_into``, ``provided`` hints and scales, ``forced_routes``, ``gather_max_slots``,
+        ``substitute``) for the block; the previous values come back on exit, also when the block raises.
 
         Raises `ConfigError` for an unknown key or mode, before anything changes."""
         unknown = sorted(set(state) - set(self.CALL_STATE))
@@ -270,7 +274,9 @@ class FP4Runtime:
         if hinted and (self.capture is not None or self.observe is not None):
             # one pass over x: the fake-quantized activation and the codes/scales/hints the rollout records
             # (tracefp4.quantize_fake: y equals fake_quantize(x) and q equals quantize(x), bit for bit)
-            y, q = tracefp4.quantize_fake(x, "nvfp4", global_scale=g, backend=self.backend)
+            into = self.capture_into(site, x) if self.capture is not None and self.capture_into is not None else None
+            outs = {} if into is None else {"scales_out": into[0], "hints_out": into[1]}
+            y, q = tracefp4.quantize_fake(x, "nvfp4", global_scale=g, backend=self.backend, **outs)
             if self.capture is not None:
                 self.capture(site, q)
             if self.observe is not None:

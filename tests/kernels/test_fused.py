@@ -97,6 +97,46 @@ def test_quantize_fake_errors():
         tracefp4.quantize_fake(torch.zeros(32), "mxfp4", scale_rule="ceil")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantize_fake_writes_into_given_buffers(dtype, fmt, backend):
+    """scales_out / hints_out (views into one larger capture buffer, as a CUDA-graph decode stages them): the
+    same bits as fresh outputs, written in place (q.scales / q.hints are those buffers), and the bytes around
+    them untouched; with autograd on, y still carries the straight-through gradient."""
+    block = BLOCK[fmt]
+    x = _random_x((4, 3 * block), dtype, seed=7 + block).requires_grad_()
+    want_y, want_q = tracefp4.quantize_fake(x.detach(), fmt, backend="reference")
+    stage = torch.full((16 + 4 * 3 + 16 + 4 * 3 * block // 8 + 16,), 0xAB, dtype=torch.uint8, device=DEVICE)
+    s_view = stage[16:16 + 12].view(4, 3)
+    h_off = 16 + 12 + 4  # 16-byte aligned
+    h_view = stage[h_off:h_off + 4 * 3 * block // 8].view(4, 3 * block // 8)
+    y, q = tracefp4.quantize_fake(x, fmt, backend=backend, scales_out=s_view, hints_out=h_view)
+    assert_bits_equal(y, want_y)
+    assert_q_equal(q, want_q)
+    assert q.scales.data_ptr() == s_view.data_ptr() and q.hints.data_ptr() == h_view.data_ptr()
+    assert_bits_equal(s_view, want_q.scales)
+    assert_bits_equal(h_view, want_q.hints)
+    untouched = torch.ones_like(stage, dtype=torch.bool)
+    untouched[16:16 + 12] = False
+    untouched[h_off:h_off + h_view.numel()] = False
+    assert bool((stage[untouched] == 0xAB).all())
+    y.float().sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape
+
+
+def test_quantize_fake_output_buffer_errors():
+    from tracefp4.errors import DTypeError
+
+    x = torch.zeros(2, 32)
+    with pytest.raises(ShapeError, match=r"scales_out must be .*\[2, 2\].*got shape \[2, 3\]"):
+        tracefp4.quantize_fake(x, scales_out=torch.zeros(2, 3, dtype=torch.uint8))
+    with pytest.raises(DTypeError, match="hints_out must be uint8"):
+        tracefp4.quantize_fake(x, hints_out=torch.zeros(2, 4, dtype=torch.int16))
+    with pytest.raises(ShapeError, match="not contiguous"):
+        tracefp4.quantize_fake(x, hints_out=torch.zeros(4, 2, dtype=torch.uint8).t())
+
+
 # ---------------------------------------------------------------------------------------------------------
 # dequantize on Triton
 # ---------------------------------------------------------------------------------------------------------

@@ -144,3 +144,45 @@ def test_static_step_reads_no_device_value_on_meta():
     assert sites == {("site", s) for s in plan.hinted}
     assert {k for k in dec.rings if k[0] == "route"} == {("route", str(i)) for i in range(spec.num_layers)}
     assert dec.rings[("route", "0")][0].shape == (4, 4, spec.top_k)
+
+
+def test_captures_are_staged_with_one_ring_copy_per_step():
+    """A capturing step writes the hinted sites' hint bits and scales straight into the decoder's stage (the
+    fused quantize kernel's output buffers: no copy per site), the routes and codes with one copy each, and the
+    whole stage into its ring slot with one ``index_copy_``; what `take` returns is each step's values."""
+    spec, model, plan, rt = _setup(dtype=torch.bfloat16)
+    RolloutEngine(model, rt).calibrate(PROMPTS)
+    dec = StaticDecoder(model, rt, batch=2, max_len=16, ring=4, capture=True, keep_codes=False, routes=True)
+    dec.prepare()
+    seen = []
+    real = dec._ring_write
+    dec._ring_write = lambda key, parts: seen.append((key, tuple(p is None for p in parts))) or real(key, parts)
+    toks = [torch.tensor([3, 5]), torch.tensor([7, 11]), torch.tensor([13, 17])]
+    dec.step(toks[0])  # first step: lays out the stage
+    seen.clear()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        dec.step(toks[1])
+    dec.step(toks[2])
+    plain = StaticDecoder(model, rt, batch=2, max_len=16, ring=4)
+    plain.prepare()
+    plain.step(toks[0])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as plain_prof:
+        plain.step(toks[1])
+    count = [sum(e.name == "aten::index_copy_" for e in p.events() if e.cpu_parent is None) for p in (prof, plain_prof)]
+    assert count[0] == count[1] + 1  # the ring (the others are the KV cache's writes)
+    sites = {k: none for k, none in seen if k[0] == "site"}
+    assert set(sites) == {("site", s) for s in plan.hinted} and all(v == (True, True) for v in sites.values())
+    taken = dec.take(3)
+    # the same values as a fresh quantization of the same steps: run them again without staging
+    ref = StaticDecoder(model, rt, batch=2, max_len=16, ring=4, capture=True, keep_codes=False, routes=True)
+    ref.prepare()
+    fresh = {}
+    for i, t in enumerate(toks):
+        with rt.using(capture=lambda site, q, i=i: fresh.setdefault(("site", site), {}).__setitem__(i, (q.hints, q.scales)),
+                      on_route=lambda layer, idx, i=i: fresh.setdefault(("route", str(layer)), {}).__setitem__(i, (idx,))):
+            ref.tok.copy_(t)
+            ref._forward()
+    for key, parts in taken.items():
+        for j, part in enumerate(parts):
+            want = torch.cat([fresh[key][i][j].to(torch.uint8) for i in range(3)])
+            assert torch.equal(part, want), key
