@@ -28,6 +28,7 @@ Passes (names as in the JSON ``modes``, ``detail`` and ``attribution``):
 | ``fp4_rne_rollout_scales`` | store's scales at hinted sites | own |
 | ``fp4_hints`` (the audited configuration) | store's hints + scales at hinted sites | own |
 | ``fp4_hints_replay_routes`` | as fp4_hints | the rollout's (routing replay) |
+| ``fp4_rne_replay_routes`` | RNE, own scales everywhere | the rollout's (the reference of routing replay) |
 | ``exact:<group>`` | as fp4_hints, this and every earlier group exact (`audit_plan.attribution_order`) | the rollout's |
 | ``hint:<unit>`` | RNE everywhere, the unit's sites hinted (replay) | own |
 | ``curve:<k>`` | RNE everywhere, k units hinted: the kept ones and the next in the ranking (or all) | own |
@@ -41,7 +42,8 @@ JSON (``run_audit``'s result, ``tracerl audit --json``; stable keys, ``audit_for
 - ``replay``: decode_path, recorded_decode_path, reproduced (bool: every compared byte and log-prob equal),
   hints_equal, scales_equal, routes_equal, logprobs_equal (fractions), max_abs_logprob_diff, weights
   (``{version: "initial" | "published" | "checkpoint"}``).
-- ``modes``: ``{floor, bf16, fp4_rne_own_scales, fp4_rne_rollout_scales, fp4_hints, fp4_hints_replay_routes}``
+- ``modes``: ``{floor, bf16, fp4_rne_own_scales, fp4_rne_rollout_scales, fp4_hints, fp4_hints_replay_routes,
+  fp4_rne_replay_routes}``
   each with code_agreement, scale_agreement, one_step_share, multi_step_share (hinted sites; null without
   codes), router_flip_rate, mean_abs_dlogp, p99_abs_dlogp, max_abs_dlogp, k3, extreme_frac, tokens,
   excess_over_floor (null for floor).
@@ -55,8 +57,9 @@ JSON (``run_audit``'s result, ``tracerl audit --json``; stable keys, ``audit_for
 - ``planner`` (null with ``planner=False``): units, ranking, curve (``[{k, units, sites, bytes_per_token,
   mean_abs_dlogp, excess, excess_vs_rne}]``: k units hinted, the kept ones in order; the last point hints every
   unit), rejected (the units set aside: the same keys plus ``unit``, measured on top of the units kept before
-  them), rne_excess, store_coverage, budget (bytes_per_token, best), target (null, or target_excess, meets,
-  point, site_table).
+  them), rne_excess, store_coverage (bytes_per_token, excess, excess_vs_rne, and with_routing_replay: excess,
+  rne_excess, excess_vs_rne, both passes replaying the rollout's routes), budget (bytes_per_token, best), target
+  (null, or target_excess, meets, point, site_table).
 - ``timing``: seconds, verify_s, setup_s, replay_s, floor_s, decode_s (wall time of both decodes: their sum, or
   less when they ran side by side), concurrent_decode (bool), passes_s, curve_s, passes, micro_batches.
 - ``config``, ``machine``.
@@ -101,7 +104,7 @@ log = logging.getLogger(__name__)
 AUDIT_FORMAT = 1
 AUDITED_MODE = "fp4_hints"
 MODE_NAMES = ("floor", "bf16", "fp4_rne_own_scales", "fp4_rne_rollout_scales", "fp4_hints",
-              "fp4_hints_replay_routes")
+              "fp4_hints_replay_routes", "fp4_rne_replay_routes")
 DETAIL_KEYS = ("per_site", "per_layer", "per_trajectory", "per_policy_version", "by_position")
 TOP_KEYS = ("audit_format", "store", "integrity", "replay", "modes", "audited_mode", "detail", "histogram",
             "attribution", "planner", "timing", "config", "machine")
@@ -169,7 +172,8 @@ def mode_passes(plan: SitePlan) -> list[PassSpec]:
             PassSpec("fp4_rne_own_scales", observe=True),
             PassSpec("fp4_rne_rollout_scales", actions={s: "scales" for s in plan.hinted}, observe=True),
             PassSpec("fp4_hints", actions=stored, observe=True),
-            PassSpec("fp4_hints_replay_routes", actions=stored, replay_routes=True, observe=True)]
+            PassSpec("fp4_hints_replay_routes", actions=stored, replay_routes=True, observe=True),
+            PassSpec("fp4_rne_replay_routes", replay_routes=True, observe=True)]
 
 
 def attribution_passes(plan: SitePlan, groups: Sequence[ap.SiteGroup]) -> list[PassSpec]:
@@ -978,6 +982,8 @@ class _Audit:
         curve = self.curve()
         rne_excess = modes["fp4_rne_own_scales"]["excess_over_floor"]
         store_bytes = sum(ap.site_bytes_per_token(s.plan.by_name[h].width) for h in s.plan.hinted)
+        rr_excess = modes["fp4_hints_replay_routes"]["excess_over_floor"]
+        rr_rne = modes["fp4_rne_replay_routes"]["excess_over_floor"]
         best = ap.best_under_budget(curve, REFERENCE_BUDGET)
         target = None
         if cfg.target_excess is not None:
@@ -990,10 +996,16 @@ class _Audit:
         return {"units": [u.to_json() for u in self.units], "ranking": self.ranking, "curve": curve,
                 "rejected": self.rejected, "rne_excess": rne_excess,
                 "store_coverage": {"bytes_per_token": store_bytes, "excess": modes[AUDITED_MODE]["excess_over_floor"],
-                                   "excess_vs_rne": (modes[AUDITED_MODE]["excess_over_floor"] / rne_excess
-                                                     if rne_excess and rne_excess > 0 else None)},
+                                   "excess_vs_rne": _ratio(modes[AUDITED_MODE]["excess_over_floor"], rne_excess),
+                                   "with_routing_replay": {"excess": rr_excess, "rne_excess": rr_rne,
+                                                           "excess_vs_rne": _ratio(rr_excess, rr_rne)}},
                 "budget": {"bytes_per_token": REFERENCE_BUDGET, "best": best},
                 "target": target}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    """a / b for a positive b (an excess relative to round-to-nearest's), else None."""
+    return a / b if a is not None and b is not None and b > 0 else None
 
 
 def run_audit(cfg: AuditConfig, on_step: StepFn | None = None) -> dict[str, Any]:

@@ -130,8 +130,10 @@ def planner_table(result: Mapping[str, Any]):
             ("vs RNE", "x")]
     rows = [list(r) for r in ap.curve_rows(p)]
     sc, best = p["store_coverage"], p["budget"]["best"]
+    rr = sc["with_routing_replay"]
     caption = (f"store's coverage: {sc['bytes_per_token']:,} B/token, excess {fmt(sc['excess'])} "
-               f"({fmt(sc['excess_vs_rne'], 'x')} RNE's). ")
+               f"({fmt(sc['excess_vs_rne'], 'x')} RNE's; with routing replay {fmt(rr['excess'])}, "
+               f"{fmt(rr['excess_vs_rne'], 'x')} of RNE's with routing replay). ")
     if best is not None:
         caption += (f"Best measured at <= {p['budget']['bytes_per_token']:,} B/token: k={best['k']}, "
                     f"{best['bytes_per_token']:,} B/token, excess {fmt(best['excess'])} "

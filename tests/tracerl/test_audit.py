@@ -407,3 +407,17 @@ def test_line_up_runs_set_ups_one_at_a_time_and_never_hangs():
     for t in threads:
         t.join(10)
     assert not any(t.is_alive() for t in threads) and len(errors) == 1
+
+
+def test_routing_replay_has_its_own_round_to_nearest_reference(audited):
+    """fp4_rne_replay_routes (RNE with the rollout's routes) is the like-for-like reference of routing replay: the
+    planner reports the store's coverage with routing replay against it, and it is a real pass (its codes agree
+    less than the hinted pass's with the same routes)."""
+    _, audit, _, _ = audited
+    modes = audit["modes"]
+    rr, hints_rr = modes["fp4_rne_replay_routes"], modes["fp4_hints_replay_routes"]
+    assert rr["code_agreement"] < hints_rr["code_agreement"]
+    cov = audit["planner"]["store_coverage"]["with_routing_replay"]
+    assert set(cov) == {"excess", "rne_excess", "excess_vs_rne"}
+    assert cov["excess"] == hints_rr["excess_over_floor"] and cov["rne_excess"] == rr["excess_over_floor"]
+    assert cov["excess_vs_rne"] == pytest.approx(cov["excess"] / cov["rne_excess"], rel=1e-12)
