@@ -12,9 +12,11 @@ version of that decode path:
   copying K/V);
 - the step's own state (input token, per-row position, column, ring slot) as device tensors advanced in place
   at the end of the step, so a replay needs no host input but the sampled token;
-- captures (hint bits, block scales, codes at hinted sites; routed expert ids per MoE layer) written into
-  device ring buffers of ``ring`` steps at the ring slot; the engine hands the filled rings to the recorder
-  every ``ring`` steps (one clone per field), where the recorder's asynchronous drains take over.
+- captures (hint bits, block scales, codes at hinted sites; routed expert ids per MoE layer) staged in one
+  device buffer per step (the fused quantize kernel writes a hinted site's hint bits and scales straight into
+  it; routes and codes take one copy each) and put into a ring of ``ring`` steps by one copy per step, at the
+  ring slot; the engine hands the filled ring to the recorder every ``ring`` steps (one clone per field), where
+  the recorder's asynchronous drains take over.
 
 The same code runs eagerly (``use_graph=False``: CPU, or to compare against the graph) and captured.
 Supported: the ``qwen3-moe`` family (full attention in every layer). Models with linear attention keep the
@@ -174,8 +176,12 @@ class StaticDecoder:
         self._ring_write(("route", str(layer)), (idx,))
 
     def _build_stage(self) -> None:
-        """Lay out the stage and the ring from the parts the first step captured, and put that step's values in."""
-        offset, layout = 0, dict(self._layout)
+        """Lay out the stage and the ring from the parts the first step captured, and put that step's values in.
+        A part first seen later (an eager decoder whose captures change) is added after the others, and what the
+        ring already holds is kept."""
+        old_stage, old_ring = self._stage, self._ring
+        offset = 0 if old_stage is None else old_stage.numel()
+        layout = dict(self._layout)
         for key, parts in self._pending.items():
             layout[key] = []
             for p in parts:
@@ -184,6 +190,9 @@ class StaticDecoder:
         self._layout = layout
         self._stage = torch.zeros(offset, dtype=torch.uint8, device=self.device)
         self._ring = torch.zeros(self.ring, offset, dtype=torch.uint8, device=self.device)
+        if old_stage is not None:
+            self._stage[: old_stage.numel()].copy_(old_stage)
+            self._ring[:, : old_stage.numel()].copy_(old_ring)
         self._views = {key: [self._stage[o:o + math.prod(shape)].view(shape) for o, shape in parts]
                        for key, parts in layout.items()}
         for key, parts in self._pending.items():

@@ -186,3 +186,24 @@ def test_captures_are_staged_with_one_ring_copy_per_step():
         for j, part in enumerate(parts):
             want = torch.cat([fresh[key][i][j].to(torch.uint8) for i in range(3)])
             assert torch.equal(part, want), key
+
+
+def test_a_capture_part_first_seen_later_keeps_the_ring():
+    """An eager decoder whose captures change after the stage is laid out (here: routes switched on after two
+    steps) adds the new part after the others and keeps what the ring holds: the earlier steps' hint bits come
+    back from `take` unchanged."""
+    spec, model, plan, rt = _setup(dtype=torch.bfloat16)
+    RolloutEngine(model, rt).calibrate(PROMPTS)
+    dec = StaticDecoder(model, rt, batch=2, max_len=16, ring=4, capture=True)
+    dec.prepare()
+    toks = [torch.tensor([3, 5]), torch.tensor([7, 11]), torch.tensor([13, 17])]
+    dec.step(toks[0])
+    dec.step(toks[1])
+    before = {k: [p.clone() for p in parts] for k, parts in dec.take(2).items()}
+    dec.routes = True
+    dec.step(toks[2])
+    after = dec.take(3)
+    assert ("route", "0") in after
+    for key, parts in before.items():
+        for b, a in zip(parts, after[key]):
+            assert torch.equal(a[: b.shape[0]], b), key
