@@ -12,7 +12,9 @@ them), loads the policy version each trajectory was generated with when it is pu
    must reproduce the store (hint bits, scales, routed experts, log-probs), and the report says how exactly it
    did. These codes are the reference of code agreement (a store keeps only each code's LSB) and the exact
    values of the attribution and the what-if coverage passes.
-3. **Floor**: the same decode path in bf16 with the tokens forced.
+3. **Floor**: the same decode path in bf16 with the tokens forced; on a GPU it runs side by side with the
+   replay (a second thread, its own CUDA stream; ``concurrent_decode``), which gives the same bits as one after
+   the other.
 4. **Passes**: the trainer's recompute (`tracerl.trainer.QATTrainer`, THD micro-batches read from the store)
    in each configuration, a `PassSpec`: the FP4 sites are driven by `FP4Runtime.substitute` (own rounding,
    the store's scales, the store's hints, hints from the replay, or the replay's exact values), so one
