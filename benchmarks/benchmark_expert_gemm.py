@@ -18,6 +18,7 @@ default where `grouped_gemm_supported`: CPU, and bf16 on Hopper) or as a loop ov
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -33,11 +34,41 @@ sys.path.insert(0, str(_REPO / "benchmarks"))
 PATHS = {"grouped": "1", "loop": "0"}  # TRACERL_GROUPED_MM
 
 
-def _sync(device) -> None:
-    import torch
+@contextlib.contextmanager
+def _expert_path(name: str):
+    """Run the block with the routed experts' ``name`` path (``TRACERL_GROUPED_MM``); the variable comes back."""
+    prev = os.environ.get("TRACERL_GROUPED_MM")
+    os.environ["TRACERL_GROUPED_MM"] = PATHS[name]
+    try:
+        yield
+    finally:
+        if prev is None:
+            os.environ.pop("TRACERL_GROUPED_MM", None)
+        else:
+            os.environ["TRACERL_GROUPED_MM"] = prev
 
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+
+def _timed(fn, reps: int, device, scale: float = 1.0) -> dict:
+    """One warm-up call, then ``reps`` timed calls (device synced around each): median, min, max, all (x scale)."""
+    from tracerl.engine import _sync
+
+    fn()
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - t0) * scale)
+    return {"median": statistics.median(times), "min": min(times), "max": max(times), "all": times}
+
+
+def _print_paths(res: dict, key: str, unit: str, digits: int, extra) -> None:
+    """One line per path: median (min..max) of ``res[f"{path}_{key}"]`` and ``extra(path)``."""
+    for name in PATHS:
+        t = res[f"{name}_{key}"]
+        print(f"  {name:8s} {t['median']:9.{digits}f} {unit} ({t['min']:.{digits}f}..{t['max']:.{digits}f})  "
+              f"{extra(name)}")
 
 
 def layer_bench(device, n: int, hidden: int, inter: int, experts: int, top_k: int, reps: int) -> dict:
@@ -63,22 +94,13 @@ def layer_bench(device, n: int, hidden: int, inter: int, experts: int, top_k: in
 
     out = {"tokens": n, "hidden": hidden, "intermediate": inter, "experts": experts, "top_k": top_k}
     results = {}
-    for name, flag in PATHS.items():
-        os.environ["TRACERL_GROUPED_MM"] = flag
-        out[f"{name}_runs_grouped_mm"] = grouped_gemm_supported(x, w1)
-        once()  # warm-up
-        _sync(device)
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            once()
-            _sync(device)
-            times.append((time.perf_counter() - t0) * 1e3)
-        out[f"{name}_ms"] = {"median": statistics.median(times), "min": min(times), "max": max(times), "all": times}
-        runs = [once() for _ in range(3)]
+    for name in PATHS:
+        with _expert_path(name):
+            out[f"{name}_runs_grouped_mm"] = grouped_gemm_supported(x, w1)
+            out[f"{name}_ms"] = _timed(once, reps, device, scale=1e3)
+            runs = [once() for _ in range(3)]
         out[f"{name}_bitwise_reproducible"] = all(torch.equal(p, q) for r in runs[1:] for p, q in zip(runs[0], r))
         results[name] = runs[0]
-    os.environ.pop("TRACERL_GROUPED_MM", None)
     names = ("out", "d_x", "d_router_weights", "d_w_gate_up", "d_w_down")
     out["grouped_vs_loop"] = {
         k: {"equal": bool(torch.equal(a, b)),
@@ -113,19 +135,11 @@ def model_bench(device, spec_kw: dict, seqs: int, seq_len: int, reps: int) -> di
                          hints={}, scales={}, experts={}, features=None)
     tr = QATTrainer(model, rt)
     out = {"tokens": seqs * seq_len, "layers": spec.num_layers, "experts": spec.num_experts}
-    for name, flag in PATHS.items():
-        os.environ["TRACERL_GROUPED_MM"] = flag
-        tr.recompute(packed, "fp4_rne_own_scales", backward=True, observe=False)  # warm-up
-        times = []
-        for _ in range(reps):
-            _sync(device)
-            t0 = time.perf_counter()
-            tr.recompute(packed, "fp4_rne_own_scales", backward=True, observe=False)
-            _sync(device)
-            times.append(time.perf_counter() - t0)
-        out[f"{name}_s"] = {"median": statistics.median(times), "min": min(times), "max": max(times), "all": times}
-        out[f"{name}_tokens_per_s"] = seqs * seq_len / statistics.median(times)
-    os.environ.pop("TRACERL_GROUPED_MM", None)
+    for name in PATHS:
+        with _expert_path(name):
+            out[f"{name}_s"] = _timed(lambda: tr.recompute(packed, "fp4_rne_own_scales", backward=True,
+                                                           observe=False), reps, device)
+        out[f"{name}_tokens_per_s"] = seqs * seq_len / out[f"{name}_s"]["median"]
     out["speedup"] = out["loop_s"]["median"] / out["grouped_s"]["median"]
     return out
 
@@ -159,10 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     lay = res["layer"]
     print(f"MoE layer fwd+bwd ({lay['tokens']} tokens, H {lay['hidden']}, I {lay['intermediate']}, "
           f"{lay['experts']} experts top-{lay['top_k']}), median of {args.reps}:")
-    for name in PATHS:
-        t = lay[f"{name}_ms"]
-        print(f"  {name:8s} {t['median']:9.2f} ms ({t['min']:.2f}..{t['max']:.2f})  bitwise reproducible: "
-              f"{lay[f'{name}_bitwise_reproducible']}  grouped_mm: {lay[f'{name}_runs_grouped_mm']}")
+    _print_paths(lay, "ms", "ms", 2, lambda n: f"bitwise reproducible: {lay[f'{n}_bitwise_reproducible']}  "
+                                               f"grouped_mm: {lay[f'{n}_runs_grouped_mm']}")
     print(f"  speedup {lay['speedup']:.2f}x; grouped vs loop: " + ", ".join(
         f"{k} {'equal' if v['equal'] else 'max|diff| %.3g (of %.3g)' % (v['max_abs_diff'], v['max_abs'])}"
         for k, v in lay["grouped_vs_loop"].items()))
@@ -171,10 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         m = res["model"]
         print(f"whole model ({m['layers']} layers, {m['experts']} experts) fwd+bwd of {m['tokens']} tokens, "
               f"median of {args.reps}:")
-        for name in PATHS:
-            t = m[f"{name}_s"]
-            print(f"  {name:8s} {t['median']:8.3f} s ({t['min']:.3f}..{t['max']:.3f})  "
-                  f"{m[f'{name}_tokens_per_s']:8.0f} tok/s")
+        _print_paths(m, "s", "s", 3, lambda n: f"{m[f'{n}_tokens_per_s']:8.0f} tok/s")
         print(f"  speedup {m['speedup']:.2f}x")
     res["machine"] = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
                       "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",

@@ -371,15 +371,16 @@ class _QuantizeFakeFn(torch.autograd.Function):
         return _ste_backward(ctx, grad_y), None, None, None, None, None, None, None, None
 
 
-def _check_out(t: torch.Tensor | None, name: str, shape: tuple[int, ...], device: torch.device) -> None:
-    """A caller's output buffer: uint8, exactly ``shape``, contiguous, on ``device`` (ShapeError / DTypeError)."""
+def _check_out(t: torch.Tensor | None, name: str, x: torch.Tensor, per: int) -> torch.Tensor | None:
+    """A caller's output buffer for x (per: values per byte): as `_check_aux` (uint8 or a 1-byte dtype, the shape),
+    and contiguous on x's device, since the kernel writes it in place (ShapeError / DTypeError)."""
     if t is None:
-        return
-    if t.dtype != torch.uint8:
-        raise DTypeError(f"{name} must be uint8; got {t.dtype}")
-    if tuple(t.shape) != shape or not t.is_contiguous() or t.device != device:
-        raise ShapeError(f"{name} must be a contiguous uint8 tensor of shape {list(shape)} on {device}; got shape "
-                         f"{list(t.shape)}{'' if t.is_contiguous() else ' (not contiguous)'} on {t.device}")
+        return None
+    t = _check_aux(t, name, x.shape, per)
+    if not t.is_contiguous() or t.device != x.device:
+        raise ShapeError(f"{name} must be a contiguous tensor on {x.device} (it is written in place); got "
+                         f"{'a non-contiguous one' if not t.is_contiguous() else 'one'} on {t.device}")
+    return t
 
 
 def quantize_fake(
@@ -410,13 +411,12 @@ def quantize_fake(
     if ste not in STE_MODES:
         raise FormatError(f"ste must be one of {STE_MODES}; got {ste!r}")
     block = BLOCK_SIZES[fmt]
-    lead, d = tuple(x.shape[:-1]), x.shape[-1]
-    _check_out(scales_out, "scales_out", (*lead, d // block), x.device)
-    _check_out(hints_out if emit_hints else None, "hints_out", (*lead, d // HINTS_PER_BYTE), x.device)
+    scales_out = _check_out(scales_out, "scales_out", x, block)
+    hints_out = _check_out(hints_out, "hints_out", x, HINTS_PER_BYTE) if emit_hints else None
     g = _global_scale(global_scale, fmt, x.device, x)
     be = resolve_backend(backend, x.device)
     y, codes, scales, hints = _QuantizeFakeFn.apply(x.contiguous(), g, fmt, be, scale_rule, emit_hints, ste,
-                                                    scales_out, hints_out if emit_hints else None)
+                                                    scales_out, hints_out)
     lead, d = x.shape[:-1], x.shape[-1]
     q = QuantizedFP4(
         codes=codes.reshape(*lead, d // 2),

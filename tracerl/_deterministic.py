@@ -17,8 +17,8 @@ This path (`routed_experts`): one gather of all k*N slot rows in expert order wi
 permutes the slot gradients back to (token, slot) order and sums each token's k slots in a fixed order
 (ascending expert id, fp32 accumulation), the expert GEMMs as two grouped GEMMs over all experts
 (``torch._grouped_mm`` with group offsets computed on the device; where it is not available, `torch.split` /
-`torch.unbind` per-expert pieces, whose backward is one ``cat`` / ``stack``), and permutations as index_select pairs (the backward of a permutation is
-the inverse permutation: a gather, nothing accumulates). Every gradient is then a gather, a GEMM or a
+`torch.unbind` per-expert pieces, whose backward is one ``cat`` / ``stack``), and permutations as index_select
+pairs (the backward of a permutation is the inverse permutation: a gather, nothing accumulates). Every gradient is then a gather, a GEMM or a
 fixed-order sum, so two runs are bitwise equal by construction, whatever the torch version's scatter kernels,
 and the dense per-expert buffers are gone.
 
@@ -34,6 +34,7 @@ adds in the input's dtype).
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 
@@ -88,11 +89,23 @@ def slot_order(idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch
     order [N*k]: flat slot ids (token * k + j) sorted by expert, stable (ties by slot id); inv [N*k]: its
     inverse permutation; counts: slots per expert, a host list of E ints (one device -> host read)."""
     flat = idx.reshape(-1)
+    order, inv = _sort_slots(flat)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    return order, inv, counts
+
+
+def _sort_slots(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, inv) of flat slot expert ids: the stable sort by expert and its inverse permutation (no host read)."""
     order = torch.argsort(flat, stable=True)
     inv = torch.empty_like(order)
     inv[order] = torch.arange(order.numel(), device=order.device)
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
-    return order, inv, counts
+    return order, inv
+
+
+@functools.cache
+def _hopper_or_newer(device_index: int) -> bool:
+    """Compute capability >= 9.0 (looked up once per device: `grouped_gemm_supported` runs per MoE call)."""
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
 def grouped_gemm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -110,7 +123,8 @@ def grouped_gemm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     if x.device.type == "cpu":
         return x.dtype in (torch.bfloat16, torch.float16, torch.float32)
     if x.device.type == "cuda":
-        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+        return x.dtype == torch.bfloat16 and _hopper_or_newer(
+            x.device.index if x.device.index is not None else torch.cuda.current_device())
     return False
 
 
@@ -164,9 +178,7 @@ def routed_experts(x_q: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, 
     grouped = grouped_gemm_supported(x_q, w_gate_up)
     if grouped:
         flat = idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        inv = torch.empty_like(order)
-        inv[order] = torch.arange(order.numel(), device=order.device)
+        order, inv = _sort_slots(flat)
         # Group ends on the device without a host read (graph-capturable): slots with an expert id below e + 1.
         ends = torch.arange(1, num_experts + 1, device=flat.device, dtype=flat.dtype)
         offs = torch.searchsorted(flat.index_select(0, order), ends).to(torch.int32)

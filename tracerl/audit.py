@@ -90,7 +90,7 @@ import tracestore as ts
 from tracerl import audit_metrics as am
 from tracerl import audit_plan as ap
 from tracerl import weights as tw
-from tracerl.config import DECODE_PATHS
+from tracerl.config import CONCURRENT_DECODE, DECODE_PATHS
 from tracerl.demo import _check_device
 from tracerl.engine import RolloutEngine, _to_device
 from tracerl.errors import ConfigError
@@ -135,7 +135,7 @@ class AuditConfig:
     backend: str = "auto"
     storage_options: dict | None = None
     verify: bool = True
-    concurrent_decode: str = "auto"  # replay and floor decodes side by side: auto (CUDA graphs) | on | off
+    concurrent_decode: str = "auto"  # replay and floor decodes side by side: CONCURRENT_DECODE (auto: CUDA graphs)
 
     def check(self) -> None:
         """Raise `ConfigError` for values that cannot run (what arrived, what is allowed)."""
@@ -149,8 +149,9 @@ class AuditConfig:
         if self.target_excess is not None and not (isinstance(self.target_excess, (int, float))
                                                    and math.isfinite(self.target_excess)):
             raise ConfigError(f"target_excess={self.target_excess!r}: must be a finite number")
-        if self.concurrent_decode not in ("auto", "on", "off"):
-            raise ConfigError(f"concurrent_decode={self.concurrent_decode!r}: must be auto, on or off")
+        if self.concurrent_decode not in CONCURRENT_DECODE:
+            raise ConfigError(f"concurrent_decode={self.concurrent_decode!r}: must be one of "
+                              f"{', '.join(CONCURRENT_DECODE)}")
         if self.target_excess is not None and not self.planner:
             raise ConfigError("target_excess needs the planner (planner=False given)")
 
@@ -998,16 +999,12 @@ class _Audit:
         return {"units": [u.to_json() for u in self.units], "ranking": self.ranking, "curve": curve,
                 "rejected": self.rejected, "rne_excess": rne_excess,
                 "store_coverage": {"bytes_per_token": store_bytes, "excess": modes[AUDITED_MODE]["excess_over_floor"],
-                                   "excess_vs_rne": _ratio(modes[AUDITED_MODE]["excess_over_floor"], rne_excess),
+                                   "excess_vs_rne": ap.excess_ratio(modes[AUDITED_MODE]["excess_over_floor"],
+                                                                    rne_excess),
                                    "with_routing_replay": {"excess": rr_excess, "rne_excess": rr_rne,
-                                                           "excess_vs_rne": _ratio(rr_excess, rr_rne)}},
+                                                           "excess_vs_rne": ap.excess_ratio(rr_excess, rr_rne)}},
                 "budget": {"bytes_per_token": REFERENCE_BUDGET, "best": best},
                 "target": target}
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    """a / b for a positive b (an excess relative to round-to-nearest's), else None."""
-    return a / b if a is not None and b is not None and b > 0 else None
 
 
 def run_audit(cfg: AuditConfig, on_step: StepFn | None = None) -> dict[str, Any]:

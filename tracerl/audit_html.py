@@ -211,6 +211,11 @@ def _sections(result: Mapping[str, Any], plt) -> list[str]:
         note = (f"best measured at <= {p['budget']['bytes_per_token']:,} B/token: k={best['k']}, "
                 f"{best['bytes_per_token']:,} B/token, excess {fmt(best['excess'])} "
                 f"({fmt(best['excess_vs_rne'], 'x')} round-to-nearest's). " if best else "")
+        sc = p["store_coverage"]
+        rr = sc["with_routing_replay"]
+        note += (f"The store's coverage ({sc['bytes_per_token']:,} B/token) leaves {fmt(sc['excess_vs_rne'], 'x')} "
+                 f"round-to-nearest's excess, and with routing replay {fmt(rr['excess_vs_rne'], 'x')} of "
+                 "round-to-nearest's with routing replay. ")
         note += ("Units are tried in order of gain per byte, each on top of the units kept before it, and kept "
                  "only when the measured mean |dlogp| falls; units set aside are listed with their measured point. "
                  "Excess is mean |dlogp| minus the bf16 floor's; it can go below zero: FP4 values that follow the "

@@ -190,13 +190,18 @@ def rank_units(units: Sequence[SiteGroup], baseline: float, hinted_alone: Mappin
     return sorted(rows, key=lambda r: (r["gain"] <= 0, -r["gain_per_kb"] if r["gain"] > 0 else r["bytes_per_token"]))
 
 
+def excess_ratio(excess: float | None, rne_excess: float | None) -> float | None:
+    """An excess over the floor relative to round-to-nearest's (None unless RNE's excess is positive)."""
+    return excess / rne_excess if excess is not None and rne_excess is not None and rne_excess > 0 else None
+
+
 def curve_point(k: int, units: Sequence[SiteGroup], mean_abs: float, floor: float, rne_excess: float) -> dict:
-    """One measured point of the coverage curve: the first ``k`` ranked units hinted."""
+    """One measured point of the coverage curve: ``units`` (k of them) hinted."""
     sites = [s for u in units for s in u.sites]
     excess = mean_abs - floor
     return {"k": k, "units": [u.name for u in units], "sites": sites,
             "bytes_per_token": sum(u.bytes_per_token for u in units), "mean_abs_dlogp": mean_abs,
-            "excess": excess, "excess_vs_rne": excess / rne_excess if rne_excess > 0 else None}
+            "excess": excess, "excess_vs_rne": excess_ratio(excess, rne_excess)}
 
 
 def greedy_curve(order: Sequence[SiteGroup], rne: float, floor: float, first: float | None,

@@ -23,6 +23,8 @@ FP4_PLACEMENTS = ("none", "experts", "experts+attention")
 HINT_SITE_KINDS = ("moe-input", "all-fp4")
 #: rollout decode paths of `tracerl.engine.RolloutEngine`
 DECODE_PATHS = ("auto", "hf", "static", "graph")
+#: ``tracerl audit --concurrent-decode``: the replay and floor decodes side by side (auto: CUDA-graph decodes)
+CONCURRENT_DECODE = ("auto", "on", "off")
 
 
 @dataclasses.dataclass

@@ -255,8 +255,9 @@ class StaticDecoder:
     @torch.no_grad()
     def prepare(self, warmup: int = 2) -> None:
         """With ``use_graph``: run the step ``warmup`` times eagerly on a side stream (compiles kernels, fills the
-        runtime's weight cache, allocates the rings), then capture it as a CUDA graph. Resets the state after.
-        Eager decoders need no tracing (rings are allocated at the first step)."""
+        runtime's weight cache, lays out the capture stage and its ring), then capture it as a CUDA graph (one
+        capture at a time in the process). Resets the state after. Eager decoders need no tracing (the stage is
+        laid out at their first step)."""
         if self.use_graph:
             with self._step_state(), _CAPTURE_LOCK:
                 side = torch.cuda.Stream(self.device)

@@ -309,6 +309,8 @@ def test_html_report_is_self_contained_and_its_images_decode(audited):
     assert not re.search(r"(src|href)=['\"](?!data:)", page)  # nothing outside the file
     for site in audit["store"]["fp4_sites"]:
         assert site in page
+    rr = audit["planner"]["store_coverage"]["with_routing_replay"]["excess_vs_rne"]
+    assert f"with routing replay {rr:.2f}x of round-to-nearest's with routing replay" in page
 
 
 def test_policy_versions_replay_with_their_published_weights(tmp_path):

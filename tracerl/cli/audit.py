@@ -13,6 +13,7 @@ import math
 import sys
 
 from tracerl.cli.args import int_at_least
+from tracerl.config import CONCURRENT_DECODE
 
 HELP = "recompute a store's trajectories: agreement, where the gap comes from, which sites to hint"
 DESCRIPTION = (
@@ -69,7 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip tracestore verify (a corrupt chunk then fails the audit where it is read)")
     p.add_argument("--storage-options", metavar="JSON",
                    help="fsspec storage options as JSON or @file.json (S3: key, secret, client_kwargs.endpoint_url)")
-    p.add_argument("--concurrent-decode", choices=("auto", "on", "off"), default="auto",
+    p.add_argument("--concurrent-decode", choices=CONCURRENT_DECODE, default="auto",
                    help="run the replay decode (FP4) and the floor decode (bf16) side by side, the floor in a "
                         "second thread on its own CUDA stream (default auto: with CUDA-graph decodes on a GPU; the "
                         "results are the same bits either way)")
