@@ -133,7 +133,12 @@ _SYNC_FREE: dict[str, bool] = {}
 
 def grouped_gemm_sync_free(device: torch.device) -> bool:
     """Whether ``torch._grouped_mm`` runs on ``device`` without a host sync (so a CUDA graph can capture it: the
-    decode step). Probed once per device type and index with torch's sync debug mode; the CPU is always free."""
+    decode step). Probed once per device with torch's sync debug mode; the CPU is always free.
+
+    The probe sets that mode process-wide for one tiny call, so no other thread may sync the device meanwhile: it
+    runs at the first decode-sized MoE call on the device, i.e. in a decoder's warm-up, which the audit's
+    side-by-side decodes take one at a time (`tracerl.audit._LineUp`) and which is the only device work of a
+    rollout process then (its weight prefetch reads into host memory)."""
     if device.type != "cuda":
         return device.type == "cpu"
     key = str(device)
