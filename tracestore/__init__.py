@@ -46,6 +46,7 @@ from .format.log import Result
 from .stream import CommittedRecord, CommittedResult, Stream
 from .store import Site, Snapshot, Store, create_store, open_store
 from .writer import Writer
+from .objects import RESERVED_AREAS, ObjectArea, open_area
 
 __version__ = "0.1.0"
 
@@ -56,6 +57,7 @@ __all__ = [
     "read_record",
     "verify", "collect_garbage", "compact", "info", "VerifyReport", "GcReport",
     "Backend", "ByteRange", "ObjectInfo", "RetryPolicy", "open_backend",
+    "ObjectArea", "open_area", "RESERVED_AREAS",
     "TraceStoreError", "SchemaVersionError", "IntegrityError", "HintNotFoundError", "OverlapError",
     "InvalidIdError", "ShapeError", "DTypeError", "UnknownSiteError", "StoreExistsError", "StoreNotFoundError",
     "SnapshotError", "BackendError", "ObjectNotFoundError", "TransientStorageError", "ThrottledError",

@@ -19,6 +19,7 @@ from .format.keys import (
     LOG_PREFIX,
     MANIFEST_KEY,
     checkpoint_key,
+    is_store_key,
     log_key,
     parse_checkpoint_key,
     parse_log_key,
@@ -41,6 +42,12 @@ def _segment_of(key: str) -> str | None:
     if len(parts) < 4 or parts[0] + "/" != DATA_PREFIX:
         return None
     return "/".join(parts[:3])
+
+
+def _store_objects(store) -> list:
+    """One listing of the store's own objects (FORMAT §2): what an application keeps in other areas of the URL is
+    left out, so that no maintenance reads, changes or deletes it."""
+    return [o for o in store.backend.list("") if is_store_key(o.key)]
 
 
 def _listed_log(objects) -> list[int]:
@@ -97,7 +104,7 @@ def info(store) -> dict:
     entry), ``partial`` (unfinished temporary files), ``total``. ``payload_logical_bytes`` = committed tokens x
     hint+scale bytes per token; ``overhead`` = everything stored except orphans and trace, over that.
     """
-    objects = store.backend.list("")
+    objects = _store_objects(store)
     entries = _all_entries(store, objects=objects)
     referenced = {e.segment.path for e in entries if e.segment is not None}
     cats = dict.fromkeys(("payload", "trace", "zarr_metadata", "log", "checkpoints", "manifest", "orphan", "partial",
@@ -240,7 +247,7 @@ def verify(store, *, progress: Progress | None = None) -> VerifyReport:
     files (not errors). Never raises for bad data: problems go into ``report.errors``."""
     report = VerifyReport()
     try:  # one listing, before the log is read (as gc): every checkpoint in it covers entries read below
-        objects = store.backend.list("")
+        objects = _store_objects(store)
     except TraceStoreError as e:
         report.errors.append(f"listing failed: {e}")
         objects = []
@@ -384,7 +391,7 @@ def collect_garbage(store, *, grace_s: float | None = None, dry_run: bool = Fals
             f"on (they commit segments younger than half of it); use force (--force) only when no writer runs")
     now = time.time() if now is None else now
     report = GcReport(dry_run=dry_run)
-    objects = store.backend.list("")
+    objects = _store_objects(store)
     entries = _all_entries(store, objects=objects)  # after listing (see docstring); raises on any problem
     windows = commit_windows(objects, entries)
     if windows:

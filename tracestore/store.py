@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from ._closing import Closing
 from .format.keys import (
     DEFAULT_CHUNK_ROWS,
     DEFAULT_GC_GRACE_S,
@@ -35,6 +36,7 @@ from .format.manifest import (
 from .format.log import LogEntry
 from .format.segment import ArraySpec
 from .log import CommitLog
+from .objects import ObjectArea
 from .storage import Backend, RetryPolicy, open_backend
 from .errors import (
     IntegrityError,
@@ -52,7 +54,7 @@ __all__ = ["Site", "Store", "Snapshot", "create_store", "open_store"]
 log = logging.getLogger(__name__)
 
 
-class Store:
+class Store(Closing):
     """An open store. Use :func:`create_store` / :func:`open_store` to get one.
 
     Attributes:
@@ -108,12 +110,6 @@ class Store:
 
     def __repr__(self) -> str:
         return f"Store({self.url!r}, sites={list(self.sites)}, format_version={self.format_version})"
-
-    def __enter__(self) -> Store:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def close(self) -> None:
         self.backend.close()
@@ -179,6 +175,12 @@ class Store:
         from .stream import Stream
 
         return Stream(self, cursor, poll_interval_s=poll_interval_s, timeout_s=timeout_s)
+
+    def area(self, area: str):
+        """The application area ``area`` beside this store (an :class:`~tracestore.objects.ObjectArea` on the
+        store's backend, with its retries and typed errors; closing the area leaves the store open). Raises
+        InvalidIdError for a bad name or one the store format owns (FORMAT §2)."""
+        return ObjectArea(self.backend, self.url, area)
 
     def check_snapshot(self, snapshot: Snapshot | str | None) -> Snapshot:
         if snapshot is None:

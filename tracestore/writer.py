@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import crc32c as _crc32c
 import numpy as np
 
+from ._closing import Closing
 from ._aligned import PAGE, aligned_empty
 from .format.keys import check_id, log_key
 from .format.log import RESULTS, LogEntry, Record, Result, SegmentRef, check_result, decode_entry, encode_entry, merge_ranges
@@ -433,7 +434,7 @@ class _Ranges:
         return merge_ranges(zip(self._starts.get(traj, []), self._stops.get(traj, [])))
 
 
-class Writer:
+class Writer(Closing):
     """Buffers per-token rows of one or many trajectories and commits them in whole segments.
 
     Use as a context manager or call :meth:`close`. Thread-safe. Full buffers are written and committed by a
@@ -534,12 +535,6 @@ class Writer:
                           f"bytes were never committed", ResourceWarning, stacklevel=2)
 
     # ------------------------------------------------------------------ context
-    def __enter__(self) -> Writer:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         return f"Writer({self.store.url!r}, writer_id={self.writer_id!r}, buffered={self.buffered_bytes})"
 

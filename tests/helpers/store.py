@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import time
 
 import numpy as np
@@ -116,6 +117,23 @@ class RawS3(Raw):
 
     def delete(self, key: str) -> None:
         self.client.delete_object(Bucket=self.bucket, Key=f"{self.prefix}/{key}")
+
+
+def race(put_if_absent, key: str, writers: int = 8) -> list[int]:
+    """The writers (0 .. writers-1) whose ``put_if_absent(key, b"writer-<i>")`` returned True, all called at once
+    from their own threads."""
+    wins: list[int] = []
+
+    def go(i: int) -> None:
+        if put_if_absent(key, f"writer-{i}".encode()):
+            wins.append(i)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(writers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return wins
 
 
 def _seed(*parts) -> int:

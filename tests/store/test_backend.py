@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 
+from helpers.store import race
 from tracestore import BackendError, ByteRange, ObjectNotFoundError, open_backend
 
 
@@ -56,18 +55,8 @@ def test_put_if_absent_is_exclusive(pair):
 def test_put_if_absent_race(pair):
     be, raw = pair
     for round_ in range(3):
-        wins = []
         key = f"race/key{round_}"
-
-        def go(i, key=key, wins=wins):
-            if be.put_if_absent(key, f"writer-{i}".encode()):
-                wins.append(i)
-
-        threads = [threading.Thread(target=go, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        wins = race(be.put_if_absent, key)
         assert len(wins) == 1 and raw.read(key) == f"writer-{wins[0]}".encode()
 
 

@@ -16,20 +16,12 @@ import numpy as np
 import pytest
 
 import tracestore as ts
-from helpers.faults import FaultProxy, no_s3fs_retries
 from helpers.store import check_batch, rows
 from tracestore.cli import main as cli
 
 SITES = [ts.Site("s0", 64)]
 FAST = ts.RetryPolicy(attempts=4, base_delay_s=0.01, max_delay_s=0.05, deadline_s=10)
 LOG1 = r"/log/000000000001\.arrow$"
-
-
-@pytest.fixture
-def proxy(moto_endpoint, monkeypatch):
-    no_s3fs_retries(monkeypatch)
-    with FaultProxy(moto_endpoint, seed=1) as p:
-        yield p
 
 
 @pytest.fixture

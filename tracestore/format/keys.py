@@ -7,6 +7,7 @@ import re
 from traceschemas import FORMAT_VERSION, SUPPORTED_FORMAT_VERSIONS
 
 from ..errors import InvalidIdError, SchemaVersionError
+from ..storage.base import PARTIAL_SUFFIX
 
 __all__ = ["FORMAT_VERSION", "SUPPORTED_FORMAT_VERSIONS"]  # re-exported: written / readable versions
 #: ``format`` field of the manifest
@@ -23,6 +24,9 @@ INDEX_PREFIX = "index/"
 INDEX_SUFFIX = ".parquet"
 #: readers use a checkpoint instead of this many (or more) individual entry GETs
 CHECKPOINT_MIN_ENTRIES = 64
+#: the top-level names of a store's URL that the format owns (FORMAT §2); every other top-level name belongs to
+#: the applications that keep objects beside the store, and maintenance never touches it
+STORE_NAMES = (LOG_PREFIX[:-1], DATA_PREFIX[:-1], INDEX_PREFIX[:-1], MANIFEST_KEY)
 
 
 #: schema-metadata keys of a log entry (Arrow IPC file)
@@ -80,6 +84,16 @@ def parse_log_key(key: str) -> int | None:
     if len(body) != LOG_DIGITS or not body.isdigit():
         return None
     return int(body)
+
+
+def is_store_key(key: str) -> bool:
+    """Whether ``key`` lies in the part of the URL the store owns (FORMAT §2): below ``log/``, ``data/`` or
+    ``index/``, the manifest, or the local backend's temporary file of an unfinished manifest write
+    (``.tracestore.json.<uuid>.partial``, beside the manifest)."""
+    top, sep, _ = key.partition("/")
+    if sep:
+        return top in STORE_NAMES
+    return key == MANIFEST_KEY or (key.startswith(f".{MANIFEST_KEY}.") and key.endswith(PARTIAL_SUFFIX))
 
 
 def _describe(value: object) -> str:
