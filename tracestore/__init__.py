@@ -11,7 +11,7 @@ Quick start::
 The on-disk format is specified in ``schemas/FORMAT.md``.
 """
 
-from .format.keys import FORMAT_VERSION, SUPPORTED_FORMAT_VERSIONS
+from .format.keys import FORMAT_VERSION, SUPPORTED_FORMAT_VERSIONS, check_id
 from .storage import Backend, ByteRange, ObjectInfo, RetryPolicy, open_backend
 from .errors import (
     AccessDeniedError,
@@ -54,7 +54,7 @@ __all__ = [
     "FORMAT_VERSION", "SUPPORTED_FORMAT_VERSIONS",
     "Site", "Store", "Snapshot", "create_store", "open_store",
     "Writer", "Reader", "Stream", "TraceBatch", "TrajectoryInfo", "CommittedRecord", "CommittedResult", "Result",
-    "read_record",
+    "read_record", "check_id",
     "verify", "collect_garbage", "compact", "info", "VerifyReport", "GcReport",
     "Backend", "ByteRange", "ObjectInfo", "RetryPolicy", "open_backend",
     "ObjectArea", "open_area", "RESERVED_AREAS",

@@ -230,6 +230,37 @@ def test_stream_cursor_resume_exactly_once(location):
         store.stream(f"v9:{store.store_id}:0:0")
 
 
+def test_committed_record_json_round_trip(tmp_path):
+    store = make_store(types.SimpleNamespace(url=str(tmp_path / "s"), options=None))
+    with store.writer("w", commit_interval_s=0) as w:
+        w.write("a", 0, **rows(store, "a", 0, 5, policy_version=3))
+        w.write("b", 2, **rows(store, "b", 2, 9))
+    records = list(store.stream(timeout_s=0))
+    for rec in records:
+        v = rec.to_json()
+        s = rec.segment  # the list trainer checkpoints store: it must not change
+        assert v == [rec.traj_id, rec.token_start, rec.token_stop, rec.policy_version, rec.writer_id, rec.seq,
+                     rec.index, rec.row_offset, [s.path, s.writer_id, s.rows, s.chunk_rows, s.shard_bytes],
+                     rec.created_unix]
+        back = ts.CommittedRecord.from_json(json.loads(json.dumps(v)))
+        assert back == rec and back.to_json() == v
+        check_batch(store, ts.read_record(store, back), rec.traj_id, rec.token_start, rec.token_stop)
+    v = records[0].to_json()
+    for bad in (None, "x", v[:9], v + [0], [7, *v[1:]], [*v[:1], -1, *v[2:]], [*v[:2], v[1], *v[3:]],
+                [*v[:3], 2**63, *v[4:]], [*v[:4], "bad/id", *v[5:]], [*v[:5], True, *v[6:]],
+                [*v[:8], v[8][:4], v[9]], [*v[:8], ["data/other/00000000-0123456789ab", *v[8][1:]], v[9]],
+                [*v[:8], ["../../etc", *v[8][1:]], v[9]], [*v[:8], [*v[8][:2], 0, *v[8][3:]], v[9]],
+                [*v[:9], float("nan")], [*v[:9], "1.5"]):
+        with pytest.raises(ts.IntegrityError, match="not a committed record"):
+            ts.CommittedRecord.from_json(bad)
+
+
+def test_check_id_is_public():
+    assert ts.check_id("traj-0") == "traj-0" and ts.check_id("w:1", what="writer id") == "w:1"
+    with pytest.raises(ts.InvalidIdError, match="writer id"):
+        ts.check_id("a/b", what="writer id")
+
+
 def test_stream_cursor_past_the_head_is_rejected(location):
     store = make_store(location)
     with store.writer("w", commit_interval_s=0) as w:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import re
 
 from traceschemas import FORMAT_VERSION, SUPPORTED_FORMAT_VERSIONS
@@ -43,6 +44,9 @@ _NAME_RE = re.compile(NAME_PATTERN)
 FP4_FORMATS = {"nvfp4": 16, "mxfp4": 32}
 SITE_KINDS = ("activation", "weight", "kv", "other")
 
+#: token positions, row numbers and policy versions are int64 wherever they are stored
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
 DEFAULT_CHUNK_ROWS = 1024
 DEFAULT_SHARD_BYTES = 16 << 20
 DEFAULT_GC_GRACE_S = 3600.0
@@ -59,6 +63,11 @@ def check_version(found: object, where: str, *, supported=SUPPORTED_FORMAT_VERSI
     if isinstance(found, bool) or found not in supported:
         raise SchemaVersionError(f"{where} has version {found!r:.40}; this tracestore writes version {writes!r} and "
                                  f"reads versions {list(supported)}")
+
+
+def is_int(x: object) -> bool:
+    """Whether ``x`` is an integer (Python or numpy), and not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def log_key(seq: int) -> str:

@@ -33,8 +33,11 @@ from .keys import (
     ENTRY_CRC_KEY,
     ENTRY_META_KEY,
     FORMAT_VERSION,
+    INT64_MAX,
+    INT64_MIN,
     check_id,
     check_version,
+    is_int,
 )
 from .segment import crc32c
 from ..errors import IntegrityError, InvalidIdError
@@ -105,13 +108,6 @@ class Result:
 
 _RESULT_FIELDS = {"traj_id", "reward", "group_id", "advantage", "prompt_len", "response_len", "policy_version",
                   "finish_reason", "extra"}
-_INT64 = (-(1 << 63), (1 << 63) - 1)
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
 def check_result(r: Result) -> Result:
     """Validate every field of ``r`` (types, ranges, ids); returns it with plain Python values.
 
@@ -129,9 +125,9 @@ def check_result(r: Result) -> Result:
         raise ValueError(f"result of {r.traj_id!r}: advantage must be a finite number or None, got {r.advantage!r:.40}")
     for name in ("prompt_len", "response_len"):
         v = getattr(r, name)
-        if not _is_int(v) or not 0 <= v <= _INT64[1]:
+        if not is_int(v) or not 0 <= v <= INT64_MAX:
             raise ValueError(f"result of {r.traj_id!r}: {name} must be an int in [0, 2**63 - 1], got {v!r:.40}")
-    if not _is_int(r.policy_version) or not _INT64[0] <= r.policy_version <= _INT64[1]:
+    if not is_int(r.policy_version) or not INT64_MIN <= r.policy_version <= INT64_MAX:
         raise ValueError(f"result of {r.traj_id!r}: policy_version must fit int64, got {r.policy_version!r:.40}")
     if not isinstance(r.finish_reason, str) or not _FINISH_RE.fullmatch(r.finish_reason):
         raise ValueError(f"result of {r.traj_id!r}: finish_reason must be up to 64 characters of "
