@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import tracefp4  # noqa: E402
 from tracerl.audit import AuditConfig, run_audit  # noqa: E402
-from tracerl.audit_plan import curve_rows  # noqa: E402
+from tracerl.audit.plan import curve_rows  # noqa: E402
 from tracerl.config import DemoConfig  # noqa: E402
 from tracerl.demo import record_store  # noqa: E402
 
@@ -60,7 +60,7 @@ def demo_config(name: str, coverage: str, store: str, seed: int) -> DemoConfig:
 
 def save_html(result: dict, path: str) -> list[str]:
     """The HTML report at ``path`` and its plots beside it as PNG files; returns the PNG paths."""
-    from tracerl.audit_html import write_html
+    from tracerl.audit import write_html
 
     write_html(result, path)
     with open(path, encoding="utf-8") as f:

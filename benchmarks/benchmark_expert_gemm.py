@@ -50,15 +50,15 @@ def _expert_path(name: str):
 
 def _timed(fn, reps: int, device, scale: float = 1.0) -> dict:
     """One warm-up call, then ``reps`` timed calls (device synced around each): median, min, max, all (x scale)."""
-    from tracerl.engine import _sync
+    from tracerl.util import sync
 
     fn()
     times = []
     for _ in range(reps):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         times.append((time.perf_counter() - t0) * scale)
     return {"median": statistics.median(times), "min": min(times), "max": max(times), "all": times}
 
@@ -75,7 +75,7 @@ def layer_bench(device, n: int, hidden: int, inter: int, experts: int, top_k: in
     import torch
     import torch.nn.functional as F
 
-    from tracerl._deterministic import grouped_gemm_supported, routed_experts
+    from tracerl.policy import grouped_gemm_supported, routed_experts
 
     g = torch.Generator().manual_seed(0)
     dt = torch.bfloat16
@@ -115,12 +115,12 @@ def model_bench(device, spec_kw: dict, seqs: int, seq_len: int, reps: int) -> di
     import numpy as np
     import torch
 
-    from tracerl.engine import RolloutEngine
-    from tracerl.models import TinyMoESpec, build_model
-    from tracerl.packing import PackedHints, Segment
-    from tracerl.qat import install_fp4
-    from tracerl.sites import plan_sites
-    from tracerl.trainer import QATTrainer
+    from tracerl.rollout import RolloutEngine
+    from tracerl.policy import TinyMoESpec, build_model
+    from tracerl.train import PackedHints, Segment
+    from tracerl.policy import install_fp4
+    from tracerl.policy import plan_sites
+    from tracerl.train import QATTrainer
 
     spec = TinyMoESpec(**spec_kw)
     model = build_model(spec, seed=0, device=device).to(torch.bfloat16)

@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = json.loads(out.read_text()) if out.exists() else {"runs": {}}
     if args.from_run:
         from tracerl.loop import summarize
-        from tracerl.train import MetricsLog, json_ready
+        from tracerl.runlog import MetricsLog, json_ready
 
         for d in map(Path, args.from_run):
             m = re.fullmatch(r"(cpu|cuda|cuda-1gpu)-(\w+)-seed(\d+)", d.name)
@@ -282,8 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from tracerl.loop import run_loop
-    from tracerl.replay import replay
-    from tracerl.train import MetricsLog, json_ready
+    from tracerl.loop import replay
+    from tracerl.runlog import MetricsLog, json_ready
 
     base = args.keep or tempfile.mkdtemp(prefix="benchmark-loop-")
     code = os.environ.get("BENCHMARK_CODE_VERSION") or _code_version()

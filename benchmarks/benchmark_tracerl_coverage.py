@@ -19,7 +19,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from tracerl.demo import DemoConfig, run_demo  # noqa: E402
+from tracerl.config import DemoConfig
+from tracerl.demo import run_demo  # noqa: E402
 
 VARIANTS = {
     "moe-input, latter half (default)": dict(hint_layers="latter-half", hint_sites="moe-input"),

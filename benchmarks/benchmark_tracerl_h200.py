@@ -38,14 +38,15 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import tracefp4  # noqa: E402
-from tracerl.demo import DemoConfig, run_demo  # noqa: E402
-from tracerl.engine import RolloutEngine  # noqa: E402
-from tracerl.models import TinyMoESpec, build_model, moe_blocks  # noqa: E402
-from tracerl.packing import PackedHints, Segment  # noqa: E402
-from tracerl.qat import install_fp4  # noqa: E402
-from tracerl.recorder import MemorySink, RolloutRecorder  # noqa: E402
-from tracerl.sites import plan_sites  # noqa: E402
-from tracerl.trainer import QATTrainer  # noqa: E402
+from tracerl.config import DemoConfig
+from tracerl.demo import run_demo  # noqa: E402
+from tracerl.rollout import RolloutEngine  # noqa: E402
+from tracerl.policy import TinyMoESpec, build_model, moe_blocks  # noqa: E402
+from tracerl.train import PackedHints, Segment  # noqa: E402
+from tracerl.policy import install_fp4  # noqa: E402
+from tracerl.rollout import MemorySink, RolloutRecorder  # noqa: E402
+from tracerl.policy import plan_sites  # noqa: E402
+from tracerl.train import QATTrainer  # noqa: E402
 
 GPU_SPEC = dict(hidden_size=2048, num_layers=40, num_heads=16, num_kv_heads=4, head_dim=128, num_experts=32,
                 top_k=4, moe_intermediate_size=512, vocab_size=32768, max_position_embeddings=16384)
@@ -53,7 +54,7 @@ SMOKE_SPEC = dict(hidden_size=64, num_layers=4, num_heads=2, num_kv_heads=1, hea
                   moe_intermediate_size=32, vocab_size=256)
 
 
-def _sync(device):
+def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -248,7 +249,7 @@ def bench_trainer(spec, device, seqs, seq_len, reps, seed):
             if src is not None:
                 packed.hints = {s: v[0] for s, v in src.items()}
                 packed.scales = {s: v[1] for s, v in src.items()}
-            _sync(device)
+            sync(device)
             r = tr.recompute(packed, mode, backward=True, observe=False)
             if rep > 0:  # rep 0 warms up
                 times[name].append(r.seconds * 1e3)
@@ -264,10 +265,10 @@ def bench_trainer(spec, device, seqs, seq_len, reps, seed):
             if src is not None:
                 packed.hints = {s: v[0] for s, v in src.items()}
                 packed.scales = {s: v[1] for s, v in src.items()}
-            _sync(device)
+            sync(device)
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 tr.recompute(packed, mode, backward=True, observe=False)
-                _sync(device)
+                sync(device)
             dev_ms[name] = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
     return {
         "tokens": seqs * seq_len, "sequences": seqs, "reps": reps,

@@ -33,11 +33,12 @@ def count_step(experts: int, layers: int, workdir: str) -> dict:
     import torch
 
     from helpers import loop  # the test suite's tiny task and configs
-    from tracerl.models import TinyMoESpec
-    from tracerl.policy import create_loop_store
+    from tracerl.policy import TinyMoESpec
+    from tracerl.loop import create_loop_store
     from tracerl.rollout import run_rollout
-    from tracerl.tasks import make_task
-    from tracerl.train import MetricsLog, run_training, start_or_resume
+    from tracerl.policy import make_task
+    from tracerl.runlog import MetricsLog
+    from tracerl.train import run_training, start_or_resume
 
     task = make_task(**loop.TASK)
     url = os.path.join(workdir, f"store-{layers}-{experts}")

@@ -31,8 +31,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tracerl import weights as W  # noqa: E402
-from tracerl._objects import checksum  # noqa: E402
+from tracerl.artifacts import weights as W  # noqa: E402
+from tracerl.artifacts.objects import checksum  # noqa: E402
 
 
 def _in_thread(fn) -> tuple[float, float]:

@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 
 import tracerl
-from tracerl import rl
-from tracerl.models import TinyMoESpec, build_model
-from tracerl.tasks import make_task
+from tracerl.train import loss as rl
+from tracerl.policy import TinyMoESpec, build_model
+from tracerl.policy import make_task
 
 
 @dataclasses.dataclass

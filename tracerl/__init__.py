@@ -1,5 +1,18 @@
 """tracerl: the RL side of TRACE — rollout capture and hint-guided QAT for Hugging Face MoE models.
 
+The package is laid out along the closed loop:
+
+| sub-package | what |
+| --- | --- |
+| `tracerl.policy` | the model both ends run: tiny HF MoE builders, FP4 sites, the FP4 runtime, expert GEMMs, tasks |
+| `tracerl.rollout` | the reference FP4 rollout engine, static/CUDA-graph decode, recorder, rollout worker |
+| `tracerl.sglang` | recording from SGLang servers (an entry-point plugin) |
+| `tracerl.train` | QAT recompute, packing, the follower, the GRPO loss and step, the trainer loop |
+| `tracerl.artifacts` | policy versions, checkpoints and recorded codes beside a store |
+| `tracerl.audit` | ``tracerl audit``: replay, recompute in every mode, attribution, coverage planner |
+| `tracerl.loop` | the closed loop's store and processes, replay of training |
+| `tracerl.cli` | the ``tracerl`` command |
+
 Rollout side::
 
     model = build_model(TinyMoESpec(), seed=0)                 # tiny random-init Qwen3-MoE (or Qwen3.5-MoE)
@@ -8,34 +21,33 @@ Rollout side::
     engine = RolloutEngine(model, runtime, recorder=RolloutRecorder(writer, widths, ...))
     engine.calibrate(prompts); result = engine.generate(prompts, max_new_tokens, seed=0)
 
-The engine decodes over a static KV cache (`tracerl.decode.StaticDecoder`), replayed as one CUDA graph per step
-on a GPU, as serving engines do; hint capture writes device ring buffers inside the graph (no host sync).
-
 Trainer side::
 
     packed = read_packed(store.reader(), micro_batch, sites, read_kwargs={"fmt": "numpy"})
     QATTrainer(model, runtime).recompute(packed, "fp4_hints", backward=True)
 
 `tracerl.demo.run_demo` wires both ends to a tracestore store and computes `tracerl.fidelity` metrics; the
-``tracerl demo`` command prints them.
+``tracerl demo`` command prints them. The flat module paths of tracerl 0.1 (``tracerl.qat``, ...) still import,
+with a deprecation warning (`tracerl.deprecation`).
 """
 
 import importlib
 from typing import Any
 
-# Public names -> the module that defines them. They are imported on first use (PEP 562), so that
+from tracerl import deprecation
+
+deprecation.install()
+
+# Public names -> the package that defines them. They are imported on first use (PEP 562), so that
 # ``import tracerl.cli`` (and ``tracerl --help``) does not load torch and transformers.
 _EXPORTS = {
-    "tracerl.decode": ("StaticDecoder", "supports_static_decode"),
-    "tracerl.engine": ("RolloutEngine", "RolloutResult"),
     "tracerl.errors": ("ConfigError", "HintMismatchError", "RecorderError", "TracerlError"),
-    "tracerl.models": ("TinyMoESpec", "build_model"),
-    "tracerl.packing": ("MicroBatch", "PackedHints", "Segment", "cp_shard", "cp_zigzag_ranges", "dp_shard",
-                        "pack_micro_batches", "read_packed", "tp_feature_range"),
-    "tracerl.qat": ("MODES", "FP4Runtime", "install_fp4"),
-    "tracerl.recorder": ("MemorySink", "RolloutRecorder", "TraceSink"),
-    "tracerl.sites": ("SitePlan", "SiteSpec", "plan_sites"),
-    "tracerl.trainer": ("QATTrainer", "RecomputeResult"),
+    "tracerl.policy": ("MODES", "FP4Runtime", "SitePlan", "SiteSpec", "TinyMoESpec", "build_model", "install_fp4",
+                       "plan_sites"),
+    "tracerl.rollout": ("MemorySink", "RolloutEngine", "RolloutRecorder", "RolloutResult", "StaticDecoder",
+                        "TraceSink", "supports_static_decode"),
+    "tracerl.train": ("MicroBatch", "PackedHints", "QATTrainer", "RecomputeResult", "Segment", "cp_shard",
+                      "cp_zigzag_ranges", "dp_shard", "pack_micro_batches", "read_packed", "tp_feature_range"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 

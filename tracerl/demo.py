@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.metadata
 import math
 import os
-import platform
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -41,15 +39,25 @@ import tracestore as ts
 from tracefp4.constants import HINTS_PER_BYTE
 from tracerl import fidelity
 from tracerl.config import DemoConfig
-from tracerl.engine import RolloutEngine, RolloutResult
 from tracerl.errors import ConfigError
-from tracerl.models import TinyMoESpec, build_model, model_metadata, moe_blocks, moe_layer_name
-from tracerl.packing import pack_micro_batches, read_packed
-from tracerl.qat import MODES, FP4Runtime, install_fp4
-from tracerl.recorder import RolloutRecorder
-from tracerl.sites import BLOCK, SitePlan, SiteSpec, plan_sites
-from tracerl.state import swapped
-from tracerl.trainer import QATTrainer
+from tracerl.policy import (
+    BLOCK,
+    MODES,
+    FP4Runtime,
+    SitePlan,
+    SiteSpec,
+    TinyMoESpec,
+    build_model,
+    install_fp4,
+    model_metadata,
+    moe_blocks,
+    moe_layer_name,
+    plan_sites,
+)
+from tracerl.rollout import RolloutEngine, RolloutRecorder, RolloutResult
+from tracerl.runlog import json_ready, machine_info
+from tracerl.train import QATTrainer, pack_micro_batches, read_packed
+from tracerl.util import check_device, swapped
 
 REPORT_MODES = ("floor", *MODES)
 METRIC_KEYS = ("code_agreement", "scale_agreement", "router_flip_rate", "mean_abs_dlogp", "p99_abs_dlogp",
@@ -65,21 +73,6 @@ def _prompts(cfg: DemoConfig, vocab: int) -> list[list[int]]:
     lo, hi = cfg.prompt_tokens
     lens = torch.randint(lo, hi + 1, (cfg.trajectories,), generator=g).tolist()
     return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lens]
-
-
-def _nan_to_none(d: dict) -> dict:
-    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in d.items()}
-
-
-def _check_device(name: str) -> None:
-    try:
-        dev = torch.device(name)
-    except (RuntimeError, TypeError) as e:
-        raise ConfigError(f"device {name!r} is not a torch device ({e}); e.g. cpu, cuda, cuda:1") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {name!r}: this torch ({torch.__version__}) sees no CUDA device")
-    if dev.type not in ("cpu", "cuda"):
-        raise ConfigError(f"device {name!r}: the demo runs on cpu or cuda")
 
 
 def check_new_store(url: str) -> None:
@@ -117,7 +110,7 @@ def _check(cfg: DemoConfig) -> TinyMoESpec:
     """Everything about ``cfg`` that can be checked before a model or a store is built; the model spec."""
     cfg.check()
     spec = TinyMoESpec(family=cfg.model, **cfg.spec)
-    _check_device(cfg.device)
+    check_device(cfg.device)
     if cfg.store is not None:
         check_new_store(cfg.store)
     return spec
@@ -278,9 +271,7 @@ def _run_info(cfg: DemoConfig, s: _Setup, roll: RolloutResult, recomputes: dict[
             "store_url": cfg.store,
         },
         "trainer_seconds": {m: sum(r.seconds for r in rs) for m, rs in recomputes.items()},
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                    "python": platform.python_version(), "torch": torch.__version__,
-                    "transformers": importlib.metadata.version("transformers")},
+        "machine": machine_info(),
     }
 
 
@@ -407,7 +398,7 @@ def _metrics(cfg, packed, recomputes, tallies, roll: RolloutResult, floor: Rollo
             entry.update(tallies[mode].summary())
         entry["by_position_mean_abs_dlogp"] = fidelity.by_position(
             np.abs(train_lp.astype(np.float64) - ref_lp), resp_pos, edges)
-        modes[mode] = _nan_to_none(entry)
+        modes[mode] = json_ready(entry)
     floor_mean = modes["floor"]["mean_abs_dlogp"]
     for m in MODES:
         modes[m]["excess_over_floor"] = modes[m]["mean_abs_dlogp"] - floor_mean

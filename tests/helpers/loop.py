@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 from tracerl.config import RolloutConfig, TrainConfig
-from tracerl.models import TinyMoESpec
-from tracerl.tasks import make_task
+from tracerl.policy import TinyMoESpec
+from tracerl.policy import make_task
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -22,7 +22,7 @@ G = 4  # group size of the tests
 
 def create(url: str, storage_options=None, hint_layers: str = "all"):
     """A loop store for the tiny model and task (every layer's MoE input hinted)."""
-    from tracerl.policy import create_loop_store
+    from tracerl.loop import create_loop_store
 
     task = make_task(**TASK)
     return create_loop_store(url, TinyMoESpec(**SPEC, vocab_size=task.vocab_size), task, hint_layers=hint_layers,

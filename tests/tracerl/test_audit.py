@@ -17,7 +17,7 @@ import shutil
 import pytest
 
 import tracestore as ts
-from tracerl.audit import DETAIL_KEYS, MODE_NAMES, TOP_KEYS
+from tracerl.audit.run import DETAIL_KEYS, MODE_NAMES, TOP_KEYS
 from tracerl.cli import main
 from tracerl.config import DemoConfig
 from tracerl.demo import run_demo
@@ -186,7 +186,7 @@ def test_attribution_parts_add_up(audited):
     """The attribution of the audited gap: floor + parts + (residual - floor) is the total; the parts add up
     within the stated tolerance (|residual - floor| <= ADDITIVITY_TOLERANCE * total, mean |dlogp|); routing's part
     is what routing replay removes; the pass with every FP4 site exact carries the rollout's codes everywhere."""
-    from tracerl.audit_plan import ADDITIVITY_TOLERANCE
+    from tracerl.audit.plan import ADDITIVITY_TOLERANCE
 
     _, audit, _, _ = audited
     a, modes = audit["attribution"], audit["modes"]
@@ -244,9 +244,9 @@ def test_target_excess_site_table_round_trips(audited, tmp_path):
     """--target-excess prints the cheapest measured coverage as a site table: `tracestore create --site-table`
     takes it, and the rollout side's site plan from it hints exactly those sites."""
     from tracestore.cli.main import main as tracestore_main
-    from tracerl.audit_plan import hint_sites_from_table
-    from tracerl.models import TinyMoESpec, build_model
-    from tracerl.sites import plan_sites
+    from tracerl.audit.plan import hint_sites_from_table
+    from tracerl.policy import TinyMoESpec, build_model
+    from tracerl.policy import plan_sites
 
     _, audit, url, _ = audited
     curve = audit["planner"]["curve"]
@@ -320,9 +320,9 @@ def test_policy_versions_replay_with_their_published_weights(tmp_path):
     import torch
 
     from tracerl import demo as D
-    from tracerl import weights as tw
-    from tracerl.recorder import RolloutRecorder
-    from tracerl.state import swapped
+    from tracerl.artifacts import weights as tw
+    from tracerl.rollout import RolloutRecorder
+    from tracerl.util import swapped
 
     url = str(tmp_path / "versions")
     cfg = DemoConfig(store=url, trajectories=4, tokens=24, seed=7, spec=SPEC)
@@ -370,7 +370,7 @@ def test_line_up_runs_set_ups_one_at_a_time_and_never_hangs():
     start together; a thread that fails during its set-up breaks the line-up, so the other raises, never waits."""
     import threading
 
-    from tracerl.audit import _LineUp
+    from tracerl.audit.run import _LineUp
 
     gate, inside, overlaps, started = _LineUp(2), [], [], []
 

@@ -4,23 +4,9 @@ planner's ranking and choice of a point, site tables."""
 import numpy as np
 import pytest
 
-from tracerl.audit_plan import (
-    attribute,
-    attribution_groups,
-    attribution_order,
-    SiteGroup,
-    best_under_budget,
-    curve_rows,
-    greedy_curve,
-    hint_sites_from_table,
-    layer_bands,
-    plan_for_target,
-    planner_units,
-    rank_units,
-    site_bytes_per_token,
-)
+from tracerl.audit.plan import attribute, attribution_groups, attribution_order, SiteGroup, best_under_budget, curve_rows, greedy_curve, hint_sites_from_table, layer_bands, plan_for_target, planner_units, rank_units, site_bytes_per_token
 from tracerl.errors import ConfigError
-from tracerl.sites import SitePlan, SiteSpec
+from tracerl.policy import SitePlan, SiteSpec
 
 
 def _plan(layers=8, hinted=(4, 5, 6, 7)):

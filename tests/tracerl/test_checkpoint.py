@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tracerl import checkpoint as C
+from tracerl.artifacts import checkpoints as C
 from tracerl.errors import CheckpointCorruptError, CheckpointExistsError, CheckpointNotFoundError, ConfigError
 
 

@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from helpers.capture import HostTraffic
-from tracerl.decode import StaticDecoder, supports_static_decode
-from tracerl.engine import RolloutEngine
+from tracerl.rollout import StaticDecoder, supports_static_decode
+from tracerl.rollout import RolloutEngine
 from tracerl.errors import ConfigError
-from tracerl.models import TinyMoESpec, build_model
-from tracerl.qat import install_fp4
-from tracerl.recorder import MemorySink, RolloutRecorder
-from tracerl.sites import plan_sites
+from tracerl.policy import TinyMoESpec, build_model
+from tracerl.policy import install_fp4
+from tracerl.rollout import MemorySink, RolloutRecorder
+from tracerl.policy import plan_sites
 
 TINY = dict(hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, num_experts=8, top_k=2,
             moe_intermediate_size=32, vocab_size=128)

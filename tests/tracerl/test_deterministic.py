@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tracerl._deterministic import _GatherSlots, _PermuteRows, routed_experts, slot_order
-from tracerl.models import TinyMoESpec, build_model, moe_blocks
-from tracerl.qat import install_fp4
-from tracerl.sites import plan_sites
+from tracerl.policy.experts import _GatherSlots, _PermuteRows, routed_experts, slot_order
+from tracerl.policy import TinyMoESpec, build_model, moe_blocks
+from tracerl.policy import install_fp4
+from tracerl.policy import plan_sites
 
 
 def _routes(n: int, k: int, e: int, seed: int, skip_expert: int | None = None) -> torch.Tensor:
@@ -180,7 +180,7 @@ def test_grouped_gemm_equals_the_per_expert_loop(monkeypatch, dtype):
     """The two-launch grouped GEMM path (`torch._grouped_mm`, what the CPU and a Hopper GPU run) gives the same
     forward and gradients, bit for bit, as the per-expert loop (``TRACERL_GROUPED_MM=0``), also with an expert no
     token picks; and it really is the grouped path that runs (two grouped GEMMs per call, no loop)."""
-    from tracerl import _deterministic as det
+    from tracerl.policy import experts as det
 
     block, rt = _block("fp4_rne_own_scales", dtype, top_k=3)
     g = torch.Generator().manual_seed(11)

@@ -6,13 +6,13 @@ import torch
 
 import tracefp4
 from tracerl import fidelity
-from tracerl.engine import RolloutEngine
-from tracerl.models import TinyMoESpec, build_model
-from tracerl.packing import MicroBatch, Segment, read_packed
-from tracerl.qat import install_fp4
-from tracerl.recorder import MemorySink, RolloutRecorder
-from tracerl.sites import moe_input_site, plan_sites
-from tracerl.trainer import QATTrainer
+from tracerl.rollout import RolloutEngine
+from tracerl.policy import TinyMoESpec, build_model
+from tracerl.train import MicroBatch, Segment, read_packed
+from tracerl.policy import install_fp4
+from tracerl.rollout import MemorySink, RolloutRecorder
+from tracerl.policy import moe_input_site, plan_sites
+from tracerl.train import QATTrainer
 
 TINY = dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32, num_experts=4, top_k=2,
             moe_intermediate_size=32, vocab_size=128)
@@ -31,7 +31,7 @@ PROMPTS = [[5, 9, 17, 33, 2, 7], [3, 4, 5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15,
 
 
 def _thd(seqs, logprobs=None):
-    from tracerl.packing import PackedHints
+    from tracerl.train import PackedHints
 
     lens = [len(s) for s in seqs]
     return PackedHints(

@@ -15,8 +15,8 @@ import pytest
 
 import tracestore as ts
 from helpers import loop
-from tracerl import checkpoint as ckpt
-from tracerl.train import MetricsLog
+from tracerl.artifacts import checkpoints as ckpt
+from tracerl.runlog import MetricsLog
 
 pytestmark = pytest.mark.slow
 

@@ -13,9 +13,9 @@ import pytest
 
 import tracestore as ts
 from helpers import loop
-from tracerl import checkpoint as ckpt
-from tracerl import weights
-from tracerl.train import MetricsLog
+from tracerl.artifacts import checkpoints as ckpt
+from tracerl.artifacts import weights
+from tracerl.runlog import MetricsLog
 
 pytestmark = pytest.mark.slow
 

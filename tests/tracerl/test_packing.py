@@ -4,17 +4,8 @@ import numpy as np
 import pytest
 
 from tracerl.errors import ConfigError
-from tracerl.packing import (
-    MicroBatch,
-    Segment,
-    cp_shard,
-    cp_zigzag_ranges,
-    dp_shard,
-    pack_micro_batches,
-    read_packed,
-    tp_feature_range,
-)
-from tracerl.recorder import MemorySink
+from tracerl.train import MicroBatch, Segment, cp_shard, cp_zigzag_ranges, dp_shard, pack_micro_batches, read_packed, tp_feature_range
+from tracerl.rollout import MemorySink
 
 
 def test_zigzag_even_split():

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tracerl.errors import RecorderError
-from tracerl.recorder import NO_EXPERT, MemorySink, RolloutRecorder
+from tracerl.rollout import NO_EXPERT, MemorySink, RolloutRecorder
 
 W = 32  # site width: 4 hint bytes, 2 scale bytes per token
 

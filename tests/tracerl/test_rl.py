@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tracerl.errors import ConfigError
-from tracerl.rl import entropy_from_logits, group_advantages, policy_loss, token_logprobs
+from tracerl.train import entropy_from_logits, group_advantages, policy_loss, token_logprobs
 
 
 def test_group_advantages_hand_computed():

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 import tracefp4
-from tracerl.engine import RolloutEngine
+from tracerl.rollout import RolloutEngine
 from tracerl.errors import ConfigError
-from tracerl.models import TinyMoESpec, build_model, moe_layer_name
-from tracerl.qat import install_fp4
-from tracerl.sites import moe_down_site, moe_input_site, plan_sites
+from tracerl.policy import TinyMoESpec, build_model, moe_layer_name
+from tracerl.policy import install_fp4
+from tracerl.policy import moe_down_site, moe_input_site, plan_sites
 
 TINY = dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32, num_experts=4, top_k=2,
             moe_intermediate_size=32, vocab_size=128)

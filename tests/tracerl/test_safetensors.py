@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import load as lib_load
 from safetensors.torch import save as lib_save
 
-from tracerl import _safetensors as st
+from tracerl.artifacts import tensorfile as st
 
 
 def _tensors() -> dict[str, torch.Tensor]:

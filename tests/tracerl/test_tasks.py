@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from tracerl import rl
+from tracerl.train import loss as rl
 from tracerl.errors import ConfigError
-from tracerl.tasks import BOS, FIRST, SEP, TASKS, CopyTask, TargetSetTask, make_task
+from tracerl.policy import BOS, FIRST, SEP, TASKS, CopyTask, TargetSetTask, make_task
 
 
 @pytest.mark.parametrize("task", [CopyTask(alphabet=5, prompt_len=4), TargetSetTask(alphabet=8, prompt_len=3),
@@ -98,7 +98,7 @@ def test_grpo_raises_reward_on_a_tiny_model():
     2-layer random-init Qwen3-MoE with the task's 10-token vocabulary: the fixed-target task (chance 0.5) must
     climb. Seeded and single-threaded: the same numbers every run (a 2-layer model climbed to ~0.9 in 8 steps
     when this test was written; the bound leaves room)."""
-    from tracerl.models import TinyMoESpec, build_model
+    from tracerl.policy import TinyMoESpec, build_model
 
     torch.manual_seed(0)
     task = TargetSetTask(alphabet=8, prompt_len=3, response_len=6, target=[0, 1, 2, 3])

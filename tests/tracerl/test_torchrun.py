@@ -11,7 +11,8 @@ import pytest
 
 from helpers import loop
 from tracerl.rollout import RolloutWorker, run_rollout
-from tracerl.train import MetricsLog, run_training, start_or_resume
+from tracerl.runlog import MetricsLog
+from tracerl.train import run_training, start_or_resume
 
 pytestmark = pytest.mark.slow
 STEPS = 3

@@ -63,7 +63,7 @@ def test_every_option_has_help():
 
 def test_model_size_help_states_the_spec_defaults():
     """The model-size options' help gives TinyMoESpec's defaults (the parser cannot import it: torch)."""
-    from tracerl.models import TinyMoESpec
+    from tracerl.policy import TinyMoESpec
 
     demo = dict(_subparsers(build_parser()))["demo"]
     helps = {a.dest: a.help for a in demo._actions}

@@ -14,12 +14,16 @@ import torch
 import tracestore as ts
 from helpers import loop
 from helpers.store import rows
-from tracerl import checkpoint as ckpt
-from tracerl import weights
+from tracerl.artifacts import checkpoints as ckpt
+from tracerl.artifacts import weights
 from tracerl.errors import CheckpointCorruptError, CheckpointNotFoundError, FollowError
 from tracerl.policy import build_policy
 from tracerl.rollout import RolloutWorker, run_rollout
-from tracerl.train import Follower, GRPOTrainer, MetricsLog, param_digest, run_training, start_or_resume
+from tracerl.train import Follower
+from tracerl.train import GRPOTrainer
+from tracerl.runlog import MetricsLog
+from tracerl.train import param_digest
+from tracerl.train import run_training, start_or_resume
 
 
 @pytest.fixture
@@ -268,7 +272,7 @@ def test_read_ahead_reads_a_step_before_its_first_forward_and_trains_the_same_bi
     """With the default read-ahead every micro-batch of a step is read before the first is trained (the batch is
     in the trainer's memory when the store delivers it: no lag from computing earlier micro-batches), with 0 one
     at a time between computations; the byte cap bounds what is held; training is the same to the last bit."""
-    from tracerl.packing import pack_micro_batches
+    from tracerl.train import pack_micro_batches
     from tracerl.train import packed_nbytes, read_ahead
 
     _publish_init(store)
@@ -352,8 +356,8 @@ def test_code_counts_of_a_micro_batch_equal_per_trajectory_counts():
     from types import SimpleNamespace
 
     from tracerl import fidelity
-    from tracerl.packing import Segment
-    from tracerl.train import _StepAccumulator
+    from tracerl.train import Segment
+    from tracerl.train.grpo import _StepAccumulator
 
     rng = np.random.default_rng(0)
     width, sites = 32, ["a", "b"]

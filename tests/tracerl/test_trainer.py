@@ -6,11 +6,11 @@ import torch
 
 from tracerl import fidelity
 from tracerl.errors import ConfigError, HintMismatchError
-from tracerl.models import TinyMoESpec, build_model
-from tracerl.packing import PackedHints, Segment
-from tracerl.qat import MODES, install_fp4
-from tracerl.sites import moe_down_site, moe_input_site, parse_layers, plan_sites
-from tracerl.trainer import QATTrainer
+from tracerl.policy import TinyMoESpec, build_model
+from tracerl.train import PackedHints, Segment
+from tracerl.policy import MODES, install_fp4
+from tracerl.policy import moe_down_site, moe_input_site, parse_layers, plan_sites
+from tracerl.train import QATTrainer
 
 TINY = dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32, num_experts=4, top_k=2,
             moe_intermediate_size=32, vocab_size=128)
@@ -37,7 +37,7 @@ def setup():
     packed = _packed([9, 5], spec.vocab_size)
     tr = QATTrainer(model, rt)
     # calibrate from the batch itself, then take "rollout" hints and scales from an own-scales forward
-    from tracerl.engine import RolloutEngine
+    from tracerl.rollout import RolloutEngine
 
     RolloutEngine(model, rt).calibrate([packed.token_ids[:9].tolist(), packed.token_ids[9:].tolist()])
     got = {}

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tracestore as ts
-from tracerl import weights as W
+from tracerl.artifacts import weights as W
 from tracerl.errors import ConfigError
 
 
@@ -233,7 +233,7 @@ def test_bad_arguments(tmp_path):
 
 def test_tiny_moe_model_round_trip(tmp_path):
     """The demo's model family: a bf16 Qwen3-MoE state dict comes back bit for bit into another instance."""
-    from tracerl.models import TinyMoESpec, build_model
+    from tracerl.policy import TinyMoESpec, build_model
 
     spec = TinyMoESpec(num_layers=2, vocab_size=64)
     src, dst = build_model(spec, seed=1), build_model(spec, seed=2)
@@ -270,7 +270,7 @@ def test_rollout_prefetch_raises_a_corrupt_version_and_retries_a_pruned_one(tmp_
     """The rollout's background reader hands a version that fails its checks while still committed to the worker
     as WeightsIntegrityError (once, not a tight loop re-reading it), and looks again for a version whose sidecar was
     pruned meanwhile."""
-    from tracerl.rollout import _Prefetch
+    from tracerl.rollout.worker import _Prefetch
 
     url = str(tmp_path / "w")
     W.publish(url, 0, _sd(0))

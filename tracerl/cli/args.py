@@ -74,10 +74,9 @@ def add_storage_arguments(p: argparse.ArgumentParser) -> None:
 
 def storage_options(args: argparse.Namespace, url: str) -> dict | None:
     """The storage options of ``url`` from the parsed options (tracestore's rules); raises `ConfigError`."""
+    from tracerl.errors import ConfigError
     from tracestore.cli.main import UsageError
     from tracestore.cli.main import storage_options as ts_options
-
-    from tracerl.errors import ConfigError
 
     try:
         return ts_options(args, url)

@@ -118,15 +118,14 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
 
-    from tracerl.audit import run_audit
-    from tracerl.audit_report import render_terminal
+    from tracerl.audit import render_terminal, run_audit
     from tracerl.cli.progress import StepBars
 
     torch.set_num_threads(args.threads or torch.get_num_threads())
     with contextlib.closing(StepBars(Console(stderr=True, log_path=False))) as bars:
         result = run_audit(cfg, on_step=bars)
     if args.html:
-        from tracerl.audit_html import write_html
+        from tracerl.audit import write_html
 
         write_html(result, args.html)
     target = (result.get("planner") or {}).get("target")

@@ -94,8 +94,8 @@ def run(args: argparse.Namespace) -> int:
     from rich.live import Live
 
     from tracerl.loop import live_view, render_summary, run_loop
-    from tracerl.tasks import make_task
-    from tracerl.train import json_ready
+    from tracerl.policy import make_task
+    from tracerl.runlog import json_ready
 
     make_task(**cfg.task)  # a bad task answers before anything is built
     err = Console(stderr=True, log_path=False)

@@ -40,10 +40,10 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     import tracestore as ts
-    from tracerl import checkpoint as ckpt
+    from tracerl.artifacts import checkpoints as ckpt
     from tracerl.errors import ConfigError
-    from tracerl.replay import replay
-    from tracerl.train import MetricsLog
+    from tracerl.loop import replay
+    from tracerl.runlog import MetricsLog
 
     log_path = args.log
     if log_path is None:

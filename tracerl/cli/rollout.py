@@ -6,8 +6,14 @@ import argparse
 import json
 import logging
 
-from tracerl.cli.args import (add_process_arguments, float_above, int_at_least, stop_on_signals, stop_with_parent,
-                              storage_options)
+from tracerl.cli.args import (
+    add_process_arguments,
+    float_above,
+    int_at_least,
+    stop_on_signals,
+    stop_with_parent,
+    storage_options,
+)
 from tracerl.config import DECODE_PATHS, RolloutConfig
 
 HELP = "rollout worker: generate GRPO groups with the newest policy version into a loop store"
@@ -55,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
 
     import tracestore as ts
     from tracerl.rollout import RolloutWorker, run_rollout
-    from tracerl.train import MetricsLog
+    from tracerl.runlog import MetricsLog
 
     if args.threads:
         torch.set_num_threads(args.threads)

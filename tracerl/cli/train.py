@@ -7,8 +7,14 @@ import json
 import logging
 import os
 
-from tracerl.cli.args import (add_process_arguments, float_above, int_at_least, stop_on_signals, stop_with_parent,
-                              storage_options)
+from tracerl.cli.args import (
+    add_process_arguments,
+    float_above,
+    int_at_least,
+    stop_on_signals,
+    stop_with_parent,
+    storage_options,
+)
 from tracerl.config import QAT_MODES, TrainConfig
 
 HELP = "GRPO trainer that follows a live loop store, checkpoints, and publishes policy versions"
@@ -138,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     import tracestore as ts
-    from tracerl.train import MetricsLog, run_training, start_or_resume
+    from tracerl.runlog import MetricsLog
+    from tracerl.train import run_training, start_or_resume
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 import tracestore as ts
-from tracerl import checkpoint as ckpt
+from tracerl.artifacts import checkpoints as ckpt
 from tracerl.config import TrainConfig
 from tracerl.errors import CheckpointNotFoundError, ConfigError
 from tracerl.train import GRPOTrainer

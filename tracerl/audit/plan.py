@@ -68,7 +68,7 @@ import numpy as np
 
 from tracefp4.constants import HINTS_PER_BYTE, NVFP4_BLOCK_SIZE
 from tracerl.errors import ConfigError
-from tracerl.sites import SitePlan
+from tracerl.policy import SitePlan
 
 #: ``|total - floor - sum(parts)| <= ADDITIVITY_TOLERANCE * total`` in mean |dlogp| (see the module docstring)
 ADDITIVITY_TOLERANCE = 0.5

@@ -28,7 +28,7 @@ import torch
 from tracefp4.constants import NVFP4_BLOCK_SIZE
 from tracerl.config import FP4_PLACEMENTS, HINT_SITE_KINDS
 from tracerl.errors import ConfigError
-from tracerl.models import attention_name, moe_blocks, moe_layer_name
+from tracerl.policy.models import attention_name, moe_blocks, moe_layer_name
 
 BLOCK = NVFP4_BLOCK_SIZE  # NVFP4 block along the last dim (tracefp4's constant, under the name tracerl uses)
 

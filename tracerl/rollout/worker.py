@@ -16,7 +16,7 @@ Per generation batch (`RolloutWorker.generate_batch`):
 
 With ``record_codes`` the batch's FP4 codes at the hinted sites (uint8 [tokens, W/2] per trajectory and site, the
 codes the rollout's forward used) are written first as one ``.npz`` object under ``audit/codes/`` beside the
-store and named in each result's extra (``codes_key``): a measurement aid for the trainer's code agreement, at
+store and named in each result's extra (``codes_key``; `tracerl.artifacts.codes`): a measurement aid for the trainer's code agreement, at
 4x the hint bytes.
 
 Trajectory ids are ``<worker id>-b<batch>-p<prompt>-s<sample>``; the worker id carries a random part, so a
@@ -26,7 +26,6 @@ were committed leaves incomplete trajectories, which the trainer never takes).
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import threading
@@ -38,20 +37,18 @@ import numpy as np
 import torch
 
 import tracestore as ts
-from tracestore.format.keys import check_id
-from tracerl import weights
+from tracerl.artifacts import weights
+from tracerl.artifacts.codes import CODES_KEY, put_codes
 from tracerl.config import RolloutConfig
-from tracerl.engine import RolloutEngine
 from tracerl.policy import Policy, build_policy, site_widths
-from tracerl.recorder import RolloutRecorder
-from tracerl.train import CODES_KEY, MetricsLog
+from tracerl.rollout.engine import RolloutEngine
+from tracerl.rollout.recorder import RolloutRecorder
+from tracerl.runlog import MetricsLog
+from tracestore.format.keys import check_id  # TODO(issue 18): ts.check_id
 
 log = logging.getLogger(__name__)
 
 __all__ = ["RolloutWorker", "run_rollout"]
-
-CODES_PREFIX = "audit/codes/"
-
 
 class RolloutWorker:
     """Generates GRPO groups with the newest published policy into a loop store.
@@ -162,7 +159,7 @@ class RolloutWorker:
         rewards = task.rewards(rep, [r.tolist() for r in responses])
         extra: dict = {"group_size": cfg.group_size}
         if cfg.record_codes:
-            extra[CODES_KEY] = self._put_codes(batch, roll)
+            extra[CODES_KEY] = put_codes(self.store, self.worker_id, batch, roll.request_ids, roll.codes)
         for rid, gid, p, resp, rw in zip(rids, gids, rep, responses, rewards):
             self.writer.write_result(rid, reward=rw.reward, group_id=gid, prompt_len=len(p), response_len=len(resp),
                                      policy_version=self.version, finish_reason="length", extra=extra)
@@ -176,16 +173,6 @@ class RolloutWorker:
                 "reward_mean": float(np.mean([r.reward for r in rewards])), "generate_s": gen_s,
                 "commit_s": time.perf_counter() - t0 - gen_s, "generated_tokens_per_s": n_gen / gen_s,
                 "decode_path": roll.decode_path}
-
-    def _put_codes(self, batch: int, roll) -> str:
-        """The batch's codes as one ``.npz`` beside the store; returns its key (written before any result names
-        it, so a trainer that reads a result finds the codes)."""
-        arrays = {f"{rid}/{site}": per[i] for site, per in roll.codes.items() for i, rid in enumerate(roll.request_ids)}
-        buf = io.BytesIO()
-        np.savez(buf, **arrays)
-        key = f"{CODES_PREFIX}{self.worker_id}/{batch:06d}.npz"
-        self.store.backend.put(key, buf.getvalue())
-        return key
 
 
 class _Prefetch:

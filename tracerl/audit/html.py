@@ -16,8 +16,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tracerl import audit_plan as ap
-from tracerl.audit_report import fmt
+from tracerl.audit import plan as ap
+from tracerl.audit.report import fmt
 from tracerl.errors import ConfigError
 
 PLOT_MODES = ("fp4_rne_own_scales", "fp4_rne_rollout_scales", "fp4_hints", "fp4_hints_replay_routes")

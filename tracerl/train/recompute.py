@@ -24,11 +24,10 @@ import time
 import numpy as np
 import torch
 
-from tracerl.engine import _cache_kwarg, _sync, _to_device, _to_host
 from tracerl.errors import ConfigError
-from tracerl.models import has_linear_attention, moe_blocks
-from tracerl.packing import PackedHints
-from tracerl.qat import FP4Runtime, check_mode, fp4_kv_cache
+from tracerl.policy import FP4Runtime, cache_kwarg, check_mode, fp4_kv_cache, has_linear_attention, moe_blocks
+from tracerl.train.packing import PackedHints
+from tracerl.util import sync, to_device, to_host
 
 
 @dataclasses.dataclass
@@ -111,11 +110,11 @@ class QATTrainer:
             fwd = self.token_logprobs(packed, mode, observe=observe, replay_routes=replay_routes)
             lp, scored = fwd.logprobs, fwd.scored
             loss, grad_norm = self._backward(lp, packed, scored) if backward else (None, None)
-        _sync(device)
+        sync(device)
         secs = time.perf_counter() - t0
         # Everything comes to the host in one transfer (a .cpu() per layer and site was one blocking copy each).
         routes, codes, scales = fwd.routes, fwd.codes, fwd.scales
-        host = iter(_to_host([lp.detach().float(), *routes.values(), *codes.values(), *scales.values()]))
+        host = iter(to_host([lp.detach().float(), *routes.values(), *codes.values(), *scales.values()]))
         out = np.full(len(packed.token_ids), np.nan, dtype=np.float32)
         out[scored] = next(host)
         return RecomputeResult(
@@ -159,7 +158,7 @@ class QATTrainer:
             # response tokens) is known on the host: computed there and sent once, so nothing between the forward
             # and the backward waits for the device.
             scored = np.setdiff1d(np.arange(len(packed.token_ids)), packed.cu_seqlens[:-1])
-            idx, tok = (_to_device(torch.as_tensor(a), device)
+            idx, tok = (to_device(torch.as_tensor(a), device)
                         for a in (scored, np.asarray(packed.token_ids, dtype=np.int64)[scored]))
             logits = logits.index_select(0, idx - 1).float()
             if temperature != 1.0:
@@ -205,7 +204,7 @@ class QATTrainer:
         else:
             if not self.padded:
                 raise ConfigError("FP4 KV-cache sites need layout='padded' (a cache disables packing)")
-            logits = model(**inputs, use_cache=True, **{_cache_kwarg(model): kv}).logits
+            logits = model(**inputs, use_cache=True, **{cache_kwarg(model): kv}).logits
         return logits.reshape(-1, logits.shape[-1]).index_select(0, rows)
 
     def _backward(self, lp: torch.Tensor, packed: PackedHints, scored: np.ndarray) -> tuple[float, float]:
@@ -213,7 +212,7 @@ class QATTrainer:
         tokens when there is none); returns the loss and the global gradient norm."""
         model = self.model
         resp = np.flatnonzero(~np.isnan(np.asarray(packed.logprobs)[scored]))
-        loss = -(lp.index_select(0, _to_device(torch.as_tensor(resp), lp.device)).mean() if resp.size else lp.mean())
+        loss = -(lp.index_select(0, to_device(torch.as_tensor(resp), lp.device)).mean() if resp.size else lp.mean())
         model.zero_grad(set_to_none=True)
         loss.backward()
         norms = [p.grad.float().norm() for p in model.parameters() if p.grad is not None]

@@ -33,12 +33,12 @@ from torch import nn
 
 import tracefp4
 from tracefp4.constants import E2M1_MAGNITUDES, HINTS_PER_BYTE
-from tracerl._deterministic import grouped_gemm_supported, grouped_gemm_sync_free, routed_experts
 from tracerl.config import QAT_MODES
 from tracerl.errors import ConfigError, HintMismatchError
-from tracerl.models import moe_blocks
-from tracerl.sites import BLOCK, SitePlan, kv_cache_sites, linear_input_site, moe_down_site, moe_input_site
-from tracerl.state import swapped
+from tracerl.policy.experts import grouped_gemm_supported, grouped_gemm_sync_free, routed_experts
+from tracerl.policy.models import moe_blocks
+from tracerl.policy.sites import BLOCK, SitePlan, kv_cache_sites, linear_input_site, moe_down_site, moe_input_site
+from tracerl.util import swapped
 
 MODES = QAT_MODES  # defined in tracerl.config, which the command line imports without torch
 

@@ -26,7 +26,6 @@ t sees the same rotary phase as in the trainer's unpadded recompute.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import time
 from collections.abc import Callable, Sequence
 
@@ -34,13 +33,11 @@ import numpy as np
 import torch
 
 from tracerl.config import DECODE_PATHS
-from tracerl.decode import StaticDecoder, supports_static_decode
 from tracerl.errors import ConfigError
-from tracerl.models import moe_layer_name
-from tracerl.qat import FP4Runtime, check_mode, fp4_kv_cache
-from tracerl.recorder import RolloutRecorder
-from tracerl.state import swapped
-
+from tracerl.policy import FP4Runtime, cache_kwarg, check_mode, fp4_kv_cache, moe_layer_name
+from tracerl.rollout.decode import StaticDecoder, supports_static_decode
+from tracerl.rollout.recorder import RolloutRecorder
+from tracerl.util import swapped, sync, to_device, to_host
 
 
 @dataclasses.dataclass
@@ -56,47 +53,6 @@ class RolloutResult:
     decode_steps: int
     decode_path: str = "hf"  # see `RolloutEngine.decode_path`
     prepare_s: float = 0.0  # tracing / CUDA-graph capture of the decode step (not in decode_s)
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host tensor -> ``device`` without a host sync (``t.to(cuda)`` from pageable memory blocks the host)."""
-    if device.type == "cuda" and t.device.type == "cpu":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
-_NP_DTYPES = {torch.uint8: np.uint8, torch.int8: np.int8, torch.int16: np.int16, torch.int32: np.int32,
-              torch.int64: np.int64, torch.float16: np.float16, torch.float32: np.float32,
-              torch.float64: np.float64, torch.bool: np.bool_}
-
-
-def _to_host(tensors: Sequence[torch.Tensor]) -> list[np.ndarray]:
-    """numpy copies of ``tensors`` (numpy dtypes only) with one device-to-host transfer per device.
-
-    Each device's tensors are concatenated as raw bytes on the device, copied once and split on the host, so
-    the values are bit for bit the tensors' (a ``.cpu()`` per tensor would be a blocking copy, a host sync,
-    each). Host tensors take the same path, so a CPU run reads values exactly as often as a CUDA run."""
-    out: list[np.ndarray | None] = [None] * len(tensors)
-    by_dev: dict[torch.device, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_dev.setdefault(t.device, []).append(i)
-    for idx in by_dev.values():
-        idx.sort(key=lambda i: -tensors[i].element_size())  # keeps every part's byte offset aligned
-        flat = [tensors[i].contiguous().reshape(-1).view(torch.uint8) for i in idx]
-        host = torch.cat(flat).cpu().numpy()
-        off = 0
-        for i, f in zip(idx, flat):
-            t = tensors[i]
-            n = f.shape[0]
-            out[i] = host[off : off + n].view(_NP_DTYPES[t.dtype]).reshape(tuple(t.shape))
-            off += n
-    return out
-
-
-def _sync(device: torch.device) -> None:
-    """Wait for ``device`` (timings of CUDA work); nothing to wait for on the CPU."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @dataclasses.dataclass
@@ -133,11 +89,6 @@ class _Sampler:
         else:
             tok = torch.multinomial(logp.exp(), 1, generator=self.generator).squeeze(-1)
         return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
-
-
-def _cache_kwarg(model: torch.nn.Module) -> str:
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
 
 
 class RolloutEngine:
@@ -184,7 +135,7 @@ class RolloutEngine:
         self.collect_routes = collect_routes
         self.decode = decode
         self.ring = ring
-        self._cache_kw = _cache_kwarg(model)
+        self._cache_kw = cache_kwarg(model)
         self._rows: tuple[list[str], np.ndarray, torch.Tensor] | None = None
         self._codes: dict[str, list] = {}
         self._experts: dict[int, list] = {}
@@ -244,7 +195,7 @@ class RolloutEngine:
         for b, p in enumerate(prompts):
             ids[b, pmax - len(p) :] = torch.as_tensor(list(p), dtype=torch.long)
             mask[b, pmax - len(p) :] = 1
-        return plens, _to_device(ids, device), _to_device(mask, device)
+        return plens, to_device(ids, device), to_device(mask, device)
 
     @torch.no_grad()
     def calibrate(self, prompts: Sequence[Sequence[int]]) -> dict[str, float]:
@@ -284,7 +235,7 @@ class RolloutEngine:
         path = self.decode_path(device)
         check_mode(mode)
         b = self._batch(prompts, request_ids, device, path, max_new_tokens)
-        forced = None if forced_tokens is None else _to_device(torch.as_tensor(forced_tokens), device)  # once
+        forced = None if forced_tokens is None else to_device(torch.as_tensor(forced_tokens), device)  # once
         sample = _Sampler(forced, torch.Generator(device=device).manual_seed(seed), temperature)
         capture = self.recorder is not None or self.keep_codes
         attn = {} if self.attn_implementation is None else {"_attn_implementation": self.attn_implementation}
@@ -313,7 +264,7 @@ class RolloutEngine:
         plens, ids, mask = self._left_pad(prompts, device)
         rids = list(request_ids) if request_ids is not None else [f"req-{i}" for i in range(len(prompts))]
         n_fed = max_new_tokens if self.feed_last else max(max_new_tokens - 1, 0)
-        return _Batch(rids, plens, ids, mask, _to_device(torch.tensor(plens), device), device, path, max_new_tokens,
+        return _Batch(rids, plens, ids, mask, to_device(torch.tensor(plens), device), device, path, max_new_tokens,
                       n_fed)
 
     def _begin_records(self, b: _Batch, prompts, policy_version: int) -> None:
@@ -348,7 +299,7 @@ class RolloutEngine:
         # device mask: a host sync).
         pmax = b.ids.shape[1]
         valid = np.concatenate([i * pmax + np.arange(pmax - n, pmax) for i, n in enumerate(b.plens)])
-        self._rows = (b.prompt_rids, b.prompt_pos, _to_device(torch.as_tensor(valid), b.device))
+        self._rows = (b.prompt_rids, b.prompt_pos, to_device(torch.as_tensor(valid), b.device))
         out = self.model(input_ids=b.ids, attention_mask=b.mask, position_ids=(b.mask.cumsum(-1) - 1).clamp(min=0),
                          use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
         if self.recorder is not None:
@@ -356,7 +307,7 @@ class RolloutEngine:
         if dec is not None:
             dec.load_prefill(cache, b.mask, b.plens_t)
             cache = None  # the static cache holds the prompt now
-        _sync(b.device)
+        sync(b.device)
         return out.logits[:, -1, :], cache
 
     def _decode(self, b: _Batch, logits, cache, dec: StaticDecoder | None, sample: _Sampler, on_step):
@@ -390,7 +341,7 @@ class RolloutEngine:
                 on_step(step + 1, b.max_new_tokens)
         if window:
             self._take_ring(dec, window, b.rids)
-        _sync(b.device)
+        sync(b.device)
         return toks, lps
 
     def _result(self, b: _Batch, prompts, toks, lps, **seconds: float) -> RolloutResult:
@@ -403,7 +354,7 @@ class RolloutEngine:
                torch.stack(lps, dim=1) if lps else torch.zeros(bsz, 0)]
         for _, parts in expert_parts + code_parts:
             dev.extend(val for _, _, val in parts)
-        host = iter(_to_host(dev))
+        host = iter(to_host(dev))
         gen_toks, gen_lps = next(host), next(host)  # (B, G) each
 
         def assemble(parts):

@@ -9,7 +9,7 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from tracerl import audit_plan as ap
+from tracerl.audit import plan as ap
 
 #: by-position rows and trajectories shown on the terminal (all of them are in --json / --html)
 MAX_POSITION_ROWS = 16

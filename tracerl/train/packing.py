@@ -27,8 +27,7 @@ from typing import Any
 import numpy as np
 
 from tracerl.errors import ConfigError
-from tracerl.sites import BLOCK
-
+from tracerl.policy import BLOCK
 
 
 @dataclasses.dataclass(frozen=True)

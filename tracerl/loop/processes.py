@@ -29,7 +29,6 @@ import json
 import logging
 import math
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -42,6 +41,7 @@ import numpy as np
 
 from tracerl.config import LOOP_PARENT_ENV, LoopConfig
 from tracerl.errors import TracerlError
+from tracerl.runlog import json_ready, machine_info
 
 log = logging.getLogger(__name__)
 
@@ -179,9 +179,8 @@ def run_loop(cfg: LoopConfig, *, on_update: Callable[[LoopProcesses], None] | No
 
     Raises ConfigError (bad config; the store exists), LoopProcessError (a child failed; the others are stopped)."""
     cfg.check()
-    from tracerl.models import TinyMoESpec
-    from tracerl.policy import create_loop_store
-    from tracerl.tasks import make_task
+    from tracerl.loop.store import create_loop_store
+    from tracerl.policy import TinyMoESpec, make_task
 
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -325,22 +324,8 @@ def summarize(cfg: LoopConfig | None, steps: list[dict], batches: list[dict]) ->
         "phases_s_median": {k: _median((r["phases_s"] or {}).get(k) for r in rows)
                             for k in sorted({k for r in rows for k in (r["phases_s"] or {})})} or None,
     }
-    return _nan_none({"config": None if cfg is None else dataclasses.asdict(cfg), "summary": summary, "steps": rows,
-                      "rollout": batches, "machine": _machine()})
-
-
-def _nan_none(obj):
-    from tracerl.train import json_ready
-
-    return json_ready(obj)
-
-
-def _machine() -> dict:
-    import torch
-
-    return {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-            "torch": torch.__version__, "loadavg_1_5_15": list(os.getloadavg()),
-            "cuda": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}
+    return json_ready({"config": None if cfg is None else dataclasses.asdict(cfg), "summary": summary, "steps": rows,
+                      "rollout": batches, "machine": machine_info()})
 
 
 def plot(result: dict, path: str | os.PathLike, *, label: str | None = None, ax=None) -> None:

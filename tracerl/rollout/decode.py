@@ -35,8 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tracerl.errors import ConfigError
-from tracerl.models import has_linear_attention
-from tracerl.qat import FP4Runtime
+from tracerl.policy import FP4Runtime, has_linear_attention
 
 log = logging.getLogger(__name__)
 

@@ -43,8 +43,8 @@ from typing import Any
 import torch
 
 import tracestore as ts
-from tracerl import _safetensors as st
-from tracerl._objects import WRITE_FORMAT, blob_mismatch, blob_ref, check_number, read_commit, ref_is_valid
+from tracerl.artifacts import tensorfile as st
+from tracerl.artifacts.objects import WRITE_FORMAT, blob_mismatch, blob_ref, check_number, read_commit, ref_is_valid
 from tracerl.errors import ConfigError, TracerlError
 
 log = logging.getLogger(__name__)

@@ -72,11 +72,8 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import importlib.metadata
 import logging
 import math
-import os
-import platform
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -87,19 +84,26 @@ import torch
 
 import tracefp4
 import tracestore as ts
-from tracerl import audit_metrics as am
-from tracerl import audit_plan as ap
-from tracerl import weights as tw
+from tracerl.artifacts import weights as tw
+from tracerl.audit import metrics as am
+from tracerl.audit import plan as ap
 from tracerl.config import CONCURRENT_DECODE, DECODE_PATHS
-from tracerl.demo import _check_device
-from tracerl.engine import RolloutEngine, _to_device
 from tracerl.errors import ConfigError
-from tracerl.models import TinyMoESpec, build_model, moe_blocks
-from tracerl.packing import PackedHints, pack_micro_batches, read_packed
-from tracerl.qat import FP4Linear, FP4MoEBlock, FP4Runtime, effective_codes, install_fp4
-from tracerl.sites import SitePlan
-from tracerl.state import swapped
-from tracerl.trainer import QATTrainer
+from tracerl.policy import (
+    FP4Linear,
+    FP4MoEBlock,
+    FP4Runtime,
+    SitePlan,
+    TinyMoESpec,
+    build_model,
+    effective_codes,
+    install_fp4,
+    moe_blocks,
+)
+from tracerl.rollout import RolloutEngine
+from tracerl.runlog import json_ready, machine_info
+from tracerl.train import PackedHints, QATTrainer, pack_micro_batches, read_packed
+from tracerl.util import check_device, swapped, to_device
 
 log = logging.getLogger(__name__)
 
@@ -239,10 +243,10 @@ def _bound(model: torch.nn.Module, runtime: FP4Runtime) -> Iterator[None]:
 
 def _resolve_device(name: str, recorded: str | None) -> torch.device:
     """``auto``: the device type the rollout ran on when this machine has it, else the CPU. Raises `ConfigError`
-    for a device this machine cannot use (`tracerl.demo._check_device`)."""
+    for a device this machine cannot use (`tracerl.util.check_device`)."""
     if name == "auto":
         name = "cuda" if recorded == "cuda" and torch.cuda.is_available() else "cpu"
-    _check_device(name)
+    check_device(name)
     return torch.device(name)
 
 
@@ -410,7 +414,7 @@ class _ReplayEngine(RolloutEngine):
         if last is None or last[0] is not rids or last[1] is not pos:
             b = torch.as_tensor(np.fromiter((self._row_of[r] for r in rids), np.int64, len(rids)))
             p = torch.as_tensor(np.asarray(pos, dtype=np.int64))
-            last = self._last = (rids, pos, _to_device(b, codes.device), _to_device(p, codes.device))
+            last = self._last = (rids, pos, to_device(b, codes.device), to_device(p, codes.device))
         buf[0][last[2], last[3]] = codes
         buf[1][last[2], last[3]] = scales
 
@@ -570,10 +574,10 @@ class _MicroBatch:
         local = {t.traj_id: b for b, t in enumerate(rep.trajs)}
         self.b_host = np.concatenate([np.full(len(g), local[g.traj_id]) for g in packed.segments]).astype(np.int64)
         self.pos_host = np.asarray(packed.positions, dtype=np.int64)
-        self.b_dev = _to_device(torch.as_tensor(self.b_host), dev)
-        self.pos_dev = _to_device(torch.as_tensor(self.pos_host), dev)
+        self.b_dev = to_device(torch.as_tensor(self.b_host), dev)
+        self.pos_dev = to_device(torch.as_tensor(self.pos_host), dev)
         self.response = ~np.isnan(np.asarray(packed.logprobs))
-        self.resp_dev = _to_device(torch.as_tensor(np.flatnonzero(self.response)), dev)
+        self.resp_dev = to_device(torch.as_tensor(np.flatnonzero(self.response)), dev)
         self._cache: dict[tuple[str, str], torch.Tensor] = {}
 
     def _get(self, key: tuple[str, str], make: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -589,7 +593,7 @@ class _MicroBatch:
         return self._get((site, "rs"), lambda: self.rep.scales[site][self.b_dev, self.pos_dev])
 
     def stored(self, site: str, what: str) -> torch.Tensor:  # what: "hints" [T, W/8] | "scales" [T, W/16]
-        return self._get((site, what), lambda: _to_device(torch.as_tensor(
+        return self._get((site, what), lambda: to_device(torch.as_tensor(
             np.ascontiguousarray(getattr(self.packed, what)[site])), self.s.device))
 
     def reference_scales(self, site: str) -> torch.Tensor:
@@ -766,25 +770,6 @@ def _detail(s: _Setup, st: _PassState, floor_abs: np.ndarray, trajs: list[_Traj]
         })
     out.update(am.breakdown(st.log, floor_abs, [t.traj_id for t in trajs], bucket, st.tally is not None))
     return out
-
-
-def _nan_to_none(obj: Any) -> Any:
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _nan_to_none(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_nan_to_none(v) for v in obj]
-    if isinstance(obj, np.generic):
-        return _nan_to_none(obj.item())
-    return obj
-
-
-def _machine() -> dict[str, Any]:
-    return {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": importlib.metadata.version("transformers"),
-            "cuda_device": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 
 class _Audit:
@@ -976,7 +961,7 @@ class _Audit:
             "planner": planner,
             "config": {**dataclasses.asdict(cfg), "device": str(s.device), "storage_options": None,
                        "kernels_backend": tracefp4.resolve_backend(cfg.backend, s.device)},
-            "machine": _machine(),
+            "machine": machine_info(),
         }
         return result
 
@@ -1021,14 +1006,14 @@ def run_audit(cfg: AuditConfig, on_step: StepFn | None = None) -> dict[str, Any]
     audit = _Audit(cfg, step)
     audit.open()
     if not any(t.data_ok for t in audit.trajs):
-        return _nan_to_none(_integrity_only(audit, t_start))
+        return json_ready(_integrity_only(audit, t_start))
     audit.passes()
     result = audit.result()
     t = audit.timing
     result["timing"] = {"seconds": time.perf_counter() - t_start, **t,
                         "passes": len(audit.states) + getattr(audit, "curve_passes", 0),
                         "micro_batches": audit.n_mb}
-    return _nan_to_none({k: result[k] for k in TOP_KEYS})
+    return json_ready({k: result[k] for k in TOP_KEYS})
 
 
 def _integrity_only(audit: _Audit, t_start: float) -> dict[str, Any]:
@@ -1043,4 +1028,4 @@ def _integrity_only(audit: _Audit, t_start: float) -> dict[str, Any]:
             "histogram": None, "attribution": None, "planner": None,
             "timing": {"seconds": time.perf_counter() - t_start, **audit.timing, "passes": 0, "micro_batches": 0},
             "config": {**dataclasses.asdict(audit.cfg), "device": str(s.device), "storage_options": None},
-            "machine": _machine()}
+            "machine": machine_info()}

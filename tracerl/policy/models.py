@@ -15,6 +15,7 @@ same bf16 values.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any
 
 import torch
@@ -22,7 +23,6 @@ import torch
 from tracefp4.constants import NVFP4_BLOCK_SIZE
 from tracerl.config import MODEL_FAMILIES
 from tracerl.errors import ConfigError
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,3 +148,9 @@ def moe_blocks(model: torch.nn.Module) -> list[tuple[int, str, torch.nn.Module]]
         if mlp is not None and hasattr(mlp, "experts") and hasattr(mlp, "gate"):
             out.append((i, moe_layer_name(i), mlp))
     return out
+
+
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """The name of the KV-cache argument of ``model``'s forward (``cache`` or ``past_key_values``, by version)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"

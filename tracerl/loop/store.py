@@ -1,0 +1,57 @@
+"""Create the store of a closed RL loop: the random-init model built once, its FP4 sites planned, the static
+per-site global scales calibrated on the task's prompts (one bf16 prefill of the rollout engine), and all of it
+written as the store's model metadata, which every loop process builds its policy from
+(`tracerl.policy.build_policy`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+import tracestore as ts
+from tracerl.errors import ConfigError
+from tracerl.policy import (
+    Task,
+    TinyMoESpec,
+    build_model,
+    install_fp4,
+    model_metadata,
+    moe_blocks,
+    plan_sites,
+    site_widths,
+)
+from tracerl.rollout import RolloutEngine
+
+__all__ = ["create_loop_store"]
+
+
+def create_loop_store(url: str, spec: TinyMoESpec, task: Task, *, seed: int = 0, fp4: str = "experts",
+                      hint_layers: str = "latter-half", hint_sites: str = "moe-input", calibration_prompts: int = 64,
+                      storage_options: Mapping | None = None, backend: str = "auto",
+                      device: str | torch.device = "cpu") -> ts.Store:
+    """Create the store of a loop at ``url``; returns it open.
+
+    The model vocabulary must hold the task's ids (``spec.vocab_size >= task.vocab_size``). Global scales come
+    from one bf16 prefill of ``calibration_prompts`` task prompts (seeded by ``seed``) on ``device`` (a large
+    model initializes and calibrates in seconds on a GPU; its memory is released before returning).
+
+    Raises:
+        ConfigError: a vocabulary too small for the task, a bad site plan.
+        tracestore.StoreExistsError: a store exists at ``url``. tracestore.BackendError: storage failure.
+    """
+    if spec.vocab_size < task.vocab_size:
+        raise ConfigError(f"model vocabulary {spec.vocab_size} < the task's {task.vocab_size} ids")
+    model = build_model(spec, seed=seed, device=device)
+    plan = plan_sites(model, fp4=fp4, hint_layers=hint_layers, hint_sites=hint_sites)
+    runtime = install_fp4(model, plan, backend=backend)
+    scales = RolloutEngine(model, runtime).calibrate(task.prompts(calibration_prompts, seed=seed + 7919))
+    meta = {**model_metadata(spec, seed), "fp4": fp4, "site_plan": plan.to_json(), "global_scales": scales,
+            "task": task.config()}
+    layers = [name for _, name, _ in moe_blocks(model)]
+    del model, runtime
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()  # the rollout and trainer processes need this GPU's memory
+    return ts.create_store(url, [ts.Site(n, w) for n, w in site_widths(plan).items()], model=meta,
+                           moe_layers=layers, top_k=spec.top_k, num_experts=spec.num_experts,
+                           storage_options=storage_options)

@@ -1,0 +1,71 @@
+"""Bitwise reproducibility of training: deterministic kernels, a fingerprint of the weights' exact bits, and the
+RNG states a checkpoint keeps."""
+
+from __future__ import annotations
+
+import ast
+import base64
+import hashlib
+import json
+import os
+import random
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+import torch
+
+__all__ = ["set_deterministic", "param_digest", "rng_state", "set_rng_state"]
+
+
+def set_deterministic(device: torch.device) -> None:
+    """Deterministic kernels for bitwise replay: torch's deterministic algorithms and, on CUDA, the math SDPA
+    (the flash / memory-efficient / cuDNN attention backwards accumulate in a scheduling-dependent order) and a
+    fixed cuBLAS workspace (set ``CUBLAS_WORKSPACE_CONFIG`` before CUDA starts; the command line does)."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    if device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        if hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+
+
+_DIGEST_MOD = (1 << 61) - 1
+
+
+def param_digest(tensors: Iterable[torch.Tensor]) -> str:
+    """A fingerprint of tensors' exact bits, computed on their device: per tensor, the bit patterns (as integers)
+    times odd position weights, summed in int64 (wrapping: integer sums are exact and order-free, so the digest
+    is deterministic on any device); the per-tensor sums and shapes are then hashed with sha256 on the host.
+    Any single changed bit changes its tensor's sum. Not cryptographic: it tells replays apart, not attackers."""
+    tensors = list(tensors)
+    sums = []
+    for t in tensors:
+        flat = t.detach().reshape(-1)
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+        x = flat.view(bits).to(torch.int64)
+        w = torch.arange(x.numel(), device=x.device, dtype=torch.int64) * 2654435761 % _DIGEST_MOD * 2 + 1
+        sums.append((x * w).sum())
+    host = torch.stack(sums).cpu().numpy().tobytes() if sums else b""
+    shapes = json.dumps([list(t.shape) for t in tensors]).encode()
+    return hashlib.sha256(host + shapes).hexdigest()[:32]
+
+
+def rng_state() -> dict:
+    st = {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+          "numpy": json.loads(json.dumps(np.random.get_state()[1].tolist())), "numpy_pos": int(np.random.get_state()[2]),
+          "python": base64.b64encode(repr(random.getstate()).encode()).decode()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        st["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
+    return st
+
+
+def set_rng_state(st: Mapping) -> None:
+    torch.set_rng_state(torch.from_numpy(np.frombuffer(base64.b64decode(st["torch"]), dtype=np.uint8).copy()))
+    np.random.set_state(("MT19937", np.asarray(st["numpy"], dtype=np.uint32), int(st["numpy_pos"]), 0, 0.0))
+    random.setstate(ast.literal_eval(base64.b64decode(st["python"]).decode()))
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.from_numpy(np.frombuffer(base64.b64decode(s), dtype=np.uint8).copy())
+                                      for s in st["cuda"]])

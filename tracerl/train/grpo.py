@@ -1,0 +1,518 @@
+"""One GRPO step at a time on the groups a `tracerl.train.Follower` hands out.
+
+Update. Advantages are group-normalized (`tracerl.train.loss.group_advantages`); the loss is
+`tracerl.train.loss.policy_loss`, token-mean over the step's response tokens (each micro-batch's loss is weighted
+by its share of them, so the gradient does not depend on the packing). The ratio is taken against the rollout's
+stored log-probs; with ``tis_cap`` against the trainer's own log-probs, each token weighted by
+min(exp(logp_trainer - logp_rollout), C). The model stays bf16 (the numerics the rollout runs and the weights it
+loads); AdamW updates fp32 master copies, which are rounded to the bf16 parameters after each step. With
+``torch.distributed`` initialized (gloo on CPU, NCCL on GPUs, launched by ``torchrun``) the gradients of the
+ranks' slices are summed by ``all_reduce``.
+
+Data. The step packs its trajectories into THD micro-batches (`tracerl.train.packing.pack_micro_batches`; with
+data parallelism each rank takes its `dp_shard`) and reads their tokens, hints and scales from the store ahead of
+the forward (`tracerl.train.source.read_ahead`, bounded memory).
+
+Mismatch per step, always between the rollout and a trainer forward with the *same* weights (the version that
+generated the trajectory: the trainer's own for on-policy groups; for stale groups, with ``measure_stale``, the
+kept weights of their version in one extra no-gradient forward): |logp_trainer - logp_rollout| statistics and k3
+(`tracerl.fidelity.dlogp_stats`), and, where the rollout recorded its codes (`tracerl.artifacts.codes`), the code
+agreement at hinted sites (`tracerl.fidelity.count_code_matches`). The extra forward changes nothing in training.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import io
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+import tracestore as ts
+from tracerl import fidelity
+from tracerl.artifacts import checkpoints as ckpt
+from tracerl.artifacts import tensorfile as st
+from tracerl.artifacts import weights
+from tracerl.artifacts.codes import RolloutCodes
+from tracerl.config import TrainConfig
+from tracerl.errors import CheckpointCorruptError, ConfigError, FollowError
+from tracerl.policy import NO_SITE, Policy, build_policy
+from tracerl.runlog import json_ready
+from tracerl.train import loss as rl
+from tracerl.train.determinism import param_digest, rng_state, set_deterministic, set_rng_state
+from tracerl.train.dist import rank_world
+from tracerl.train.follower import Follower, Taken, Trajectory
+from tracerl.train.packing import dp_shard, pack_micro_batches
+from tracerl.train.recompute import QATTrainer
+from tracerl.train.source import RecordSource, read_ahead
+from tracerl.util import sync
+
+log = logging.getLogger(__name__)
+
+__all__ = ["GRPOTrainer"]
+
+
+# ------------------------------------------------------------------------------------------------- trainer
+class GRPOTrainer:
+    """The policy, its optimizer and one GRPO step at a time (see the module docstring).
+
+    Args:
+        store: the loop store (`tracerl.policy.create_loop_store`); the policy is built from its metadata.
+        cfg: `TrainConfig` (checked here).
+        device: torch device of the model and the optimizer.
+        backend: tracefp4 kernel backend (``auto``: Triton on CUDA).
+
+    Raises ConfigError for a bad config or a store that is not a loop store.
+    """
+
+    def __init__(self, store: ts.Store, cfg: TrainConfig, *, device: str | torch.device = "cpu",
+                 backend: str = "auto"):
+        cfg.check()
+        self.store = store
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.rank, self.world = rank_world()
+        if cfg.deterministic:
+            set_deterministic(self.device)
+        torch.manual_seed(cfg.seed)
+        self.policy: Policy = build_policy(store.model, self.device, backend=backend)
+        self.qat = QATTrainer(self.policy.model, self.policy.runtime)
+        self.sites = [s for s in self.policy.hinted_sites if s != NO_SITE]  # hinted sites: codes, QAT
+        self.read_sites = list(store.sites)  # what a micro-batch reads (a hint-free store: its placeholder)
+        self.params = [p for p in self.policy.model.parameters() if p.requires_grad]
+        self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
+        # fused on CUDA: one elementwise kernel per step, without the multi-GB temporaries of the foreach path
+        self.opt = torch.optim.AdamW(self.master, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
+                                     eps=1e-8, fused=True if self.device.type == "cuda" else None)
+        self.step_num = 0
+        self.version = 0
+        self.last_metrics: dict | None = None
+        self.metrics_path: str | None = None  # the live metrics log (kept in checkpoints, for replay)
+        self._history: dict[int, list[torch.Tensor]] = {}  # version -> its bf16 parameters (measure_stale)
+        self._publisher: concurrent.futures.ThreadPoolExecutor | None = None
+        self._published: concurrent.futures.Future | None = None
+        self._codes = RolloutCodes(store)
+
+    # ---- state ------------------------------------------------------------------------------------------
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.policy.model
+
+    def digest(self) -> str:
+        """`param_digest` of the fp32 master weights (the bf16 model is their rounding)."""
+        return param_digest(self.master)
+
+    def blobs(self) -> dict[str, Any]:
+        """Checkpoint blobs: ``model`` (safetensors of the bf16 state dict, as `tracerl._safetensors.encode` parts:
+        no serialization copy) and ``optim`` (torch.save of the fp32 master weights, None while they are the bf16
+        weights widened, and the AdamW state)."""
+        buf = io.BytesIO()
+        # Before the first update the masters are the bf16 weights widened (exactly): not stored twice.
+        fresh = not self.opt.state and all(torch.equal(m, p.float()) for m, p in zip(self.master, self.params))
+        master = None if fresh else [m.detach().cpu() for m in self.master]
+        torch.save({"master": master, "opt": self.opt.state_dict()}, buf)
+        model = st.encode({k: v.detach().cpu().contiguous() for k, v in self.model.state_dict().items()})
+        return {"model": model, "optim": buf.getvalue()}
+
+    def state(self, follower: Follower) -> dict:
+        return {"step": self.step_num, "version": self.version, "store_id": self.store.store_id,
+                "config": self.cfg.to_json(), "follower": follower.state(), "rng": rng_state(),
+                "digest": self.digest(), "last_metrics": self.last_metrics, "metrics_path": self.metrics_path,
+                "runtime": {"device": self.device.type, "threads": torch.get_num_threads(), "world_size": self.world,
+                            "torch": torch.__version__}}
+
+    def save(self, location: str, follower: Follower, *, storage_options: Mapping | None = None) -> None:
+        """Commit a checkpoint of this step (rank 0 only; other ranks hold the same state)."""
+        if self.rank == 0:
+            ckpt.save(location, self.step_num, self.blobs(), self.state(follower), storage_options=storage_options)
+            if self.cfg.keep_checkpoints is not None:
+                ckpt.prune(location, self.cfg.keep_checkpoints, keep=(0,), storage_options=storage_options)
+
+    def restore(self, c: ckpt.Checkpoint, *, log_end: int | None = None) -> Follower:
+        """Load checkpoint ``c`` (model, optimizer, RNG, counters); returns the follower at its cursor.
+
+        Everything is decoded and checked against this trainer's model before anything changes: a checkpoint of
+        another store or model raises `CheckpointCorruptError` / `ConfigError` and leaves the trainer as it was."""
+        state = c.state
+        if state.get("store_id") != self.store.store_id:
+            raise ConfigError(f"checkpoint {c.step} belongs to store {state.get('store_id')}, not {self.store.store_id}")
+        try:
+            model_sd, _ = st.decode(c.blobs["model"])
+            opt = torch.load(io.BytesIO(c.blobs["optim"]), weights_only=True, map_location="cpu")
+            master, opt_sd = opt["master"], opt["opt"]
+            if master is None:  # saved before the first update: the bf16 weights widened
+                names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+                master = [model_sd[n].float() for n in names]
+        except (KeyError, RuntimeError, ValueError, TypeError) as e:  # ValueError: st.SafetensorsFormatError
+            raise CheckpointCorruptError(f"checkpoint {c.step}: blobs do not decode: {e}") from e
+        own = self.model.state_dict()
+        if set(model_sd) != set(own) or any(model_sd[k].shape != own[k].shape for k in own) or \
+                [tuple(m.shape) for m in master] != [tuple(m.shape) for m in self.master]:
+            raise ConfigError(f"checkpoint {c.step} does not fit this model (names or shapes differ)")
+        if state.get("digest") and param_digest(master) != state["digest"]:
+            raise CheckpointCorruptError(f"checkpoint {c.step}: the saved weights' digest {param_digest(master)} is "
+                                         f"not the recorded {state['digest']}")
+        follower = Follower(self.store, self.cfg.group_size, state=state["follower"],
+                            max_open_groups=self.cfg.max_open_groups, log_end=log_end)
+        self.model.load_state_dict(model_sd)
+        with torch.no_grad():
+            for m, v in zip(self.master, master):
+                m.copy_(v)
+        self.opt.load_state_dict(opt_sd)
+        set_rng_state(state["rng"])
+        self.step_num, self.version = int(state["step"]), int(state["version"])
+        self.last_metrics = state.get("last_metrics")
+        return follower
+
+    def publish(self, url: str, *, storage_options: Mapping | None = None, wait: bool = True) -> None:
+        """Publish the bf16 weights as policy ``self.version`` (rank 0). A version that is already published
+        (by a run that was killed after publishing it) is kept.
+
+        With ``wait=False`` the weights are copied to host memory here and serialized, hashed and written by a
+        background thread while training goes on (for a large model the publication takes as long as several
+        steps); the previous publication is waited for first, and `wait_published` waits for the last one and
+        raises what it raised. A trainer killed meanwhile has its checkpoint already: the restart publishes that
+        version again (`start_or_resume`)."""
+        if self.rank != 0:
+            return
+        self.wait_published()
+        host = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        args = (url, self.version, host, {"digest": self.digest(), "mode": self.cfg.mode}, self.step_num,
+                storage_options)
+        if wait:
+            self._publish(*args)
+            return
+        if self._publisher is None:
+            self._publisher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tracerl-publish")
+        self._published = self._publisher.submit(self._publish, *args)
+
+    def wait_published(self) -> None:
+        """Wait for a publication started with ``wait=False``; raises what it raised."""
+        pending, self._published = self._published, None
+        if pending is not None:
+            pending.result()
+
+    def _publish(self, url, version, state, meta, step, storage_options) -> None:
+        try:
+            weights.publish(url, version, state, meta, step=step, parent_version=version - 1 if version else None,
+                            storage_options=storage_options)
+        except weights.VersionExistsError:
+            log.warning("policy version %d is already published (by an earlier run of this trainer); kept", version)
+        if self.cfg.keep_versions is not None:
+            weights.prune(url, self.cfg.keep_versions, keep=(0,), storage_options=storage_options)
+
+    # ---- one step ---------------------------------------------------------------------------------------
+    def step(self, taken: Taken, *, ready_since: float | None = None) -> dict[str, Any]:
+        """One optimizer step on ``taken.groups``; returns the step's metrics (JSON-ready).
+
+        ``ready_since`` (unix time): when the trainer began waiting for these groups. Each trajectory's lag (its
+        result's commit -> its micro-batch read from the store into the trainer's host memory; the copy to the
+        device follows when that micro-batch is computed) is then also reported from
+        ``max(commit, ready_since)`` (``ready_lag_s*``): the pipeline's own latency, without the time a batch
+        queued while the trainer was busy with the previous step."""
+        cfg = self.cfg
+        t_start = time.perf_counter()
+        trajs = [t for g in taken.groups for t in g.trajectories]
+        by_id = {t.traj_id: t for t in trajs}
+        rewards = torch.tensor([t.result.reward for t in trajs], dtype=torch.float32)
+        adv = rl.group_advantages(rewards, cfg.group_size, scale=cfg.adv_scale)
+        adv_of = dict(zip(by_id, adv.tolist()))
+        mbs = pack_micro_batches({t.traj_id: t.num_tokens for t in trajs}, cfg.micro_batch_tokens)
+        mine = dp_shard(mbs, self.rank, self.world)
+        n_resp = sum(t.response_tokens for t in trajs)
+        source = RecordSource(self.store, by_id)
+        acc = _StepAccumulator()
+        read_s = fwd_s = 0.0
+        acc.read = list(dict.fromkeys(seg.traj_id for mb in mine for seg in mb.segments))
+        for packed, t_loaded, secs in read_ahead(source, mine, self.read_sites, cfg.read_ahead_bytes):
+            for seg in packed.segments:
+                acc.lag.setdefault(seg.traj_id, t_loaded - by_id[seg.traj_id].committed_unix)
+            t1 = time.perf_counter()
+            self._micro_batch(packed, by_id, adv_of, n_resp, acc)
+            read_s += secs
+            fwd_s += time.perf_counter() - t1
+        t_reduce = time.perf_counter()
+        tick = self._phase_clock(acc)
+        totals = self._reduce(acc)
+        tick("reduce")
+        if self.cfg.max_staleness and self.cfg.measure_stale:
+            # this version's weights, for measuring the mismatch of its groups that later steps train on
+            evicted = [self._history.pop(v) for v in sorted(self._history)
+                       if v < self.version + 1 - self.cfg.max_staleness]
+            spare = evicted[0] if evicted else None  # its buffers are reused (pinned host memory is slow to get)
+            self._history[self.version] = [self._keep(p, None if spare is None else spare[i])
+                                           for i, p in enumerate(self.params)]
+        tick("keep_weights")
+        grad_norm = self._optimizer_step()
+        sync(self.device)
+        tick("optimizer")
+        self.step_num += 1
+        self.version += 1
+        n_tok = sum(t.num_tokens for t in trajs)
+        wall = time.perf_counter() - t_start
+        lags = np.asarray(sorted(totals["lag"].values()), dtype=np.float64)
+        queued = {} if ready_since is None else {
+            t: max(0.0, ready_since - by_id[t].committed_unix) for t in totals["lag"] if t in by_id}
+        ready_lags = np.asarray(sorted(v - queued.get(t, 0.0) for t, v in totals["lag"].items()), dtype=np.float64)
+        metrics = {
+            "step": self.step_num, "version": self.version, "time_unix": time.time(), "mode": cfg.mode,
+            "groups": len(taken.groups), "trajectories": len(trajs), "traj_ids": list(by_id),
+            "stale_groups": len(taken.stale), "stale_traj_ids": [t.traj_id for g in taken.stale for t in g.trajectories],
+            "policy_versions": sorted({t.policy_version for t in trajs}),
+            "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if len(trajs) > 1 else 0.0,
+            "tokens": n_tok, "response_tokens": n_resp,
+            "grad_norm": grad_norm, **totals["loss_stats"],
+            "lag_s_median": float(np.median(lags)) if lags.size else math.nan,
+            "lag_s_max": float(lags.max()) if lags.size else math.nan, "lag_s": lags.tolist(),
+            "ready_lag_s_median": float(np.median(ready_lags)) if ready_since is not None and ready_lags.size else None,
+            "ready_lag_s": ready_lags.tolist() if ready_since is not None else None,
+            "mismatch": totals["mismatch"],
+            "step_s": wall, "read_s": read_s, "compute_s": fwd_s, "reduce_s": time.perf_counter() - t_reduce,
+            "phases_s": dict(acc.phases) if cfg.time_phases else None,
+            "tokens_per_s": n_tok / wall if wall > 0 else math.nan,
+            "digest": self.digest(), "world_size": self.world, "rank_traj_ids": totals["rank_traj_ids"],
+        }
+        metrics = json_ready(metrics)
+        self.last_metrics = metrics
+        return metrics
+
+    def _micro_batch(self, packed, by_id: Mapping[str, Trajectory], adv_of: Mapping[str, float], n_resp: int,
+                     acc: _StepAccumulator) -> None:
+        """Forward + backward of one micro-batch; adds its weighted loss stats, mismatch and codes to ``acc``."""
+        cfg = self.cfg
+        want_codes = cfg.code_agreement and bool(self.sites) and cfg.mode != "bf16"
+        tick = self._phase_clock(acc)
+        fwd = self.qat.token_logprobs(packed, cfg.mode, observe=want_codes, replay_routes=cfg.replay_routes,
+                                      temperature=cfg.temperature, routes=False)
+        tick("forward")
+        seg_of_row = np.repeat(np.arange(len(packed.segments)), np.diff(packed.cu_seqlens))
+        roll_scored = np.asarray(packed.logprobs, dtype=np.float32)[fwd.scored]
+        resp = np.isfinite(roll_scored)  # response tokens (prompt tokens carry NaN)
+        rows = fwd.scored[resp]
+        segs = [packed.segments[i] for i in seg_of_row[rows]]
+        expected = sum(max(0, min(s.stop, by_id[s.traj_id].num_tokens) - max(s.start, by_id[s.traj_id].result.prompt_len))
+                       for s in packed.segments)
+        if len(rows) != expected:
+            raise FollowError(f"micro-batch of {[s.traj_id for s in packed.segments][:4]}: {len(rows)} tokens carry a "
+                              f"rollout log-prob, the results' prompt lengths imply {expected}")
+        dev = self.device
+        sel = torch.as_tensor(np.flatnonzero(resp)).to(dev)
+        lp = fwd.logprobs.index_select(0, sel)[None]  # (1, R)
+        lp_roll = torch.as_tensor(roll_scored[resp]).to(dev)[None]
+        adv = torch.as_tensor([adv_of[s.traj_id] for s in segs], dtype=torch.float32).to(dev)[None]
+        mask = torch.ones_like(lp_roll, dtype=torch.bool)
+        if cfg.tis_cap is None:
+            loss, st = rl.policy_loss(lp, lp_roll, adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                                      clip_ratio_c=cfg.clip_ratio_c)
+        else:
+            loss, st = rl.policy_loss(lp, lp.detach(), adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                                      clip_ratio_c=cfg.clip_ratio_c, logp_rollout=lp_roll, tis_cap=cfg.tis_cap)
+        n = lp.shape[1]
+        tick("loss")
+        (loss * (n / n_resp)).backward()
+        self._accumulate_grads()
+        tick("backward")
+        acc.add_stats(st, n)
+        self._measure(packed, fwd, by_id, acc, self.version, want_codes)
+        tick("measure")
+        stale = sorted({by_id[s.traj_id].policy_version for s in packed.segments} - {self.version})
+        for v in stale:  # the mismatch of older groups needs the weights that generated them
+            snap = self._history.get(v)
+            if snap is None:
+                acc.sums["_unmeasured"] += sum(by_id[s.traj_id].response_tokens for s in packed.segments
+                                               if by_id[s.traj_id].policy_version == v)
+                continue
+            with self._weights(snap), torch.no_grad():
+                fwd_v = self.qat.token_logprobs(packed, cfg.mode, observe=want_codes, replay_routes=cfg.replay_routes,
+                                                temperature=cfg.temperature, routes=False)
+            self._measure(packed, fwd_v, by_id, acc, v, want_codes)
+        tick("stale_versions")
+
+    def _phase_clock(self, acc: _StepAccumulator) -> Callable[[str], None]:
+        """With ``time_phases``: a function that adds the seconds since its last call (after waiting for the
+        device) to ``acc.phases[name]``; else one that does nothing."""
+        if not self.cfg.time_phases:
+            return lambda name: None
+        last = [time.perf_counter()]
+
+        def tick(name: str) -> None:
+            sync(self.device)
+            now = time.perf_counter()
+            acc.phases[name] += now - last[0]
+            last[0] = now
+
+        sync(self.device)
+        last[0] = time.perf_counter()
+        return tick
+
+    def _keep(self, p: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+        """A copy of parameter ``p`` for `_history` (into ``into`` when given): on the host (pinned) for a GPU
+        model, whose memory the optimizer needs; on the CPU as it is."""
+        if into is not None:
+            return into.copy_(p.detach())
+        if p.device.type == "cuda":
+            return torch.empty(p.shape, dtype=p.dtype, pin_memory=True).copy_(p.detach())
+        return p.detach().clone()
+
+    @contextlib.contextmanager
+    def _weights(self, snapshot: list[torch.Tensor]):
+        """The bf16 parameters of an earlier version for the block (swapped in: no copy on the CPU, one host ->
+        device copy for a GPU model, freed after the block)."""
+        current = [p.data for p in self.params]
+        try:
+            for p, t in zip(self.params, snapshot):
+                p.data = t.to(p.device, non_blocking=True)
+            yield
+        finally:
+            for p, t in zip(self.params, current):
+                p.data = t
+
+    def _measure(self, packed, fwd, by_id: Mapping[str, Trajectory], acc: _StepAccumulator, version: int,
+                 want_codes: bool) -> None:
+        """Rollout/trainer mismatch of the response tokens of ``packed``'s trajectories generated by ``version``,
+        from a forward with that version's weights (``fwd``): log-probs for |dlogp| and k3, codes at hinted sites."""
+        seg_of_row = np.repeat(np.arange(len(packed.segments)), np.diff(packed.cu_seqlens))
+        roll = np.asarray(packed.logprobs, dtype=np.float32)[fwd.scored]
+        ver = np.array([by_id[s.traj_id].policy_version for s in packed.segments])
+        keep = np.isfinite(roll) & (ver[seg_of_row[fwd.scored]] == version)
+        acc.train_lp.append(fwd.logprobs.detach().float().cpu().numpy()[keep])
+        acc.roll_lp.append(roll[keep])
+        if want_codes:
+            self._count_codes(packed, fwd, by_id, acc, version)
+
+    def _count_codes(self, packed, fwd, by_id: Mapping[str, Trajectory], acc: _StepAccumulator, version: int) -> None:
+        """Code agreement at hinted sites on the response rows of ``version``'s trajectories, against the rollout's
+        recorded codes: per site, one comparison over every such row of the micro-batch (one host -> device copy
+        of the reference codes and one count per site, not per trajectory and site)."""
+        resp = np.isfinite(np.asarray(packed.logprobs))
+        off = packed.cu_seqlens
+        mine = [(i, seg, by_id[seg.traj_id]) for i, seg in enumerate(packed.segments)
+                if by_id[seg.traj_id].policy_version == version]
+        for site in self.sites:
+            rows, refs = [], []
+            for i, seg, traj in mine:
+                ref = self._codes.get(traj, site)
+                if ref is None:
+                    continue
+                keep = resp[int(off[i]):int(off[i + 1])]
+                rows.append(np.arange(int(off[i]), int(off[i + 1]))[keep])
+                refs.append(ref[seg.start:seg.stop][keep])
+            if not refs:
+                continue
+            idx = torch.as_tensor(np.concatenate(rows)).to(self.device)
+            m, t, bad, one = fidelity.count_code_matches(fwd.codes[site].index_select(0, idx),
+                                                         torch.as_tensor(np.concatenate(refs)).to(self.device))
+            acc.codes += np.array([m, t, bad, one], dtype=np.int64)
+
+    def _reduce(self, acc: _StepAccumulator) -> dict:
+        """Sum gradients and statistics over the data-parallel ranks (``all_reduce``; nothing with one rank)."""
+        train_lp = np.concatenate(acc.train_lp) if acc.train_lp else np.zeros(0, np.float32)
+        roll_lp = np.concatenate(acc.roll_lp) if acc.roll_lp else np.zeros(0, np.float32)
+        lag, sums, codes = dict(acc.lag), acc.sums, acc.codes
+        if self.world > 1:
+            import torch.distributed as dist
+
+            flat = torch.cat([m.grad.reshape(-1) for m in self.master])
+            dist.all_reduce(flat)  # the sum of every rank's slice (each already weighted by its token share)
+            off = 0
+            for m in self.master:
+                m.grad.copy_(flat[off:off + m.numel()].view_as(m))
+                off += m.numel()
+            keys = sorted(sums)
+            gathered: list = [None] * self.world
+            dist.all_gather_object(gathered, (keys, [sums[k] for k in keys], codes.tolist(), lag,
+                                              train_lp.tolist(), roll_lp.tolist(), acc.mins, acc.maxs, acc.read))
+            sums, codes, lag = collections.Counter(), np.zeros(4, np.int64), {}
+            tl, rlp, mins, maxs = [], [], {}, {}
+            acc.read = [r for *_, r in gathered]
+            for ks, vs, cs, lg, t_, r_, mn, mx, _ in gathered:
+                for k, v in zip(ks, vs):
+                    sums[k] += v
+                codes += np.asarray(cs, dtype=np.int64)
+                lag.update(lg)
+                tl.extend(t_)
+                rlp.extend(r_)
+                for k, v in mn.items():
+                    mins[k] = min(mins.get(k, v), v)
+                for k, v in mx.items():
+                    maxs[k] = max(maxs.get(k, v), v)
+            train_lp, roll_lp = np.asarray(tl, np.float32), np.asarray(rlp, np.float32)
+            acc.mins, acc.maxs = mins, maxs
+        n = sums.get("_tokens", 0.0)
+        stats = {k: (v / n if n else math.nan) for k, v in sums.items() if not k.startswith("_")}
+        stats.update({k: v for k, v in acc.mins.items()})
+        stats.update({k: v for k, v in acc.maxs.items()})
+        mismatch = fidelity.dlogp_stats(train_lp, roll_lp)
+        mismatch["code_agreement"] = float(codes[0] / codes[1]) if codes[1] else math.nan
+        mismatch["code_values"] = int(codes[1])
+        mismatch["unmeasured_tokens"] = int(sums.get("_unmeasured", 0))  # stale, without their version's weights
+        mismatch["code_mismatch_one_step_share"] = float(codes[3] / codes[2]) if codes[2] else math.nan
+        read = acc.read if self.world > 1 else [acc.read]
+        return {"loss_stats": stats, "mismatch": mismatch, "lag": lag, "rank_traj_ids": read}
+
+    def _accumulate_grads(self) -> None:
+        """Add the micro-batch's bf16 gradients to the fp32 masters' (the sum over micro-batches is then fp32,
+        not a bf16 running sum) and clear them."""
+        for p, m in zip(self.params, self.master):
+            if m.grad is None:
+                m.grad = torch.zeros_like(m)
+            if p.grad is not None:
+                m.grad.add_(p.grad.detach().to(m.dtype))
+                p.grad = None
+
+    def _optimizer_step(self) -> float:
+        """Clip the fp32 master gradients, AdamW, round the masters to the bf16 parameters; the norm before
+        clipping. A rank without micro-batches contributes zero gradients."""
+        for m in self.master:
+            if m.grad is None:
+                m.grad = torch.zeros_like(m)
+        norm = float(torch.nn.utils.clip_grad_norm_(self.master, self.cfg.grad_clip))
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for p, m in zip(self.params, self.master):
+                p.copy_(m)
+        return norm
+
+
+class _StepAccumulator:
+    """Per-step sums over micro-batches: loss statistics weighted by response tokens, min/max statistics,
+    on-policy log-probs for the mismatch, code counts, the lag of each trajectory."""
+
+    _MIN = ("ratio_min",)
+    _MAX = ("ratio_max",)
+
+    def __init__(self):
+        self.sums: collections.Counter = collections.Counter()
+        self.mins: dict[str, float] = {}
+        self.maxs: dict[str, float] = {}
+        self.train_lp: list[np.ndarray] = []
+        self.roll_lp: list[np.ndarray] = []
+        self.codes = np.zeros(4, dtype=np.int64)  # matching, values, mismatching, one step apart
+        self.lag: dict[str, float] = {}
+        self.read: list = []  # trajectories whose tokens this rank read (all ranks' after the reduce)
+        self.phases: collections.Counter = collections.Counter()  # seconds per phase (time_phases)
+
+    def add_stats(self, st: Mapping[str, float], n: int) -> None:
+        self.sums["_tokens"] += n
+        for k, v in st.items():
+            if k == "tokens" or not math.isfinite(v):
+                continue
+            if k in self._MIN:
+                self.mins[k] = min(self.mins.get(k, v), v)
+            elif k in self._MAX:
+                self.maxs[k] = max(self.maxs.get(k, v), v)
+            else:
+                self.sums[k] += v * n
+
+
+# ----------------------------------------------------------------------------------------------- the loop
+
+

@@ -1,0 +1,81 @@
+"""Where a trainer's micro-batches come from: the committed records of complete trajectories (`RecordSource`),
+read ahead of the forward with bounded memory (`read_ahead`)."""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+import tracestore as ts
+from tracerl.train.follower import Trajectory
+from tracerl.train.packing import MicroBatch, PackedHints, read_packed
+
+__all__ = ["RecordSource", "packed_nbytes", "read_ahead"]
+
+
+class RecordSource:
+    """`tracerl.packing.read_packed`'s source over complete trajectories' record metadata: a range of a
+    trajectory is read from the records that cover it (`tracestore.read_record`), without a Reader (which would
+    index the whole log)."""
+
+    def __init__(self, store: ts.Store, trajs: Mapping[str, Trajectory]):
+        self.store = store
+        self.trajs = trajs
+
+    def read(self, traj_id: str, start: int, stop: int, *, sites=None, features=None, **kwargs):
+        parts = []
+        for r in self.trajs[traj_id].records:
+            lo, hi = max(start, r.token_start), min(stop, r.token_stop)
+            if lo < hi:
+                parts.append(ts.read_record(self.store, r, start=lo, stop=hi, sites=sites, features=features,
+                                            **kwargs))
+
+        def cat(get):
+            return np.concatenate([np.asarray(get(p)) for p in parts])
+
+        return SimpleNamespace(
+            token_ids=cat(lambda p: p.token_ids), positions=cat(lambda p: p.positions),
+            logprobs=cat(lambda p: p.logprobs), policy_version=cat(lambda p: p.policy_version),
+            hints={s: cat(lambda p, s=s: p.hints[s]) for s in parts[0].hints},
+            scales={s: cat(lambda p, s=s: p.scales[s]) for s in parts[0].scales},
+            experts={k: cat(lambda p, k=k: p.experts[k]) for k in parts[0].experts})
+
+
+def packed_nbytes(packed: PackedHints) -> int:
+    """Bytes of a micro-batch's arrays (token ids, positions, log-probs, hints, scales, experts)."""
+    arrays = [packed.cu_seqlens, packed.token_ids, packed.positions, packed.logprobs,
+              *packed.hints.values(), *packed.scales.values(), *packed.experts.values()]
+    return sum(int(a.nbytes) for a in arrays)
+
+
+def read_ahead(source: Any, mbs: Sequence[MicroBatch], sites: Sequence[str],
+               cap_bytes: int) -> Iterator[tuple[PackedHints, float, float]]:
+    """Yield ``(packed, loaded_unix, read_seconds)`` for each micro-batch of ``mbs`` in order, reading ahead of
+    the consumer: before each yield, further micro-batches are read while those read and not yet yielded hold at
+    most ``cap_bytes`` (at least one is always read). With the default cap a step's whole batch is read before its
+    first forward, so its lag is the store's, not the time the trainer computes on earlier micro-batches."""
+    queue: collections.deque = collections.deque()
+    held = 0
+    it = iter(mbs)
+    more = True
+    while True:
+        while more and (not queue or held < cap_bytes):
+            mb = next(it, None)
+            if mb is None:
+                more = False
+                break
+            t0 = time.perf_counter()
+            packed = read_packed(source, mb, sites, read_kwargs={"fmt": "numpy"})
+            n = packed_nbytes(packed)
+            queue.append((packed, time.time(), time.perf_counter() - t0, n))
+            held += n
+        if not queue:
+            return
+        packed, loaded, secs, n = queue.popleft()
+        held -= n
+        yield packed, loaded, secs
