@@ -11,56 +11,43 @@ Quick start::
 The on-disk format is specified in ``schemas/FORMAT.md``.
 """
 
-from .format.keys import FORMAT_VERSION, SUPPORTED_FORMAT_VERSIONS, check_id
-from .storage import Backend, ByteRange, ObjectInfo, RetryPolicy, open_backend
-from .errors import (
-    AccessDeniedError,
-    BackendError,
-    CommitError,
-    CredentialsError,
-    DeclarationError,
-    DTypeError,
-    EndpointError,
-    GcRefusedError,
-    ResultExistsError,
-    LocationError,
-    StorageTimeoutError,
-    ThrottledError,
-    TransientStorageError,
-    HintNotFoundError,
-    IntegrityError,
-    InvalidIdError,
-    ObjectNotFoundError,
-    OverlapError,
-    SchemaVersionError,
-    ShapeError,
-    SnapshotError,
-    StoreExistsError,
-    StoreNotFoundError,
-    TraceStoreError,
-    UnknownSiteError,
-)
-from .maintenance import GcReport, VerifyReport, collect_garbage, compact, info, verify
-from .reader import Reader, TraceBatch, TrajectoryInfo, read_record
-from .format.log import Result
-from .stream import CommittedRecord, CommittedResult, Stream
-from .store import Site, Snapshot, Store, create_store, open_store
-from .writer import Writer
-from .objects import RESERVED_AREAS, ObjectArea, open_area
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "FORMAT_VERSION", "SUPPORTED_FORMAT_VERSIONS",
-    "Site", "Store", "Snapshot", "create_store", "open_store",
-    "Writer", "Reader", "Stream", "TraceBatch", "TrajectoryInfo", "CommittedRecord", "CommittedResult", "Result",
-    "read_record", "check_id",
-    "verify", "collect_garbage", "compact", "info", "VerifyReport", "GcReport",
-    "Backend", "ByteRange", "ObjectInfo", "RetryPolicy", "open_backend",
-    "ObjectArea", "open_area", "RESERVED_AREAS",
-    "TraceStoreError", "SchemaVersionError", "IntegrityError", "HintNotFoundError", "OverlapError",
-    "InvalidIdError", "ShapeError", "DTypeError", "UnknownSiteError", "StoreExistsError", "StoreNotFoundError",
-    "SnapshotError", "BackendError", "ObjectNotFoundError", "TransientStorageError", "ThrottledError",
-    "StorageTimeoutError", "EndpointError", "CredentialsError", "AccessDeniedError", "LocationError", "CommitError",
-    "DeclarationError", "GcRefusedError", "ResultExistsError",
-]
+# Public names -> the module that defines them, imported on first use (PEP 562): ``import tracestore`` and the
+# command line's ``--help`` load none of numpy, pyarrow and zarr.
+_EXPORTS = {
+    "tracestore.format.keys": ("FORMAT_VERSION", "SUPPORTED_FORMAT_VERSIONS", "check_id"),
+    "tracestore.store": ("Site", "Store", "Snapshot", "create_store", "open_store"),
+    "tracestore.writer": ("Writer",),
+    "tracestore.reader": ("Reader", "TraceBatch", "TrajectoryInfo", "read_record"),
+    "tracestore.stream": ("Stream", "CommittedRecord", "CommittedResult"),
+    "tracestore.format.log": ("Result",),
+    "tracestore.maintenance": ("verify", "collect_garbage", "compact", "info", "VerifyReport", "GcReport"),
+    "tracestore.storage": ("Backend", "ByteRange", "ObjectInfo", "RetryPolicy", "open_backend"),
+    "tracestore.objects": ("ObjectArea", "open_area", "RESERVED_AREAS"),
+    "tracestore.errors": (
+        "TraceStoreError", "SchemaVersionError", "IntegrityError", "HintNotFoundError", "OverlapError",
+        "InvalidIdError", "ShapeError", "DTypeError", "UnknownSiteError", "StoreExistsError", "StoreNotFoundError",
+        "SnapshotError", "BackendError", "ObjectNotFoundError", "TransientStorageError", "ThrottledError",
+        "StorageTimeoutError", "EndpointError", "CredentialsError", "AccessDeniedError", "LocationError",
+        "CommitError", "DeclarationError", "GcRefusedError", "ResultExistsError"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+__all__ = list(_MODULE_OF)
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tracestore' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

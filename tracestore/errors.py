@@ -33,6 +33,7 @@ __all__ = [
     "DeclarationError",
     "GcRefusedError",
     "ResultExistsError",
+    "UsageError",
 ]
 
 
@@ -155,3 +156,8 @@ class GcRefusedError(TraceStoreError, ValueError):
 class ResultExistsError(OverlapError):
     """A trajectory already has a result (committed, or buffered by this writer): a trajectory is complete once,
     with one result. ``.conflicts`` lists ``(traj_id, 0, 0)`` for each refused result."""
+
+
+class UsageError(TraceStoreError, ValueError):
+    """Bad command-line input that argparse cannot catch (malformed JSON, an unreadable file, a URL the command
+    cannot use): the command prints one line and exits 2 (``tracestore.cliargs``)."""

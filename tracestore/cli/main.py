@@ -22,60 +22,27 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 
-from .argtypes import nonneg_float, nonneg_int, positive_float, positive_int
+from ..cliargs import (
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_PROBLEMS,
+    UsageError,
+    accept_negative_numbers,
+    add_debug_argument,
+    add_storage_arguments,
+    load_json_arg,
+    nonneg_float,
+    nonneg_int,
+    positive_float,
+    positive_int,
+    storage_options,
+)
 from ..errors import TraceStoreError
 
-__all__ = ["main", "build_parser"]
+# UsageError and storage_options are imported from here by programs written before tracestore.cliargs
+__all__ = ["main", "build_parser", "UsageError", "storage_options"]
 
 log = logging.getLogger("tracestore.cli")
-
-ENV_STORAGE_OPTIONS = "TRACESTORE_STORAGE_OPTIONS"
-EXIT_PROBLEMS = 1
-EXIT_ERROR = 2
-EXIT_INTERRUPTED = 130
-
-
-class UsageError(Exception):
-    """Bad command-line input that argparse cannot catch (malformed JSON, unreadable file): exit 2."""
-
-
-# ---------------------------------------------------------------------------------------------- helpers
-def _load_json_arg(text: str, what: str):
-    """``text`` as JSON, or the JSON in file ``text[1:]`` when it starts with ``@``."""
-    try:
-        if text.startswith("@"):
-            with open(text[1:], encoding="utf-8") as f:
-                return json.load(f)
-        return json.loads(text)
-    except OSError as e:
-        raise UsageError(f"{what}: cannot read {text[1:]!r}: {e.strerror}") from e
-    except ValueError as e:
-        raise UsageError(f"{what}: not valid JSON ({e}): {text!r:.120}") from e
-
-
-def _is_local(url: str) -> bool:
-    return "://" not in url or url.startswith("file://")
-
-
-def storage_options(args: argparse.Namespace, url: str) -> dict | None:
-    """Storage options from ``--storage-options``, ``$TRACESTORE_STORAGE_OPTIONS`` and ``--endpoint-url``.
-
-    Refuses ``memory://`` URLs: such a store lives inside one process and is gone when the command ends."""
-    if url.startswith("memory://"):
-        raise UsageError(f"{url}: a memory:// store lives only inside one Python process and is gone when this "
-                         f"command ends; use a local directory or s3://bucket/prefix")
-    opts = None
-    if getattr(args, "storage_options", None):
-        opts = _load_json_arg(args.storage_options, "--storage-options")
-    elif os.environ.get(ENV_STORAGE_OPTIONS) and not _is_local(url) and not url.startswith("memory://"):
-        opts = _load_json_arg(os.environ[ENV_STORAGE_OPTIONS], ENV_STORAGE_OPTIONS)
-    if opts is not None and not isinstance(opts, dict):
-        raise UsageError(f"storage options must be a JSON object, got {type(opts).__name__}")
-    if getattr(args, "endpoint_url", None):
-        opts = dict(opts or {})
-        opts.setdefault("client_kwargs", {})["endpoint_url"] = args.endpoint_url
-    return opts
-
 
 def _open(args: argparse.Namespace):
     from ..store import open_store
@@ -184,7 +151,7 @@ def _cmd_create(args: argparse.Namespace) -> int:
     from ..store import Site, create_store, open_store
 
     if args.site_table:
-        sites, extra = _sites_from_table(_load_json_arg("@" + args.site_table, "--site-table"))
+        sites, extra = _sites_from_table(load_json_arg("@" + args.site_table, "--site-table"))
     elif args.sites:
         sites = [Site(name, args.width, fp4_format=args.fp4_format)
                  for name in _names(args.site_name, args.sites, "--site-name")]
@@ -199,7 +166,7 @@ def _cmd_create(args: argparse.Namespace) -> int:
         if getattr(args, k) is not None:
             extra[k] = getattr(args, k)
     if args.model:
-        extra["model"] = _load_json_arg(args.model, "--model")
+        extra["model"] = load_json_arg(args.model, "--model")
     opts = storage_options(args, args.url)
     existed = False
     if args.exist_ok:
@@ -517,7 +484,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from ..maintenance import export_records
 
     store = _open(args)
-    snapshot = _load_json_arg(args.snapshot, "--snapshot") if args.snapshot else None
+    snapshot = load_json_arg(args.snapshot, "--snapshot") if args.snapshot else None
     try:
         out = export_records(store, args.out, None if snapshot is None else json.dumps(snapshot))
     except OSError as e:
@@ -533,7 +500,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from .bench import config_from_args, run_bench, summary_rows, to_json
 
-    s3_options = _load_json_arg(args.storage_options, "--storage-options") if args.storage_options else None
+    s3_options = load_json_arg(args.storage_options, "--storage-options") if args.storage_options else None
     cfg = config_from_args(args, s3_options)
     with _progress(args, "bench") as update:
         result = run_bench(cfg, progress=lambda phase, done, total: update(done, total, phase))
@@ -556,11 +523,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def _common() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("common options")
-    g.add_argument("--storage-options", metavar="JSON",
-                   help=f"fsspec storage options as JSON or @file.json (S3: key, secret, client_kwargs.endpoint_url"
-                        f"); default ${ENV_STORAGE_OPTIONS} for non-local URLs")
-    g.add_argument("--endpoint-url", metavar="URL", help="S3 endpoint (shorthand for client_kwargs.endpoint_url)")
-    g.add_argument("--debug", action="store_true", help="show tracebacks and debug logging")
+    add_storage_arguments(g)
     g.add_argument("-v", "--verbose", action="store_true", help="info logging on stderr")
     g.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     return p
@@ -692,6 +655,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_bench)
+    add_debug_argument(parser)
+    accept_negative_numbers(parser)
     return parser
 
 
