@@ -37,6 +37,9 @@ from .format.log import LogEntry
 from .format.segment import ArraySpec
 from .log import CommitLog
 from .objects import ObjectArea
+from .reader import Reader
+from .stream import Stream
+from .writer import Writer
 from .storage import Backend, RetryPolicy, open_backend
 from .errors import (
     IntegrityError,
@@ -158,22 +161,16 @@ class Store(Closing):
     def writer(self, writer_id: str | None = None, *, commit_bytes: int = 64 << 20, commit_interval_s: float = 5.0,
                max_buffer_bytes: int = 256 << 20, skip_committed: bool = False, commit_timeout_s: float = 120.0):
         """A :class:`~tracestore.writer.Writer` (context manager). See there."""
-        from .writer import Writer
-
         return Writer(self, writer_id, commit_bytes=commit_bytes, commit_interval_s=commit_interval_s,
                       max_buffer_bytes=max_buffer_bytes, skip_committed=skip_committed,
                       commit_timeout_s=commit_timeout_s)
 
     def reader(self, snapshot: Snapshot | str | None = None):
         """A :class:`~tracestore.reader.Reader` over ``snapshot`` (default: the current head)."""
-        from .reader import Reader
-
         return Reader(self, snapshot)
 
     def stream(self, cursor: str | None = None, *, poll_interval_s: float = 0.05, timeout_s: float | None = None):
-        """A :class:`~tracestore.reader.Stream` tailing the log from ``cursor`` (default: the beginning)."""
-        from .stream import Stream
-
+        """A :class:`~tracestore.stream.Stream` tailing the log from ``cursor`` (default: the beginning)."""
         return Stream(self, cursor, poll_interval_s=poll_interval_s, timeout_s=timeout_s)
 
     def area(self, area: str):

@@ -45,9 +45,9 @@ def test_flipped_byte_in_any_piece(location, store, where):
 
 
 def test_output_arenas_are_reused_only_when_free(store):
-    from tracestore import reader as reader_mod
+    from tracestore import batch as batch_mod
 
-    reader_mod._pool.arenas = []  # this thread's pool, left over from other tests
+    batch_mod._pool.arenas = []  # this thread's pool, left over from other tests
     r = store.reader()
     first = r.read("a")
     base = id(first.hints["s0"].base)  # an id: a reference would keep the arena busy

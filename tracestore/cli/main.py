@@ -320,7 +320,7 @@ def _record_dict(r, cursor: str | None = None) -> dict:
 
 def _cmd_show(args: argparse.Namespace) -> int:
     from ..format.keys import check_id
-    from ..stream import records_of
+    from ..records import records_of
 
     store = _open(args)
     reader = _reader(args, store)
