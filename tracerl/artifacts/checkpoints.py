@@ -37,7 +37,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import tracestore as ts
-from tracerl.artifacts.objects import WRITE_FORMAT, blob_mismatch, blob_ref, check_number, read_commit, ref_is_valid
+from tracerl.artifacts.objects import (WRITE_FORMAT, Location, blob_mismatch, blob_ref, check_number, opened, read_commit,
+                                      ref_is_valid)
 from tracerl.errors import CheckpointCorruptError, CheckpointExistsError, CheckpointNotFoundError, ConfigError
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ STEP_DIGITS = 12
 FORMAT_VERSION = WRITE_FORMAT  # written; READ_FORMATS are read
 READ_FORMATS = (1, 2)
 KIND = "tracerl.checkpoint"
-_MANIFEST_RE = re.compile(rf"{PREFIX}(\d{{{STEP_DIGITS}}})\.json")
+_MANIFEST_RE = re.compile(rf"(\d{{{STEP_DIGITS}}})\.json")  # a manifest's name in the area
 _NAME_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")
 
 __all__ = ["Checkpoint", "save", "load", "list_steps", "latest_step", "prune", "manifest_key"]
@@ -71,13 +72,19 @@ def manifest_key(step: int) -> str:
     return f"{PREFIX}{_check_step(step):0{STEP_DIGITS}d}.json"
 
 
-def _open(location: str | ts.Backend, storage_options: Mapping | None) -> tuple[ts.Backend, bool]:
-    if isinstance(location, ts.Backend):
-        return location, False
-    return ts.open_backend(location, storage_options), True
+AREA = PREFIX.rstrip("/")  # the store's application area of checkpoints (tracestore FORMAT §2)
 
 
-def save(location: str | ts.Backend, step: int, blobs: Mapping[str, Any], state: Mapping[str, Any], *,
+def _manifest_name(step: int) -> str:
+    return f"{step:0{STEP_DIGITS}d}.json"
+
+
+def _name(key: str) -> str:
+    """A key below the location (as manifests record it) -> the object's name in the area."""
+    return key.removeprefix(PREFIX)
+
+
+def save(location: Location, step: int, blobs: Mapping[str, Any], state: Mapping[str, Any], *,
          storage_options: Mapping | None = None) -> str:
     """Commit checkpoint ``step`` (blobs by name: bytes-like, or lists of bytes-like parts written as their
     concatenation; ``state`` JSON); returns the manifest key.
@@ -99,52 +106,44 @@ def save(location: str | ts.Backend, step: int, blobs: Mapping[str, Any], state:
         raw = json.dumps(manifest, sort_keys=True, allow_nan=False).encode()
     except (TypeError, ValueError) as e:
         raise ConfigError(f"checkpoint {step}: state is not JSON-serializable: {e}") from e
-    backend, owned = _open(location, storage_options)
-    try:
-        key = manifest_key(step)
-        if backend.exists(key):  # before uploading large blobs for nothing
-            raise CheckpointExistsError(f"{backend.url}: checkpoint {step} is already committed")
+    with opened(location, AREA, storage_options) as area:
+        if area.exists(_manifest_name(step)):  # before uploading large blobs for nothing
+            raise CheckpointExistsError(f"{area.url}: checkpoint {step} is already committed")
         for name, data in blobs.items():
-            backend.put(refs[name]["key"], data)
-        if not backend.put_if_absent(key, raw):
-            raise CheckpointExistsError(f"{backend.url}: checkpoint {step} was committed concurrently")
-        log.info("checkpoint %d committed to %s (%d bytes)", step, backend.url, sum(r["bytes"] for r in refs.values()))
-        return key
-    finally:
-        if owned:
-            backend.close()
+            area.put(_name(refs[name]["key"]), data)
+        if not area.put_if_absent(_manifest_name(step), raw):
+            raise CheckpointExistsError(f"{area.url}: checkpoint {step} was committed concurrently")
+        log.info("checkpoint %d committed to %s (%d bytes)", step, area.url, sum(r["bytes"] for r in refs.values()))
+        return manifest_key(step)
 
 
-def list_steps(location: str | ts.Backend, *, storage_options: Mapping | None = None) -> list[int]:
+def list_steps(location: Location, *, storage_options: Mapping | None = None) -> list[int]:
     """Committed checkpoint steps, ascending (a fresh listing)."""
-    backend, owned = _open(location, storage_options)
-    try:
-        return sorted(int(m.group(1)) for o in backend.list(PREFIX) if (m := _MANIFEST_RE.fullmatch(o.key)))
-    finally:
-        if owned:
-            backend.close()
+    with opened(location, AREA, storage_options) as area:
+        return sorted(int(m.group(1)) for o in area.list() if (m := _MANIFEST_RE.fullmatch(o.key)))
 
 
-def latest_step(location: str | ts.Backend, *, storage_options: Mapping | None = None) -> int | None:
+def latest_step(location: Location, *, storage_options: Mapping | None = None) -> int | None:
     """The highest committed step, or None when the location holds no checkpoint."""
     steps = list_steps(location, storage_options=storage_options)
     return steps[-1] if steps else None
 
 
-def _manifest(backend: ts.Backend, step: int) -> dict:
+def _manifest(area: ts.ObjectArea, step: int) -> dict:
     key = manifest_key(step)
-    man = read_commit(backend, key, KIND, READ_FORMATS, corrupt=CheckpointCorruptError,
+    man = read_commit(area, _manifest_name(step), KIND, READ_FORMATS, corrupt=CheckpointCorruptError,
                       version_error=CheckpointCorruptError,
-                      missing=CheckpointNotFoundError(f"{backend.url}: no checkpoint {step} ({key} does not exist)"))
+                      missing=CheckpointNotFoundError(f"{area.url}: no checkpoint {step} ({key} does not exist)"))
     blobs = man.get("blobs")
     if (man.get("step") != step or not isinstance(man.get("state"), dict) or not isinstance(blobs, dict)
             or not all(ref_is_valid(r, man["format_version"], f"{PREFIX}{step:0{STEP_DIGITS}d}", f".{n}")
                        for n, r in blobs.items())):
-        raise CheckpointCorruptError(f"{backend.url}/{key}: manifest fields do not describe checkpoint {step}")
+        raise CheckpointCorruptError(f"{area.describe(_manifest_name(step))}: manifest fields do not describe "
+                                     f"checkpoint {step}")
     return man
 
 
-def load(location: str | ts.Backend, step: int | None = None, *, storage_options: Mapping | None = None) -> Checkpoint:
+def load(location: Location, step: int | None = None, *, storage_options: Mapping | None = None) -> Checkpoint:
     """The verified checkpoint ``step`` (None: the latest).
 
     Raises:
@@ -153,31 +152,27 @@ def load(location: str | ts.Backend, step: int | None = None, *, storage_options
             version, a blob missing or of the wrong size or checksum.
         tracestore.BackendError: the storage failed.
     """
-    backend, owned = _open(location, storage_options)
-    try:
+    with opened(location, AREA, storage_options) as area:
         if step is None:
-            step = latest_step(backend)
+            step = latest_step(area)
             if step is None:
-                raise CheckpointNotFoundError(f"{backend.url}: holds no checkpoint ({PREFIX}*.json)")
-        man = _manifest(backend, _check_step(step))
+                raise CheckpointNotFoundError(f"{area.url}: holds no checkpoint ({PREFIX}*.json)")
+        man = _manifest(area, _check_step(step))
         blobs = {}
         for name, ref in man["blobs"].items():
             try:
-                data = backend.get(ref["key"])
+                data = area.get(_name(ref["key"]))
             except ts.ObjectNotFoundError:
-                raise CheckpointCorruptError(f"{backend.url}: checkpoint {step} is committed but its blob "
+                raise CheckpointCorruptError(f"{area.url}: checkpoint {step} is committed but its blob "
                                              f"{ref['key']} is missing") from None
             bad = blob_mismatch(data, ref, man["format_version"])
             if bad is not None:
-                raise CheckpointCorruptError(f"{backend.url}/{ref['key']}: {bad}")
+                raise CheckpointCorruptError(f"{area.describe(_name(ref['key']))}: {bad}")
             blobs[name] = data
         return Checkpoint(step, man["state"], blobs, float(man.get("created_unix", 0.0)))
-    finally:
-        if owned:
-            backend.close()
 
 
-def prune(location: str | ts.Backend, keep_last: int, *, keep: tuple[int, ...] = (),
+def prune(location: Location, keep_last: int, *, keep: tuple[int, ...] = (),
           storage_options: Mapping | None = None) -> list[int]:
     """Delete all but the ``keep_last`` newest checkpoints (and those in ``keep``); returns the deleted steps.
 
@@ -185,15 +180,11 @@ def prune(location: str | ts.Backend, keep_last: int, *, keep: tuple[int, ...] =
     orphans from then on and are deleted after it."""
     if keep_last < 1:
         raise ConfigError(f"keep_last={keep_last}: keep at least the newest checkpoint")
-    backend, owned = _open(location, storage_options)
-    try:
-        steps = list_steps(backend)
+    with opened(location, AREA, storage_options) as area:
+        steps = list_steps(area)
         doomed = [s for s in steps[:-keep_last] if s not in keep]
         for s in doomed:
-            man = _manifest(backend, s)
-            backend.delete(manifest_key(s))
-            backend.delete_many(r["key"] for r in man["blobs"].values())
+            man = _manifest(area, s)
+            area.delete(_manifest_name(s))
+            area.delete_many(_name(r["key"]) for r in man["blobs"].values())
         return doomed
-    finally:
-        if owned:
-            backend.close()

@@ -24,8 +24,9 @@ __all__ = ["CODES_KEY", "put_codes", "RolloutCodes"]
 
 #: the key in a result's ``extra`` that names its batch's codes object (a key below the store's URL)
 CODES_KEY = "codes_key"
-#: where the codes objects live below the store's URL
-CODES_PREFIX = "audit/codes/"
+#: the store's application area the codes objects live in (tracestore FORMAT §2), and their prefix below the URL
+AREA = "audit"
+CODES_PREFIX = f"{AREA}/codes/"
 
 
 def put_codes(store: ts.Store, writer_id: str, batch: int, request_ids: Sequence[str],
@@ -38,9 +39,9 @@ def put_codes(store: ts.Store, writer_id: str, batch: int, request_ids: Sequence
     arrays = {f"{rid}/{site}": per[i] for site, per in codes.items() for i, rid in enumerate(request_ids)}
     buf = io.BytesIO()
     np.savez(buf, **arrays)
-    key = f"{CODES_PREFIX}{writer_id}/{batch:06d}.npz"
-    store.backend.put(key, buf.getvalue())
-    return key
+    name = f"codes/{writer_id}/{batch:06d}.npz"
+    store.area(AREA).put(name, buf.getvalue())
+    return f"{AREA}/{name}"
 
 
 class RolloutCodes:
@@ -61,7 +62,7 @@ class RolloutCodes:
         arrays = self._cache.get(key)
         if arrays is None:
             try:
-                arrays = dict(np.load(io.BytesIO(self.store.backend.get(key))))
+                arrays = dict(np.load(io.BytesIO(self.store.area(AREA).get(key.removeprefix(f"{AREA}/")))))
             except ts.ObjectNotFoundError:
                 log.warning("codes %s of %s are missing; no code agreement for it", key, result.traj_id)
                 arrays = {}

@@ -10,16 +10,37 @@ store and the weights share one trust model. Readers read both formats.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 import crc32c as _crc32c
 
 import tracestore as ts
 from tracerl.errors import ConfigError
+
+#: where an artifact lives: a URL (a store's, or any directory or prefix), an open store, or an open area
+Location = str | ts.Store | ts.ObjectArea
+
+
+@contextlib.contextmanager
+def opened(location: Location, area: str, storage_options: Mapping | None = None) -> Iterator[ts.ObjectArea]:
+    """The application area ``area`` of ``location`` for the block (`tracestore.ObjectArea`: the store's retries
+    and typed errors); an area opened here is closed after the block, one that was given is left open.
+
+    Raises ConfigError for an open area of another name."""
+    if isinstance(location, ts.ObjectArea):
+        if location.area != area:
+            raise ConfigError(f"{location!r} is the {location.area!r} area; this needs the {area!r} area")
+        yield location
+    elif isinstance(location, ts.Store):
+        yield location.area(area)
+    else:
+        with ts.open_area(location, area, storage_options=storage_options) as opened_area:
+            yield opened_area
 
 
 def check_number(value: Any, digits: int, what: str) -> int:
@@ -84,24 +105,25 @@ def blob_mismatch(data: bytes, ref: Mapping[str, Any], fmt: int) -> str | None:
     return None
 
 
-def read_commit(backend: ts.Backend, key: str, kind: str, formats: Collection[int], *, missing: Exception,
+def read_commit(area: ts.ObjectArea, name: str, kind: str, formats: Collection[int], *, missing: Exception,
                 corrupt: type[Exception], version_error: type[Exception]) -> dict:
-    """The JSON object at ``key``, checked to be of ``kind`` and one of the format versions ``formats``.
+    """The JSON object ``name`` of ``area``, checked to be of ``kind`` and one of the format versions ``formats``.
 
     Raises ``missing`` when the object does not exist, ``corrupt`` when it is not a JSON object of ``kind``, and
-    ``version_error`` for another format version (each message names the URL and the key)."""
+    ``version_error`` for another format version (each message names the object's URL)."""
+    where = area.describe(name)
     try:
-        raw = backend.get(key)
+        raw = area.get(name)
     except ts.ObjectNotFoundError:
         raise missing from None
     try:
         obj = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise corrupt(f"{backend.url}/{key}: not JSON: {e}") from e
+        raise corrupt(f"{where}: not JSON: {e}") from e
     if not isinstance(obj, dict) or obj.get("kind") != kind:
-        raise corrupt(f"{backend.url}/{key}: not a {kind} object")
+        raise corrupt(f"{where}: not a {kind} object")
     fv = obj.get("format_version")
     if isinstance(fv, bool) or fv not in formats:
-        raise version_error(f"{backend.url}/{key}: {kind} format_version {fv!r}; this code reads "
+        raise version_error(f"{where}: {kind} format_version {fv!r}; this code reads "
                             f"{', '.join(map(str, sorted(formats)))}")
     return obj

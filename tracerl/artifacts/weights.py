@@ -44,7 +44,8 @@ import torch
 
 import tracestore as ts
 from tracerl.artifacts import tensorfile as st
-from tracerl.artifacts.objects import WRITE_FORMAT, blob_mismatch, blob_ref, check_number, read_commit, ref_is_valid
+from tracerl.artifacts.objects import (WRITE_FORMAT, Location, blob_mismatch, blob_ref, check_number, opened, read_commit,
+                                      ref_is_valid)
 from tracerl.errors import ConfigError, TracerlError
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ VERSION_DIGITS = 12
 FORMAT_VERSION = WRITE_FORMAT  # written; READ_FORMATS are read
 READ_FORMATS = (1, 2)
 KIND = "tracerl.weights"
-_SIDECAR_RE = re.compile(rf"{WEIGHTS_PREFIX}(\d{{{VERSION_DIGITS}}})\.json")
+_SIDECAR_RE = re.compile(rf"(\d{{{VERSION_DIGITS}}})\.json")  # a sidecar's name in the area
 
 __all__ = ["publish", "latest_version", "list_versions", "read_meta", "load_state_dict", "load", "load_into",
            "load_if_newer", "prune",
@@ -78,14 +79,7 @@ class VersionExistsError(WeightsError, FileExistsError):
     """`publish` of a version that is already committed (versions are immutable)."""
 
 
-Location = str | ts.Backend
-
-
-def _backend(url: Location, storage_options: Mapping | None) -> tuple[ts.Backend, bool]:
-    """(backend, whether we opened it and must close it)."""
-    if isinstance(url, ts.Backend):
-        return url, False
-    return ts.open_backend(url, storage_options), True
+AREA = WEIGHTS_PREFIX.rstrip("/")  # the store's application area of policy versions (tracestore FORMAT §2)
 
 
 def _check_version(version: Any) -> int:
@@ -93,11 +87,21 @@ def _check_version(version: Any) -> int:
 
 
 def sidecar_key(version: int) -> str:
-    return f"{WEIGHTS_PREFIX}{_check_version(version):0{VERSION_DIGITS}d}.json"
+    """``weights/<version, 12 digits>.json``: the key of the version's sidecar below the URL."""
+    return f"{WEIGHTS_PREFIX}{_sidecar_name(_check_version(version))}"
+
+
+def _sidecar_name(version: int) -> str:
+    return f"{version:0{VERSION_DIGITS}d}.json"
 
 
 def _stem(version: int) -> str:
     return f"{WEIGHTS_PREFIX}{version:0{VERSION_DIGITS}d}"
+
+
+def _name(key: str) -> str:
+    """A key below the URL (as sidecars record it) -> the object's name in the area."""
+    return key.removeprefix(WEIGHTS_PREFIX)
 
 
 def _encode(state_dict: Mapping[str, torch.Tensor], version: int) -> list:
@@ -119,7 +123,8 @@ def publish(url: Location, version: int, state_dict: Mapping[str, torch.Tensor],
     """Publish ``state_dict`` as policy ``version``; returns the sidecar key (``weights/<version>.json``).
 
     Args:
-        url: store URL (local path, ``memory://``, ``s3://...``) or an open `tracestore.Backend`.
+        url: store URL (local path, ``memory://``, ``s3://...``), an open `tracestore.Store`, or its open
+            ``weights`` `tracestore.ObjectArea`.
         version: int >= 0, not yet published.
         state_dict: name -> tensor (any device and dtype; written as they are, moved to the host).
         meta: JSON-ready dict kept in the sidecar (e.g. the trainer's store cursor, the QAT mode).
@@ -142,34 +147,21 @@ def publish(url: Location, version: int, state_dict: Mapping[str, torch.Tensor],
         side_bytes = json.dumps(side, sort_keys=True, allow_nan=False).encode()
     except (TypeError, ValueError) as e:
         raise ConfigError(f"meta of version {version} is not JSON-serializable: {e}") from e
-    backend, owned = _backend(url, storage_options)
-    try:
-        if backend.exists(sidecar_key(version)):  # fail before uploading a large blob for nothing
-            raise VersionExistsError(f"{backend.url}: policy version {version} is already published")
-        backend.put(key, blob)
-        if not backend.put_if_absent(sidecar_key(version), side_bytes):
-            raise VersionExistsError(f"{backend.url}: policy version {version} was published concurrently by "
+    with opened(url, AREA, storage_options) as area:
+        if area.exists(_sidecar_name(version)):  # fail before uploading a large blob for nothing
+            raise VersionExistsError(f"{area.url}: policy version {version} is already published")
+        area.put(_name(key), blob)
+        if not area.put_if_absent(_sidecar_name(version), side_bytes):
+            raise VersionExistsError(f"{area.url}: policy version {version} was published concurrently by "
                                      "another publisher")
-        log.info("published policy version %d to %s (%d bytes, %s)", version, backend.url, ref["bytes"], key)
+        log.info("published policy version %d to %s (%d bytes, %s)", version, area.url, ref["bytes"], key)
         return sidecar_key(version)
-    finally:
-        if owned:
-            backend.close()
 
 
 def list_versions(url: Location, *, storage_options: Mapping | None = None) -> list[int]:
     """Committed versions, ascending (a fresh listing of ``weights/``)."""
-    backend, owned = _backend(url, storage_options)
-    try:
-        out = []
-        for o in backend.list(WEIGHTS_PREFIX):
-            m = _SIDECAR_RE.fullmatch(o.key)
-            if m:
-                out.append(int(m.group(1)))
-        return sorted(out)
-    finally:
-        if owned:
-            backend.close()
+    with opened(url, AREA, storage_options) as area:
+        return sorted(int(m.group(1)) for o in area.list() if (m := _SIDECAR_RE.fullmatch(o.key)))
 
 
 def latest_version(url: Location, *, storage_options: Mapping | None = None) -> int | None:
@@ -178,13 +170,13 @@ def latest_version(url: Location, *, storage_options: Mapping | None = None) -> 
     return versions[-1] if versions else None
 
 
-def _read_sidecar(backend: ts.Backend, version: int) -> dict:
+def _read_sidecar(area: ts.ObjectArea, version: int) -> dict:
     key = sidecar_key(version)
-    side = read_commit(backend, key, KIND, READ_FORMATS, corrupt=WeightsIntegrityError,
+    side = read_commit(area, _sidecar_name(version), KIND, READ_FORMATS, corrupt=WeightsIntegrityError,
                        version_error=ts.SchemaVersionError,
-                       missing=VersionNotFoundError(f"{backend.url}: no policy version {version} ({key} does not exist)"))
+                       missing=VersionNotFoundError(f"{area.url}: no policy version {version} ({key} does not exist)"))
     if side.get("version") != version or not ref_is_valid(side, side["format_version"], _stem(version), ".safetensors"):
-        raise WeightsIntegrityError(f"{backend.url}/{key}: sidecar fields do not describe version {version} "
+        raise WeightsIntegrityError(f"{area.describe(_sidecar_name(version))}: sidecar fields do not describe version {version} "
                                     f"(version {side.get('version')!r}, key {side.get('key')!r})")
     return side
 
@@ -196,20 +188,16 @@ def read_meta(url: Location, version: int | None = None, *, storage_options: Map
         VersionNotFoundError: not committed (or nothing published, for None).
         WeightsIntegrityError / tracestore.SchemaVersionError: the sidecar is corrupt or of another format.
     """
-    backend, owned = _backend(url, storage_options)
-    try:
-        return _read_sidecar(backend, _resolve(backend, version))
-    finally:
-        if owned:
-            backend.close()
+    with opened(url, AREA, storage_options) as area:
+        return _read_sidecar(area, _resolve(area, version))
 
 
-def _resolve(backend: ts.Backend, version: int | None) -> int:
+def _resolve(area: ts.ObjectArea, version: int | None) -> int:
     if version is not None:
         return _check_version(version)
-    latest = latest_version(backend)
+    latest = latest_version(area)
     if latest is None:
-        raise VersionNotFoundError(f"{backend.url}: no policy version has been published")
+        raise VersionNotFoundError(f"{area.url}: no policy version has been published")
     return latest
 
 
@@ -223,25 +211,22 @@ def load_state_dict(url: Location, version: int | None = None, *, device: str | 
         tracestore.SchemaVersionError: a sidecar of a format version this code does not read.
         tracestore.BackendError: the storage failed.
     """
-    backend, owned = _backend(url, storage_options)
-    try:
-        version = _resolve(backend, version)
-        side = _read_sidecar(backend, version)
+    with opened(url, AREA, storage_options) as area:
+        version = _resolve(area, version)
+        side = _read_sidecar(area, version)
+        where = area.describe(_name(side["key"]))
         try:
-            blob = backend.get(side["key"])
+            blob = area.get(_name(side["key"]))
         except ts.ObjectNotFoundError:
-            raise WeightsIntegrityError(f"{backend.url}: version {version} is committed but its tensors "
+            raise WeightsIntegrityError(f"{area.url}: version {version} is committed but its tensors "
                                         f"{side['key']} are missing") from None
-    finally:
-        if owned:
-            backend.close()
     bad = blob_mismatch(blob, side, side["format_version"])
     if bad is not None:
-        raise WeightsIntegrityError(f"{backend.url}/{side['key']}: {bad}")
+        raise WeightsIntegrityError(f"{where}: {bad}")
     try:
         tensors, _ = st.decode(blob)
     except st.SafetensorsFormatError as e:  # unreachable unless the hash was of bad bytes to begin with
-        raise WeightsIntegrityError(f"{backend.url}/{side['key']}: not a safetensors file: {e}") from e
+        raise WeightsIntegrityError(f"{where}: not a safetensors file: {e}") from e
     if device != "cpu":
         tensors = {k: v.to(device) for k, v in tensors.items()}
     return tensors, side
@@ -281,15 +266,11 @@ def load_if_newer(url: Location, model: torch.nn.Module, current: int | None, *,
                   storage_options: Mapping | None = None) -> dict | None:
     """The rollout side's poll: if a version newer than ``current`` (None: any) is committed, load the latest
     into ``model`` and return its sidecar; else None. Raises what `load` raises."""
-    backend, owned = _backend(url, storage_options)
-    try:
-        latest = latest_version(backend)
+    with opened(url, AREA, storage_options) as area:
+        latest = latest_version(area)
         if latest is None or (current is not None and latest <= current):
             return None
-        return load(backend, latest, model)
-    finally:
-        if owned:
-            backend.close()
+        return load(area, latest, model)
 
 
 def prune(url: Location, keep_last: int, *, keep: tuple[int, ...] = (), storage_options: Mapping | None = None) -> list[int]:
@@ -302,14 +283,10 @@ def prune(url: Location, keep_last: int, *, keep: tuple[int, ...] = (), storage_
     Raises ConfigError for ``keep_last`` < 1."""
     if keep_last < 1:
         raise ConfigError(f"keep_last={keep_last}: keep at least the newest version")
-    backend, owned = _backend(url, storage_options)
-    try:
-        doomed = [v for v in list_versions(backend)[:-keep_last] if v not in keep]
+    with opened(url, AREA, storage_options) as area:
+        doomed = [v for v in list_versions(area)[:-keep_last] if v not in keep]
         for v in doomed:
-            side = _read_sidecar(backend, v)
-            backend.delete(sidecar_key(v))
-            backend.delete(side["key"])
+            side = _read_sidecar(area, v)
+            area.delete(_sidecar_name(v))
+            area.delete(_name(side["key"]))
         return doomed
-    finally:
-        if owned:
-            backend.close()

@@ -44,7 +44,6 @@ from tracerl.policy import Policy, build_policy, site_widths
 from tracerl.rollout.engine import RolloutEngine
 from tracerl.rollout.recorder import RolloutRecorder
 from tracerl.runlog import MetricsLog
-from tracestore.format.keys import check_id  # TODO(issue 18): ts.check_id
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +69,7 @@ class RolloutWorker:
         self.store = store
         self.cfg = cfg
         self.device = torch.device(device)
-        self.worker_id = check_id(worker_id or f"rollout-{os.getpid()}-{uuid.uuid4().hex[:6]}", "worker id")
+        self.worker_id = ts.check_id(worker_id or f"rollout-{os.getpid()}-{uuid.uuid4().hex[:6]}", "worker id")
         self.weights_url = weights_url or store.url
         self.storage_options = storage_options
         self.policy: Policy = build_policy(store.model, self.device, backend=backend)

@@ -19,11 +19,10 @@ import collections
 import dataclasses
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import tracestore as ts
 from tracerl.errors import ConfigError, FollowError
-from tracestore.format.log import SegmentRef  # TODO(issue 18): CommittedRecord.to_json/from_json
 
 __all__ = ["Trajectory", "Group", "Taken", "Follower"]
 
@@ -50,13 +49,13 @@ class Trajectory:
         return self.result.policy_version
 
     def to_json(self) -> dict:
-        return {"result": self.result.to_json(), "records": [_record_json(r) for r in self.records],
+        return {"result": self.result.to_json(), "records": [r.to_json() for r in self.records],
                 "committed_unix": self.committed_unix}
 
     @classmethod
     def from_json(cls, d: Mapping) -> Trajectory:
         result = ts.Result.from_json(d["result"])
-        return cls(result.traj_id, result, tuple(_record_from(r) for r in d["records"]), float(d["committed_unix"]))
+        return cls(result.traj_id, result, tuple(ts.CommittedRecord.from_json(r) for r in d["records"]), float(d["committed_unix"]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,18 +76,6 @@ class Group:
     @classmethod
     def from_json(cls, d: Mapping) -> Group:
         return cls(d["group_id"], tuple(Trajectory.from_json(t) for t in d["trajectories"]))
-
-
-def _record_json(r: ts.CommittedRecord) -> list:
-    s = r.segment
-    return [r.traj_id, r.token_start, r.token_stop, r.policy_version, r.writer_id, r.seq, r.index, r.row_offset,
-            [s.path, s.writer_id, s.rows, s.chunk_rows, s.shard_bytes], r.created_unix]
-
-
-def _record_from(v: Sequence) -> ts.CommittedRecord:
-    traj, a, b, pv, wid, seq, idx, ro, seg, created = v
-    return ts.CommittedRecord(traj, int(a), int(b), int(pv), wid, int(seq), int(idx), int(ro),
-                              SegmentRef(seg[0], seg[1], int(seg[2]), int(seg[3]), int(seg[4])), float(created))
 
 
 def _complete(result: ts.CommittedResult, records: list[ts.CommittedRecord]) -> Trajectory:
@@ -146,7 +133,7 @@ class Follower:
         state = dict(state or {})
         self._stream = store.stream(state.get("cursor", cursor), poll_interval_s=poll_interval_s, timeout_s=0)
         self._pending: dict[str, list[ts.CommittedRecord]] = {
-            t: [_record_from(r) for r in rs] for t, rs in state.get("pending", {}).items()}
+            t: [ts.CommittedRecord.from_json(r) for r in rs] for t, rs in state.get("pending", {}).items()}
         self._open: dict[str, list[Trajectory]] = {
             g: [Trajectory.from_json(t) for t in ts_] for g, ts_ in state.get("open", {}).items()}
         self._ready: collections.deque[Group] = collections.deque(Group.from_json(g) for g in state.get("ready", []))
@@ -158,7 +145,7 @@ class Follower:
     def state(self) -> dict:
         """JSON of everything needed to resume exactly here (cursor, pending records, open and ready groups)."""
         return {"cursor": self._stream.cursor,
-                "pending": {t: [_record_json(r) for r in rs] for t, rs in self._pending.items()},
+                "pending": {t: [r.to_json() for r in rs] for t, rs in self._pending.items()},
                 "open": {g: [t.to_json() for t in ts_] for g, ts_ in self._open.items()},
                 "ready": [g.to_json() for g in self._ready],
                 "counts": dict(self.counts)}
