@@ -1,7 +1,8 @@
 """Storage backends: the interface (:mod:`.base`) and its implementations, private modules behind it.
 
 * ``base`` — :class:`Backend` (a small key/value object store with one atomic primitive, put-if-absent),
-  :class:`ByteRange`, :class:`ObjectInfo`, :class:`RetryPolicy`, :func:`open_backend`;
+  :class:`ByteRange`, :class:`ObjectInfo`, :class:`RetryPolicy`;
+* ``_open`` — :func:`open_backend`, which picks the implementation for a URL;
 * ``_local`` — a local directory (the embedded default), ``_memory`` — ``memory://`` (tests, examples),
   ``_fsspec`` — S3 through s3fs and read-only access to other fsspec filesystems.
 
@@ -18,8 +19,8 @@ from .base import (
     ObjectInfo,
     RetryPolicy,
     join_parts,
-    open_backend,
 )
+from ._open import open_backend
 
 __all__ = ["Backend", "ByteRange", "Data", "ObjectInfo", "RetryPolicy", "DEFAULT_RETRY", "PARTIAL_SUFFIX",
            "open_backend", "join_parts"]

@@ -1,7 +1,8 @@
 """The storage-backend interface: a small key/value object store with one atomic primitive.
 
 Modelled on zarr-python's ``zarr.abc.store.Store``: the interface lives here, the implementations are private
-modules (``_local``, ``_memory``, ``_fsspec``) and all of them pass one shared test suite. Keys are relative,
+modules (``_local``, ``_memory``, ``_fsspec``; :func:`~tracestore.storage.open_backend` in ``_open`` picks one for a
+URL) and all of them pass one shared test suite. Nothing here imports an implementation. Keys are relative,
 ``/``-separated object names below the store root (``log/000000000007.arrow``); they never start with ``/`` and
 never contain ``..`` (tracestore builds them only from validated ids).
 
@@ -33,9 +34,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from ..errors import BackendError, StorageTimeoutError, TraceStoreError, TransientStorageError
+from ..errors import BackendError, ObjectNotFoundError, StorageTimeoutError, TraceStoreError, TransientStorageError
 
-__all__ = ["Backend", "ByteRange", "ObjectInfo", "RetryPolicy", "open_backend", "join_parts"]
+__all__ = ["Backend", "ByteRange", "ObjectInfo", "RetryPolicy", "join_parts", "Data", "PARTIAL_SUFFIX", "DEFAULT_RETRY"]
 
 T = TypeVar("T")
 
@@ -215,8 +216,6 @@ class Backend(abc.ABC):
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """Many whole objects; ``None`` for absent ones."""
-        from ..errors import ObjectNotFoundError
-
         out: list[bytes | None] = []
         for key in keys:
             try:
@@ -274,41 +273,3 @@ class Backend(abc.ABC):
 def _check_key(key: str) -> None:
     # internal invariant: keys are built from validated ids only
     assert key and not key.startswith("/") and ".." not in key.split("/"), key
-
-
-def open_backend(url: str, storage_options: Mapping | None = None, *, retry: RetryPolicy | None = None) -> Backend:
-    """Open the backend for ``url``.
-
-    * a plain path or ``file://`` URL -> local directory backend,
-    * ``memory://name`` -> process-local in-memory backend (tests, examples),
-    * any other fsspec URL (``s3://bucket/prefix`` ...) -> the fsspec backend; writers need a filesystem that
-      can create-if-absent atomically (S3 through s3fs: conditional PUT).
-
-    ``retry`` (default :data:`DEFAULT_RETRY`) says how transient storage errors are retried.
-
-    Raises:
-        BackendError: the URL's protocol cannot be opened (fsspec implementation missing, bad options).
-    """
-    options = dict(storage_options or {})
-    backend: Backend
-    if "://" not in url or url.startswith("file://"):
-        from ._local import LocalBackend
-
-        backend = LocalBackend(url[len("file://") :] if url.startswith("file://") else url, **options)
-    elif url.startswith("memory://"):
-        from ._memory import MemoryBackend
-
-        backend = MemoryBackend(url)
-    else:
-        from ._fsspec import FsspecBackend
-
-        try:
-            import fsspec.core
-
-            fs, root = fsspec.core.url_to_fs(url, **options)
-        except (ImportError, ValueError, TypeError, OSError) as e:
-            raise BackendError(f"cannot open a filesystem for {url!r}: {e}") from e
-        backend = FsspecBackend(fs, root, url)
-    if retry is not None:
-        backend.retry = retry
-    return backend
