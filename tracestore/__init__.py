@@ -26,7 +26,7 @@ _EXPORTS = {
     "tracestore.stream": ("Stream",),
     "tracestore.batch": ("TraceBatch", "read_record"),
     "tracestore.records": ("CommittedRecord", "CommittedResult"),
-    "tracestore.format.log": ("Result",),
+    "tracestore.format.entries": ("Result",),
     "tracestore.maintenance": ("verify", "collect_garbage", "compact", "info", "VerifyReport", "GcReport"),
     "tracestore.storage": ("Backend", "ByteRange", "ObjectInfo", "RetryPolicy", "open_backend"),
     "tracestore.objects": ("ObjectArea", "open_area", "RESERVED_AREAS"),

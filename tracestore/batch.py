@@ -23,7 +23,7 @@ from traceschemas import record_schema, token_schema
 
 from ._aligned import PAGE, aligned_view
 from .errors import IntegrityError, ObjectNotFoundError, ShapeError, UnknownSiteError
-from .format.log import SegmentRef
+from .format.entries import SegmentRef
 from .format.segment import ReadTargets, layout
 from .records import CommittedRecord
 

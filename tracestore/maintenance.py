@@ -25,7 +25,7 @@ from .format.keys import (
     parse_log_key,
 )
 from .storage import PARTIAL_SUFFIX
-from .format.log import LogEntry, decode_checkpoint, records_table, same_entry
+from .format.entries import LogEntry, decode_checkpoint, records_table, same_entry
 from .format.segment import array_metadata, crc32c, layout
 from .errors import GcRefusedError, IntegrityError, ObjectNotFoundError, SchemaVersionError, TraceStoreError
 

@@ -19,7 +19,7 @@ from .batch import Piece, TraceBatch, read_pieces
 from .errors import HintNotFoundError, ShapeError
 from .format.cursor import Snapshot
 from .format.keys import check_id
-from .format.log import LogEntry, Result, merge_ranges
+from .format.entries import LogEntry, Result, merge_ranges
 
 __all__ = ["Reader", "TrajectoryInfo"]
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from .errors import IntegrityError, InvalidIdError
 from .format.keys import INT64_MAX, INT64_MIN, check_id, is_int
-from .format.log import LogEntry, Result, SegmentRef
+from .format.entries import LogEntry, Result, SegmentRef
 
 __all__ = ["CommittedRecord", "CommittedResult", "records_of"]
 

@@ -33,9 +33,9 @@ from .format.manifest import (
     experts_dtype,
     new_manifest,
 )
-from .format.log import LogEntry
+from .format.entries import LogEntry
 from .format.segment import ArraySpec
-from .log import CommitLog
+from .commit_log import CommitLog
 from .objects import ObjectArea
 from .reader import Reader
 from .stream import Stream

@@ -10,7 +10,7 @@ from .batch import TraceBatch, read_record
 from .errors import IntegrityError, ObjectNotFoundError, SnapshotError
 from .format.cursor import encode_cursor, parse_cursor
 from .format.keys import log_key
-from .format.log import LogEntry
+from .format.entries import LogEntry
 from .records import CommittedRecord, CommittedResult, records_of
 
 __all__ = ["Stream"]

@@ -38,7 +38,7 @@ import numpy as np
 from ._closing import Closing
 from ._aligned import PAGE, aligned_empty
 from .format.keys import check_id, log_key
-from .format.log import RESULTS, LogEntry, Record, Result, SegmentRef, check_result, decode_entry, encode_entry, merge_ranges
+from .format.entries import RESULTS, LogEntry, Record, Result, SegmentRef, check_result, decode_entry, encode_entry, merge_ranges
 from .format.segment import array_metadata, choose_chunk_rows, group_metadata, layout
 from .errors import (
     BackendError,
@@ -588,7 +588,7 @@ class Writer(Closing):
                      extra: Mapping | None = None) -> None:
         """Buffer the result of ``traj_id``; it commits (as a results log entry, FORMAT §3.2) after every token of
         the trajectory this writer buffered before it, so a trajectory is *complete* exactly when its result is
-        committed. Fields as :class:`~tracestore.format.log.Result` (``reward`` finite, ``group_id`` an id or "",
+        committed. Fields as :class:`~tracestore.format.entries.Result` (``reward`` finite, ``group_id`` an id or "",
         ``advantage`` finite or None, lengths >= 0, ``policy_version`` int64, ``finish_reason`` a short word,
         ``extra`` a JSON object of at most 16 KiB). Needs a format-version-2 store.
 

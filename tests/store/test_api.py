@@ -453,7 +453,7 @@ def test_snapshot_cursor_and_refresh(tmp_path):
 
 
 def test_checkpoints(location, monkeypatch):
-    import tracestore.log as store_mod
+    import tracestore.commit_log as store_mod
 
     monkeypatch.setattr(store_mod, "CHECKPOINT_MIN_ENTRIES", 2)
     store = make_store(location)

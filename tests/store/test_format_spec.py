@@ -14,7 +14,7 @@ import pytest
 import traceschemas
 import tracestore as ts
 from helpers.store import rows
-from tracestore.format.log import _bundle_schema, _checkpoint_schema
+from tracestore.format.entries import _bundle_schema, _checkpoint_schema
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SPEC = (ROOT / "schemas" / "FORMAT.md").read_text()

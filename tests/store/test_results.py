@@ -14,7 +14,7 @@ import tracestore as ts
 from helpers.store import check_batch, rows
 from tracestore.cli import main as cli
 from tracestore.format.keys import log_key
-from tracestore.format.log import RESULTS, LogEntry, Result, encode_entry
+from tracestore.format.entries import RESULTS, LogEntry, Result, encode_entry
 
 SITES = [ts.Site("s0", 64)]
 
@@ -138,7 +138,7 @@ def test_version_1_store_reads_and_writes_version_1(tmp_path, monkeypatch):
     meta = json.loads(pa.ipc.open_file(pa.BufferReader((tmp_path / "v1" / log_key(0)).read_bytes())).schema.metadata[
         b"tracestore.entry"])
     assert manifest["format_version"] == 1 and meta["format_version"] == 1 and "kind" not in meta
-    monkeypatch.setattr("tracestore.log.CHECKPOINT_MIN_ENTRIES", 2)
+    monkeypatch.setattr("tracestore.commit_log.CHECKPOINT_MIN_ENTRIES", 2)
     assert store.compact() == 3
     fresh = ts.open_store(url)
     assert fresh.format_version == 1 and fresh.reader().traj_ids() == ["t0", "t1", "t2"]
@@ -153,7 +153,7 @@ def test_version_2_checkpoint_holds_results(tmp_path, monkeypatch):
             w.write(f"t{i}", 0, **rows(store, f"t{i}", 0, 4))
             w.write_result(f"t{i}", reward=float(i), advantage=-1.0 + i)
             w.flush()
-    monkeypatch.setattr("tracestore.log.CHECKPOINT_MIN_ENTRIES", 2)
+    monkeypatch.setattr("tracestore.commit_log.CHECKPOINT_MIN_ENTRIES", 2)
     assert store.compact() == 6
     fresh = ts.open_store(str(tmp_path / "s"))
     calls = []

@@ -2,7 +2,7 @@
 
 * ``keys`` — format name and versions (and the one version check), object keys, id/name validation, defaults;
 * ``manifest`` — the manifest's value checks and the arrays every segment holds;
-* ``log`` — log entries (Arrow IPC) and checkpoints (Parquet): encode / decode / check;
+* ``entries`` — commit-log entries (Arrow IPC), trajectory results and checkpoints (Parquet): encode / decode / check;
 * ``segment`` — segment arrays (sharded Zarr v3 with crc32c per chunk): layouts, encoding, read plans;
 * ``cursor`` — snapshots and stream cursors, built and parsed in one place.
 

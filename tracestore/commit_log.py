@@ -12,7 +12,7 @@ import threading
 
 from .errors import IntegrityError, TraceStoreError
 from .format.keys import FORMAT_VERSION, CHECKPOINT_MIN_ENTRIES, INDEX_PREFIX, LOG_PREFIX, checkpoint_key, log_key, parse_checkpoint_key, parse_log_key
-from .format.log import LogEntry, decode_checkpoint, decode_entry, encode_checkpoint
+from .format.entries import LogEntry, decode_checkpoint, decode_entry, encode_checkpoint
 from .storage import Backend
 
 __all__ = ["CommitLog"]

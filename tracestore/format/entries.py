@@ -1,4 +1,6 @@
-"""Commit-log entries: encoding, decoding and checking (mirror images of each other).
+"""The bytes of the commit log: log entries (FORMAT §3), the trajectory results that results entries hold (§3.2) and
+checkpoints (§3.1) — encoding, decoding and checking, mirror images of each other. (The log as a whole, its head
+and entry cache, is :class:`tracestore.commit_log.CommitLog`.)
 
 An entry is an Arrow IPC file (``traceschemas.log_entry_schema()``) with two schema-metadata keys:
 
