@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import tracestore as ts
-import tracestore.writer as writer_mod
+import tracestore._buffer as buffer_mod
 from helpers.store import check_batch, rows
 
 SITES = [ts.Site("s0", 64), ts.Site("s1", 128, fp4_format="mxfp4")]
@@ -38,7 +38,7 @@ def test_buffered_checksums_match(tmp_path, monkeypatch, feature_chunk):
     check_batch(store, r.read("c"), "c", 0, 10)
 
     # the same writes with every checksum computed at flush store byte-identical shards
-    monkeypatch.setattr(writer_mod._Staging, "chunk_crcs", lambda self, name, r, n: ([], 0))
+    monkeypatch.setattr(buffer_mod.Stage, "chunk_crcs", lambda self, name, r, n: ([], 0))
     plain, _ = _write(str(tmp_path / "flush"), feature_chunk=feature_chunk)
 
     def shards(st):

@@ -1,0 +1,317 @@
+"""The commit protocol of one writer: FORMAT §4 (many writers, no coordinator), one step per method.
+
+1. :meth:`Committer.write_segment` — the stage's rows as one segment: every object written whole, once, under a
+   fresh ``data/<writer_id>/<segment_id>/`` (the random part of the id keeps two writers of one id apart); nothing
+   references it yet, so nothing of it is visible.
+2. :meth:`Committer.sync` — read every log entry not yet seen, up to the head; ``_split`` trims the records to the
+   token positions still free (positions another writer committed first are dropped and reported; positions an
+   earlier try of this writer committed are neither).
+3. ``_claim`` — create ``log/N`` (N = the head) with put-if-absent. If ``log/N`` exists it is read back: naming this
+   writer's commit it is ours (an *ambiguous commit*: applied although the client saw an error, or a retry
+   answered 412); else another writer won N, and it is step 2 again with N + 1. A failure that leaves the entry
+   unreadable is retried with backoff until ``commit_timeout_s`` (``_commit_loop``), then :class:`CommitError`
+   leaves the rows with the writer; a later flush that finds an entry naming the commit (step 2) takes it as its
+   own.
+
+Before each try of step 3 a segment written more than ``gc_grace_s / 2`` ago is written again under a new name,
+so that no commit references a segment ``gc`` may take for garbage; after a commit slower than that, ``_repair``
+checks that the segment survived and rewrites it in place if not (FORMAT §6). Results (FORMAT §3.2) take steps 2-3
+as a results entry, after the rows of their stage (:meth:`Committer.commit_results`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+
+import numpy as np
+
+from ._buffer import SegmentWrite, Stage, TokenRanges
+from .errors import CommitError, ObjectNotFoundError, TransientStorageError
+from .format.entries import RESULTS, LogEntry, Record, SegmentRef, decode_entry, encode_entry
+from .format.keys import log_key
+from .format.segment import array_metadata, choose_chunk_rows, group_metadata, layout
+
+__all__ = ["Committer"]
+
+log = logging.getLogger(__name__)
+
+#: what an entry builder returns to start a claim over (after writing its segment again)
+_AGAIN = object()
+
+
+class Committer:
+    """What one writer knows of the log and how it commits (see the module docstring). Thread-safe: one commit or
+    log sync at a time; ``state`` (the writer's lock) guards the ranges, sets and counters, which the writer's
+    threads read.
+
+    Attributes:
+        committed: every committed token range, as far as the log has been read. own: those of this writer's
+        segments. has_result: trajectories whose result is committed. stats: counters of what was committed.
+    """
+
+    def __init__(self, store, writer_id: str, commit_timeout_s: float, state: threading.Lock):
+        self.store = store
+        self.writer_id = writer_id
+        self.commit_timeout_s = commit_timeout_s
+        self.state = state
+        self.committed = TokenRanges()
+        self.own = TokenRanges()
+        self.attempted: set[str] = set()  # commits this writer tried (entry ids: a log entry naming one is ours)
+        self.landed: set[str] = set()  # those of them that a log entry names
+        self.has_result: set[str] = set()
+        self.synced = 0  # log entries read
+        self.counter = 0  # this writer's segments and results batches: the writer_seq of its entries
+        self.last_error: BaseException | None = None
+        #: segments / records / rows / results committed, bytes written (data + log), races lost
+        self.stats = {"segments": 0, "records": 0, "rows": 0, "data_bytes": 0, "log_bytes": 0, "lost_races": 0,
+                      "results": 0}
+        self._sync_lock = threading.Lock()  # one log sync / commit at a time
+
+    def sync(self) -> None:
+        """Read the log entries this writer has not seen (step 2's first half; also when the writer opens)."""
+        with self._sync_lock:
+            self._sync_locked()
+
+    def _sync_locked(self) -> None:
+        """Read the log entries this writer has not seen (caller holds ``_sync_lock``). An entry naming a segment
+        this writer wrote is its own commit, even if the answer to its conditional PUT was lost."""
+        head = self.store.head()
+        if head <= self.synced:
+            return
+        entries = self.store.read_entries(self.synced, head)
+        with self.state:
+            for entry in entries:
+                own = entry.writer_id == self.writer_id and entry.entry_id in self.attempted
+                self.has_result.update(r.traj_id for r in entry.results)
+                if own and entry.entry_id not in self.landed:
+                    self.landed.add(entry.entry_id)
+                    log.info("%s: %s was committed as log entry %d by an earlier try", self.writer_id,
+                             entry.entry_id, entry.seq)
+                for r in entry.records():
+                    self.committed.add(r.traj_id, r.token_start, r.token_stop)
+                    if own:
+                        self.own.add(r.traj_id, r.token_start, r.token_stop)
+            self.synced = head
+
+    def write_segment(self, stage: Stage, path: str | None = None) -> SegmentWrite:
+        """Step 1: encode and write every array of ``stage`` as a segment, with the group ``zarr.json``; ``path``:
+        rewrite that existing segment (repair) instead of a new one. Records the write in ``stage.segment``."""
+        store = self.store
+        rows = stage.rows
+        chunk_rows = choose_chunk_rows(rows, store.chunk_rows)
+        started = time.monotonic()
+        if path is None:
+            segment_id = f"{self.counter:08d}-{uuid.uuid4().hex[:12]}"
+            self.counter += 1
+            path = f"data/{self.writer_id}/{segment_id}"
+        segment_id = path.rsplit("/", 1)[1]
+
+        # every object of the segment in one put_many: object stores send them concurrently (one round trip
+        # per segment instead of one per array); nothing is visible before the log entry references them
+        items: dict[str, object] = {}
+        for name, spec in store.array_specs.items():
+            lay = layout(spec, rows, chunk_rows, store.shard_bytes)
+            if spec.grouped:
+                kind = name.split(".", 1)[0]
+                columns = [f"{kind}.{m}" for m in spec.members]
+            else:
+                columns = [name]
+            sources = [stage.arrays[c][:rows] for c in columns]
+            crcs = [stage.crcs[c] for c in columns] if stage.crc_rows == chunk_rows and lay.n_col == 1 else None
+            items[f"{path}/{name}/zarr.json"] = array_metadata(lay)
+            items.update({f"{path}/{k}": v for k, v in lay.encode_parts(sources, crcs).items()})
+        items[f"{path}/zarr.json"] = group_metadata(
+            {"tracestore": {"format_version": store.format_version, "writer_id": self.writer_id,
+                            "segment_id": segment_id, "rows": rows, "store_id": store.store_id}})
+        self.attempted.add(path)  # from here on a log entry naming it is this writer's
+        # a repair replaces what is left of the segment (atomic puts); a new segment's objects are fresh
+        store.backend.put_many(items, atomic=stage.segment is not None and stage.segment.path == path)
+        nbytes = sum(len(v) if isinstance(v, (bytes, bytearray)) else sum(len(x) for x in v) for v in items.values())
+        stage.segment = SegmentWrite(path, nbytes, rows, chunk_rows, started)
+        return stage.segment
+
+    def _split(self, records: list[Record]) -> tuple[list[Record], list[tuple[str, int, int]]]:
+        """Split ``records`` against the committed ranges (caller holds ``state``): the parts still to commit,
+        and the parts another writer committed first (conflicts). Parts that an earlier try of this writer
+        committed (an ambiguous commit that did land) are neither."""
+        keep: list[Record] = []
+        conflicts: list[tuple[str, int, int]] = []
+        for r in records:
+            t = r.traj_id
+            if self.committed.overlaps(t, r.token_start, r.token_stop) is None:
+                keep.append(r)
+                continue
+            pos = r.token_start
+            for a, b in self.committed.uncovered(t, r.token_start, r.token_stop):
+                if a > pos:
+                    conflicts.extend((t, x, y) for x, y in self.own.uncovered(t, pos, a))
+                keep.append(Record(t, a, b, r.row_offset + (a - r.token_start), r.policy_version))
+                pos = b
+            if pos < r.token_stop:
+                conflicts.extend((t, x, y) for x, y in self.own.uncovered(t, pos, r.token_stop))
+        return keep, conflicts
+
+    def _claim(self, seq: int, data: bytes, entry_id: str) -> str:
+        """Try to create log entry ``seq``: ``"ours"`` (it holds our commit ``entry_id``), ``"taken"`` (another
+        entry is there) or ``"unknown"`` (the storage failed; the entry may still appear). After a failed or refused
+        conditional PUT the entry is read back: a PUT that was applied although the client saw an error (or whose
+        retry got 412) is our commit, not a lost race."""
+        backend = self.store.backend
+        key = log_key(seq)
+        try:
+            if backend.put_if_absent(key, data):
+                return "ours"
+        except TransientStorageError as e:
+            self.last_error = e
+        try:
+            existing = decode_entry(backend.get(key), seq, f"{self.store.url}/{key}")
+        except ObjectNotFoundError:
+            return "unknown"  # not applied (or still in flight): try the same position again
+        except TransientStorageError as e:
+            self.last_error = e
+            return "unknown"
+        return "ours" if existing.writer_id == self.writer_id and existing.entry_id == entry_id else "taken"
+
+    def _commit_loop(self, what: str, build, on_ours) -> list:
+        """Claim the next free log position for one commit (see the module docstring); returns what ``build``
+        dropped (positions or results another writer committed first).
+
+        ``build(seq)`` runs after the log was read up to ``seq`` (caller state current) and returns ``(entry,
+        dropped)``: the entry to claim, None when nothing is left (or an earlier try did land), or :data:`_AGAIN`
+        to start over (read the log again, build again). ``on_ours(entry, data)`` books a successful claim.
+
+        Raises:
+            CommitError: no position could be claimed before ``commit_timeout_s`` (storage failing); the caller
+                keeps its rows/results, and a later flush retries (recognising an entry that did land meanwhile).
+            BackendError / IntegrityError: reading the log failed.
+        """
+        store = self.store
+        deadline = time.monotonic() + self.commit_timeout_s
+        failures = 0
+        self.last_error = None
+        with self._sync_lock:
+            while True:
+                self._sync_locked()
+                entry, dropped = build(self.synced)
+                if entry is _AGAIN:
+                    continue
+                if entry is None:
+                    return dropped
+                data = encode_entry(entry)
+                outcome = self._claim(entry.seq, data, entry.entry_id)
+                if outcome == "ours":
+                    with self.state:
+                        self.landed.add(entry.entry_id)
+                        self.synced = entry.seq + 1
+                        self.stats["log_bytes"] += len(data)
+                    store.log.note_head(entry.seq + 1)
+                    log.debug("%s: committed %s as log entry %d", self.writer_id, entry.entry_id, entry.seq)
+                    on_ours(entry, data)
+                    return dropped
+                if outcome == "taken":
+                    with self.state:
+                        self.stats["lost_races"] += 1
+                    continue
+                failures += 1
+                pause = store.backend.retry.delay(failures)
+                if time.monotonic() + pause > deadline:
+                    raise CommitError(
+                        f"writer {self.writer_id!r} could not commit {what} to {store.url} within "
+                        f"{self.commit_timeout_s:.0f} s ({failures} failed tries at log entry {entry.seq}); it stays "
+                        f"buffered and the next flush retries; last error: {self.last_error}")
+                time.sleep(pause)
+
+    def commit_rows(self, stage: Stage) -> list[tuple[str, int, int]]:
+        """Steps 2-3 for the stage's segment (written by :meth:`write_segment`): commit it with the stage's records,
+        less what another writer committed first; returns the dropped ranges. Never commits a segment older than
+        half the gc grace period (writes it again first)."""
+        store = self.store
+        records = list(stage.records)
+
+        def build(seq: int):
+            nonlocal records
+            seg = stage.segment
+            if seg.path in self.landed:  # an earlier try whose answer was lost did commit
+                return None, []
+            with self.state:
+                records, conflicts = self._split(records)
+            if not records:
+                log.info("%s: nothing left to commit in %s", self.writer_id, seg.path)
+                return None, conflicts
+            if time.monotonic() - seg.started > store.gc_grace_s / 2:
+                # gc may delete an unreferenced segment once it is gc_grace_s old: never commit an old one
+                log.warning("%s: segment %s is older than half the gc grace period (%.0f s); writing it again",
+                            self.writer_id, seg.path, store.gc_grace_s)
+                self.write_segment(stage)
+                return _AGAIN, []
+            return LogEntry(
+                seq=seq, writer_id=self.writer_id, writer_seq=int(seg.path.rsplit("/", 1)[1].split("-")[0]),
+                segment=SegmentRef(seg.path, self.writer_id, seg.rows, seg.chunk_rows, store.shard_bytes),
+                created_unix=time.time(), segment_nbytes=seg.nbytes,
+                traj_ids=[r.traj_id for r in records],
+                token_start=np.array([r.token_start for r in records], np.int64),
+                token_stop=np.array([r.token_stop for r in records], np.int64),
+                row_offset=np.array([r.row_offset for r in records], np.int64),
+                policy_version=np.array([r.policy_version for r in records], np.int64),
+                format_version=store.format_version,
+            ), conflicts
+
+        def on_ours(entry: LogEntry, data: bytes) -> None:
+            seg = stage.segment
+            with self.state:
+                for r in entry.records():
+                    self.committed.add(r.traj_id, r.token_start, r.token_stop)
+                    self.own.add(r.traj_id, r.token_start, r.token_stop)
+                self.stats["segments"] += 1
+                self.stats["rows"] += seg.rows
+                self.stats["data_bytes"] += seg.nbytes
+                self.stats["records"] += len(entry)
+            if time.monotonic() - seg.started > store.gc_grace_s / 2:
+                self._repair(stage, seg)
+
+        return self._commit_loop(f"segment {stage.segment.path}", build, on_ours)
+
+    def commit_results(self, stage: Stage) -> list[str]:
+        """Steps 2-3 for the stage's results, as one results entry (after the stage's rows: FORMAT §3.2); returns the
+        trajectories whose result another writer committed first (dropped)."""
+        if not stage.results_batch:  # kept across retries: a results entry naming it is this writer's
+            stage.results_batch = f"{self.counter:08d}-{uuid.uuid4().hex[:12]}"
+            self.counter += 1
+        batch = stage.results_batch
+        entry_id = f"results/{self.writer_id}/{batch}"
+        results = list(stage.results)
+
+        def build(seq: int):
+            nonlocal results
+            if entry_id in self.landed:
+                return None, []
+            with self.state:
+                dropped = [r.traj_id for r in results if r.traj_id in self.has_result]
+                results = [r for r in results if r.traj_id not in self.has_result]
+            if not results:
+                return None, dropped
+            empty = np.zeros(0, np.int64)
+            return LogEntry(seq=seq, writer_id=self.writer_id, writer_seq=int(batch.split("-")[0]), segment=None,
+                            created_unix=time.time(), segment_nbytes=0, traj_ids=[], token_start=empty,
+                            token_stop=empty, row_offset=empty, policy_version=empty, kind=RESULTS,
+                            results=tuple(results), batch=batch, format_version=self.store.format_version), dropped
+
+        def on_ours(entry: LogEntry, data: bytes) -> None:
+            with self.state:
+                self.has_result.update(r.traj_id for r in entry.results)
+                self.stats["results"] += len(entry.results)
+
+        self.attempted.add(entry_id)
+        return self._commit_loop(f"{len(results)} results", build, on_ours)
+
+    def _repair(self, stage: Stage, seg: SegmentWrite) -> None:
+        """After a commit that took longer than half the gc grace period, a gc that ran meanwhile may have deleted
+        the (then unreferenced) segment: check it, and write it again at the same path if it is gone."""
+        if self.store.backend.exists(f"{seg.path}/zarr.json"):
+            return
+        log.warning("%s: committed segment %s was deleted while its commit was in flight (gc); writing it again",
+                    self.writer_id, seg.path)
+        self.write_segment(stage, path=seg.path)
