@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         name, cfg, result = first
         t0 = time.time()
         live = MetricsLog(Path(cfg.run_dir) / "train.jsonl").records()
-        r = replay(ts.open_store(result["store"]), str(Path(cfg.run_dir) / "checkpoints"), live, step=0,
+        r = replay(ts.open_store(result["store"]), str(Path(cfg.run_dir)), live, step=0,
                    max_steps=args.replay_steps, device=cfg.trainer_device)
         r["seconds"] = time.time() - t0
         r["device"] = cfg.trainer_device

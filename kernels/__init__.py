@@ -13,33 +13,35 @@ Public API (see `tracefp4.api` and NUMERICS.md for formulas and byte layouts)::
 lazily. This package imports nothing of tracestore or tracerl.
 """
 
-from . import api
-from .api import (
-    QuantizedFP4,
-    compute_global_scale,
-    dequantize,
-    fake_quantize,
-    quantize,
-    quantize_fake,
-    resolve_backend,
-)
-from .constants import BLOCK_SIZES, E2M1_MAGNITUDES, FORMATS
-from .errors import BackendError, DTypeError, FormatError, FP4Error, ShapeError
-from .packing import hints_from_codes, pack_codes, pack_hints, unpack_codes, unpack_hints
+import importlib
+from typing import Any
 
-__all__ = [
-    *api.__all__,
-    "pack_codes",
-    "unpack_codes",
-    "pack_hints",
-    "unpack_hints",
-    "hints_from_codes",
-    "FP4Error",
-    "ShapeError",
-    "DTypeError",
-    "FormatError",
-    "BackendError",
-    "BLOCK_SIZES",
-    "E2M1_MAGNITUDES",
-    "FORMATS",
-]
+# Public names -> the module that defines them, imported on first use (PEP 562): ``import tracefp4.constants``
+# (format constants, for code that must not load torch, such as a command line checking its arguments) loads
+# nothing heavy.
+_EXPORTS = {
+    "api": ("QuantizedFP4", "quantize", "dequantize", "fake_quantize", "quantize_fake", "compute_global_scale",
+            "resolve_backend"),
+    "packing": ("pack_codes", "unpack_codes", "pack_hints", "unpack_hints", "hints_from_codes"),
+    "errors": ("FP4Error", "ShapeError", "DTypeError", "FormatError", "BackendError"),
+    "constants": ("BLOCK_SIZES", "E2M1_MAGNITUDES", "FORMATS"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+_SUBMODULES = ("api", "constants", "errors", "packing", "reference", "triton_kernels")
+
+__all__ = [name for names in _EXPORTS.values() for name in names]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__) | set(_SUBMODULES))

@@ -1,16 +1,23 @@
 """What tracerl's configuration accepts, importable without torch.
 
-The choices below have their one home here: the modules that act on them (`tracerl.models`, `tracerl.sites`,
-`tracerl.engine`) import them, and the command line offers and checks them at parse time without loading
-torch or transformers. `DemoConfig` is the demo's configuration; `DemoConfig.check` rejects what cannot run
-before anything is built.
+The choices below have their one home here: the modules that act on them (`tracerl.policy`, `tracerl.rollout`,
+`tracerl.train`, `tracerl.audit`) import them, and the command line offers and checks them at parse time without
+loading torch or transformers: the configurations (`DemoConfig`, `TrainConfig`, `RolloutConfig`, `LoopConfig`,
+`AuditConfig`), the model size (`TinyMoESpec`), hinted layers (`parse_layers`) and store URLs (`check_new_store`,
+`check_store_exists`). Each ``check`` rejects what cannot run, saying what arrived and what is allowed, before
+anything is built.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
+from tracefp4.constants import NVFP4_BLOCK_SIZE
 from tracerl.errors import ConfigError
 
 #: set by `tracerl loop` in its children's environment: the loop process's pid (tracerl.cli.args.stop_with_parent)
@@ -25,6 +32,107 @@ HINT_SITE_KINDS = ("moe-input", "all-fp4")
 DECODE_PATHS = ("auto", "hf", "static", "graph")
 #: ``tracerl audit --concurrent-decode``: the replay and floor decodes side by side (auto: CUDA-graph decodes)
 CONCURRENT_DECODE = ("auto", "on", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyMoESpec:
+    """Size of a random-init MoE model. Defaults: the demo's tiny model (hidden 256, 8 layers)."""
+
+    family: str = "qwen3-moe"
+    hidden_size: int = 256
+    num_layers: int = 8
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    num_experts: int = 16
+    top_k: int = 2
+    moe_intermediate_size: int = 128
+    vocab_size: int = 1024
+    max_position_embeddings: int = 8192
+    initializer_range: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.family not in MODEL_FAMILIES:
+            raise ConfigError(f"unknown model family {self.family!r}; supported: {', '.join(MODEL_FAMILIES)}")
+        for name in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "top_k", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        if not self.top_k <= self.num_experts <= 256:
+            raise ConfigError(f"num_experts={self.num_experts}: need top_k ({self.top_k}) <= num_experts <= 256 "
+                              "(routed expert ids are stored as uint8)")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.vocab_size < 2:
+            raise ConfigError(f"vocab_size={self.vocab_size} must be >= 2")
+        for name in ("hidden_size", "moe_intermediate_size"):
+            value = getattr(self, name)
+            if value < 1 or value % NVFP4_BLOCK_SIZE:
+                raise ConfigError(f"{name}={value} must be a positive multiple of {NVFP4_BLOCK_SIZE} (NVFP4 block)")
+
+
+def parse_layers(spec: str | Sequence[int], num_layers: int) -> list[int]:
+    """``latter-half`` | ``all`` | ``none`` | ``"0,3,5"`` | a sequence of ints -> sorted layer indices."""
+    if not isinstance(spec, str):
+        layers = sorted({int(i) for i in spec})
+    elif spec == "latter-half":
+        layers = list(range(num_layers // 2, num_layers))
+    elif spec == "all":
+        layers = list(range(num_layers))
+    elif spec in ("none", ""):
+        layers = []
+    else:
+        try:
+            layers = sorted({int(tok) for tok in spec.split(",") if tok.strip()})
+        except ValueError as e:
+            raise ConfigError(
+                f"hint layers {spec!r}: expected latter-half, all, none or comma-separated layer indices"
+            ) from e
+    bad = [i for i in layers if not 0 <= i < num_layers]
+    if bad:
+        raise ConfigError(f"hint layers {bad} out of range for a model of {num_layers} layers")
+    return layers
+
+
+def check_new_store(url: str, storage_options: Mapping | None = None) -> None:
+    """Raise `ConfigError` unless a new store can be created at ``url``: no store there yet and, for a local
+    path, nothing or an empty directory there, below a writable directory. A remote URL is asked whether a store
+    exists (a storage error raises tracestore's `BackendError`). Creates nothing; loads no torch."""
+    exists = ConfigError(f"store {url}: a tracestore store exists there already; the demo creates a new one "
+                         "(give a path that does not exist yet)")
+
+    def has_store(where: str) -> bool:
+        import tracestore as ts
+
+        try:
+            ts.open_store(where, storage_options=storage_options).close()
+        except ts.StoreNotFoundError:
+            return False
+        return True
+
+    if "://" in url and not url.startswith("file://"):
+        if has_store(url):
+            raise exists
+        return
+    path = Path(url.removeprefix("file://")).expanduser().absolute()
+    if path.is_dir() and any(path.iterdir()):
+        if has_store(str(path)):
+            raise exists
+        raise ConfigError(f"store {url}: a directory with other files in it; give a new or empty directory")
+    parent = path
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"store {url}: cannot be created, {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"store {url}: cannot be created, {parent} is not writable")
+
+
+def check_store_exists(url: str, storage_options: Mapping | None = None) -> None:
+    """Raise tracestore's `StoreNotFoundError` (or its `BackendError` when the storage fails) unless a store
+    exists at ``url``: opens its manifest and closes it again, without loading torch."""
+    import tracestore as ts
+
+    ts.open_store(url, storage_options=storage_options).close()
 
 
 @dataclasses.dataclass
@@ -49,6 +157,7 @@ class DemoConfig:
     decode: str = "auto"  # RolloutEngine decode path: auto | hf | static | graph
     replay_routes: bool = False  # trainer uses the rollout's routed experts (the floor: the floor run's)
     spec: dict[str, Any] = dataclasses.field(default_factory=dict)  # TinyMoESpec overrides
+    storage_options: dict | None = None  # of ``store`` (S3 endpoint, credentials)
 
     @property
     def min_tokens(self) -> int:
@@ -57,8 +166,9 @@ class DemoConfig:
 
     def check(self) -> None:
         """Raise `ConfigError` (what arrived, what is allowed) for a configuration the demo cannot run: counts
-        below their minimum, a token budget with no room for a response, an unknown choice. The model size
-        (``spec``) is checked by `tracerl.models.TinyMoESpec`, the device and hinted layers where they are used."""
+        below their minimum, a token budget with no room for a response, an unknown choice, a model size
+        `TinyMoESpec` rejects, hinted layers the model does not have, a ``store`` that exists already or cannot be
+        created (`check_new_store`). Loads no torch; the device is checked where it is used."""
         for name, lo in (("trajectories", 1), ("micro_batch_tokens", 1), ("flush_tokens", 1), ("seed", 0)):
             value = getattr(self, name)
             if not isinstance(value, int) or value < lo:
@@ -73,6 +183,18 @@ class DemoConfig:
                               ("decode", DECODE_PATHS)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name}={getattr(self, name)!r}; supported: {', '.join(allowed)}")
+        spec = self.model_spec()
+        parse_layers(self.hint_layers, spec.num_layers)
+        if self.store is not None:
+            check_new_store(self.store, self.storage_options)
+
+    def model_spec(self) -> TinyMoESpec:
+        """The model size: the family and ``spec``'s overrides of `TinyMoESpec`'s defaults (raises `ConfigError`)."""
+        try:
+            return TinyMoESpec(family=self.model, **self.spec)
+        except TypeError as e:  # an unknown field
+            raise ConfigError(f"spec={self.spec!r}: {e}; fields: "
+                              f"{', '.join(f.name for f in dataclasses.fields(TinyMoESpec))}") from None
 
 
 #: QAT modes of the trainer (`tracerl.qat.MODES`): here, so that the command line checks them without torch
@@ -251,3 +373,41 @@ class LoopConfig:
         RolloutConfig(group_size=self.group_size, max_ahead=self.max_ahead, seed=self.seed).check()
         if self.fp4 not in FP4_PLACEMENTS:
             raise ConfigError(f"fp4={self.fp4!r}; supported: {', '.join(FP4_PLACEMENTS)}")
+
+
+@dataclasses.dataclass
+class AuditConfig:
+    """What `run_audit` audits and how (the ``tracerl audit`` options)."""
+
+    store: str
+    device: str = "auto"  # auto: the device type the rollout ran on when this machine has it, else cpu
+    model: str | None = None  # a safetensors checkpoint instead of the store's weights
+    max_trajectories: int | None = None  # audit the first N trajectories (by id)
+    micro_batch_tokens: int = 8192
+    bands: int = 4
+    position_bucket: int = 64
+    attribution: bool = True
+    planner: bool = True
+    target_excess: float | None = None
+    backend: str = "auto"
+    storage_options: dict | None = None
+    verify: bool = True
+    concurrent_decode: str = "auto"  # replay and floor decodes side by side: CONCURRENT_DECODE (auto: CUDA graphs)
+
+    def check(self) -> None:
+        """Raise `ConfigError` for values that cannot run (what arrived, what is allowed)."""
+        for name, lo in (("micro_batch_tokens", 1), ("bands", 1), ("position_bucket", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ConfigError(f"{name}={v!r}: must be an integer >= {lo}")
+        if self.max_trajectories is not None and (not isinstance(self.max_trajectories, int)
+                                                  or self.max_trajectories < 1):
+            raise ConfigError(f"max_trajectories={self.max_trajectories!r}: must be an integer >= 1")
+        if self.target_excess is not None and not (isinstance(self.target_excess, (int, float))
+                                                   and math.isfinite(self.target_excess)):
+            raise ConfigError(f"target_excess={self.target_excess!r}: must be a finite number")
+        if self.concurrent_decode not in CONCURRENT_DECODE:
+            raise ConfigError(f"concurrent_decode={self.concurrent_decode!r}: must be one of "
+                              f"{', '.join(CONCURRENT_DECODE)}")
+        if self.target_excess is not None and not self.planner:
+            raise ConfigError("target_excess needs the planner (planner=False given)")

@@ -24,11 +24,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -55,17 +53,13 @@ from tracerl.policy import (
     plan_sites,
 )
 from tracerl.rollout import RolloutEngine, RolloutRecorder, RolloutResult
-from tracerl.runlog import json_ready, machine_info
+from tracerl.runlog import StepFn, json_ready, machine_info
 from tracerl.train import QATTrainer, pack_micro_batches, read_packed
 from tracerl.util import check_device, swapped
 
 REPORT_MODES = ("floor", *MODES)
 METRIC_KEYS = ("code_agreement", "scale_agreement", "router_flip_rate", "mean_abs_dlogp", "p99_abs_dlogp",
                "max_abs_dlogp", "k3")
-
-
-#: ``on_step(phase, done, total)``: progress of the demo's long phases (see `run_demo`)
-StepFn = Callable[[str, int, int], None]
 
 
 def _prompts(cfg: DemoConfig, vocab: int) -> list[list[int]]:
@@ -75,45 +69,11 @@ def _prompts(cfg: DemoConfig, vocab: int) -> list[list[int]]:
     return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lens]
 
 
-def check_new_store(url: str) -> None:
-    """Raise `ConfigError` unless a new store can be created at ``url``: no store there yet and, for a local
-    path, nothing or an empty directory there, below a writable directory. A remote URL is asked whether a store
-    exists (a storage error raises tracestore's `BackendError`). Creates nothing."""
-    exists = ConfigError(f"store {url}: a tracestore store exists there already; the demo creates a new one "
-                         "(give a path that does not exist yet)")
-    if "://" in url and not url.startswith("file://"):
-        try:
-            ts.open_store(url)
-        except ts.StoreNotFoundError:
-            return
-        raise exists
-    path = Path(url.removeprefix("file://")).expanduser().absolute()
-    if path.is_dir() and any(path.iterdir()):
-        try:
-            ts.open_store(str(path))
-        except ts.StoreNotFoundError:
-            raise ConfigError(f"store {url}: a directory with other files in it; give a new or empty "
-                              "directory") from None
-        raise exists
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"store {url}: exists and is not a directory")
-    parent = path
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise ConfigError(f"store {url}: cannot be created, {parent} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"store {url}: cannot be created, {parent} is not writable")
-
-
 def _check(cfg: DemoConfig) -> TinyMoESpec:
     """Everything about ``cfg`` that can be checked before a model or a store is built; the model spec."""
     cfg.check()
-    spec = TinyMoESpec(family=cfg.model, **cfg.spec)
     check_device(cfg.device)
-    if cfg.store is not None:
-        check_new_store(cfg.store)
-    return spec
+    return cfg.model_spec()
 
 
 @contextlib.contextmanager
@@ -172,7 +132,8 @@ def _create_store(url: str, cfg: DemoConfig, s: _Setup, rids: list[str]) -> ts.S
     meta = {**model_metadata(s.spec, cfg.seed), "fp4": cfg.fp4, "site_plan": s.plan.to_json(),
             "global_scales": s.global_scales, "rollout": rollout}
     return ts.create_store(url, [ts.Site(n, w) for n, w in s.site_widths.items()], model=meta,
-                           moe_layers=s.moe_layers, top_k=s.spec.top_k, num_experts=s.spec.num_experts)
+                           moe_layers=s.moe_layers, top_k=s.spec.top_k, num_experts=s.spec.num_experts,
+                           storage_options=cfg.storage_options)
 
 
 def _record(cfg: DemoConfig, s: _Setup, store: ts.Store, rids: list[str], on_step: StepFn) -> RolloutResult:

@@ -80,6 +80,8 @@ def forward(package: str, moved: Mapping[str, str]) -> Callable[[str], Any]:
         if target is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         _warn(f"{package}.{name}", f"{target}.{name}")
-        return getattr(importlib.import_module(target), name)
+        value = getattr(importlib.import_module(target), name)
+        setattr(sys.modules[package], name, value)  # warned once: later look-ups find it
+        return value
 
     return __getattr__

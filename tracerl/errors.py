@@ -1,4 +1,10 @@
-"""Exceptions raised by tracerl. Messages say what arrived and what is allowed."""
+"""Exceptions raised by tracerl, all in this one module. Messages say what arrived and what is allowed.
+
+Every class derives from `TracerlError` and from the built-in type that describes it (``ValueError`` for a bad
+value, ``LookupError`` for something absent, ...), so ``except ValueError`` keeps working where it did. The errors
+about a published policy version's bytes, which also derive from `tracestore.IntegrityError`, are in
+`tracerl.artifacts.errors` (this module imports nothing, so the command line loads it at once).
+"""
 
 from __future__ import annotations
 
@@ -39,3 +45,12 @@ class CheckpointExistsError(CheckpointError, FileExistsError):
 class FollowError(TracerlError, RuntimeError):
     """The live store cannot be followed as a GRPO trainer needs: a result without a group, more open groups than
     the bound, a trajectory whose tokens do not start at 0 or have a gap, tokens after its result."""
+
+
+class SafetensorsFormatError(TracerlError, ValueError):
+    """The bytes are not a safetensors file `tracerl.artifacts.tensorfile` can read (the message says what is
+    wrong)."""
+
+
+class LoopProcessError(TracerlError, RuntimeError):
+    """A child process of the loop exited with an error (the message holds the end of its log)."""

@@ -1,5 +1,5 @@
-"""What a run writes down: per-step metrics as JSON lines (`MetricsLog`), values made JSON-ready
-(`json_ready`), and the machine it ran on (`machine_info`). The trainer, the rollout worker, the loop, the
+"""What a run writes down and reports: per-step metrics as JSON lines (`MetricsLog`), values made JSON-ready
+(`json_ready`), the machine it ran on (`machine_info`), and the progress callback of long phases (`StepFn`). The trainer, the rollout worker, the loop, the
 audit, the demo and the benchmarks all record through these."""
 
 from __future__ import annotations
@@ -9,11 +9,14 @@ import json
 import math
 import os
 import platform
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsLog", "json_ready", "machine_info"]
+__all__ = ["MetricsLog", "json_ready", "machine_info", "StepFn"]
+
+#: a long phase's progress callback, ``on_step(phase, done, total)`` (first called with ``done == 0``)
+StepFn = Callable[[str, int, int], None]
 
 
 class MetricsLog:

@@ -17,7 +17,7 @@ import shutil
 import pytest
 
 import tracestore as ts
-from tracerl.audit.run import DETAIL_KEYS, MODE_NAMES, TOP_KEYS
+from tracerl.audit import DETAIL_KEYS, MODE_NAMES, TOP_KEYS
 from tracerl.cli import main
 from tracerl.config import DemoConfig
 from tracerl.demo import run_demo
@@ -370,9 +370,9 @@ def test_line_up_runs_set_ups_one_at_a_time_and_never_hangs():
     start together; a thread that fails during its set-up breaks the line-up, so the other raises, never waits."""
     import threading
 
-    from tracerl.audit.run import _LineUp
+    from tracerl.audit.replay import LineUp
 
-    gate, inside, overlaps, started = _LineUp(2), [], [], []
+    gate, inside, overlaps, started = LineUp(2), [], [], []
 
     def ok(name):
         with gate.setup():
@@ -390,7 +390,7 @@ def test_line_up_runs_set_ups_one_at_a_time_and_never_hangs():
         t.join(10)
     assert overlaps == [1, 1] and sorted(started) == ["a", "b"]
 
-    gate, errors = _LineUp(2), []
+    gate, errors = LineUp(2), []
 
     def fails():
         with contextlib.suppress(RuntimeError), gate.setup():

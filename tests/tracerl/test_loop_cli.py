@@ -63,10 +63,10 @@ def test_ctrl_c_stops_both_sides_cleanly(tmp_path):
     log = _wait_for_steps(p, run, 2)
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=240)
-    assert p.returncode == 0, err[-3000:]
+    assert p.returncode == 130, err[-3000:]  # interrupted, as tracerl demo and tracestore report it
     assert "stopped early" in out
     steps = log.records()
-    assert ckpt.latest_step(str(run / "checkpoints")) == steps[-1]["step"]  # nothing trained is lost
+    assert ckpt.latest_step(str(run)) == steps[-1]["step"]  # nothing trained is lost
     reader = ts.open_store(str(run / "store")).reader()
     assert all(i.complete for i in reader.trajectories())  # no rollout batch left half-committed
     trained = [t for m in steps for t in m["traj_ids"]]
@@ -104,6 +104,6 @@ def test_children_stop_when_the_loop_process_is_killed(tmp_path):
         assert time.monotonic() < deadline, f"orphans still running: {_children_of(run / 'store')}"
         time.sleep(0.2)
     steps = log.records()
-    assert ckpt.latest_step(str(run / "checkpoints")) == steps[-1]["step"]  # the trainer stopped cleanly
+    assert ckpt.latest_step(str(run)) == steps[-1]["step"]  # the trainer stopped cleanly
     reader = ts.open_store(str(run / "store")).reader()
     assert all(i.complete for i in reader.trajectories())

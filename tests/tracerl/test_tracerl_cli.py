@@ -13,7 +13,8 @@ import tracestore as ts
 from tracerl.cli import build_parser, main
 from tracerl.cli.demo import SPEC_OPTIONS
 from tracerl.config import DemoConfig
-from tracerl.demo import check_new_store, run_demo
+from tracerl.config import check_new_store
+from tracerl.demo import run_demo
 from tracerl.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,10 +30,12 @@ def _run_cli(*args: str) -> subprocess.CompletedProcess:
 
 def test_cli_import_and_parser_load_no_torch():
     """`tracerl --help` must not wait for torch / transformers (it took 1.9 s): building the parser imports
-    neither, nor tracestore; the public names of `tracerl` still resolve (on first use)."""
+    neither, nor tracestore's data modules (only `tracestore.cliargs`, the command-line pieces both CLIs share,
+    which import nothing heavy); the public names of `tracerl` still resolve (on first use)."""
     code = (
         "import sys, tracerl.cli; tracerl.cli.build_parser(); import tracerl; "
-        "heavy = [m for m in ('torch', 'transformers', 'tracestore', 'numpy') if m in sys.modules]; "
+        "heavy = [m for m in ('torch', 'transformers', 'tracestore.store', 'pyarrow', 'zarr', 'numpy') "
+        "if m in sys.modules]; "
         "assert not heavy, heavy; "
         "from tracerl import RolloutEngine, MODES, QATTrainer; assert 'fp4_hints' in MODES; print('ok')"
     )
@@ -189,3 +192,68 @@ def test_demo_progress_counts_steps(capsys):
     out = capsys.readouterr()
     assert json.loads(out.out)["rollout"]["trajectories"] == 2
     assert "trainer recompute" in out.err and "4/4" in out.err  # the bars, on stderr
+
+
+def _subparsers(parser: argparse.ArgumentParser):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            yield from dict(action.choices).items()
+
+
+def test_help_of_every_command_has_examples_metavars_and_defaults():
+    """What a newcomer tripped over: help without example lines, argparse's default metavars (``--tis-cap
+    TIS_CAP``), options whose default the help does not state."""
+    problems = []
+    for name, sub in _subparsers(build_parser()):
+        if not (sub.epilog and "examples:" in sub.epilog and f"tracerl {name}" in sub.epilog):
+            problems.append(f"{name}: no example lines")
+        for a in sub._actions:
+            if not a.option_strings or a.nargs == 0 or a.help == argparse.SUPPRESS:
+                continue
+            if a.metavar is None and a.choices is None:
+                problems.append(f"{name} {a.option_strings[-1]}: argparse's default metavar {a.dest.upper()}")
+            if a.default not in (None, argparse.SUPPRESS) and "default" not in (a.help or ""):
+                problems.append(f"{name} {a.option_strings[-1]}: default {a.default!r} not in its help")
+    assert not problems, problems
+
+
+def test_version():
+    out = _run_cli("--version")
+    assert out.returncode == 0 and out.stdout.startswith("tracerl ") and out.stdout.split()[1][0].isdigit()
+
+
+@pytest.mark.parametrize("command", ["demo", "train", "rollout", "loop", "replay", "audit"])
+def test_debug_goes_before_or_after_the_command(command):
+    needs = {"train": ["s", "--checkpoints", "c"], "rollout": ["s"], "replay": ["s", "--from", "c"],
+             "audit": ["s"]}.get(command, [])
+    parser = build_parser()
+    assert parser.parse_args([command, *needs]).debug is False
+    assert parser.parse_args(["--debug", command, *needs]).debug is True
+    assert parser.parse_args([command, *needs, "--debug"]).debug is True
+
+
+def test_a_negative_target_excess_is_a_value():
+    """``--target-excess -1e-05`` (a target below the floor) was read as a missing argument."""
+    args = build_parser().parse_args(["audit", "s", "--target-excess", "-1e-05"])
+    assert args.target_excess == -1e-05
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["audit", "{tmp}/not-a-store"], "StoreNotFoundError: no tracestore store at"),
+    (["demo", "--store", "{tmp}/full", "--trajectories", "2"], "ConfigError: store "),
+    (["demo", "--hidden", "40"], "multiple of 16"),
+    (["demo", "--hint-layers", "0,99"], "out of range"),
+    (["audit", "{tmp}/not-a-store", "--storage-options", "{{bad"], "UsageError: --storage-options: not valid JSON"),
+])
+def test_bad_arguments_answer_before_torch_is_loaded(argv, message, tmp_path):
+    """`tracerl audit not-a-store`, `demo --store <non-empty dir>`, `--hidden 40` imported torch and built a model
+    before they said what was wrong; now they exit 2 with one line and torch never loads."""
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.txt").write_text("x")
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    code = ("import sys; from tracerl.cli import main; rc = main(sys.argv[1:]); "
+            "assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(rc)")
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr

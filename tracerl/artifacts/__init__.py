@@ -5,6 +5,6 @@ safetensors codec and commit-object helpers they share (`tensorfile`, `objects`)
 ``schemas/ARTIFACTS.md``.
 """
 
-from tracerl.artifacts import checkpoints, codes, objects, tensorfile, weights
+from tracerl.artifacts import checkpoints, codes, errors, objects, tensorfile, weights
 
-__all__ = ["checkpoints", "codes", "objects", "tensorfile", "weights"]
+__all__ = ["checkpoints", "codes", "errors", "objects", "tensorfile", "weights"]

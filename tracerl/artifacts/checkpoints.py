@@ -37,8 +37,16 @@ from collections.abc import Mapping
 from typing import Any
 
 import tracestore as ts
-from tracerl.artifacts.objects import (WRITE_FORMAT, Location, blob_mismatch, blob_ref, check_number, opened, read_commit,
-                                      ref_is_valid)
+from tracerl.artifacts.objects import (
+    WRITE_FORMAT,
+    Location,
+    blob_mismatch,
+    blob_ref,
+    check_number,
+    opened,
+    read_commit,
+    ref_is_valid,
+)
 from tracerl.errors import CheckpointCorruptError, CheckpointExistsError, CheckpointNotFoundError, ConfigError
 
 log = logging.getLogger(__name__)

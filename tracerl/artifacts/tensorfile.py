@@ -23,6 +23,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from tracerl.errors import SafetensorsFormatError
+
 __all__ = ["encode", "decode", "SafetensorsFormatError"]
 
 #: safetensors dtype names of the torch dtypes (the library's names)
@@ -33,10 +35,6 @@ _DTYPES: dict[torch.dtype, str] = {
 }
 _TORCH = {v: k for k, v in _DTYPES.items()}
 _MAX_HEADER = 100 << 20  # the library's bound on the header size
-
-
-class SafetensorsFormatError(ValueError):
-    """The bytes are not a safetensors file this module can read (the message says what is wrong)."""
 
 
 def encode(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> list:

@@ -44,9 +44,18 @@ import torch
 
 import tracestore as ts
 from tracerl.artifacts import tensorfile as st
-from tracerl.artifacts.objects import (WRITE_FORMAT, Location, blob_mismatch, blob_ref, check_number, opened, read_commit,
-                                      ref_is_valid)
-from tracerl.errors import ConfigError, TracerlError
+from tracerl.artifacts.errors import VersionExistsError, VersionNotFoundError, WeightsError, WeightsIntegrityError
+from tracerl.artifacts.objects import (
+    WRITE_FORMAT,
+    Location,
+    blob_mismatch,
+    blob_ref,
+    check_number,
+    opened,
+    read_commit,
+    ref_is_valid,
+)
+from tracerl.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -60,23 +69,6 @@ _SIDECAR_RE = re.compile(rf"(\d{{{VERSION_DIGITS}}})\.json")  # a sidecar's name
 __all__ = ["publish", "latest_version", "list_versions", "read_meta", "load_state_dict", "load", "load_into",
            "load_if_newer", "prune",
            "WeightsError", "WeightsIntegrityError", "VersionNotFoundError", "VersionExistsError"]
-
-
-class WeightsError(TracerlError):
-    """Base class of the weight-publishing errors."""
-
-
-class WeightsIntegrityError(WeightsError, ts.IntegrityError):
-    """A published version's bytes fail a check: sidecar undecodable or of another kind/format version, blob
-    missing, size or checksum mismatch, or not a safetensors file."""
-
-
-class VersionNotFoundError(WeightsError, LookupError):
-    """No committed version with that number (or no version at all)."""
-
-
-class VersionExistsError(WeightsError, FileExistsError):
-    """`publish` of a version that is already committed (versions are immutable)."""
 
 
 AREA = WEIGHTS_PREFIX.rstrip("/")  # the store's application area of policy versions (tracestore FORMAT §2)

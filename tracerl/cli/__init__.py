@@ -1,21 +1,26 @@
 """``tracerl`` command line.
 
 Each subcommand is a module of this package named in `COMMANDS`, with ``HELP`` (one line), ``DESCRIPTION``,
-``add_arguments(parser)`` and ``run(args) -> int``; argument types they share are in `tracerl.cli.args`.
-Building the parser imports those modules only: torch, transformers and tracestore are imported inside ``run``,
-so ``tracerl --help`` and argument errors answer at once. Exit codes: 0 ok, 2 bad arguments or a tracerl /
-tracestore error (one line on stderr; ``--debug`` shows the traceback), 130 interrupted.
+``EXAMPLES`` (command lines shown under its ``--help``), ``add_arguments(parser)`` and ``run(args) -> int``;
+argument types they share are in `tracerl.cli.args`. Building the parser imports those modules only: torch,
+transformers and tracestore's data modules are imported inside ``run``, after the arguments (and a store URL's
+existence, where a command needs one) were checked, so ``tracerl --help``, ``--version`` and argument errors
+answer at once. ``--debug`` goes before or after the subcommand. Exit codes: 0 ok, 1 the command found a problem
+(``audit``, ``replay``), 2 bad arguments or a tracerl / tracestore error (one line on stderr; ``--debug`` shows the
+traceback), 130 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 from collections.abc import Sequence
 
 from tracerl.cli.demo import render_table
 from tracerl.errors import TracerlError
+from tracestore.cliargs import EXIT_ERROR, EXIT_INTERRUPTED, accept_negative_numbers, add_debug_argument
 
 #: subcommand -> module under tracerl.cli
 COMMANDS = {"demo": "tracerl.cli.demo", "train": "tracerl.cli.train", "rollout": "tracerl.cli.rollout",
@@ -35,16 +40,35 @@ class _CommandParser(argparse.ArgumentParser):
         return namespace, extra
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tracestore")  # the distribution that installs tracerl
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def _examples(lines: Sequence[str]) -> str:
+    return "examples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tracerl", description="TRACE rollout capture and hint-guided QAT tools.")
-    p.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
+    p = argparse.ArgumentParser(prog="tracerl", description="TRACE rollout capture and hint-guided QAT tools.",
+                                epilog=_examples(["tracerl demo", "tracerl audit ./store --html report.html",
+                                                  "tracerl COMMAND --help"]),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"tracerl {_version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_CommandParser,
                            help="what to run; tracerl COMMAND --help lists its options")
     for name, module_name in COMMANDS.items():
         module = importlib.import_module(module_name)
-        cmd = sub.add_parser(name, help=module.HELP, description=module.DESCRIPTION)
+        cmd = sub.add_parser(name, help=module.HELP, description=module.DESCRIPTION,
+                             epilog=_examples(module.EXAMPLES), formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(cmd)
         cmd.set_defaults(func=module.run)
+    add_debug_argument(p)
+    accept_negative_numbers(p)
     return p
 
 
@@ -56,13 +80,15 @@ def _is_store_error(e: BaseException) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.debug:
+        logging.basicConfig(level=logging.DEBUG, format="%(asctime)s %(name)s: %(message)s")
     try:
         return args.func(args)
     except KeyboardInterrupt:
         print(f"tracerl {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     except Exception as e:
         if args.debug or not (isinstance(e, TracerlError) or _is_store_error(e)):
             raise
         print(f"tracerl {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
+        return EXIT_ERROR

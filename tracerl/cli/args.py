@@ -1,5 +1,6 @@
-"""Argument types shared by the ``tracerl`` subcommands: bad values are rejected by the parser (exit 2, with
-the subcommand's usage), before any command code runs."""
+"""What the ``tracerl`` subcommands share: argument types (`tracestore.cliargs`, the same as the ``tracestore``
+command's: bad values are rejected by the parser, exit 2 with the subcommand's usage, before any command code runs),
+storage options, the options of the loop's processes, and stopping on signals."""
 
 from __future__ import annotations
 
@@ -11,45 +12,24 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from tracerl.config import LOOP_PARENT_ENV
+from tracestore.cliargs import (
+    add_storage_arguments,
+    finite_float,
+    float_above,
+    float_at_least,
+    int_at_least,
+    storage_options,
+)
+
+__all__ = ["add_storage_arguments", "finite_float", "float_above", "float_at_least", "int_at_least",
+           "storage_options", "add_process_arguments", "stop_on_signals", "stop_with_parent"]
 
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
-
-
-def int_at_least(lo: int) -> Callable[[str], int]:
-    """An argparse ``type``: an integer >= ``lo``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {value}")
-        return value
-
-    parse.__name__ = f"integer >= {lo}"  # argparse names the type in some messages
-    return parse
-
-
-def float_above(lo: float) -> Callable[[str], float]:
-    """An argparse ``type``: a finite float > ``lo``."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not (value > lo and value < float("inf")):
-            raise argparse.ArgumentTypeError(f"must be a finite number > {lo:g}, got {text}")
-        return value
-
-    parse.__name__ = f"number > {lo:g}"
-    return parse
 
 
 def add_process_arguments(p: argparse.ArgumentParser, what: str) -> None:
@@ -57,31 +37,11 @@ def add_process_arguments(p: argparse.ArgumentParser, what: str) -> None:
     one metrics line per what)."""
     p.add_argument("store", metavar="STORE", help="loop store URL (local directory or s3://bucket/prefix)")
     p.add_argument("--metrics", metavar="PATH", help=f"JSON-lines file of per-{what} metrics (default: none)")
-    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    p.add_argument("--device", default="cpu", metavar="DEVICE", help="torch device: cpu (default), cuda, cuda:1, ...")
     p.add_argument("--threads", type=int_at_least(0), default=0, metavar="N",
                    help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", action="store_true", help=f"print one JSON line per {what} on stdout")
     add_storage_arguments(p)
-
-
-def add_storage_arguments(p: argparse.ArgumentParser) -> None:
-    """``--storage-options`` and ``--endpoint-url`` (S3), as the ``tracestore`` commands take them."""
-    p.add_argument("--storage-options", metavar="JSON",
-                   help="fsspec storage options as JSON or @file.json (S3: key, secret, client_kwargs.endpoint_url); "
-                        "default $TRACESTORE_STORAGE_OPTIONS for non-local URLs")
-    p.add_argument("--endpoint-url", metavar="URL", help="S3 endpoint (shorthand for client_kwargs.endpoint_url)")
-
-
-def storage_options(args: argparse.Namespace, url: str) -> dict | None:
-    """The storage options of ``url`` from the parsed options (tracestore's rules); raises `ConfigError`."""
-    from tracerl.errors import ConfigError
-    from tracestore.cli.main import UsageError
-    from tracestore.cli.main import storage_options as ts_options
-
-    try:
-        return ts_options(args, url)
-    except UsageError as e:
-        raise ConfigError(str(e)) from None
 
 
 @contextlib.contextmanager

@@ -9,11 +9,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import sys
 
-from tracerl.cli.args import int_at_least
-from tracerl.config import CONCURRENT_DECODE
+from tracerl.cli.args import add_storage_arguments, finite_float, int_at_least, storage_options
+from tracerl.config import CONCURRENT_DECODE, AuditConfig, check_store_exists
+from tracerl.errors import ConfigError
 
 HELP = "recompute a store's trajectories: agreement, where the gap comes from, which sites to hint"
 DESCRIPTION = (
@@ -26,14 +26,12 @@ DESCRIPTION = (
 )
 
 
-def _finite_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-    return value
+EXAMPLES = [
+    "tracerl audit ./demo-store",
+    "tracerl audit ./demo-store --html report.html --json > audit.json",
+    "tracerl audit s3://bucket/run1 --endpoint-url http://127.0.0.1:9000 --no-planner",
+    "tracerl audit ./demo-store --target-excess 1e-3 --plan-out sites.json   # then tracestore create --site-table",
+]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,12 +41,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="print one JSON object (keys documented in tracerl.audit and the README) instead of tables")
     p.add_argument("--html", metavar="FILE",
                    help="also write a self-contained HTML report (PNG plots embedded; needs matplotlib)")
-    p.add_argument("--target-excess", type=_finite_float, metavar="X",
+    p.add_argument("--target-excess", type=finite_float, metavar="X",
                    help="print the planner's cheapest measured coverage with excess <= X as a site table (JSON on "
                         "stdout, for `tracestore create --site-table`; the report goes to stderr); exit 1 when no "
                         "measured coverage reaches X")
     p.add_argument("--plan-out", metavar="FILE", help="write the --target-excess site table to FILE instead")
-    p.add_argument("--device", default="auto",
+    p.add_argument("--device", metavar="DEVICE", default="auto",
                    help="torch device: auto (default: the rollout's device type when available, else cpu), cpu, "
                         "cuda, cuda:1")
     p.add_argument("--model", metavar="CHECKPOINT",
@@ -68,8 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-planner", action="store_true", help="skip the coverage planner passes")
     p.add_argument("--no-verify", action="store_true",
                    help="skip tracestore verify (a corrupt chunk then fails the audit where it is read)")
-    p.add_argument("--storage-options", metavar="JSON",
-                   help="fsspec storage options as JSON or @file.json (S3: key, secret, client_kwargs.endpoint_url)")
+    add_storage_arguments(p)
     p.add_argument("--concurrent-decode", choices=CONCURRENT_DECODE, default="auto",
                    help="run the replay decode (FP4) and the floor decode (bf16) side by side, the floor in a "
                         "second thread on its own CUDA stream (default auto: with CUDA-graph decodes on a GPU; the "
@@ -78,10 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch CPU threads (default 0: torch's choice)")
 
 
-def config_from_args(args: argparse.Namespace):
-    """The checked `AuditConfig` of parsed options (raises `ConfigError`)."""
-    from tracerl.audit import AuditConfig
-    from tracerl.errors import ConfigError
+def config_from_args(args: argparse.Namespace) -> AuditConfig:
+    """The checked `AuditConfig` of parsed options, for a store that exists (raises `ConfigError`, tracestore's
+    `UsageError` for bad storage options and `StoreNotFoundError` for a URL without a store); loads no torch."""
 
     if args.html:
         import importlib.util
@@ -96,20 +92,14 @@ def config_from_args(args: argparse.Namespace):
         raise ConfigError("--plan-out needs --target-excess")
     if args.target_excess is not None and args.no_planner:
         raise ConfigError("--target-excess needs the planner (drop --no-planner)")
-    opts = None
-    if args.storage_options:
-        from tracestore.cli.main import UsageError, storage_options
-
-        try:
-            opts = storage_options(args, args.store)
-        except UsageError as e:
-            raise ConfigError(str(e)) from None
+    opts = storage_options(args, args.store)
     cfg = AuditConfig(store=args.store, device=args.device, model=args.model, max_trajectories=args.max_trajectories,
                       micro_batch_tokens=args.micro_batch_tokens, bands=args.bands,
                       position_bucket=args.position_bucket, attribution=not args.no_attribution,
                       planner=not args.no_planner, target_excess=args.target_excess, storage_options=opts,
                       verify=not args.no_verify, concurrent_decode=args.concurrent_decode)
     cfg.check()
+    check_store_exists(cfg.store, opts)
     return cfg
 
 

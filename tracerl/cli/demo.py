@@ -7,7 +7,7 @@ import json
 import math
 import sys
 
-from tracerl.cli.args import int_at_least
+from tracerl.cli.args import add_storage_arguments, int_at_least, storage_options
 from tracerl.cli.progress import StepBars
 from tracerl.config import DECODE_PATHS, FP4_PLACEMENTS, HINT_SITE_KINDS, MODEL_FAMILIES, DemoConfig
 
@@ -18,6 +18,12 @@ DESCRIPTION = (
     "and the trainer's recompute in the modes bf16, fp4_rne_own_scales, fp4_rne_rollout_scales and fp4_hints; "
     "prints code/scale agreement at hinted sites, router flip rate and |dlogp| statistics per mode."
 )
+EXAMPLES = [
+    "tracerl demo",
+    "tracerl demo --store ./demo-store --trajectories 8 --tokens 512   # keep the store (then: tracerl audit)",
+    "tracerl demo --hint-layers all --replay-routes --json",
+    "tracerl demo --device cuda --hidden 2048 --layers 40 --experts 32",
+]
 _DEFAULTS = DemoConfig()
 #: model-size options -> `tracerl.models.TinyMoESpec` fields
 SPEC_OPTIONS = {"hidden": "hidden_size", "layers": "num_layers", "experts": "num_experts", "vocab": "vocab_size"}
@@ -53,7 +59,7 @@ def add_arguments(d: argparse.ArgumentParser) -> None:
     d.add_argument("--experts", type=pos, metavar="N",
                    help="routed experts per MoE layer, at most 256 (default 16, top-2)")
     d.add_argument("--vocab", type=pos, metavar="N", help="vocabulary size (default 1024)")
-    d.add_argument("--device", default=_DEFAULTS.device,
+    d.add_argument("--device", metavar="DEVICE", default=_DEFAULTS.device,
                    help="torch device of the model, rollout and trainer (default cpu; e.g. cuda, cuda:1)")
     d.add_argument("--decode", default=_DEFAULTS.decode, choices=DECODE_PATHS,
                    help="rollout decode path: static KV cache (CPU default; 'graph' replays it as a CUDA graph, "
@@ -63,15 +69,18 @@ def add_arguments(d: argparse.ArgumentParser) -> None:
                         "(router flips then count how often the trainer's router would have chosen otherwise)")
     d.add_argument("--threads", type=nonneg, default=0, metavar="N",
                    help="torch CPU threads (default 0: torch's choice)")
+    add_storage_arguments(d)
 
 
 def config_from_args(args: argparse.Namespace) -> DemoConfig:
-    """The `DemoConfig` of parsed ``demo`` options, checked (`DemoConfig.check`; raises `ConfigError`)."""
+    """The `DemoConfig` of parsed ``demo`` options, checked (`DemoConfig.check`, which also checks ``--store``:
+    raises `ConfigError`, or tracestore's `UsageError` for bad storage options); loads no torch."""
     cfg = DemoConfig(
         model=args.model, trajectories=args.trajectories, tokens=args.tokens, hint_layers=args.hint_layers,
         hint_sites=args.hint_sites, fp4=args.fp4, kv_fp4=args.kv_fp4, seed=args.seed, store=args.store,
         backward=args.backward, decode=args.decode, device=args.device, replay_routes=args.replay_routes,
         spec={field: getattr(args, opt) for opt, field in SPEC_OPTIONS.items() if getattr(args, opt) is not None},
+        storage_options=storage_options(args, args.store) if args.store else None,
     )
     cfg.check()
     return cfg

@@ -9,6 +9,7 @@ import time
 
 from tracerl.cli.args import add_storage_arguments, float_above, int_at_least, stop_on_signals, storage_options
 from tracerl.config import FP4_PLACEMENTS, QAT_MODES, LoopConfig
+from tracestore.cliargs import EXIT_INTERRUPTED
 
 HELP = "the closed RL loop: rollout and trainer processes on one store, live progress, table, JSON and plot"
 DESCRIPTION = (
@@ -19,6 +20,11 @@ DESCRIPTION = (
     "updates; prints a table (or --json) and writes loop.json and loop.png to the run directory. Ctrl-C stops "
     "both sides cleanly: the trainer after its step (checkpointed), the rollouts after their batch (committed)."
 )
+EXAMPLES = [
+    "tracerl loop --dir ./run --steps 20",
+    "tracerl loop --dir ./run --steps 20 --mode fp4_rne_own_scales --json > rne.json",
+    "tracerl loop --dir ./run --rollout-device cuda:0 --trainer-device cuda:1 --hidden 2048 --layers 40",
+]
 _D = LoopConfig(run_dir="")
 _TASK = _D.task
 
@@ -51,20 +57,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"prompts per step (default {_D.groups_per_step})")
     p.add_argument("--group-size", type=int_at_least(2), default=_D.group_size, metavar="G",
                    help=f"samples per prompt (default {_D.group_size})")
-    p.add_argument("--lr", type=float_above(0), default=_D.lr, help=f"AdamW learning rate (default {_D.lr:g})")
+    p.add_argument("--lr", metavar="LR", type=float_above(0), default=_D.lr,
+                   help=f"AdamW learning rate (default {_D.lr:g})")
     p.add_argument("--max-staleness", type=nonneg, default=_D.max_staleness, metavar="V",
                    help=f"trainer drops groups more than V versions old (default {_D.max_staleness})")
     p.add_argument("--max-ahead", type=pos, default=_D.max_ahead, metavar="N",
                    help="rollout batches ahead of the trainer, which takes one batch per step (default 1: on-policy; "
                         "2: rollout overlaps training, one version behind)")
-    p.add_argument("--tis-cap", type=float_above(0), help="truncated importance sampling cap (default: off)")
+    p.add_argument("--tis-cap", metavar="CAP", type=float_above(0),
+                   help="truncated importance sampling cap (default: off)")
     p.add_argument("--micro-batch-tokens", type=pos, default=_D.micro_batch_tokens, metavar="N",
                    help=f"trainer micro-batch tokens (default {_D.micro_batch_tokens})")
     p.add_argument("--no-record-codes", action="store_true",
                    help="the rollout does not store its FP4 codes (then no code agreement is reported)")
-    p.add_argument("--seed", type=nonneg, default=_D.seed, metavar="N", help="seed of weights, prompts, sampling")
-    p.add_argument("--rollout-device", default=_D.rollout_device, help="rollout torch device (default cpu)")
-    p.add_argument("--trainer-device", default=_D.trainer_device, help="trainer torch device (default cpu)")
+    p.add_argument("--seed", type=nonneg, default=_D.seed, metavar="N",
+                   help=f"seed of weights, prompts, sampling (default {_D.seed})")
+    p.add_argument("--rollout-device", metavar="DEVICE", default=_D.rollout_device,
+                   help="rollout torch device (default cpu)")
+    p.add_argument("--trainer-device", metavar="DEVICE", default=_D.trainer_device,
+                   help="trainer torch device (default cpu)")
     p.add_argument("--threads", type=nonneg, default=_D.threads, metavar="N",
                    help=f"torch CPU threads per process (default {_D.threads}; 0: torch's choice)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object instead of the table")
@@ -129,4 +140,4 @@ def run(args: argparse.Namespace) -> int:
         out.print(f"run directory {cfg.run_dir}: loop.json{', loop.png' if result.get('plot') else ''}, "
                   f"checkpoints/, train.jsonl, rollout-*.jsonl"
                   + (" (stopped early by Ctrl-C)" if result.get("stopped_early") else ""))
-    return 0
+    return EXIT_INTERRUPTED if result.get("stopped_early") else 0

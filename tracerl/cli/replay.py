@@ -18,6 +18,12 @@ DESCRIPTION = (
 )
 
 
+EXAMPLES = [
+    "tracerl replay ./run/store --from ./run",
+    "tracerl replay ./run/store --from ./run --step 0 --steps 5 --json",
+]
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("store", metavar="STORE", help="the store the live run trained on (local directory or s3://...)")
     p.add_argument("--from", dest="checkpoints", required=True, metavar="CHECKPOINTS",
@@ -27,7 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log", metavar="PATH",
                    help="the live run's metrics log (default: the path the checkpoint recorded)")
     p.add_argument("--steps", type=int_at_least(1), metavar="N", help="replay at most N steps (default: all logged)")
-    p.add_argument("--device", default="cpu", help="torch device (default cpu; use the live run's device type)")
+    p.add_argument("--device", metavar="DEVICE", default="cpu",
+                   help="torch device (default cpu; use the live run's device type)")
     p.add_argument("--json", action="store_true", help="print the comparison as one JSON object")
     add_storage_arguments(p)
 

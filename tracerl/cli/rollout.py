@@ -24,6 +24,10 @@ DESCRIPTION = (
     "Between batches it loads the newest version, and waits while it would be more than --max-ahead batches ahead "
     "of the trainer (one batch per training step). Ctrl-C stops after the current batch (everything generated is committed)."
 )
+EXAMPLES = [
+    "tracerl rollout ./run/store --metrics ./run/rollout-0.jsonl --record-codes",
+    "tracerl rollout ./run/store --batches 10 --groups-per-batch 4 --group-size 8 --device cuda",
+]
 _D = RolloutConfig()
 
 
@@ -35,7 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"prompts per batch (default {_D.groups_per_batch})")
     p.add_argument("--group-size", type=int_at_least(2), default=_D.group_size, metavar="G",
                    help=f"responses sampled per prompt (default {_D.group_size})")
-    p.add_argument("--temperature", type=float_above(0), default=_D.temperature, help="sampling temperature (default 1)")
+    p.add_argument("--temperature", metavar="T", type=float_above(0), default=_D.temperature,
+                   help="sampling temperature (default 1)")
     p.add_argument("--seed", type=nonneg, default=_D.seed, metavar="N", help="seed of prompts and sampling (default 0)")
     p.add_argument("--max-ahead", type=pos, default=_D.max_ahead, metavar="N",
                    help="batches the worker may run ahead of the trainer, which takes one batch per step (default 1: "
@@ -46,7 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", metavar="URL", help="where policy versions are published (default: STORE)")
     p.add_argument("--weights-timeout", type=float_above(0), metavar="S",
                    help="stop when no policy version to generate with came for S seconds (default: wait forever)")
-    p.add_argument("--worker-id", help="prefix of writer and trajectory ids (default rollout-<pid>-<random>)")
+    p.add_argument("--worker-id", metavar="ID",
+                   help="prefix of writer and trajectory ids (default rollout-<pid>-<random>)")
     p.add_argument("--decode", default=_D.decode, choices=DECODE_PATHS, help="decode path (default auto)")
 
 

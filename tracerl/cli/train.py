@@ -27,6 +27,11 @@ DESCRIPTION = (
     "the same options resumes exactly where its checkpoint left off. Under torchrun each rank reads only its "
     "micro-batches; gradients are all-reduced (gloo on CPU, NCCL on CUDA). Ctrl-C stops after the current step."
 )
+EXAMPLES = [
+    "tracerl train ./run/store --checkpoints ./run --metrics ./run/train.jsonl --steps 20",
+    "torchrun --nproc-per-node 2 -m tracerl.cli train ./run/store --checkpoints ./run --steps 20",
+    "tracerl train s3://bucket/run1 --checkpoints s3://bucket/run1 --endpoint-url http://127.0.0.1:9000",
+]
 _D = TrainConfig()
 
 
@@ -39,33 +44,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="stop once the policy has N updates (counted over restarts; default: follow until Ctrl-C)")
     p.add_argument("--wait-timeout", type=float_above(0), metavar="S",
                    help="stop when no training step's groups were ready for S seconds (default: wait forever)")
-    p.add_argument("--mode", default=_D.mode, choices=QAT_MODES, help=f"QAT mode of the trainer's forward (default {_D.mode})")
+    p.add_argument("--mode", default=_D.mode, choices=QAT_MODES,
+                   help=f"QAT mode of the trainer's forward (default {_D.mode})")
     p.add_argument("--groups-per-step", type=pos, default=_D.groups_per_step, metavar="P",
                    help=f"GRPO groups (prompts) per optimizer step (default {_D.groups_per_step})")
     p.add_argument("--group-size", type=int_at_least(2), default=_D.group_size, metavar="G",
                    help=f"trajectories per group; the rollout must use the same (default {_D.group_size})")
     p.add_argument("--micro-batch-tokens", type=pos, default=_D.micro_batch_tokens, metavar="N",
                    help=f"tokens per packed micro-batch, at least the longest trajectory (default {_D.micro_batch_tokens})")
-    p.add_argument("--lr", type=float_above(0), default=_D.lr, help=f"AdamW learning rate (default {_D.lr:g})")
-    p.add_argument("--weight-decay", type=float, default=_D.weight_decay,
+    p.add_argument("--lr", metavar="LR", type=float_above(0), default=_D.lr,
+                   help=f"AdamW learning rate (default {_D.lr:g})")
+    p.add_argument("--weight-decay", metavar="WD", type=float, default=_D.weight_decay,
                    help=f"AdamW weight decay (default {_D.weight_decay:g})")
-    p.add_argument("--grad-clip", type=float_above(0), default=_D.grad_clip,
+    p.add_argument("--grad-clip", metavar="NORM", type=float_above(0), default=_D.grad_clip,
                    help=f"clip the global gradient norm to this (default {_D.grad_clip:g})")
-    p.add_argument("--clip-low", type=float, default=_D.clip_low, help=f"PPO clip epsilon below 1 (default {_D.clip_low:g})")
-    p.add_argument("--clip-high", type=float, default=_D.clip_high,
+    p.add_argument("--clip-low", metavar="EPS", type=float, default=_D.clip_low,
+                   help=f"PPO clip epsilon below 1 (default {_D.clip_low:g})")
+    p.add_argument("--clip-high", metavar="EPS", type=float, default=_D.clip_high,
                    help=f"PPO clip epsilon above 1 (default {_D.clip_high:g}, DAPO's clip-higher)")
-    p.add_argument("--clip-ratio-c", type=float_above(1), help="dual-clip bound for negative advantages (default off)")
-    p.add_argument("--tis-cap", type=float_above(0),
+    p.add_argument("--clip-ratio-c", metavar="C", type=float_above(1),
+                   help="dual-clip bound for negative advantages (default off)")
+    p.add_argument("--tis-cap", metavar="CAP", type=float_above(0),
                    help="truncated importance sampling: weight tokens by min(exp(logp_trainer - logp_rollout), CAP) "
                         "and take the PPO ratio against the trainer's own log-probs (default: ratio against the "
                         "rollout's log-probs, no TIS)")
     p.add_argument("--adv-scale", default=_D.adv_scale, choices=("std", "none"),
                    help="group advantages divided by the group's reward std (std, default) or not (none, Dr. GRPO)")
-    p.add_argument("--temperature", type=float_above(0), default=_D.temperature,
+    p.add_argument("--temperature", metavar="T", type=float_above(0), default=_D.temperature,
                    help="sampling temperature the rollout used (divides the logits; default 1)")
     p.add_argument("--max-staleness", type=nonneg, default=_D.max_staleness, metavar="V",
                    help=f"drop groups generated more than V policy versions ago (default {_D.max_staleness})")
-    p.add_argument("--replay-routes", action="store_true", help="the trainer's MoE layers use the rollout's routed experts")
+    p.add_argument("--replay-routes", action="store_true",
+                   help="the trainer's MoE layers use the rollout's routed experts")
     p.add_argument("--no-code-agreement", action="store_true",
                    help="do not observe codes at hinted sites (code agreement needs the rollout's --record-codes)")
     p.add_argument("--no-measure-stale", action="store_true",
@@ -78,7 +88,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-versions", type=pos, metavar="N", help="keep the N newest policy versions and version 0")
     p.add_argument("--weights", metavar="URL", help="where policy versions are published (default: STORE)")
     p.add_argument("--no-publish", action="store_true", help="do not publish policy versions")
-    p.add_argument("--cursor", help="a fresh trainer follows the store from this stream cursor (default: the beginning)")
+    p.add_argument("--cursor", metavar="CURSOR",
+                   help="a fresh trainer follows the store from this stream cursor (default: the beginning)")
     p.add_argument("--read-ahead-mb", type=nonneg, default=_D.read_ahead_bytes >> 20, metavar="MB",
                    help="read a step's micro-batches ahead of their forward/backward up to this many MB held "
                         f"(default {_D.read_ahead_bytes >> 20}; 0: one micro-batch at a time)")

@@ -1,6 +1,6 @@
 """The whole closed loop from one call: a loop store, a trainer process and rollout processes, a live display.
 
-`run_loop` creates the store (`tracerl.policy.create_loop_store`; a local directory by default, ``s3://`` works),
+`run_loop` creates the store (`tracerl.loop.create_loop_store`; a local directory by default, ``s3://`` works),
 starts ``tracerl train`` and ``rollouts`` x ``tracerl rollout`` as child processes against it (each in its own
 session, so a terminal's Ctrl-C reaches only this process, which forwards exactly one SIGINT: the trainer stops
 after its current step with a checkpoint, the rollouts after their current batch, everything they generated
@@ -9,7 +9,7 @@ committed), follows their JSON-lines metrics (`MetricsTail`), and ends when the 
 Run directory::
 
     <run_dir>/store/            the store (unless --store names another URL)
-    <run_dir>/checkpoints/      the trainer's checkpoints
+    <run_dir>/checkpoints/      the trainer's checkpoints (its checkpoint location is <run_dir>)
     <run_dir>/train.jsonl       one line per training step (tracerl.train)
     <run_dir>/rollout-<i>.jsonl one line per generation batch of rollout process i
     <run_dir>/*.log             the processes' stderr
@@ -40,17 +40,13 @@ from typing import Any
 import numpy as np
 
 from tracerl.config import LOOP_PARENT_ENV, LoopConfig
-from tracerl.errors import TracerlError
+from tracerl.errors import LoopProcessError
 from tracerl.runlog import json_ready, machine_info
 
 log = logging.getLogger(__name__)
 
 __all__ = ["MetricsTail", "LoopProcesses", "run_loop", "summarize", "plot", "live_view", "render_summary",
            "LoopProcessError"]
-
-
-class LoopProcessError(TracerlError, RuntimeError):
-    """A child process of the loop exited with an error (the message holds the end of its log)."""
 
 
 class MetricsTail:
@@ -101,7 +97,7 @@ class LoopProcesses:
         common = ["--threads", str(c.threads)]
         if c.storage_options:
             common += ["--storage-options", json.dumps(c.storage_options)]
-        train = _tracerl("train", self.store_url, "--checkpoints", str(self.run_dir / "checkpoints"), "--metrics",
+        train = _tracerl("train", self.store_url, "--checkpoints", str(self.run_dir), "--metrics",
                          str(self.train_log.path), "--steps", str(c.steps), "--mode", c.mode, "--groups-per-step",
                          str(c.groups_per_step), "--group-size", str(c.group_size), "--lr", repr(c.lr),
                          "--max-staleness", str(c.max_staleness), "--micro-batch-tokens", str(c.micro_batch_tokens),

@@ -20,45 +20,11 @@ from typing import Any
 
 import torch
 
-from tracefp4.constants import NVFP4_BLOCK_SIZE
-from tracerl.config import MODEL_FAMILIES
-from tracerl.errors import ConfigError
+from tracerl.config import TinyMoESpec
 
-
-@dataclasses.dataclass(frozen=True)
-class TinyMoESpec:
-    """Size of a random-init MoE model. Defaults: the demo's tiny model (hidden 256, 8 layers)."""
-
-    family: str = "qwen3-moe"
-    hidden_size: int = 256
-    num_layers: int = 8
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 64
-    num_experts: int = 16
-    top_k: int = 2
-    moe_intermediate_size: int = 128
-    vocab_size: int = 1024
-    max_position_embeddings: int = 8192
-    initializer_range: float = 0.02
-
-    def __post_init__(self) -> None:
-        if self.family not in MODEL_FAMILIES:
-            raise ConfigError(f"unknown model family {self.family!r}; supported: {', '.join(MODEL_FAMILIES)}")
-        for name in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "top_k", "max_position_embeddings"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
-        if not self.top_k <= self.num_experts <= 256:
-            raise ConfigError(f"num_experts={self.num_experts}: need top_k ({self.top_k}) <= num_experts <= 256 "
-                              "(routed expert ids are stored as uint8)")
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
-        if self.vocab_size < 2:
-            raise ConfigError(f"vocab_size={self.vocab_size} must be >= 2")
-        for name in ("hidden_size", "moe_intermediate_size"):
-            value = getattr(self, name)
-            if value < 1 or value % NVFP4_BLOCK_SIZE:
-                raise ConfigError(f"{name}={value} must be a positive multiple of {NVFP4_BLOCK_SIZE} (NVFP4 block)")
+#: the name stores record for `build_model` in their model metadata (a stable identifier, not a module path:
+#: tracerl 0.1 kept the builder in ``tracerl.models``)
+BUILDER = "tracerl.models.build_model"
 
 
 def _hf_config(spec: TinyMoESpec) -> Any:
@@ -121,7 +87,7 @@ def build_model(
 
 def model_metadata(spec: TinyMoESpec, seed: int) -> dict[str, Any]:
     """What the store records so that a trainer can rebuild the same model."""
-    return {"builder": "tracerl.models.build_model", "seed": seed, "spec": dataclasses.asdict(spec)}
+    return {"builder": BUILDER, "seed": seed, "spec": dataclasses.asdict(spec)}
 
 
 def has_linear_attention(model: torch.nn.Module) -> bool:

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from tracefp4.constants import NVFP4_BLOCK_SIZE
-from tracerl.config import FP4_PLACEMENTS, HINT_SITE_KINDS
+from tracerl.config import FP4_PLACEMENTS, HINT_SITE_KINDS, parse_layers
 from tracerl.errors import ConfigError
 from tracerl.policy.models import attention_name, moe_blocks, moe_layer_name
 
@@ -103,29 +103,6 @@ class SitePlan:
     @classmethod
     def from_json(cls, obj: dict) -> "SitePlan":
         return cls(tuple(SiteSpec(**s) for s in obj["sites"]), tuple(obj["hinted"]), bool(obj["fp4_weights"]))
-
-
-def parse_layers(spec: str | Sequence[int], num_layers: int) -> list[int]:
-    """``latter-half`` | ``all`` | ``none`` | ``"0,3,5"`` | a sequence of ints -> sorted layer indices."""
-    if not isinstance(spec, str):
-        layers = sorted({int(i) for i in spec})
-    elif spec == "latter-half":
-        layers = list(range(num_layers // 2, num_layers))
-    elif spec == "all":
-        layers = list(range(num_layers))
-    elif spec in ("none", ""):
-        layers = []
-    else:
-        try:
-            layers = sorted({int(tok) for tok in spec.split(",") if tok.strip()})
-        except ValueError as e:
-            raise ConfigError(
-                f"hint layers {spec!r}: expected latter-half, all, none or comma-separated layer indices"
-            ) from e
-    bad = [i for i in layers if not 0 <= i < num_layers]
-    if bad:
-        raise ConfigError(f"hint layers {bad} out of range for a model of {num_layers} layers")
-    return layers
 
 
 def plan_sites(

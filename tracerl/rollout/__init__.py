@@ -5,6 +5,8 @@ the rollout worker of the closed loop (newest policy version in, GRPO groups and
 Recording from SGLang lives in `tracerl.sglang`.
 """
 
+from tracerl import deprecation
+
 from tracerl.rollout.decode import StaticDecoder, supports_static_decode
 from tracerl.rollout.engine import RolloutEngine, RolloutResult
 from tracerl.rollout.recorder import NO_EXPERT, MemorySink, RolloutRecorder, TracePiece, TraceSink
@@ -12,3 +14,8 @@ from tracerl.rollout.worker import RolloutWorker, run_rollout
 
 __all__ = ["StaticDecoder", "supports_static_decode", "RolloutEngine", "RolloutResult", "NO_EXPERT", "MemorySink",
            "RolloutRecorder", "TracePiece", "TraceSink", "RolloutWorker", "run_rollout"]
+
+# names that left this package's modules in tracerl 0.2 (`tracerl.deprecation`)
+__getattr__ = deprecation.forward(__name__, {
+    "CODES_PREFIX": "tracerl.artifacts.codes",
+})

@@ -5,6 +5,8 @@ sliced for data, context and tensor parallelism (`pack_micro_batches`, `read_pac
 and the trainer's main loop with checkpoints and weight publication (`run_training`, `start_or_resume`).
 """
 
+from tracerl import deprecation
+
 from tracerl.train.determinism import param_digest, set_deterministic
 from tracerl.train.follower import Follower, Group, Taken, Trajectory
 from tracerl.train.grpo import GRPOTrainer
@@ -35,3 +37,10 @@ __all__ = [
     "run_training", "start_or_resume",
     "RecordSource", "packed_nbytes", "read_ahead",
 ]
+
+# names that left this package's modules in tracerl 0.2 (`tracerl.deprecation`)
+__getattr__ = deprecation.forward(__name__, {
+    "MetricsLog": "tracerl.runlog",
+    "json_ready": "tracerl.runlog",
+    "CODES_KEY": "tracerl.artifacts.codes",
+})

@@ -1,0 +1,265 @@
+"""The trainer's recompute passes of an audit: what each pass does at each FP4 site (`PassSpec`), one packed
+micro-batch with the replay's and the store's values on the device (`AuditMicroBatch`), the runtime hook that
+drives the sites (`substitute_hook`), and the per-mode summaries and slices of what a pass measured."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+import tracefp4
+from tracerl.audit import metrics as am
+from tracerl.audit import plan as ap
+from tracerl.audit.replay import ReplayBatch
+from tracerl.audit.setup import Setup, StoredTrajectory
+from tracerl.policy import SitePlan, effective_codes
+from tracerl.train import PackedHints, QATTrainer
+from tracerl.util import to_device
+
+#: the slices of each mode's ``detail`` entry
+DETAIL_KEYS = ("per_site", "per_layer", "per_trajectory", "per_policy_version", "by_position")
+
+
+@dataclasses.dataclass(frozen=True)
+class PassSpec:
+    """One trainer recompute of every audited token: which FP4 sites do what (``actions``: site ->
+    ``scales`` | ``hints`` (the store's) | ``replay_hints`` | ``exact`` (the replay's); absent: own RNE), routing
+    replay, and whether code metrics are taken (``observe``). ``fp4=False``: the bf16 trainer."""
+
+    name: str
+    fp4: bool = True
+    actions: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    replay_routes: bool = False
+    observe: bool = False
+
+
+def mode_passes(plan: SitePlan) -> list[PassSpec]:
+    stored = {s: "hints" for s in plan.hinted}
+    return [PassSpec("bf16", fp4=False),
+            PassSpec("fp4_rne_own_scales", observe=True),
+            PassSpec("fp4_rne_rollout_scales", actions={s: "scales" for s in plan.hinted}, observe=True),
+            PassSpec("fp4_hints", actions=stored, observe=True),
+            PassSpec("fp4_hints_replay_routes", actions=stored, replay_routes=True, observe=True),
+            PassSpec("fp4_rne_replay_routes", replay_routes=True, observe=True)]
+
+
+def attribution_passes(plan: SitePlan, groups: Sequence[ap.SiteGroup]) -> list[PassSpec]:
+    """``exact:<group>``: routes replayed and every group up to this one (in `ap.attribution_order`) exact, the
+    store's hints at the other hinted sites; the last one is the residual (every FP4 site exact)."""
+    stored = {s: "hints" for s in plan.hinted}
+    out, exact = [], {}
+    order = ap.attribution_order(groups)
+    for i, g in enumerate(order):
+        exact.update({s: "exact" for s in g.sites})
+        # the last pass (every FP4 site exact) also counts codes: a check that exact means the rollout's codes
+        out.append(PassSpec(f"exact:{g.name}", actions={**stored, **exact}, replay_routes=True,
+                            observe=i == len(order) - 1))
+    return out
+
+
+def hint_pass(name: str, units: Sequence[ap.SiteGroup]) -> PassSpec:
+    return PassSpec(name, actions={s: "replay_hints" for u in units for s in u.sites})
+
+
+class AuditMicroBatch:
+    """A packed micro-batch on the device: forward rows of the trainer's layout, the replay's codes/scales and
+    the store's hints/scales gathered to THD rows (each once, on first use), and its response tokens."""
+
+    def __init__(self, s: Setup, rep: ReplayBatch, packed: PackedHints):
+        self.s, self.rep, self.packed = s, rep, packed
+        dev = s.device
+        inputs, self.rows = s.trainer._layout(packed, dev)
+        self.nrows = int(inputs["input_ids"].numel())
+        local = {t.traj_id: b for b, t in enumerate(rep.trajs)}
+        self.b_host = np.concatenate([np.full(len(g), local[g.traj_id]) for g in packed.segments]).astype(np.int64)
+        self.pos_host = np.asarray(packed.positions, dtype=np.int64)
+        self.b_dev = to_device(torch.as_tensor(self.b_host), dev)
+        self.pos_dev = to_device(torch.as_tensor(self.pos_host), dev)
+        self.response = ~np.isnan(np.asarray(packed.logprobs))
+        self.resp_dev = to_device(torch.as_tensor(np.flatnonzero(self.response)), dev)
+        self._cache: dict[tuple[str, str], torch.Tensor] = {}
+
+    def _get(self, key: tuple[str, str], make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        t = self._cache.get(key)
+        if t is None:
+            t = self._cache[key] = make()
+        return t
+
+    def replay_codes(self, site: str) -> torch.Tensor:  # packed uint8 [T, W/2]
+        return self._get((site, "rc"), lambda: self.rep.codes[site][self.b_dev, self.pos_dev])
+
+    def replay_scales(self, site: str) -> torch.Tensor:  # uint8 [T, W/16]
+        return self._get((site, "rs"), lambda: self.rep.scales[site][self.b_dev, self.pos_dev])
+
+    def stored(self, site: str, what: str) -> torch.Tensor:  # what: "hints" [T, W/8] | "scales" [T, W/16]
+        return self._get((site, what), lambda: to_device(torch.as_tensor(
+            np.ascontiguousarray(getattr(self.packed, what)[site])), self.s.device))
+
+    def reference_scales(self, site: str) -> torch.Tensor:
+        """The rollout's scales: as stored at the store's hinted sites, as replayed elsewhere."""
+        return self.stored(site, "scales") if site in self.packed.scales else self.replay_scales(site)
+
+    def forward_rows(self, key: tuple[str, str], thd: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """THD rows [T, C] -> the trainer's forward rows [nrows, C] (rows it does not cover: 0, scale 0 -> 0)."""
+        return self._get((key[0], "fwd-" + key[1]),
+                         lambda: QATTrainer._scatter(thd(), self.rows, self.nrows, self.s.device))
+
+    def reproduction(self) -> np.ndarray:
+        """[equal hint bytes, hint bytes, equal scale bytes, scale bytes] of the replay against the store at
+        the store's hinted sites, over every row of the micro-batch."""
+        out = np.zeros(4, np.int64)
+        for site in self.packed.hints:
+            h = tracefp4.hints_from_codes(self.replay_codes(site)) == self.stored(site, "hints")
+            sc = self.replay_scales(site) == self.stored(site, "scales")
+            out += np.array([int(h.sum()), h.numel(), int(sc.sum()), sc.numel()])
+        return out
+
+
+def substitute_hook(mb: AuditMicroBatch, spec: PassSpec, tally: am.CodeTally | None):
+    """The `FP4Runtime.substitute` hook of one pass over one micro-batch (the pass's site actions; with a
+    ``tally``, code metrics at every observable site). The runtime's mode is ``fp4_rne_own_scales``, so a site
+    the hook leaves alone (None) is rounded to nearest with its own scales, as it would be here too."""
+    rt = mb.s.train
+    observable = set(mb.s.observable)
+
+    def sub(site: str, x: torch.Tensor) -> torch.Tensor | None:
+        act = spec.actions.get(site)
+        if site not in observable or (act is None and tally is None):
+            return None
+        g = rt.global_scale_on(site, x.device)
+        if act == "exact":  # the rollout's quantized values, as its forward used them
+            scales = mb.forward_rows((site, "rs"), lambda: mb.replay_scales(site))
+            y = tracefp4.dequantize(mb.forward_rows((site, "rc"), lambda: mb.replay_codes(site)), scales,
+                                    fmt="nvfp4", global_scale=g, dtype=x.dtype, backend=rt.backend)
+            if tally is not None:  # a self-check: the codes y carries are the rollout's
+                used = scales.index_select(0, mb.rows)
+                tally.add(site, effective_codes(y.index_select(0, mb.rows), used, g), mb.replay_codes(site), used,
+                          mb.replay_scales(site))
+            return y
+        if act is not None:
+            if act == "replay_hints":
+                scales = mb.forward_rows((site, "rs"), lambda: mb.replay_scales(site))
+                hints = mb.forward_rows((site, "rh"), lambda: tracefp4.hints_from_codes(mb.replay_codes(site)))
+            else:
+                scales = mb.forward_rows((site, "scales"), lambda: mb.stored(site, "scales"))
+                hints = (mb.forward_rows((site, "hints"), lambda: mb.stored(site, "hints")) if act == "hints"
+                         else None)
+            y = tracefp4.fake_quantize(x, fmt="nvfp4", global_scale=g, scales=scales, hints=hints,
+                                       backend=rt.backend)
+            if tally is not None:
+                used = scales.index_select(0, mb.rows)
+                tally.add(site, effective_codes(y.detach().index_select(0, mb.rows), used, g), mb.replay_codes(site),
+                          used, mb.reference_scales(site))
+            return y
+        y, q = tracefp4.quantize_fake(x, "nvfp4", global_scale=g, backend=rt.backend)
+        tally.add(site, tracefp4.unpack_codes(q.codes.index_select(0, mb.rows)), mb.replay_codes(site),
+                  q.scales.index_select(0, mb.rows), mb.reference_scales(site))
+        return y
+
+    return sub
+
+
+@dataclasses.dataclass
+class PassState:
+    """What one pass accumulates over the micro-batches."""
+
+    spec: PassSpec
+    log: am.TokenLog
+    tally: am.CodeTally | None
+    layer_flips: dict[int, int]
+    layer_tokens: int = 0
+    seconds: float = 0.0
+    floor_log: am.TokenLog | None = None  # the bf16 pass: also against the floor decode
+
+
+def run_pass(s: Setup, mb: AuditMicroBatch, st: PassState) -> None:
+    """Recompute ``mb`` in ``st.spec`` and append its response tokens' rows to ``st``."""
+    spec = st.spec
+    t0 = time.perf_counter()
+    if st.tally is not None:
+        st.tally.begin(mb.resp_dev)
+    if spec.fp4:
+        with s.train.using(substitute=substitute_hook(mb, spec, st.tally)):
+            r = s.trainer.recompute(mb.packed, "fp4_rne_own_scales", observe=False, replay_routes=spec.replay_routes)
+    else:
+        r = s.trainer.recompute(mb.packed, "bf16", observe=False, replay_routes=spec.replay_routes)
+    codes = st.tally.end() if st.tally is not None else None
+    st.seconds += time.perf_counter() - t0
+    resp = mb.response
+    b, pos = mb.b_host[resp], mb.pos_host[resp]
+    trajs = mb.rep.trajs
+    prompt = np.array([t.prompt_len for t in trajs])[b]
+    index = np.array([t.index for t in trajs])[b]
+    version = np.array([t.version for t in trajs])[b]
+    routes = {la: ids[resp] for la, ids in r.routes.items()}
+    stored_routes = {name: ids[resp] for name, ids in mb.packed.experts.items()}
+    flips, per_layer = am.route_flips(routes, stored_routes, s.moe_names)
+    for la, n in per_layer.items():
+        st.layer_flips[la] = st.layer_flips.get(la, 0) + n
+    st.layer_tokens += int(resp.sum())
+    lp = r.logprobs[resp].astype(np.float64)
+    st.log.add(traj=index, position=pos - prompt, version=version, dlogp=lp - np.asarray(mb.packed.logprobs)[resp],
+               flips=flips, layers=len(routes), codes=codes)
+    if st.floor_log is not None:
+        floor_lp = mb.rep.floor_logprobs[b, pos - prompt].astype(np.float64)
+        ff, _ = am.route_flips(routes, {la: mb.rep.floor_experts[la][b, pos] for la in routes})
+        st.floor_log.add(traj=index, position=pos - prompt, version=version, dlogp=lp - floor_lp, flips=ff,
+                         layers=len(routes))
+
+
+def mode_summary(log: am.TokenLog, tally: am.CodeTally | None, hinted: set[str]) -> dict[str, Any]:
+    d = log.column("dlogp")
+    stats = am.dlogp_summary(d)
+    layers = log.column("layers").sum()
+    out = {"code_agreement": None, "scale_agreement": None, "one_step_share": None, "multi_step_share": None,
+           "router_flip_rate": float(log.column("flips").sum() / layers) if layers else None,
+           **{k: stats[k] for k in ("mean_abs_dlogp", "p99_abs_dlogp", "max_abs_dlogp", "k3", "extreme_frac",
+                                     "tokens")}}
+    if tally is not None and hinted:
+        counts = tally.site_counts()
+        a = am.agreement(np.stack([counts[h] for h in hinted if h in counts]) if counts else np.zeros(5))
+        out.update({k: a[k] for k in ("code_agreement", "scale_agreement", "one_step_share", "multi_step_share")})
+    return out
+
+
+def site_rows(s: Setup, tally: am.CodeTally) -> tuple[list[dict], dict[int, dict]]:
+    counts = tally.site_counts()
+    hinted = set(s.plan.hinted)
+    sites, layers = [], {}
+    for spec in s.plan.sites:
+        if spec.name not in counts:
+            continue
+        c = counts[spec.name]
+        sites.append({"site": spec.name, "layer": spec.layer, "kind": spec.kind, "hinted": spec.name in hinted,
+                      "width": spec.width, **am.agreement(c)})
+        la = layers.setdefault(spec.layer, {"all": np.zeros(5, np.int64), "hinted": np.zeros(5, np.int64)})
+        la["all"] += c
+        if spec.name in hinted:
+            la["hinted"] += c
+    return sites, layers
+
+
+def detail_of(s: Setup, st: PassState, floor_abs: np.ndarray, trajs: list[StoredTrajectory], bucket: int) -> dict[str, Any]:
+    out = {k: [] for k in DETAIL_KEYS}
+    layer_counts: dict[int, dict] = {}
+    if st.tally is not None:
+        out["per_site"], layer_counts = site_rows(s, st.tally)
+    for la in sorted(s.moe_names):
+        c = layer_counts.get(la)
+        hinted = am.agreement(c["hinted"]) if c is not None else None
+        every = am.agreement(c["all"]) if c is not None else None
+        out["per_layer"].append({
+            "layer": la,
+            "hinted_code_agreement": hinted["code_agreement"] if hinted else None,
+            "code_agreement": every["code_agreement"] if every else None,
+            "one_step_share": every["one_step_share"] if every else None,
+            "scale_agreement": every["scale_agreement"] if every else None,
+            "router_flip_rate": st.layer_flips.get(la, 0) / st.layer_tokens if st.layer_tokens else None,
+        })
+    out.update(am.breakdown(st.log, floor_abs, [t.traj_id for t in trajs], bucket, st.tally is not None))
+    return out
