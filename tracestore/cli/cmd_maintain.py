@@ -1,0 +1,124 @@
+"""The commands that check and maintain a store: ``verify``, ``gc``, ``compact``, ``export``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..cliargs import EXIT_PROBLEMS, UsageError, load_json_arg, positive_float
+from .common import URL_HELP, human_bytes, json_out, open_store_arg, out, progress
+
+__all__ = ["register"]
+
+
+def register(add) -> None:
+    """Add the subcommands of this module; ``add(name, help, description=None)`` returns a new subcommand parser."""
+    p = add("verify", "re-read and checksum everything (log entries, metadata, shard indexes, every chunk's "
+                      "crc32c); exit 1 on problems")
+    p.add_argument("url", help=URL_HELP)
+    p.add_argument("--json", action="store_true", help="one JSON object: {ok, entries, ..., errors, orphan_segments}")
+    p.set_defaults(func=_cmd_verify)
+
+    p = add("gc", "delete uncommitted segments and partial files older than the grace period")
+    p.add_argument("url", help=URL_HELP)
+    p.add_argument("--dry-run", action="store_true", help="only report what would be deleted")
+    p.add_argument("--grace", type=positive_float, default=None, metavar="SECONDS",
+                   help="grace period in seconds, > 0 (default: the store's gc_grace_s, 3600); shorter than the "
+                        "store's needs --force")
+    p.add_argument("--force", action="store_true",
+                   help="allow a grace period shorter than the store's gc_grace_s (only when no writer is running)")
+    p.add_argument("--json", action="store_true", help="one JSON object: {dry_run, deleted_segments, ...}")
+    p.set_defaults(func=_cmd_gc)
+
+    p = add("compact", "write a checkpoint of the whole log so that readers open the store with one GET")
+    p.add_argument("url", help=URL_HELP)
+    p.add_argument("--json", action="store_true", help="{checkpoint_log_end: N or null}")
+    p.set_defaults(func=_cmd_compact)
+
+    p = add("export", "write every committed record to one Parquet file (for SQL engines)",
+            "Write every committed record (one row per record, in log order: seq, writer_id, segment, traj_id, "
+            "token_start, token_stop, row_offset, policy_version, ...) to one local Parquet file. Query it instead "
+            "of index/*.parquet: each checkpoint holds the whole log up to its log_end, so reading them all counts "
+            "records more than once.")
+    p.add_argument("url", help=URL_HELP)
+    p.add_argument("out", help="the Parquet file to write (a local path)")
+    p.add_argument("--snapshot", metavar="JSON", help="export this snapshot (JSON or @file) instead of the log head")
+    p.add_argument("--json", action="store_true", help="one JSON object: {path, records, log_end, snapshot}")
+    p.set_defaults(func=_cmd_export)
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from ..maintenance import verify
+
+    store = open_store_arg(args)
+    with progress(args, "verify") as update:
+        report = verify(store, progress=update)
+    d = report.to_dict()
+    if args.json:
+        json_out(d)
+    else:
+        out(f"{'OK' if report.ok else 'FAILED'}: {report.entries:,} log entries, {report.records:,} records, "
+             f"{report.segments:,} segments, {report.objects:,} objects, {report.chunks:,} chunks, "
+             f"{human_bytes(report.bytes)} checked")
+        if report.orphan_segments:
+            out(f"{len(report.orphan_segments)} orphaned segments (uncommitted data; `tracestore gc` removes them)")
+        if report.partial_objects:
+            out(f"{len(report.partial_objects)} partial files (unfinished writes; `tracestore gc` removes them)")
+        for e in report.errors:
+            out(f"error: {e}")
+    if not report.ok:
+        sys.stderr.write(f"tracestore verify: {len(report.errors)} problem(s) in {store.url}; first: "
+                         f"{report.errors[0]}\n")
+        return EXIT_PROBLEMS
+    return 0
+
+
+def _cmd_gc(args: argparse.Namespace) -> int:
+    from ..maintenance import collect_garbage
+
+    store = open_store_arg(args)
+    with progress(args, "gc") as update:
+        report = collect_garbage(store, grace_s=args.grace, dry_run=args.dry_run, progress=update, force=args.force)
+    if args.json:
+        json_out(report.to_dict())
+        return 0
+    verb = "would delete" if report.dry_run else "deleted"
+    out(f"{verb} {len(report.deleted_segments)} segments / {report.deleted_objects} objects "
+         f"({human_bytes(report.deleted_bytes)}); {len(report.young_segments)} uncommitted segments younger than "
+         f"the grace period kept")
+    for s in report.deleted_segments[:20]:
+        out(f"  {s}")
+    if len(report.deleted_segments) > 20:
+        out(f"  ... ({len(report.deleted_segments) - 20} more)")
+    return 0
+
+
+def _cmd_compact(args: argparse.Namespace) -> int:
+    from ..maintenance import compact
+
+    store = open_store_arg(args)
+    log_end = compact(store)
+    if args.json:
+        json_out({"checkpoint_log_end": log_end})
+    elif log_end is None:
+        out("nothing to do: the log is empty or a checkpoint at its head exists")
+    else:
+        out(f"wrote a checkpoint of log entries [0, {log_end})")
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from ..maintenance import export_records
+
+    store = open_store_arg(args)
+    snapshot = load_json_arg(args.snapshot, "--snapshot") if args.snapshot else None
+    try:
+        done = export_records(store, args.out, None if snapshot is None else json.dumps(snapshot))
+    except OSError as e:
+        raise UsageError(f"cannot write {args.out}: {e.strerror or e}") from e
+    if args.json:
+        json_out(done)
+    else:
+        out(f"wrote {done['records']:,} records of log entries [0, {done['log_end']}) to {done['path']}")
+    return 0
