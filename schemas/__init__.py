@@ -20,34 +20,29 @@ FORMAT_VERSION = 2
 SUPPORTED_FORMAT_VERSIONS = (1, 2)
 
 
+_NULLABLE = "nullable"
+
+
+def _schema(*columns: tuple) -> pa.Schema:
+    """A schema from ``(name, type)`` columns, not nullable, and ``(name, type, "nullable")`` ones."""
+    return pa.schema([pa.field(name, type_, nullable=_NULLABLE in rest) for name, type_, *rest in columns])
+
+
 def log_entry_schema() -> pa.Schema:
     """Columns of a log entry (Arrow IPC file ``log/<seq>.arrow``), one row per committed record.
 
     A record is the token range ``[token_start, token_stop)`` of trajectory ``traj_id``; its rows in the
     entry's segment are ``[row_offset, row_offset + token_stop - token_start)``.
     """
-    return pa.schema(
-        [
-            pa.field("traj_id", pa.string(), nullable=False),
-            pa.field("token_start", pa.int64(), nullable=False),
-            pa.field("token_stop", pa.int64(), nullable=False),
-            pa.field("row_offset", pa.int64(), nullable=False),
-            pa.field("policy_version", pa.int64(), nullable=False),
-        ]
-    )
+    return _schema(("traj_id", pa.string()), ("token_start", pa.int64()), ("token_stop", pa.int64()),
+                   ("row_offset", pa.int64()), ("policy_version", pa.int64()))
 
 
 def record_schema() -> pa.Schema:
-    """The logical record, one row per (trajectory, token position, site)."""
-    return pa.schema(
-        [
-            pa.field("traj_id", pa.string(), nullable=False),
-            pa.field("position", pa.int64(), nullable=False),
-            pa.field("site", pa.dictionary(pa.int32(), pa.string()), nullable=False),
-            pa.field("hints", pa.binary(), nullable=False),  # width/8 bytes, bit i = LSB of code i, LSB first
-            pa.field("scales", pa.binary(), nullable=False),  # width/block_size scale bytes (E4M3 / E8M0)
-        ]
-    )
+    """The logical record, one row per (trajectory, token position, site): ``hints`` holds width/8 bytes (bit i =
+    LSB of code i, LSB first), ``scales`` width/block_size scale bytes (E4M3 / E8M0)."""
+    return _schema(("traj_id", pa.string()), ("position", pa.int64()), ("site", pa.dictionary(pa.int32(), pa.string())),
+                   ("hints", pa.binary()), ("scales", pa.binary()))
 
 
 def token_schema() -> pa.Schema:
@@ -55,32 +50,18 @@ def token_schema() -> pa.Schema:
 
     ``experts`` holds the routed expert ids of all declared MoE layers, layer-major: ``[L * top_k]``.
     """
-    return pa.schema(
-        [
-            pa.field("traj_id", pa.string(), nullable=False),
-            pa.field("position", pa.int64(), nullable=False),
-            pa.field("token_id", pa.int32(), nullable=False),
-            pa.field("logprob", pa.float32(), nullable=False),
-            pa.field("policy_version", pa.int64(), nullable=False),
-            pa.field("experts", pa.list_(pa.uint16()), nullable=True),
-        ]
-    )
+    return _schema(("traj_id", pa.string()), ("position", pa.int64()), ("token_id", pa.int32()),
+                   ("logprob", pa.float32()), ("policy_version", pa.int64()),
+                   ("experts", pa.list_(pa.uint16()), _NULLABLE))
 
 
 def trajectory_schema() -> pa.Schema:
-    """Per-trajectory metadata derived from the committed log."""
-    return pa.schema(
-        [
-            pa.field("traj_id", pa.string(), nullable=False),
-            pa.field("num_tokens", pa.int64(), nullable=False),  # committed tokens contiguous from position 0
-            pa.field("committed_tokens", pa.int64(), nullable=False),  # all committed tokens
-            pa.field("num_records", pa.int64(), nullable=False),
-            pa.field("min_policy_version", pa.int64(), nullable=False),
-            pa.field("max_policy_version", pa.int64(), nullable=False),
-            pa.field("first_seq", pa.int64(), nullable=False),  # first log entry that holds the trajectory
-            pa.field("last_seq", pa.int64(), nullable=False),
-        ]
-    )
+    """Per-trajectory metadata derived from the committed log: ``num_tokens`` counts the committed tokens contiguous
+    from position 0, ``committed_tokens`` all of them; ``first_seq`` / ``last_seq`` are the first and last log
+    entries that hold the trajectory."""
+    return _schema(("traj_id", pa.string()), ("num_tokens", pa.int64()), ("committed_tokens", pa.int64()),
+                   ("num_records", pa.int64()), ("min_policy_version", pa.int64()),
+                   ("max_policy_version", pa.int64()), ("first_seq", pa.int64()), ("last_seq", pa.int64()))
 
 
 def result_schema() -> pa.Schema:
@@ -88,20 +69,10 @@ def result_schema() -> pa.Schema:
 
     ``advantage`` is null when the rollout side left it to the trainer; ``extra`` is a JSON object as text;
     ``seq`` is the log entry that committed the result."""
-    return pa.schema(
-        [
-            pa.field("traj_id", pa.string(), nullable=False),
-            pa.field("reward", pa.float64(), nullable=False),
-            pa.field("group_id", pa.string(), nullable=False),
-            pa.field("advantage", pa.float64(), nullable=True),
-            pa.field("prompt_len", pa.int64(), nullable=False),
-            pa.field("response_len", pa.int64(), nullable=False),
-            pa.field("policy_version", pa.int64(), nullable=False),
-            pa.field("finish_reason", pa.string(), nullable=False),
-            pa.field("extra", pa.string(), nullable=False),
-            pa.field("seq", pa.int64(), nullable=False),
-        ]
-    )
+    return _schema(("traj_id", pa.string()), ("reward", pa.float64()), ("group_id", pa.string()),
+                   ("advantage", pa.float64(), _NULLABLE), ("prompt_len", pa.int64()), ("response_len", pa.int64()),
+                   ("policy_version", pa.int64()), ("finish_reason", pa.string()), ("extra", pa.string()),
+                   ("seq", pa.int64()))
 
 
 SCHEMAS = {

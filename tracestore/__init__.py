@@ -35,7 +35,8 @@ _EXPORTS = {
         "InvalidIdError", "ShapeError", "DTypeError", "UnknownSiteError", "StoreExistsError", "StoreNotFoundError",
         "SnapshotError", "BackendError", "ObjectNotFoundError", "TransientStorageError", "ThrottledError",
         "StorageTimeoutError", "EndpointError", "CredentialsError", "AccessDeniedError", "LocationError",
-        "CommitError", "DeclarationError", "GcRefusedError", "ResultExistsError"),
+        "CommitError", "DeclarationError", "GcRefusedError", "ResultExistsError", "OptionError", "OptionTypeError",
+        "ResultError", "EntryVersionError", "ArrowOverflowError"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
@@ -43,13 +44,13 @@ __all__ = list(_MODULE_OF)
 
 
 def __getattr__(name: str) -> Any:
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module 'tracestore' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later look-ups skip this function
+    try:
+        module = _MODULE_OF[name]
+    except KeyError:
+        raise AttributeError(f"module 'tracestore' has no attribute {name!r}") from None
+    globals()[name] = value = getattr(importlib.import_module(module), name)  # later look-ups skip this function
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted({*globals(), *__all__})

@@ -22,7 +22,7 @@ import pyarrow as pa
 from traceschemas import record_schema, token_schema
 
 from ._aligned import PAGE, aligned_view
-from .errors import IntegrityError, ObjectNotFoundError, ShapeError, UnknownSiteError
+from .errors import ArrowOverflowError, IntegrityError, ObjectNotFoundError, OptionError, ShapeError, UnknownSiteError
 from .format.entries import SegmentRef
 from .format.segment import ReadTargets, layout
 from .records import CommittedRecord
@@ -73,7 +73,8 @@ class TraceBatch:
             widths = np.array([m.shape[1] for m in mats], np.int64)
             row_bytes = int(widths.sum())
             if T * row_bytes > np.iinfo(np.int32).max:
-                raise OverflowError(f"{T * row_bytes} bytes do not fit one Arrow binary column")
+                raise ArrowOverflowError(f"{T} tokens x {row_bytes} bytes = {T * row_bytes} bytes do not fit one Arrow "
+                                         f"binary column (at most {np.iinfo(np.int32).max}); convert fewer tokens")
             values = np.concatenate(mats, axis=1) if mats else np.zeros((T, 0), np.uint8)
             ends = (np.arange(T, dtype=np.int64)[:, None] * row_bytes + np.cumsum(widths)[None, :]).ravel()
             offsets = np.concatenate([np.zeros(1, np.int64), ends]).astype(np.int32)
@@ -168,7 +169,7 @@ class _Alloc:
                     warnings.warn("pin_memory=True but CUDA is not available; returning pageable tensors",
                                   RuntimeWarning, stacklevel=4)
         elif pin_memory:
-            raise ValueError("pin_memory=True needs fmt='torch'")
+            raise OptionError(f"pin_memory=True needs fmt='torch', got fmt={fmt!r}")
 
         self._arena: np.ndarray | None = None
         self._used = 0
@@ -354,7 +355,7 @@ def read_pieces(store, traj_id: str, start: int, stop: int, pieces: Sequence[Pie
     """Read ``pieces`` (covering ``[start, stop)`` contiguously, in order) into a TraceBatch: allocate the
     outputs, plan range reads straight into them, read and check every chunk's crc32c, convert to ``fmt``."""
     if fmt not in FORMATS:
-        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+        raise OptionError(f"fmt must be one of {FORMATS}, got {fmt!r}")
     sites = _check_sites(store, sites)
     feats = _check_features(store, sites, features)
     trace_arrays = (("token_ids", "logprobs") + (("experts",) if store.moe_layers else ())) if trace else ()

@@ -34,6 +34,12 @@ __all__ = [
     "GcRefusedError",
     "ResultExistsError",
     "UsageError",
+    "OptionError",
+    "OptionTypeError",
+    "ResultError",
+    "EntryVersionError",
+    "ArrowOverflowError",
+    "BenchError",
 ]
 
 
@@ -161,3 +167,34 @@ class ResultExistsError(OverlapError):
 class UsageError(TraceStoreError, ValueError):
     """Bad command-line input that argparse cannot catch (malformed JSON, an unreadable file, a URL the command
     cannot use): the command prints one line and exits 2 (``tracestore.cliargs``)."""
+
+
+class OptionError(TraceStoreError, ValueError):
+    """An argument or option of a tracestore call is outside what it allows (a retry policy's attempts or delays,
+    a writer's buffer sizes and timeouts, a read's output format, a benchmark's sizes): the message says which,
+    what arrived and what is allowed."""
+
+
+class OptionTypeError(OptionError, TypeError):
+    """An argument of a tracestore call has a type the call cannot take (model metadata that is not JSON, a
+    :class:`~tracestore.CommittedResult` given to ``Stream.read``); also an :class:`OptionError`."""
+
+
+class ResultError(TraceStoreError, ValueError, TypeError):
+    """A trajectory result field is invalid (FORMAT §3.2: a reward that is not finite, a negative length, an
+    ``extra`` that is not a JSON object of at most 16 KiB, ...): the message says which field, what arrived and what
+    is allowed. A ValueError, and a TypeError as the field checks raised for values of the wrong type before."""
+
+
+class EntryVersionError(IntegrityError, ValueError):
+    """A log holds an entry its store's format version cannot hold (a results entry in a version-1 store), so it
+    cannot be written in that version (a version-1 checkpoint)."""
+
+
+class ArrowOverflowError(ShapeError, OverflowError):
+    """A batch is too large for one Arrow binary column (offsets are int32: at most 2 GiB of hint or scale bytes);
+    convert fewer tokens at a time."""
+
+
+class BenchError(TraceStoreError, RuntimeError):
+    """The store benchmark could not set up what it measures against (the moto S3 server did not start)."""

@@ -166,16 +166,16 @@ def info(store) -> dict:
 class VerifyReport:
     """Outcome of :func:`verify`; ``ok`` iff ``errors`` is empty."""
 
-    entries: int = 0
-    records: int = 0
-    segments: int = 0
-    objects: int = 0
-    chunks: int = 0
-    bytes: int = 0
-    results: int = 0
-    errors: list[str] = field(default_factory=list)
-    orphan_segments: list[str] = field(default_factory=list)
-    partial_objects: list[str] = field(default_factory=list)
+    entries: int = 0  # log entries read
+    records: int = 0  # token ranges they commit
+    segments: int = 0  # segments checked
+    objects: int = 0  # zarr.json and shard objects read
+    chunks: int = 0  # inner chunks whose crc32c was checked
+    bytes: int = 0  # shard bytes read
+    results: int = 0  # trajectories with a committed result
+    errors: list[str] = field(default_factory=list)  # every problem, the object named
+    orphan_segments: list[str] = field(default_factory=list)  # segments no entry references (gc collects them)
+    partial_objects: list[str] = field(default_factory=list)  # temporary files of unfinished writes
 
     @property
     def ok(self) -> bool:

@@ -46,6 +46,7 @@ from .errors import (
     ObjectNotFoundError,
     SchemaVersionError,
     ShapeError,
+    OptionTypeError,
     SnapshotError,
     StoreExistsError,
     StoreNotFoundError,
@@ -205,7 +206,8 @@ def create_store(url: str, sites: Sequence[Site], *, model: Mapping | None = Non
 
     Raises:
         StoreExistsError: a store exists at ``url`` (and ``exist_ok`` is false, or it declares other sites).
-        InvalidIdError / ShapeError / ValueError: bad declaration. BackendError: storage failure.
+        InvalidIdError / ShapeError / DeclarationError: bad declaration (all ValueErrors). OptionTypeError: ``model``
+        is not JSON. SchemaVersionError: an unsupported ``format_version``. BackendError: storage failure.
     """
     sites = list(sites)
     if not sites or not all(isinstance(s, Site) for s in sites):
@@ -223,7 +225,8 @@ def create_store(url: str, sites: Sequence[Site], *, model: Mapping | None = Non
     try:
         json.dumps(dict(model or {}), allow_nan=False)
     except (TypeError, ValueError) as e:
-        raise TypeError(f"model metadata must be JSON-serialisable: {e}") from e
+        raise OptionTypeError(f"model metadata must be a JSON-serialisable mapping, got {type(model).__name__} that is "
+                              f"not: {e}") from e
     check_version(format_version, "create_store(format_version=...)")
     manifest = new_manifest(sites, model, moe_layers, top_k, num_experts, chunk_rows, shard_bytes, feature_chunk,
                          check_gc_grace(gc_grace_s), format_version)

@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterator
 
 from .batch import TraceBatch, read_record
-from .errors import IntegrityError, ObjectNotFoundError, SnapshotError
+from .errors import IntegrityError, ObjectNotFoundError, OptionTypeError, SnapshotError
 from .format.cursor import encode_cursor, parse_cursor
 from .format.keys import log_key
 from .format.entries import LogEntry
@@ -147,7 +147,9 @@ class Stream:
     def read(self, record: CommittedRecord, **kwargs) -> TraceBatch:
         """Read a record's tokens (keyword arguments as :meth:`Reader.read`, without start/stop).
 
-        Raises TypeError for a CommittedResult (it has no tokens; read the trajectory with a Reader)."""
+        Raises OptionTypeError (a TypeError) for a CommittedResult (it has no tokens; read the trajectory with a
+        Reader)."""
         if not isinstance(record, CommittedRecord):
-            raise TypeError(f"stream.read takes a CommittedRecord, got {type(record).__name__} (a result has no tokens)")
+            raise OptionTypeError(f"stream.read takes a CommittedRecord, got {type(record).__name__} (a result has no "
+                                  f"tokens)")
         return read_record(self.store, record, **kwargs)

@@ -38,7 +38,7 @@ from ._buffer import RowBuffer, Stage
 from ._closing import Closing
 from ._rows import CheckedWrite, check_write
 from .commit import Committer
-from .errors import BackendError, OverlapError, ResultExistsError, SchemaVersionError, TraceStoreError
+from .errors import BackendError, OptionError, OverlapError, ResultExistsError, SchemaVersionError, TraceStoreError
 from .format.entries import Result, check_result
 from .format.keys import check_id
 
@@ -97,10 +97,10 @@ class Writer(Closing):
         self.store = store
         self.writer_id = check_id(writer_id if writer_id is not None else _default_writer_id(), "writer id")
         if commit_bytes <= 0 or max_buffer_bytes <= 0 or commit_interval_s < 0:
-            raise ValueError(f"commit_bytes={commit_bytes}, max_buffer_bytes={max_buffer_bytes} must be > 0 and "
-                             f"commit_interval_s={commit_interval_s} >= 0")
+            raise OptionError(f"commit_bytes={commit_bytes}, max_buffer_bytes={max_buffer_bytes} must be > 0 and "
+                              f"commit_interval_s={commit_interval_s} >= 0")
         if not (isinstance(commit_timeout_s, (int, float)) and math.isfinite(commit_timeout_s) and commit_timeout_s > 0):
-            raise ValueError(f"commit_timeout_s must be a finite number of seconds > 0, got {commit_timeout_s!r}")
+            raise OptionError(f"commit_timeout_s must be a finite number of seconds > 0, got {commit_timeout_s!r}")
         self.commit_timeout_s = float(commit_timeout_s)
         self.commit_bytes = int(commit_bytes)
         self.max_buffer_bytes = int(max_buffer_bytes)
@@ -196,7 +196,7 @@ class Writer(Closing):
             SchemaVersionError: the store is format version 1 (it cannot hold results).
             ResultExistsError: the trajectory already has a result, committed (as far as this writer has read the
                 log) or buffered by this writer; with ``skip_committed`` a committed one is skipped silently.
-            InvalidIdError / ValueError / TypeError: a bad field (nothing is buffered).
+            InvalidIdError / ResultError: a bad field (nothing is buffered).
             TraceStoreError / BackendError: as :meth:`write`.
         """
         if self.store.format_version < 2:

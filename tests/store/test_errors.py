@@ -216,3 +216,38 @@ def test_partial_and_stray_files_are_ignored_and_collected(location, store):
     assert rep.deleted_segments == ["data/ghost/00000000-0123456789ab"] and rep.deleted_objects == 2
     assert not any("ghost" in k or k.endswith(".partial") for k in location.keys())
     assert ts.verify(store).ok and store.reader().info("t").num_tokens == 20
+
+
+def test_bad_arguments_raise_typed_errors_that_are_still_the_builtin_ones(tmp_path):
+    """Every argument check raises a tracestore error that says what arrived and what is allowed, and is still the
+    ValueError / TypeError / OverflowError it was, so ``except ValueError`` keeps working."""
+    from tracestore.format.entries import encode_checkpoint
+
+    store = ts.create_store(str(tmp_path / "s"), [ts.Site("s0", 64)])
+    with store.writer(commit_interval_s=0) as w:
+        w.write("t", 0, **rows(store, "t", 0, 4))
+        w.write_result("t", reward=1.0)
+    checks = [
+        (lambda: ts.RetryPolicy(attempts=0), ts.OptionError, ValueError, "attempts"),
+        (lambda: ts.RetryPolicy(deadline_s=float("nan")), ts.OptionError, ValueError, "deadline_s"),
+        (lambda: store.writer(commit_bytes=0), ts.OptionError, ValueError, "commit_bytes"),
+        (lambda: store.writer(commit_timeout_s=float("inf")), ts.OptionError, ValueError, "commit_timeout_s"),
+        (lambda: store.reader().read("t", fmt="pandas"), ts.OptionError, ValueError, "fmt"),
+        (lambda: store.reader().read("t", pin_memory=True), ts.OptionError, ValueError, "pin_memory"),
+        (lambda: ts.create_store(str(tmp_path / "m"), [ts.Site("s0", 64)], model={"x": {1, 2}}), ts.OptionTypeError,
+         TypeError, "JSON"),
+        (lambda: ts.Result.from_json({"traj_id": "t"}), ts.ResultError, ValueError, "fields"),
+        (lambda: ts.Result.from_json({**ts.Result("t", 1.0).to_json(), "extra": [1]}), ts.ResultError, TypeError,
+         "extra"),
+        (lambda: encode_checkpoint(store.read_entries(0, 2), version=1), ts.EntryVersionError, ValueError,
+         "version-1"),
+    ]
+    for call, typed, builtin, match in checks:
+        with pytest.raises(typed, match=match) as e:
+            call()
+        assert isinstance(e.value, builtin) and isinstance(e.value, ts.TraceStoreError)
+    result = next(i for i in store.stream(timeout_s=0) if i.kind == "result")
+    with pytest.raises(ts.OptionTypeError, match="CommittedRecord") as e:
+        store.stream(timeout_s=0).read(result)
+    assert isinstance(e.value, TypeError)
+    assert issubclass(ts.ArrowOverflowError, OverflowError) and issubclass(ts.ArrowOverflowError, ts.ShapeError)

@@ -52,6 +52,7 @@ from .bench_config import (
     add_arguments,
     config_from_args,
 )
+from ..errors import OptionError
 from .moto import MotoServer
 
 # the measurements are in bench_phases, the configuration and flags in bench_config, the moto server in moto; what
@@ -100,7 +101,7 @@ def run_bench(cfg: BenchConfig | None = None, progress: Progress | None = None) 
 
     cfg = cfg or BenchConfig()
     if cfg.trajectories <= 0 or cfg.tokens <= 0 or cfg.repeats <= 0 or cfg.write_tokens <= 0:
-        raise ValueError(f"trajectories, tokens, repeats and write_tokens must be > 0, got {cfg}")
+        raise OptionError(f"trajectories, tokens, repeats and write_tokens must be > 0, got {cfg}")
     tmp = None
     base = cfg.url
     if base is None:

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+from ..errors import BenchError
+
 __all__ = ["MotoServer", "free_port"]
 
 
@@ -33,14 +35,14 @@ class MotoServer:
         deadline = time.monotonic() + self._timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                raise RuntimeError(f"moto server exited with code {self._proc.returncode} (is moto[server] installed?)")
+                raise BenchError(f"moto server exited with code {self._proc.returncode} (is moto[server] installed?)")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
                     return self
             except OSError:
                 time.sleep(0.1)
         self.__exit__()
-        raise RuntimeError(f"moto server did not listen on port {self.port} within {self._timeout} s")
+        raise BenchError(f"moto server did not listen on port {self.port} within {self._timeout} s")
 
     def __exit__(self, *exc) -> None:
         if self._proc is not None:

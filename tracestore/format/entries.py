@@ -42,7 +42,7 @@ from .keys import (
     is_int,
 )
 from .segment import crc32c
-from ..errors import IntegrityError, InvalidIdError
+from ..errors import EntryVersionError, IntegrityError, InvalidIdError, ResultError
 
 _SCHEMA = log_entry_schema()
 
@@ -102,9 +102,9 @@ class Result:
 
     @classmethod
     def from_json(cls, d: object) -> Result:
-        """Raises ValueError / TypeError / KeyError / InvalidIdError on anything malformed (see :func:`check_result`)."""
+        """Raises ResultError / InvalidIdError on anything malformed (see :func:`check_result`)."""
         if not isinstance(d, Mapping) or set(d) != _RESULT_FIELDS:
-            raise ValueError(f"a result needs exactly the fields {sorted(_RESULT_FIELDS)}, got {d!r:.200}")
+            raise ResultError(f"a result needs exactly the fields {sorted(_RESULT_FIELDS)}, got {d!r:.200}")
         return check_result(cls(**d))
 
 
@@ -114,31 +114,34 @@ def check_result(r: Result) -> Result:
     """Validate every field of ``r`` (types, ranges, ids); returns it with plain Python values.
 
     Raises:
-        InvalidIdError: bad ``traj_id`` or ``group_id``. TypeError / ValueError: anything else (says which field,
-        what arrived and what is allowed).
+        InvalidIdError: bad ``traj_id`` or ``group_id``. ResultError (a ValueError and TypeError): anything else (says
+        which field, what arrived and what is allowed).
     """
     check_id(r.traj_id)
     if r.group_id != "":
         check_id(r.group_id, "group id")
     if not isinstance(r.reward, (int, float, np.floating)) or isinstance(r.reward, bool) or not math.isfinite(r.reward):
-        raise ValueError(f"result of {r.traj_id!r}: reward must be a finite number, got {r.reward!r:.40}")
+        raise ResultError(f"result of {r.traj_id!r}: reward must be a finite number, got {r.reward!r:.40}")
     if r.advantage is not None and (isinstance(r.advantage, bool) or not isinstance(r.advantage, (int, float, np.floating))
                                     or not math.isfinite(r.advantage)):
-        raise ValueError(f"result of {r.traj_id!r}: advantage must be a finite number or None, got {r.advantage!r:.40}")
+        raise ResultError(f"result of {r.traj_id!r}: advantage must be a finite number or None, got {r.advantage!r:.40}")
     for name in ("prompt_len", "response_len"):
         v = getattr(r, name)
         if not is_int(v) or not 0 <= v <= INT64_MAX:
-            raise ValueError(f"result of {r.traj_id!r}: {name} must be an int in [0, 2**63 - 1], got {v!r:.40}")
+            raise ResultError(f"result of {r.traj_id!r}: {name} must be an int in [0, 2**63 - 1], got {v!r:.40}")
     if not is_int(r.policy_version) or not INT64_MIN <= r.policy_version <= INT64_MAX:
-        raise ValueError(f"result of {r.traj_id!r}: policy_version must fit int64, got {r.policy_version!r:.40}")
+        raise ResultError(f"result of {r.traj_id!r}: policy_version must fit int64, got {r.policy_version!r:.40}")
     if not isinstance(r.finish_reason, str) or not _FINISH_RE.fullmatch(r.finish_reason):
-        raise ValueError(f"result of {r.traj_id!r}: finish_reason must be up to 64 characters of "
+        raise ResultError(f"result of {r.traj_id!r}: finish_reason must be up to 64 characters of "
                          f"[A-Za-z0-9_.:-], got {r.finish_reason!r:.80}")
     if not isinstance(r.extra, Mapping):
-        raise TypeError(f"result of {r.traj_id!r}: extra must be a JSON object, got {type(r.extra).__name__}")
-    text = json.dumps(dict(r.extra), allow_nan=False, sort_keys=True)
+        raise ResultError(f"result of {r.traj_id!r}: extra must be a JSON object, got {type(r.extra).__name__}")
+    try:
+        text = json.dumps(dict(r.extra), allow_nan=False, sort_keys=True)
+    except (TypeError, ValueError) as e:  # NaN or infinity, a value JSON has no type for
+        raise ResultError(f"result of {r.traj_id!r}: extra must be a JSON object, got one that is not JSON: {e}") from e
     if len(text) > MAX_EXTRA_BYTES:
-        raise ValueError(f"result of {r.traj_id!r}: extra is {len(text)} bytes of JSON, at most {MAX_EXTRA_BYTES}")
+        raise ResultError(f"result of {r.traj_id!r}: extra is {len(text)} bytes of JSON, at most {MAX_EXTRA_BYTES}")
     return Result(r.traj_id, float(r.reward), r.group_id, None if r.advantage is None else float(r.advantage),
                   int(r.prompt_len), int(r.response_len), int(r.policy_version), r.finish_reason,
                   json.loads(text))
@@ -276,7 +279,8 @@ def decode_entry(data: bytes, seq: int, where: str) -> LogEntry:
                       kind=kind, format_version=version)
         if kind == RESULTS:
             if not isinstance(meta["results"], list):
-                raise TypeError("results is not a list")
+                raise IntegrityError(f"log entry {where}: bad metadata: results is {type(meta['results']).__name__}, "
+                                     f"not a list")
             entry = LogEntry(segment=None, segment_nbytes=0, batch=str(meta["batch"]),
                              results=tuple(Result.from_json(r) for r in meta["results"]), **common)
         else:
@@ -405,7 +409,9 @@ def encode_checkpoint(entries: list[LogEntry], version: int = FORMAT_VERSION) ->
         table = pa.table([pa.array(seqs, pa.int64()), pa.array(blobs, pa.binary())], schema=schema)
     else:
         if any(e.kind != SEGMENT for e in entries):
-            raise ValueError("a version-1 checkpoint cannot hold results entries")
+            seqs = [e.seq for e in entries if e.kind != SEGMENT]
+            raise EntryVersionError(f"log entries {seqs[:5]} are results entries, which a version-1 store cannot "
+                                    f"hold, so they cannot go into its (version-1) checkpoint")
         schema = _checkpoint_schema()
         arrays = _records_columns(entries)
         crc = crc32c(_checkpoint_canonical(arrays))

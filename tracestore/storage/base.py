@@ -34,7 +34,14 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from ..errors import BackendError, ObjectNotFoundError, StorageTimeoutError, TraceStoreError, TransientStorageError
+from ..errors import (
+    BackendError,
+    ObjectNotFoundError,
+    OptionError,
+    StorageTimeoutError,
+    TraceStoreError,
+    TransientStorageError,
+)
 
 __all__ = ["Backend", "ByteRange", "ObjectInfo", "RetryPolicy", "join_parts", "Data", "PARTIAL_SUFFIX", "DEFAULT_RETRY"]
 
@@ -82,7 +89,7 @@ class RetryPolicy:
     integrity) are raised at once.
 
     Raises:
-        ValueError: ``attempts < 1`` or a delay/deadline that is negative, NaN or infinite.
+        OptionError (a ValueError): ``attempts < 1`` or a delay/deadline that is negative, NaN or infinite.
     """
 
     attempts: int = 5
@@ -92,11 +99,11 @@ class RetryPolicy:
 
     def __post_init__(self) -> None:
         if isinstance(self.attempts, bool) or not isinstance(self.attempts, int) or self.attempts < 1:
-            raise ValueError(f"RetryPolicy.attempts must be an int >= 1, got {self.attempts!r}")
+            raise OptionError(f"RetryPolicy.attempts must be an int >= 1, got {self.attempts!r}")
         for name in ("base_delay_s", "max_delay_s", "deadline_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                raise ValueError(f"RetryPolicy.{name} must be a finite number >= 0, got {v!r}")
+                raise OptionError(f"RetryPolicy.{name} must be a finite number >= 0, got {v!r}")
 
     def delay(self, failures: int) -> float:
         """Seconds to sleep after ``failures`` consecutive failures (>= 1)."""
