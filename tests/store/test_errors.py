@@ -251,3 +251,19 @@ def test_bad_arguments_raise_typed_errors_that_are_still_the_builtin_ones(tmp_pa
         store.stream(timeout_s=0).read(result)
     assert isinstance(e.value, TypeError)
     assert issubclass(ts.ArrowOverflowError, OverflowError) and issubclass(ts.ArrowOverflowError, ts.ShapeError)
+
+
+def test_error_classes_live_in_the_errors_module():
+    import ast
+    import pathlib
+
+    root = pathlib.Path(ts.__file__).parent
+    elsewhere = []
+    for path in root.rglob("*.py"):
+        if path.name == "errors.py" and path.parent == root:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef) and any(
+                    getattr(b, "id", getattr(b, "attr", "")).endswith(("Error", "Exception")) for b in node.bases):
+                elsewhere.append(f"{path.relative_to(root)}:{node.lineno} {node.name}")
+    assert not elsewhere, elsewhere
