@@ -28,7 +28,8 @@ from collections.abc import Callable, Iterator
 from .errors import UsageError
 
 __all__ = ["UsageError", "EXIT_PROBLEMS", "EXIT_ERROR", "EXIT_INTERRUPTED", "ENV_STORAGE_OPTIONS",
-           "add_storage_arguments", "storage_options", "load_json_arg", "add_debug_argument",
+           "add_storage_arguments", "storage_options", "load_json_arg", "add_debug_argument", "HelpFormatter",
+           "examples",
            "accept_negative_numbers", "int_at_least", "float_above", "float_at_least", "finite_float",
            "positive_int", "nonneg_int", "positive_float", "nonneg_float"]
 
@@ -102,6 +103,22 @@ def _parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParse
             for sub in dict.fromkeys(action.choices.values()):
                 yield sub
                 yield from _parsers(sub)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's help layout, except that a text with line breaks (an epilog of :func:`examples`) is printed as
+    written; one-paragraph descriptions are filled to the terminal's width as usual."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text:
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+
+def examples(lines: list[str], note: str = "") -> str:
+    """An epilog for :class:`HelpFormatter`: ``examples:``, one command line each, then ``note`` if given."""
+    text = "examples:\n" + "\n".join(f"  {line}" for line in lines)
+    return f"{text}\n\n{note}" if note else text
 
 
 DEBUG_HELP = "show tracebacks and debug logging (before or after the command)"

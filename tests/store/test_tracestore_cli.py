@@ -358,6 +358,33 @@ def test_every_option_has_help():
     assert not missing, missing
 
 
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_has_examples_named_metavars_and_defaults(command, capsys):
+    import argparse
+
+    from tracestore.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    examples = out[out.index("examples:"):].splitlines()[1:]
+    assert examples and examples[0].strip().startswith(f"tracestore {command}"), out
+    sp = build_parser().subcommands[command]
+    for action in sp._actions:
+        if not action.option_strings or action.nargs == 0 or isinstance(action, argparse.BooleanOptionalAction):
+            continue
+        flag = action.option_strings[-1]
+        assert action.metavar is not None or action.choices is not None, f"{flag} shows {action.dest.upper()}"
+        if action.default is not None:
+            assert "default" in action.help, f"{flag}: {action.help}"
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"tracestore {ts.__version__}"
+
+
 def test_unknown_flag_after_a_subcommand_shows_its_usage(built, capsys):
     with pytest.raises(SystemExit) as e:
         main(["ls", built, "--bogus"])

@@ -54,34 +54,38 @@ class BenchConfig:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The benchmark's command-line flags (shared by ``tracestore bench`` and ``benchmarks/benchmark_store.py``)."""
     d = BenchConfig()
-    p.add_argument("--trajectories", type=positive_int, default=d.trajectories, help=f"trajectories (default {d.trajectories})")
-    p.add_argument("--tokens", type=positive_int, default=d.tokens, help=f"tokens per trajectory (default {d.tokens})")
-    p.add_argument("--sites", type=positive_int, default=d.sites, help=f"hinted sites (default {d.sites})")
-    p.add_argument("--width", type=positive_int, default=d.width, help=f"values per site (default {d.width})")
+
+    def number(option: str, metavar: str, kind, default, help_: str) -> None:
+        p.add_argument(option, type=kind, default=default, metavar=metavar, help=help_)
+
+    number("--trajectories", "N", positive_int, d.trajectories, f"trajectories (default {d.trajectories})")
+    number("--tokens", "N", positive_int, d.tokens, f"tokens per trajectory (default {d.tokens})")
+    number("--sites", "N", positive_int, d.sites, f"hinted sites (default {d.sites})")
+    number("--width", "W", positive_int, d.width, f"values per site (default {d.width})")
     p.add_argument("--fp4-format", choices=("nvfp4", "mxfp4"), default=d.fp4_format,
                    help=f"FP4 format of the sites (default {d.fp4_format})")
-    p.add_argument("--moe-layers", type=nonneg_int, default=d.moe_layers,
-                   help=f"MoE layers in the trace (default {d.moe_layers}; 0 = no routed experts)")
-    p.add_argument("--top-k", type=positive_int, default=d.top_k,
-                   help=f"routed experts per token and MoE layer (default {d.top_k})")
-    p.add_argument("--num-experts", type=positive_int, default=d.num_experts,
-                   help=f"experts per MoE layer (default {d.num_experts})")
-    p.add_argument("--write-tokens", type=positive_int, default=d.write_tokens,
-                   help=f"tokens per Writer.write call (default {d.write_tokens})")
-    p.add_argument("--commit-bytes", type=positive_int, default=d.commit_bytes, help="writer commit size (default 64 MiB)")
-    p.add_argument("--chunk-rows", type=positive_int, default=None, help="store layout (default: the store default)")
-    p.add_argument("--shard-bytes", type=positive_int, default=None, help="store layout (default: the store default)")
-    p.add_argument("--repeats", type=positive_int, default=d.repeats, help=f"repeats, median reported (default {d.repeats})")
-    p.add_argument("--url", help="local benchmark directory (default: a temporary directory)")
+    number("--moe-layers", "L", nonneg_int, d.moe_layers,
+           f"MoE layers in the trace (default {d.moe_layers}; 0 = no routed experts)")
+    number("--top-k", "K", positive_int, d.top_k, f"routed experts per token and MoE layer (default {d.top_k})")
+    number("--num-experts", "E", positive_int, d.num_experts, f"experts per MoE layer (default {d.num_experts})")
+    number("--write-tokens", "N", positive_int, d.write_tokens,
+           f"tokens per Writer.write call (default {d.write_tokens})")
+    number("--commit-bytes", "BYTES", positive_int, d.commit_bytes, "writer commit size (default 64 MiB)")
+    number("--chunk-rows", "N", positive_int, None, "store layout (default: the store default)")
+    number("--shard-bytes", "BYTES", positive_int, None, "store layout (default: the store default)")
+    number("--repeats", "N", positive_int, d.repeats, f"repeats, median reported (default {d.repeats})")
+    p.add_argument("--url", metavar="DIR", help="local benchmark directory (default: a temporary directory)")
     p.add_argument("--s3", action=argparse.BooleanOptionalAction, default=True,
                    help="also benchmark S3 (default: yes, against a moto server on 127.0.0.1)")
-    p.add_argument("--s3-endpoint", help="S3 endpoint URL (default: start a moto server)")
-    p.add_argument("--s3-bucket", default=d.s3_bucket, help=f"bucket for --s3-endpoint (default {d.s3_bucket})")
-    p.add_argument("--s3-trajectories", type=positive_int, help="trajectories on S3 (default trajectories // 4)")
+    p.add_argument("--s3-endpoint", metavar="URL", help="S3 endpoint URL (default: start a moto server)")
+    p.add_argument("--s3-bucket", metavar="NAME", default=d.s3_bucket,
+                   help=f"bucket for --s3-endpoint (default {d.s3_bucket})")
+    number("--s3-trajectories", "N", positive_int, None,
+           "trajectories on S3 (default: --trajectories // 4, at least 1)")
     p.add_argument("--durable", action=argparse.BooleanOptionalAction, default=True,
                    help="also measure fsync'd writes and cold reads locally (default: yes)")
-    p.add_argument("--tail-commits", type=positive_int, default=d.tail_commits,
-                   help=f"commits timed for the tail latency (default {d.tail_commits})")
+    number("--tail-commits", "N", positive_int, d.tail_commits,
+           f"commits timed for the tail latency (default {d.tail_commits})")
     p.add_argument("--out", metavar="FILE", help="save the JSON result here")
 
 

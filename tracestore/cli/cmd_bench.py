@@ -12,14 +12,17 @@ __all__ = ["register"]
 
 
 def register(add) -> None:
-    """Add the subcommands of this module; ``add(name, help, description=None)`` returns a new subcommand parser."""
+    """Add this module's subcommands through ``add`` (see :func:`tracestore.cli.main.build_parser`)."""
     p = add("bench", "benchmark: bytes/token, write/read throughput vs plain files and plain S3, tail latency",
-            "Benchmark the store against plain files (local) and plain s3fs (moto server started on 127.0.0.1 "
-            "unless --s3-endpoint): bytes per token by category, write/read ratios (page cache; fsync'd / cold), "
-            "tail latency. Defaults: the Qwen3.5-35B-A3B table (20 sites x 2048 NVFP4 values, 40 MoE layers, "
-            "top-8 of 256 experts). --storage-options apply to --s3-endpoint.")
+            description="Benchmark the store against plain files (local) and plain s3fs (moto server started on "
+                        "127.0.0.1 unless --s3-endpoint): bytes per token by category, write/read ratios (page "
+                        "cache; fsync'd / cold), tail latency. Defaults: the Qwen3.5-35B-A3B table (20 sites x 2048 "
+                        "NVFP4 values, 40 MoE layers, top-8 of 256 experts). --storage-options apply to "
+                        "--s3-endpoint.",
+            examples=["tracestore bench --trajectories 4 --tokens 512 --no-s3 --no-durable",
+                      "tracestore bench --out bench.json --json"],
+            url=False, json="print one JSON object")
     add_arguments(p)
-    p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_bench)
 
 

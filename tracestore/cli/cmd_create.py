@@ -11,32 +11,37 @@ __all__ = ["register"]
 
 
 def register(add) -> None:
-    """Add the subcommands of this module; ``add(name, help, description=None)`` returns a new subcommand parser."""
-    p = add("create", "create a store from a site table (JSON) or --sites N --width W")
-    p.add_argument("url", help="store URL")
+    """Add this module's subcommands through ``add`` (see :func:`tracestore.cli.main.build_parser`)."""
+    p = add("create", "create a store from a site table (JSON) or --sites N --width W",
+            examples=["tracestore create /data/run1 --sites 20 --width 2048 --moe-layers 40",
+                      "tracestore create s3://bucket/run2 --site-table sites.json --endpoint-url http://host:9000"],
+            json="print the new store's info as JSON")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--site-table", metavar="FILE", help="JSON: a list of sites {name, width, [kind, fp4_format, "
                      "block_size]} or an object with 'sites' (+ model, moe_layers, top_k, num_experts, layout)")
     src.add_argument("--sites", type=positive_int, metavar="N", help="N sites of --width values each")
-    p.add_argument("--width", type=positive_int, default=2048, help="values per site with --sites (default 2048)")
+    p.add_argument("--width", type=positive_int, default=2048, metavar="W",
+                   help="values per site with --sites (default 2048)")
     p.add_argument("--fp4-format", choices=("nvfp4", "mxfp4"), default="nvfp4",
                    help="FP4 format of every site with --sites: nvfp4 (blocks of 16, E4M3 scales) or mxfp4 "
                         "(blocks of 32, E8M0 scales); default nvfp4")
-    p.add_argument("--site-name", default="layers.{i}.moe_in",
+    p.add_argument("--site-name", default="layers.{i}.moe_in", metavar="PATTERN",
                    help="site name pattern with --sites; {i} is replaced by 0..N-1 (default layers.{i}.moe_in)")
-    p.add_argument("--moe-layers", type=positive_int, metavar="L", help="declare L MoE layers (routed-expert trace)")
-    p.add_argument("--moe-layer-name", default="layers.{i}.mlp",
+    p.add_argument("--moe-layers", type=positive_int, metavar="L",
+                   help="declare L MoE layers (routed-expert trace; default none)")
+    p.add_argument("--moe-layer-name", default="layers.{i}.mlp", metavar="PATTERN",
                    help="MoE layer name pattern with --moe-layers; {i} is replaced by 0..L-1 (default layers.{i}.mlp)")
-    p.add_argument("--top-k", type=positive_int, default=8,
+    p.add_argument("--top-k", type=positive_int, default=8, metavar="K",
                    help="routed experts per token and MoE layer, with --moe-layers (default 8)")
-    p.add_argument("--num-experts", type=positive_int, default=256,
+    p.add_argument("--num-experts", type=positive_int, default=256, metavar="E",
                    help="experts per MoE layer, with --moe-layers (default 256; ids stored as uint8 up to 256)")
-    p.add_argument("--chunk-rows", type=positive_int, help="rows per inner chunk (store default 1024)")
-    p.add_argument("--shard-bytes", type=positive_int, help="target bytes per shard object (store default 16 MiB)")
-    p.add_argument("--feature-chunk", type=nonneg_int, help="values per column chunk (tensor-parallel slicing)")
-    p.add_argument("--model", metavar="JSON", help="free-form model metadata (JSON or @file.json)")
+    p.add_argument("--chunk-rows", type=positive_int, metavar="N", help="rows per inner chunk (default 1024)")
+    p.add_argument("--shard-bytes", type=positive_int, metavar="BYTES",
+                   help="target bytes per shard object (default 16 MiB)")
+    p.add_argument("--feature-chunk", type=nonneg_int, metavar="N",
+                   help="values per column chunk, for tensor-parallel slices (default 0: whole rows)")
+    p.add_argument("--model", metavar="JSON", help="free-form model metadata (JSON or @file.json; default {})")
     p.add_argument("--exist-ok", action="store_true", help="open an existing store with the same declaration")
-    p.add_argument("--json", action="store_true", help="print the new store's info as JSON")
     p.set_defaults(func=_cmd_create)
 
 

@@ -7,44 +7,45 @@ import json
 import sys
 
 from ..cliargs import EXIT_PROBLEMS, UsageError, load_json_arg, positive_float
-from .common import URL_HELP, human_bytes, json_out, open_store_arg, out, progress
+from .common import human_bytes, json_out, open_store_arg, out, progress
 
 __all__ = ["register"]
 
 
 def register(add) -> None:
-    """Add the subcommands of this module; ``add(name, help, description=None)`` returns a new subcommand parser."""
+    """Add this module's subcommands through ``add`` (see :func:`tracestore.cli.main.build_parser`)."""
     p = add("verify", "re-read and checksum everything (log entries, metadata, shard indexes, every chunk's "
-                      "crc32c); exit 1 on problems")
-    p.add_argument("url", help=URL_HELP)
-    p.add_argument("--json", action="store_true", help="one JSON object: {ok, entries, ..., errors, orphan_segments}")
+                      "crc32c); exit 1 on problems",
+            examples=["tracestore verify /data/run1 || echo 'problems found'"],
+            json="one JSON object: {ok, entries, ..., errors, orphan_segments}")
     p.set_defaults(func=_cmd_verify)
 
-    p = add("gc", "delete uncommitted segments and partial files older than the grace period")
-    p.add_argument("url", help=URL_HELP)
+    p = add("gc", "delete uncommitted segments and partial files older than the grace period",
+            examples=["tracestore gc /data/run1 --dry-run", "tracestore gc s3://bucket/run1 --grace 7200"],
+            json="one JSON object: {dry_run, deleted_segments, ...}")
     p.add_argument("--dry-run", action="store_true", help="only report what would be deleted")
     p.add_argument("--grace", type=positive_float, default=None, metavar="SECONDS",
                    help="grace period in seconds, > 0 (default: the store's gc_grace_s, 3600); shorter than the "
                         "store's needs --force")
     p.add_argument("--force", action="store_true",
                    help="allow a grace period shorter than the store's gc_grace_s (only when no writer is running)")
-    p.add_argument("--json", action="store_true", help="one JSON object: {dry_run, deleted_segments, ...}")
     p.set_defaults(func=_cmd_gc)
 
-    p = add("compact", "write a checkpoint of the whole log so that readers open the store with one GET")
-    p.add_argument("url", help=URL_HELP)
-    p.add_argument("--json", action="store_true", help="{checkpoint_log_end: N or null}")
+    p = add("compact", "write a checkpoint of the whole log so that readers open the store with one GET",
+            examples=["tracestore compact s3://bucket/run1 --endpoint-url http://host:9000"],
+            json="{checkpoint_log_end: N or null}")
     p.set_defaults(func=_cmd_compact)
 
     p = add("export", "write every committed record to one Parquet file (for SQL engines)",
-            "Write every committed record (one row per record, in log order: seq, writer_id, segment, traj_id, "
-            "token_start, token_stop, row_offset, policy_version, ...) to one local Parquet file. Query it instead "
-            "of index/*.parquet: each checkpoint holds the whole log up to its log_end, so reading them all counts "
-            "records more than once.")
-    p.add_argument("url", help=URL_HELP)
-    p.add_argument("out", help="the Parquet file to write (a local path)")
-    p.add_argument("--snapshot", metavar="JSON", help="export this snapshot (JSON or @file) instead of the log head")
-    p.add_argument("--json", action="store_true", help="one JSON object: {path, records, log_end, snapshot}")
+            description="Write every committed record (one row per record, in log order: seq, writer_id, segment, "
+                        "traj_id, token_start, token_stop, row_offset, policy_version, ...) to one local Parquet "
+                        "file. Query it instead of index/*.parquet: each checkpoint holds the whole log up to its "
+                        "log_end, so reading them all counts records more than once.",
+            examples=["tracestore export s3://bucket/run1 records.parquet",
+                      "duckdb -c \"SELECT traj_id, sum(token_stop - token_start) FROM 'records.parquet' GROUP BY 1\""],
+            json="one JSON object: {path, records, log_end, snapshot}")
+    p.add_argument("out", metavar="OUT.parquet", help="the Parquet file to write (a local path)")
+    p.add_argument("--snapshot", metavar="JSON", help="export this snapshot (JSON or @file; default: the log head)")
     p.set_defaults(func=_cmd_export)
 
 

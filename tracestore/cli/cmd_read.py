@@ -10,51 +10,57 @@ import time
 from collections.abc import Sequence
 
 from ..cliargs import UsageError, nonneg_float, nonneg_int, positive_float, positive_int
-from .common import URL_HELP, human_bytes, json_out, open_store_arg, out
+from .common import human_bytes, json_out, open_store_arg, out
 
 __all__ = ["register"]
 
 
 def register(add) -> None:
-    """Add the subcommands of this module; ``add(name, help, description=None)`` returns a new subcommand parser."""
-    p = add("info", "summary: sites, layout, log, trajectories, stored bytes by category and per token")
-    p.add_argument("url", help=URL_HELP)
-    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    """Add this module's subcommands through ``add`` (see :func:`tracestore.cli.main.build_parser`)."""
+    p = add("info", "summary: sites, layout, log, trajectories, stored bytes by category and per token",
+            examples=["tracestore info /data/run1", "tracestore info s3://bucket/run1 --json | jq .bytes"],
+            json="print the summary as one JSON object")
     p.set_defaults(func=_cmd_info)
 
-    p = add("ls", "list trajectories: committed tokens, records, policy versions, writers")
-    p.add_argument("url", help=URL_HELP)
-    p.add_argument("--prefix", help="only trajectory ids starting with this")
-    p.add_argument("--limit", type=positive_int, help="at most this many trajectories")
-    p.add_argument("--snapshot", metavar="JSON", help="pin a snapshot (JSON or @file) instead of the log head")
-    p.add_argument("--json", action="store_true",
-                   help="one JSON object: {snapshot, trajectories: [...]}")
+    p = add("ls", "list trajectories: committed tokens, records, policy versions, writers",
+            examples=["tracestore ls /data/run1 --prefix prompt-7 --limit 20"],
+            json="one JSON object: {snapshot, trajectories: [...]}")
+    p.add_argument("--prefix", metavar="P", help="only trajectory ids starting with P (default: all)")
+    p.add_argument("--limit", type=positive_int, metavar="N", help="at most N trajectories (default: all)")
+    p.add_argument("--snapshot", metavar="JSON", help="pin a snapshot (JSON or @file; default: the log head)")
     p.set_defaults(func=_cmd_ls)
 
     p = add("show", "one trajectory: records (token ranges, segments); with --tokens/--site the first rows of "
-                    "hints, scales and the trace")
-    p.add_argument("url", help=URL_HELP)
-    p.add_argument("traj_id", help="trajectory id")
-    p.add_argument("--tokens", metavar="A:B", help="read tokens [A, B) (A: = to the end of the contiguous run)")
+                    "hints, scales and the trace",
+            examples=["tracestore show /data/run1 traj-0", "tracestore show /data/run1 traj-0 --tokens 0:8 --rows 0"],
+            json="one JSON object: {records, rows: {...}}")
+    p.add_argument("traj_id", metavar="TRAJ", help="trajectory id")
+    p.add_argument("--tokens", metavar="A:B",
+                   help="read tokens [A, B) (A: = to the end of the contiguous run; --site without it reads 0:)")
     p.add_argument("--site", action="append", metavar="NAME", help="site(s) to show (repeatable; default all)")
-    p.add_argument("--rows", type=nonneg_int, default=4, help="rows to print (0 = all of --tokens; default 4)")
+    p.add_argument("--rows", type=nonneg_int, default=4, metavar="N",
+                   help="rows to print (0 = all of --tokens; default 4)")
     p.add_argument("--full", action="store_true", help="print whole hint/scale rows (default: first 24 bytes)")
-    p.add_argument("--snapshot", metavar="JSON", help="pin a snapshot (JSON or @file)")
-    p.add_argument("--json", action="store_true", help="one JSON object: {records, rows: {...}}")
+    p.add_argument("--snapshot", metavar="JSON", help="pin a snapshot (JSON or @file; default: the log head)")
     p.set_defaults(func=_cmd_show)
 
     p = add("tail", "follow the commit log and print records as they commit; prints the resume cursor at the end",
-            "Follow the commit log from --cursor (default: the current head, i.e. only new commits; --from-start: "
-            "from the first entry) and print every record as it commits. Ends after --timeout seconds without a "
-            "new record, after --max-records, or on Ctrl-C, and then prints the cursor to resume from.")
-    p.add_argument("url", help=URL_HELP)
-    p.add_argument("--cursor", help="resume position v1:<store_id>:<seq>:<index> (printed by a previous tail)")
+            description="Follow the commit log from --cursor (default: the current head, i.e. only new commits; "
+                        "--from-start: from the first entry) and print every record as it commits. Ends after "
+                        "--timeout seconds without a new record, after --max-records, or on Ctrl-C, and then prints "
+                        "the cursor to resume from.",
+            examples=["tracestore tail s3://bucket/run1 --json --timeout 60 > new.jsonl",
+                      'tracestore tail s3://bucket/run1 --json --cursor "$(tail -1 new.jsonl | jq -r .cursor)"'],
+            json="JSON lines: one per record (with the cursor after it), then {cursor, records}")
+    p.add_argument("--cursor", metavar="C",
+                   help="resume position v1:<store_id>:<seq>:<index> (printed by a previous tail; default: the head)")
     p.add_argument("--from-start", action="store_true", help="start at log entry 0")
-    p.add_argument("--timeout", type=nonneg_float, default=None, help="stop after this many seconds without a new record")
-    p.add_argument("--max-records", type=positive_int, default=None, help="stop after this many records")
-    p.add_argument("--poll", type=positive_float, default=0.05, help="poll interval in seconds (default 0.05)")
-    p.add_argument("--json", action="store_true", help="JSON lines: one per record (with the cursor after it), "
-                   "then {cursor, records}")
+    p.add_argument("--timeout", type=nonneg_float, default=None, metavar="S",
+                   help="stop after S seconds without a new record (default: never)")
+    p.add_argument("--max-records", type=positive_int, default=None, metavar="N",
+                   help="stop after N records (default: no limit)")
+    p.add_argument("--poll", type=positive_float, default=0.05, metavar="S",
+                   help="poll interval in seconds (default 0.05)")
     p.set_defaults(func=_cmd_tail)
 
 

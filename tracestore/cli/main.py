@@ -25,14 +25,17 @@ from collections.abc import Sequence
 from ..cliargs import (
     EXIT_ERROR,
     EXIT_INTERRUPTED,
+    HelpFormatter,
     UsageError,
     accept_negative_numbers,
     add_debug_argument,
     add_storage_arguments,
     storage_options,
 )
+from ..cliargs import examples as _examples
 from ..errors import TraceStoreError
 from . import cmd_bench, cmd_create, cmd_maintain, cmd_read
+from .common import URL_HELP
 
 # UsageError and storage_options are imported from here by programs written before tracestore.cliargs
 __all__ = ["main", "build_parser", "UsageError", "storage_options"]
@@ -54,16 +57,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     common = _common()
     parser = argparse.ArgumentParser(
-        prog="tracestore",
+        prog="tracestore", formatter_class=HelpFormatter,
         description="Inspect, verify, maintain and benchmark tracestore stores (FP4 rollout hints, TRACE). "
                     "A store is a URL: a local directory, s3://bucket/prefix, ...",
-        epilog="Exit codes: 0 ok, 1 verify found problems, 2 error (one line on stderr; --debug for a traceback).")
-    parser.add_argument("--version", action="version", version=f"tracestore {__version__}")
+        epilog=_examples(["tracestore info /data/run1", "tracestore verify s3://bucket/run1 --endpoint-url "
+                         "http://host:9000", "tracestore tail /data/run1 --from-start --timeout 5"],
+                        note="exit codes: 0 ok, 1 verify found problems, 2 error (one line on stderr; --debug,\n"
+                             "before or after the command, shows the traceback), 130 interrupted"))
+    parser.add_argument("--version", action="version", version=f"tracestore {__version__}",
+                        help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, help="run `tracestore COMMAND --help`")
     parser.subcommands = sub.choices
 
-    def add(name: str, help_: str, description: str | None = None) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help_, description=description or help_, parents=[common])
+    def add(name: str, help_: str, *, examples: list[str], description: str | None = None, url: bool = True,
+            json: str | None = None) -> argparse.ArgumentParser:
+        """A subcommand parser with the common options, the ``examples`` as its epilog, the store ``URL`` as its
+        first argument (unless ``url`` is false) and ``--json`` (help ``json``) when given."""
+        p = sub.add_parser(name, help=help_, description=description or help_, parents=[common],
+                           epilog=_examples(examples), formatter_class=HelpFormatter)
+        if url:
+            p.add_argument("url", metavar="URL", help=URL_HELP)
+        if json is not None:
+            p.add_argument("--json", action="store_true", help=json)
+        return p
 
     for commands in (cmd_create, cmd_read, cmd_maintain, cmd_bench):
         commands.register(add)
