@@ -251,7 +251,7 @@ def create_store(url: str, sites: Sequence[Site], *, model: Mapping | None = Non
 def open_store(url: str, *, storage_options: Mapping | None = None, retry: RetryPolicy | None = None) -> Store:
     """Open an existing store, checking the manifest's format version first.
 
-    ``retry`` says how transient storage errors are retried (default :data:`~tracestore.backend.DEFAULT_RETRY`).
+    ``retry`` says how transient storage errors are retried (default :data:`~tracestore.storage.DEFAULT_RETRY`).
 
     Raises:
         StoreNotFoundError: no manifest at ``url``. SchemaVersionError: unsupported format version.

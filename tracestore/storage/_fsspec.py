@@ -11,7 +11,7 @@ GETs the next log key).
 
 "Absent" is only what the storage said (404 / NoSuchKey). fsspec's ``isfile``/``exists`` swallow every error and
 answer False, so they are never used: ``exists`` is a HEAD (S3) or ``info`` whose errors are classified. Every
-call runs under the backend's :class:`~tracestore.backend.RetryPolicy`; failures become typed errors by
+call runs under the backend's :class:`~tracestore.storage.RetryPolicy`; failures become typed errors by
 :func:`classify_error` (throttling, 5xx, timeouts, resets, refused connections are transient and retried;
 credentials, permissions, missing buckets are not).
 """
