@@ -40,9 +40,9 @@ import tracestore as ts
 from tracerl.artifacts.objects import (
     WRITE_FORMAT,
     Location,
+    NumberedObjects,
     blob_mismatch,
     blob_ref,
-    check_number,
     opened,
     read_commit,
     ref_is_valid,
@@ -51,12 +51,14 @@ from tracerl.errors import CheckpointCorruptError, CheckpointExistsError, Checkp
 
 log = logging.getLogger(__name__)
 
-PREFIX = "checkpoints/"
-STEP_DIGITS = 12
 FORMAT_VERSION = WRITE_FORMAT  # written; READ_FORMATS are read
 READ_FORMATS = (1, 2)
 KIND = "tracerl.checkpoint"
-_MANIFEST_RE = re.compile(rf"(\d{{{STEP_DIGITS}}})\.json")  # a manifest's name in the area
+#: ``checkpoints/<step>.json`` (the manifest) and ``checkpoints/<step>-<checksum>.<blob name>``
+STEPS = NumberedObjects("checkpoints", "checkpoint step")
+AREA = STEPS.area  # the store's application area of checkpoints (tracestore FORMAT §2)
+PREFIX = f"{AREA}/"
+STEP_DIGITS = STEPS.digits
 _NAME_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")
 
 __all__ = ["Checkpoint", "save", "load", "list_steps", "latest_step", "prune", "manifest_key"]
@@ -72,24 +74,9 @@ class Checkpoint:
     created_unix: float
 
 
-def _check_step(step: Any) -> int:
-    return check_number(step, STEP_DIGITS, "checkpoint step")
-
-
 def manifest_key(step: int) -> str:
-    return f"{PREFIX}{_check_step(step):0{STEP_DIGITS}d}.json"
-
-
-AREA = PREFIX.rstrip("/")  # the store's application area of checkpoints (tracestore FORMAT §2)
-
-
-def _manifest_name(step: int) -> str:
-    return f"{step:0{STEP_DIGITS}d}.json"
-
-
-def _name(key: str) -> str:
-    """A key below the location (as manifests record it) -> the object's name in the area."""
-    return key.removeprefix(PREFIX)
+    """``checkpoints/<step, 12 digits>.json``: the key of the checkpoint's manifest below the location."""
+    return STEPS.commit_key(step)
 
 
 def save(location: Location, step: int, blobs: Mapping[str, Any], state: Mapping[str, Any], *,
@@ -102,11 +89,11 @@ def save(location: Location, step: int, blobs: Mapping[str, Any], state: Mapping
         CheckpointExistsError: ``step`` is already committed (nothing is changed).
         tracestore.BackendError: the storage failed (nothing is committed; a retry is safe).
     """
-    step = _check_step(step)
+    step = STEPS.check(step)
     for name in blobs:
         if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
             raise ConfigError(f"checkpoint blob name {name!r}: use 1-32 characters of [a-z0-9_], starting with a letter")
-    refs = {name: blob_ref(data, f"{PREFIX}{step:0{STEP_DIGITS}d}", f".{name}", FORMAT_VERSION)
+    refs = {name: blob_ref(data, STEPS.stem(step), f".{name}", FORMAT_VERSION)
             for name, data in blobs.items()}
     manifest = {"kind": KIND, "format_version": FORMAT_VERSION, "step": step, "created_unix": time.time(),
                 "blobs": refs, "state": dict(state)}
@@ -115,11 +102,11 @@ def save(location: Location, step: int, blobs: Mapping[str, Any], state: Mapping
     except (TypeError, ValueError) as e:
         raise ConfigError(f"checkpoint {step}: state is not JSON-serializable: {e}") from e
     with opened(location, AREA, storage_options) as area:
-        if area.exists(_manifest_name(step)):  # before uploading large blobs for nothing
+        if area.exists(STEPS.commit_name(step)):  # before uploading large blobs for nothing
             raise CheckpointExistsError(f"{area.url}: checkpoint {step} is already committed")
         for name, data in blobs.items():
-            area.put(_name(refs[name]["key"]), data)
-        if not area.put_if_absent(_manifest_name(step), raw):
+            area.put(STEPS.blob_name(refs[name]["key"]), data)
+        if not area.put_if_absent(STEPS.commit_name(step), raw):
             raise CheckpointExistsError(f"{area.url}: checkpoint {step} was committed concurrently")
         log.info("checkpoint %d committed to %s (%d bytes)", step, area.url, sum(r["bytes"] for r in refs.values()))
         return manifest_key(step)
@@ -128,7 +115,7 @@ def save(location: Location, step: int, blobs: Mapping[str, Any], state: Mapping
 def list_steps(location: Location, *, storage_options: Mapping | None = None) -> list[int]:
     """Committed checkpoint steps, ascending (a fresh listing)."""
     with opened(location, AREA, storage_options) as area:
-        return sorted(int(m.group(1)) for o in area.list() if (m := _MANIFEST_RE.fullmatch(o.key)))
+        return STEPS.numbers(area)
 
 
 def latest_step(location: Location, *, storage_options: Mapping | None = None) -> int | None:
@@ -139,14 +126,14 @@ def latest_step(location: Location, *, storage_options: Mapping | None = None) -
 
 def _manifest(area: ts.ObjectArea, step: int) -> dict:
     key = manifest_key(step)
-    man = read_commit(area, _manifest_name(step), KIND, READ_FORMATS, corrupt=CheckpointCorruptError,
+    man = read_commit(area, STEPS.commit_name(step), KIND, READ_FORMATS, corrupt=CheckpointCorruptError,
                       version_error=CheckpointCorruptError,
                       missing=CheckpointNotFoundError(f"{area.url}: no checkpoint {step} ({key} does not exist)"))
     blobs = man.get("blobs")
     if (man.get("step") != step or not isinstance(man.get("state"), dict) or not isinstance(blobs, dict)
-            or not all(ref_is_valid(r, man["format_version"], f"{PREFIX}{step:0{STEP_DIGITS}d}", f".{n}")
+            or not all(ref_is_valid(r, man["format_version"], STEPS.stem(step), f".{n}")
                        for n, r in blobs.items())):
-        raise CheckpointCorruptError(f"{area.describe(_manifest_name(step))}: manifest fields do not describe "
+        raise CheckpointCorruptError(f"{area.describe(STEPS.commit_name(step))}: manifest fields do not describe "
                                      f"checkpoint {step}")
     return man
 
@@ -165,17 +152,17 @@ def load(location: Location, step: int | None = None, *, storage_options: Mappin
             step = latest_step(area)
             if step is None:
                 raise CheckpointNotFoundError(f"{area.url}: holds no checkpoint ({PREFIX}*.json)")
-        man = _manifest(area, _check_step(step))
+        man = _manifest(area, STEPS.check(step))
         blobs = {}
         for name, ref in man["blobs"].items():
             try:
-                data = area.get(_name(ref["key"]))
+                data = area.get(STEPS.blob_name(ref["key"]))
             except ts.ObjectNotFoundError:
                 raise CheckpointCorruptError(f"{area.url}: checkpoint {step} is committed but its blob "
                                              f"{ref['key']} is missing") from None
             bad = blob_mismatch(data, ref, man["format_version"])
             if bad is not None:
-                raise CheckpointCorruptError(f"{area.describe(_name(ref['key']))}: {bad}")
+                raise CheckpointCorruptError(f"{area.describe(STEPS.blob_name(ref['key']))}: {bad}")
             blobs[name] = data
         return Checkpoint(step, man["state"], blobs, float(man.get("created_unix", 0.0)))
 
@@ -193,6 +180,6 @@ def prune(location: Location, keep_last: int, *, keep: tuple[int, ...] = (),
         doomed = [s for s in steps[:-keep_last] if s not in keep]
         for s in doomed:
             man = _manifest(area, s)
-            area.delete(_manifest_name(s))
-            area.delete_many(_name(r["key"]) for r in man["blobs"].values())
+            area.delete(STEPS.commit_name(s))
+            area.delete_many(STEPS.blob_name(r["key"]) for r in man["blobs"].values())
         return doomed

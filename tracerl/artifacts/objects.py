@@ -11,6 +11,7 @@ store and the weights share one trust model. Readers read both formats.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import re
@@ -41,6 +42,45 @@ def opened(location: Location, area: str, storage_options: Mapping | None = None
     else:
         with ts.open_area(location, area, storage_options=storage_options) as opened_area:
             yield opened_area
+
+
+@dataclasses.dataclass(frozen=True)
+class NumberedObjects:
+    """A family of numbered commit objects in one application area (policy versions, checkpoints)::
+
+        <area>/<n, 12 digits>.json                   the commit object (JSON), created with put-if-absent
+        <area>/<n, 12 digits>-<checksum>.<suffix>    the blobs it commits (their keys below the location are in it)
+
+    ``what`` names a number in messages ("policy version", "checkpoint step")."""
+
+    area: str
+    what: str
+    digits: int = 12
+
+    def check(self, n: Any) -> int:
+        """``n`` if it is an int in [0, 10^digits); else ConfigError."""
+        return check_number(n, self.digits, self.what)
+
+    def commit_name(self, n: int) -> str:
+        """The commit object's name in the area: ``000000000007.json``."""
+        return f"{self.check(n):0{self.digits}d}.json"
+
+    def commit_key(self, n: int) -> str:
+        """The commit object's key below the location: ``<area>/000000000007.json``."""
+        return f"{self.area}/{self.commit_name(n)}"
+
+    def stem(self, n: int) -> str:
+        """The start of ``n``'s blob keys below the location, as commit objects record them: ``<area>/<n>``."""
+        return f"{self.area}/{self.check(n):0{self.digits}d}"
+
+    def blob_name(self, key: str) -> str:
+        """A blob key below the location (as commit objects record it) -> its name in the area."""
+        return key.removeprefix(f"{self.area}/")
+
+    def numbers(self, area: ts.ObjectArea) -> list[int]:
+        """The committed numbers, ascending (a fresh listing of the area)."""
+        pattern = re.compile(rf"(\d{{{self.digits}}})\.json")
+        return sorted(int(m.group(1)) for o in area.list() if (m := pattern.fullmatch(o.key)))
 
 
 def check_number(value: Any, digits: int, what: str) -> int:

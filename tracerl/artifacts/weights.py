@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -48,9 +47,9 @@ from tracerl.artifacts.errors import VersionExistsError, VersionNotFoundError, W
 from tracerl.artifacts.objects import (
     WRITE_FORMAT,
     Location,
+    NumberedObjects,
     blob_mismatch,
     blob_ref,
-    check_number,
     opened,
     read_commit,
     ref_is_valid,
@@ -59,41 +58,23 @@ from tracerl.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-WEIGHTS_PREFIX = "weights/"
-VERSION_DIGITS = 12
 FORMAT_VERSION = WRITE_FORMAT  # written; READ_FORMATS are read
 READ_FORMATS = (1, 2)
 KIND = "tracerl.weights"
-_SIDECAR_RE = re.compile(rf"(\d{{{VERSION_DIGITS}}})\.json")  # a sidecar's name in the area
+#: ``weights/<version>.json`` (the sidecar) and ``weights/<version>-<checksum>.safetensors``
+VERSIONS = NumberedObjects("weights", "policy version")
+AREA = VERSIONS.area  # the store's application area of policy versions (tracestore FORMAT §2)
+WEIGHTS_PREFIX = f"{AREA}/"
+VERSION_DIGITS = VERSIONS.digits
 
 __all__ = ["publish", "latest_version", "list_versions", "read_meta", "load_state_dict", "load", "load_into",
-           "load_if_newer", "prune",
+           "load_if_newer", "prune", "sidecar_key",
            "WeightsError", "WeightsIntegrityError", "VersionNotFoundError", "VersionExistsError"]
-
-
-AREA = WEIGHTS_PREFIX.rstrip("/")  # the store's application area of policy versions (tracestore FORMAT §2)
-
-
-def _check_version(version: Any) -> int:
-    return check_number(version, VERSION_DIGITS, "policy version")
 
 
 def sidecar_key(version: int) -> str:
     """``weights/<version, 12 digits>.json``: the key of the version's sidecar below the URL."""
-    return f"{WEIGHTS_PREFIX}{_sidecar_name(_check_version(version))}"
-
-
-def _sidecar_name(version: int) -> str:
-    return f"{version:0{VERSION_DIGITS}d}.json"
-
-
-def _stem(version: int) -> str:
-    return f"{WEIGHTS_PREFIX}{version:0{VERSION_DIGITS}d}"
-
-
-def _name(key: str) -> str:
-    """A key below the URL (as sidecars record it) -> the object's name in the area."""
-    return key.removeprefix(WEIGHTS_PREFIX)
+    return VERSIONS.commit_key(version)
 
 
 def _encode(state_dict: Mapping[str, torch.Tensor], version: int) -> list:
@@ -127,11 +108,11 @@ def publish(url: Location, version: int, state_dict: Mapping[str, torch.Tensor],
         VersionExistsError: ``version`` is already committed (by anyone, with any content).
         tracestore.BackendError: the storage failed (nothing is committed then; a retry is safe).
     """
-    version = _check_version(version)
+    version = VERSIONS.check(version)
     if parent_version is not None:
-        _check_version(parent_version)
+        VERSIONS.check(parent_version)
     blob = _encode(state_dict, version)
-    ref = blob_ref(blob, _stem(version), ".safetensors", FORMAT_VERSION)
+    ref = blob_ref(blob, VERSIONS.stem(version), ".safetensors", FORMAT_VERSION)
     key = ref["key"]
     side = {"kind": KIND, "format_version": FORMAT_VERSION, "version": version, **ref, "created_unix": time.time(),
             "step": step, "parent_version": parent_version, "tensors": len(state_dict), "meta": dict(meta or {})}
@@ -140,10 +121,10 @@ def publish(url: Location, version: int, state_dict: Mapping[str, torch.Tensor],
     except (TypeError, ValueError) as e:
         raise ConfigError(f"meta of version {version} is not JSON-serializable: {e}") from e
     with opened(url, AREA, storage_options) as area:
-        if area.exists(_sidecar_name(version)):  # fail before uploading a large blob for nothing
+        if area.exists(VERSIONS.commit_name(version)):  # fail before uploading a large blob for nothing
             raise VersionExistsError(f"{area.url}: policy version {version} is already published")
-        area.put(_name(key), blob)
-        if not area.put_if_absent(_sidecar_name(version), side_bytes):
+        area.put(VERSIONS.blob_name(key), blob)
+        if not area.put_if_absent(VERSIONS.commit_name(version), side_bytes):
             raise VersionExistsError(f"{area.url}: policy version {version} was published concurrently by "
                                      "another publisher")
         log.info("published policy version %d to %s (%d bytes, %s)", version, area.url, ref["bytes"], key)
@@ -153,7 +134,7 @@ def publish(url: Location, version: int, state_dict: Mapping[str, torch.Tensor],
 def list_versions(url: Location, *, storage_options: Mapping | None = None) -> list[int]:
     """Committed versions, ascending (a fresh listing of ``weights/``)."""
     with opened(url, AREA, storage_options) as area:
-        return sorted(int(m.group(1)) for o in area.list() if (m := _SIDECAR_RE.fullmatch(o.key)))
+        return VERSIONS.numbers(area)
 
 
 def latest_version(url: Location, *, storage_options: Mapping | None = None) -> int | None:
@@ -164,11 +145,11 @@ def latest_version(url: Location, *, storage_options: Mapping | None = None) -> 
 
 def _read_sidecar(area: ts.ObjectArea, version: int) -> dict:
     key = sidecar_key(version)
-    side = read_commit(area, _sidecar_name(version), KIND, READ_FORMATS, corrupt=WeightsIntegrityError,
+    side = read_commit(area, VERSIONS.commit_name(version), KIND, READ_FORMATS, corrupt=WeightsIntegrityError,
                        version_error=ts.SchemaVersionError,
                        missing=VersionNotFoundError(f"{area.url}: no policy version {version} ({key} does not exist)"))
-    if side.get("version") != version or not ref_is_valid(side, side["format_version"], _stem(version), ".safetensors"):
-        raise WeightsIntegrityError(f"{area.describe(_sidecar_name(version))}: sidecar fields do not describe version {version} "
+    if side.get("version") != version or not ref_is_valid(side, side["format_version"], VERSIONS.stem(version), ".safetensors"):
+        raise WeightsIntegrityError(f"{area.describe(VERSIONS.commit_name(version))}: sidecar fields do not describe version {version} "
                                     f"(version {side.get('version')!r}, key {side.get('key')!r})")
     return side
 
@@ -186,7 +167,7 @@ def read_meta(url: Location, version: int | None = None, *, storage_options: Map
 
 def _resolve(area: ts.ObjectArea, version: int | None) -> int:
     if version is not None:
-        return _check_version(version)
+        return VERSIONS.check(version)
     latest = latest_version(area)
     if latest is None:
         raise VersionNotFoundError(f"{area.url}: no policy version has been published")
@@ -206,9 +187,9 @@ def load_state_dict(url: Location, version: int | None = None, *, device: str | 
     with opened(url, AREA, storage_options) as area:
         version = _resolve(area, version)
         side = _read_sidecar(area, version)
-        where = area.describe(_name(side["key"]))
+        where = area.describe(VERSIONS.blob_name(side["key"]))
         try:
-            blob = area.get(_name(side["key"]))
+            blob = area.get(VERSIONS.blob_name(side["key"]))
         except ts.ObjectNotFoundError:
             raise WeightsIntegrityError(f"{area.url}: version {version} is committed but its tensors "
                                         f"{side['key']} are missing") from None
@@ -279,6 +260,6 @@ def prune(url: Location, keep_last: int, *, keep: tuple[int, ...] = (), storage_
         doomed = [v for v in list_versions(area)[:-keep_last] if v not in keep]
         for v in doomed:
             side = _read_sidecar(area, v)
-            area.delete(_sidecar_name(v))
-            area.delete(_name(side["key"]))
+            area.delete(VERSIONS.commit_name(v))
+            area.delete(VERSIONS.blob_name(side["key"]))
         return doomed

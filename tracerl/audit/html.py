@@ -49,6 +49,7 @@ def _pyplot():
 
 
 def _png(fig) -> str:
+    fig.tight_layout()  # side-by-side panels: a y label clear of its neighbour's ticks
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
     fig.clf()
@@ -96,19 +97,32 @@ def plot_histogram(plt, result: Mapping[str, Any]) -> str:
     return _png(fig)
 
 
+def _by_position(ax, rows: list[Mapping[str, Any]], value, **style) -> None:
+    """Values of response-position buckets ``[lo, hi)`` as steps over each bucket's whole range, marked at its
+    middle (a lone bucket is a segment across the responses, not one point on an axis of its own)."""
+    if not rows:
+        return
+    edges = [r["lo"] for r in rows] + [rows[-1]["hi"]]
+    values = [value(r) for r in rows]
+    line = ax.stairs(values, edges, lw=1.6, baseline=None, color=style.get("color"), ls=style.pop("ls", "-"))
+    ax.plot([(r["lo"] + r["hi"]) / 2 for r in rows], values, style.pop("marker", "o"), color=line.get_edgecolor(),
+            label=style.get("label"))
+    ax.set_xlim(edges[0], edges[-1])
+    ax.margins(y=0.1)  # a bucket's level clear of the frame
+
+
 def plot_positions(plt, result: Mapping[str, Any]) -> str:
     """Code mismatch rate at hinted sites and mean |dlogp| (with the floor) by response position."""
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
     for mode in ("fp4_rne_own_scales", "fp4_hints"):
         rows = result["detail"][mode]["by_position"]
-        mid = [(r["lo"] + r["hi"]) / 2 for r in rows]
-        ax1.plot(mid, [100 * (1 - _num(r["code_agreement"])) for r in rows], "o-", color=COLORS[mode], label=mode)
-        ax2.plot(mid, [_num(r["mean_abs_dlogp"]) for r in rows], "o-", color=COLORS[mode], label=mode)
-    rows = result["detail"]["fp4_hints"]["by_position"]
-    ax2.plot([(r["lo"] + r["hi"]) / 2 for r in rows], [_num(r["floor_mean_abs_dlogp"]) for r in rows], "s--",
-             color=COLORS["floor"], label="floor")
+        _by_position(ax1, rows, lambda r: 100 * (1 - _num(r["code_agreement"])), color=COLORS[mode], label=mode)
+        _by_position(ax2, rows, lambda r: _num(r["mean_abs_dlogp"]), color=COLORS[mode], label=mode)
+    _by_position(ax2, result["detail"]["fp4_hints"]["by_position"], lambda r: _num(r["floor_mean_abs_dlogp"]),
+                 color=COLORS["floor"], label="floor", ls="--", marker="s")
     ax1.set(xlabel="response position", ylabel="code mismatch at hinted sites (%)", title="mismatch by position")
     ax2.set(xlabel="response position", ylabel="mean |dlogp|", title="|dlogp| by position")
+    ax2.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
     ax1.legend(fontsize=7)
     ax2.legend(fontsize=7)
     return _png(fig)

@@ -324,8 +324,24 @@ def summarize(cfg: LoopConfig | None, steps: list[dict], batches: list[dict]) ->
                       "rollout": batches, "machine": machine_info()})
 
 
-def plot(result: dict, path: str | os.PathLike, *, label: str | None = None, ax=None) -> None:
-    """Reward and mismatch (mean |dlogp|, 1 - code agreement) over steps as a PNG at ``path``.
+def _mismatch_axis(ax, values: list[float]) -> None:
+    """A y scale that shows ``values`` (>= 0; NaN: not measured): logarithmic when they span a decade or more
+    (with a linear stretch around 0, where an exact match lies), else linear with scientific tick labels (a log
+    axis over less than a decade has no labelled tick)."""
+    finite = [v for v in values if v == v]
+    positive = [v for v in finite if v > 0]
+    if positive and max(positive) >= 10 * min(positive):
+        ax.set_yscale("symlog", linthresh=min(positive) / 2)
+        return
+    ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+    if finite:
+        lo, hi = min(finite), max(finite)
+        pad = (hi - lo) * 0.1 or abs(hi) * 0.1 or 1e-9
+        ax.set_ylim(max(0.0, lo - pad) if lo >= 0 else lo - pad, hi + pad)
+
+
+def figure(result: dict, *, label: str | None = None):
+    """The matplotlib figure of `plot` (reward, mean |dlogp| and 1 - code agreement over steps).
 
     Raises ImportError without matplotlib."""
     import matplotlib
@@ -342,14 +358,29 @@ def plot(result: dict, path: str | os.PathLike, *, label: str | None = None, ax=
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     axes[0].plot(x, series("reward"), marker=".")
     axes[0].set(title="reward (mean per step)", xlabel="step")
-    axes[1].plot(x, series("mismatch_mean_abs_dlogp"), marker=".")
+    dlogp = series("mismatch_mean_abs_dlogp")
+    axes[1].plot(x, dlogp, marker=".")
     axes[1].set(title="mean |logp_trainer - logp_rollout|", xlabel="step")
-    axes[2].plot(x, [1 - v for v in series("mismatch_code_agreement")], marker=".")
+    disagreement = [1 - v for v in series("mismatch_code_agreement")]
+    axes[2].plot(x, disagreement, marker=".")
     axes[2].set(title="1 - code agreement (hinted sites)", xlabel="step")
-    for a in axes[1:]:  # log scale, with a linear stretch around 0 (an exact match is 0)
-        a.set_yscale("symlog", linthresh=1e-6)
+    _mismatch_axis(axes[1], dlogp)
+    _mismatch_axis(axes[2], disagreement)
     cfg = result.get("config") or {}
-    fig.suptitle(label or f"tracerl loop: mode {cfg.get('mode')}, {len(rows)} steps")
+    title = label or f"tracerl loop: mode {cfg.get('mode')}, {len(rows)} steps"
+    if result.get("stopped_early"):
+        title += f" (stopped early by Ctrl-C after step {x[-1] if x else 0})"
+    fig.suptitle(title)
     fig.tight_layout()
+    return fig
+
+
+def plot(result: dict, path: str | os.PathLike, *, label: str | None = None) -> None:
+    """Reward and mismatch (mean |dlogp|, 1 - code agreement) over steps as a PNG at ``path`` (`figure`).
+
+    Raises ImportError without matplotlib."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(result, label=label)
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -21,6 +21,7 @@ advantage is its reward minus the group's mean, optionally divided by the group'
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -116,7 +117,9 @@ def policy_loss(
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO-clip surrogate loss (to minimize) with optional TIS, KL-to-reference penalty and entropy bonus.
+    """PPO-clip surrogate loss (to minimize) with optional TIS, KL-to-reference penalty and entropy bonus, in named
+    parts: `ppo_clip_surrogate`, `rollout_mismatch` (TIS weights), `kl_to_reference`, the entropy bonus, and the
+    statistics.
 
     Per token, with r = exp(logp - logp_old) and advantage A:
         loss_t = -w * min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A) + kl_coef * k3_ref - entropy_coef * H
@@ -159,6 +162,46 @@ def policy_loss(
         ConfigError: shape mismatches, negative clip epsilons, ``clip_ratio_c`` <= 1, unknown ``agg``,
             ``tis_cap`` <= 0 or without ``logp_rollout``, a coefficient without its tensor.
     """
+    _check_loss_inputs(logp, logp_old, advantages, mask, clip_low=clip_low, clip_high=clip_high,
+                       clip_ratio_c=clip_ratio_c, agg=agg, logp_rollout=logp_rollout, tis_cap=tis_cap,
+                       logp_ref=logp_ref, kl_coef=kl_coef, entropy=entropy, entropy_coef=entropy_coef)
+    m = mask.to(torch.bool)
+    mf = m.float()
+    zero = torch.zeros((), dtype=torch.float32, device=logp.device)
+    # Masked-out positions are replaced before any exp so that padding (NaN, -inf) cannot reach the loss or its
+    # gradient: 0 * NaN is NaN, and torch.where's gradient is zero on the branch not taken.
+    lp = torch.where(m, logp.float(), zero)
+    lp_old = torch.where(m, logp_old.detach().float(), zero)
+    adv = advantages.detach().float()
+    adv = torch.where(m, adv[:, None] if adv.dim() == 1 else adv, zero)  # (B, T)
+
+    ppo = ppo_clip_surrogate(lp, lp_old, adv, m, clip_low=clip_low, clip_high=clip_high, clip_ratio_c=clip_ratio_c)
+    per_token = -ppo.surrogate
+    stats_t: dict[str, torch.Tensor] = {}
+    if logp_rollout is not None:
+        weight, rollout_stats = rollout_mismatch(lp_old, torch.where(m, logp_rollout.detach().float(), zero), mf,
+                                                 tis_cap)
+        stats_t.update(rollout_stats)
+        if weight is not None:
+            per_token = per_token * weight
+    pg_loss = _masked_mean(per_token, mf, agg)
+    loss = pg_loss
+    if logp_ref is not None:
+        kl_ref = kl_to_reference(lp, torch.where(m, logp_ref.detach().float(), zero), mf, agg)
+        stats_t["kl_ref_k3"] = kl_ref.detach()
+        if kl_coef:
+            loss = loss + kl_coef * kl_ref
+    if entropy is not None:
+        ent = _masked_mean(torch.where(m, entropy.float(), zero), mf, agg)
+        stats_t["entropy"] = ent.detach()
+        if entropy_coef:
+            loss = loss - entropy_coef * ent
+    return loss, _loss_stats(loss, pg_loss, ppo, m, mf, stats_t)
+
+
+def _check_loss_inputs(logp, logp_old, advantages, mask, *, clip_low, clip_high, clip_ratio_c, agg, logp_rollout,
+                       tis_cap, logp_ref, kl_coef, entropy, entropy_coef) -> None:
+    """Raise `ConfigError` for what `policy_loss` cannot compute (see its Raises)."""
     shape = logp.shape
     if logp.dim() != 2:
         raise ConfigError(f"logp must be [B, T], got shape {tuple(shape)}")
@@ -181,16 +224,27 @@ def policy_loss(
     if entropy_coef and entropy is None:
         raise ConfigError(f"entropy_coef={entropy_coef} needs entropy")
 
-    m = mask.to(torch.bool)
-    mf = m.float()
-    zero = torch.zeros((), dtype=torch.float32, device=logp.device)
-    # Masked-out positions are replaced before any exp so that padding (NaN, -inf) cannot reach the loss or its
-    # gradient: 0 * NaN is NaN, and torch.where's gradient is zero on the branch not taken.
-    lp = torch.where(m, logp.float(), zero)
-    lp_old = torch.where(m, logp_old.detach().float(), zero)
-    adv = advantages.detach().float()
-    adv = torch.where(m, adv[:, None] if adv.dim() == 1 else adv, zero)  # (B, T)
 
+@dataclasses.dataclass(frozen=True)
+class PPOClip:
+    """What `ppo_clip_surrogate` computes per token [B, T]: the objective to maximize, log r (clamped) and r, and
+    the masks of the tokens whose gradient a clip zeroes."""
+
+    surrogate: torch.Tensor
+    log_ratio: torch.Tensor
+    ratio: torch.Tensor
+    clip_high: torch.Tensor  # A > 0, r > 1 + clip_high
+    clip_low: torch.Tensor  # A < 0, r < 1 - clip_low
+    clip_dual: torch.Tensor  # A < 0, r > clip_ratio_c (dual clip)
+
+
+def ppo_clip_surrogate(lp: torch.Tensor, lp_old: torch.Tensor, adv: torch.Tensor, m: torch.Tensor, *,
+                       clip_low: float, clip_high: float, clip_ratio_c: float | None) -> PPOClip:
+    """The PPO-clip objective per token (masked-out positions already zeroed; ``m`` the bool mask [B, T]):
+
+        r = exp(clamp(lp - lp_old, -20, 20)),  surrogate = min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A)
+
+    and with ``clip_ratio_c`` (dual-clip PPO) for A < 0: surrogate = max(surrogate, clip_ratio_c * A)."""
     log_ratio = (lp - lp_old).clamp(-20.0, 20.0)
     ratio = torch.exp(log_ratio)
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
@@ -202,42 +256,45 @@ def policy_loss(
         # for A < 0 the PPO term is -max(r, clip(r)) * |A|, unbounded in r; dual clip: at least c * A
         clip_dual = m & (adv < 0) & (ratio > clip_ratio_c)
         surr = torch.where(adv < 0, torch.maximum(surr, clip_ratio_c * adv), surr)
+    return PPOClip(surr, log_ratio, ratio, clip_hi, clip_lo, clip_dual)
 
-    per_token = -surr
-    stats_t: dict[str, torch.Tensor] = {}
-    if logp_rollout is not None:
-        d_roll = lp_old - torch.where(m, logp_rollout.detach().float(), zero)
-        stats_t["mismatch_k3"] = _masked_mean(torch.expm1(d_roll) - d_roll, mf, "token-mean")
-        stats_t["mismatch_abs"] = _masked_mean(d_roll.abs(), mf, "token-mean")
-        if tis_cap is not None:
-            w_raw = torch.exp(d_roll)
-            w = w_raw.clamp(max=tis_cap)
-            per_token = per_token * w
-            stats_t["tis_weight_mean"] = _masked_mean(w, mf, "token-mean")
-            stats_t["tis_trunc_frac"] = _masked_mean((w_raw > tis_cap).float(), mf, "token-mean")
-    pg_loss = _masked_mean(per_token, mf, agg)
-    loss = pg_loss
-    if logp_ref is not None:
-        d_ref = torch.where(m, logp_ref.detach().float(), zero) - lp
-        k3_ref = torch.expm1(d_ref) - d_ref
-        kl_ref = _masked_mean(k3_ref, mf, agg)
-        stats_t["kl_ref_k3"] = kl_ref.detach()
-        if kl_coef:
-            loss = loss + kl_coef * kl_ref
-    if entropy is not None:
-        ent = _masked_mean(torch.where(m, entropy.float(), zero), mf, agg)
-        stats_t["entropy"] = ent.detach()
-        if entropy_coef:
-            loss = loss - entropy_coef * ent
 
+def rollout_mismatch(lp_old: torch.Tensor, lp_rollout: torch.Tensor, mf: torch.Tensor,
+                     tis_cap: float | None) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """The rollout/trainer mismatch d = lp_old - lp_rollout [B, T] over the mask ``mf``: its k3 (mean of
+    e^d - 1 - d) and mean |d|, and with ``tis_cap`` the truncated importance weights w = min(e^d, C) (returned;
+    None without) with their mean and the share of tokens truncated."""
+    d_roll = lp_old - lp_rollout
+    stats = {"mismatch_k3": _masked_mean(torch.expm1(d_roll) - d_roll, mf, "token-mean"),
+             "mismatch_abs": _masked_mean(d_roll.abs(), mf, "token-mean")}
+    if tis_cap is None:
+        return None, stats
+    w_raw = torch.exp(d_roll)
+    w = w_raw.clamp(max=tis_cap)
+    stats["tis_weight_mean"] = _masked_mean(w, mf, "token-mean")
+    stats["tis_trunc_frac"] = _masked_mean((w_raw > tis_cap).float(), mf, "token-mean")
+    return w, stats
+
+
+def kl_to_reference(lp: torch.Tensor, lp_ref: torch.Tensor, mf: torch.Tensor, agg: str) -> torch.Tensor:
+    """The k3 estimate of KL(policy || ref) over the mask: mean of e^d - 1 - d with d = lp_ref - lp (unbiased and
+    non-negative; DeepSeekMath eq. 4), aggregated as ``agg``; differentiable through ``lp``."""
+    d_ref = lp_ref - lp
+    return _masked_mean(torch.expm1(d_ref) - d_ref, mf, agg)
+
+
+def _loss_stats(loss: torch.Tensor, pg_loss: torch.Tensor, ppo: PPOClip, m: torch.Tensor, mf: torch.Tensor,
+                stats_t: dict[str, torch.Tensor]) -> dict[str, float]:
+    """`policy_loss`'s statistics over the masked tokens (NaN for an empty mask), brought to the host in one
+    transfer."""
     n_tok = mf.sum()
-    nan = torch.full((), float("nan"), device=logp.device)
+    nan = torch.full((), float("nan"), device=loss.device)
 
     def tok_mean(x: torch.Tensor) -> torch.Tensor:
         return torch.where(n_tok > 0, (x * mf).sum() / n_tok.clamp(min=1.0), nan)
 
-    lr_d = log_ratio.detach()
-    r_d = ratio.detach()
+    lr_d = ppo.log_ratio.detach()
+    r_d = ppo.ratio.detach()
     big = torch.full_like(r_d, float("inf"))
     stats_t.update(
         loss=loss.detach(),
@@ -245,10 +302,10 @@ def policy_loss(
         ratio_mean=tok_mean(r_d),
         ratio_min=torch.where(n_tok > 0, torch.where(m, r_d, big).amin(), nan),
         ratio_max=torch.where(n_tok > 0, torch.where(m, r_d, -big).amax(), nan),
-        clip_frac=tok_mean((clip_hi | clip_lo | clip_dual).float()),
-        clip_frac_low=tok_mean(clip_lo.float()),
-        clip_frac_high=tok_mean(clip_hi.float()),
-        clip_frac_dual=tok_mean(clip_dual.float()),
+        clip_frac=tok_mean((ppo.clip_high | ppo.clip_low | ppo.clip_dual).float()),
+        clip_frac_low=tok_mean(ppo.clip_low.float()),
+        clip_frac_high=tok_mean(ppo.clip_high.float()),
+        clip_frac_dual=tok_mean(ppo.clip_dual.float()),
         approx_kl_k1=tok_mean(-lr_d),
         approx_kl_k3=tok_mean(torch.expm1(lr_d) - lr_d),
         tokens=n_tok,
@@ -258,5 +315,4 @@ def policy_loss(
             stats_t[k] = torch.where(n_tok > 0, stats_t[k].float(), nan)
     keys = list(stats_t)
     values = torch.stack([stats_t[k].float() for k in keys]).tolist()  # one device -> host transfer
-    return loss, dict(zip(keys, values))
-
+    return dict(zip(keys, values))
