@@ -59,3 +59,22 @@ def test_one_position_bucket_spans_the_responses():
         assert ax.get_xlim() == (0.0, 48.0)  # not one point on a 30.5-33.5 axis
     finally:
         plt.close(fig)
+
+
+def test_progress_without_a_terminal_logs_count_rate_and_eta():
+    """A long phase in a CI log printed its start and its end only, minutes apart; now a line at least every 30 s."""
+    from rich.console import Console
+
+    from tracerl.cli.progress import StepBars
+
+    console = Console(file=__import__("io").StringIO(), force_terminal=False, log_path=False, width=200)
+    now = [0.0]
+    bars = StepBars(console, clock=lambda: now[0])
+    for done in range(0, 11):
+        now[0] = 10.0 * done  # 10 s a step
+        bars("replay decode", done, 10)
+    lines = [ln for ln in console.file.getvalue().splitlines() if "replay decode" in ln]
+    assert "started, 10 steps" in lines[0] and "10/10 in 100.0s" in lines[-1]
+    middle = lines[1:-1]
+    assert len(middle) == 3  # at 30, 60 and 90 s
+    assert "3/10 (30%), 0.10 steps/s, 30s elapsed, eta 70s" in middle[0]
