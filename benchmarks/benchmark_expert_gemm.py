@@ -1,6 +1,6 @@
 """The trainer's routed-expert path: two grouped GEMMs (``torch._grouped_mm``) against the per-expert Python loop.
 
-`tracerl._deterministic.routed_experts` runs the expert GEMMs of an MoE layer either as two grouped GEMMs (the
+`tracerl.policy.experts.routed_experts` runs the expert GEMMs of an MoE layer either as two grouped GEMMs (the
 default where `grouped_gemm_supported`: CPU, and bf16 on Hopper) or as a loop over the experts
 (``TRACERL_GROUPED_MM=0``). This measures, for both:
 

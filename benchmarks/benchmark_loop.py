@@ -7,7 +7,7 @@ train`` process (rollout one version ahead: ``max_ahead`` 2, ``max_staleness`` 1
 overlap; the mismatch of the groups trained one version late is measured with the weights that generated them),
 ``--steps`` policy updates. The same seed gives both modes the same initial weights, prompts and sampling seeds.
 After the runs, the first run of the first mode is replayed from its checkpoint 0 on the trainer's device
-(`tracerl.replay.replay`, ``--replay-steps``) and compared bit for bit with its live log.
+(`tracerl.loop.replay.replay`, ``--replay-steps``) and compared bit for bit with its live log.
 
     python benchmarks/benchmark_loop.py                       # CPU (2 processes), 3 seeds x 2 modes, 20 steps
     python benchmarks/benchmark_loop.py --smoke               # tiny and short: checks the code paths

@@ -7,7 +7,7 @@ trainer's cost of hint-guided vs plain FP4 QAT.
 Sections (each saved to the JSON at --out as soon as it finishes; a failing section is logged and the next
 one runs):
 
-``paths``: the decode paths on one model (``graph``: `tracerl.decode.StaticDecoder` replayed as a CUDA graph;
+``paths``: the decode paths on one model (``graph``: `tracerl.rollout.decode.StaticDecoder` replayed as a CUDA graph;
    ``static``: the same step run eagerly; ``hf``: the model's own forward with a `DynamicCache`): step time,
    and graph == static bit for bit (tokens, log-probs, codes, recorded hints and scales).
 ``sync`` (CUDA): host synchronizations counted by torch's sync debug mode over 64 decode steps with and

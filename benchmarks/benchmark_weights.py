@@ -1,5 +1,5 @@
-"""Weight sync of the closed loop: publishing a policy version (`tracerl.weights.publish`) and loading it
-(`tracerl.weights.load_state_dict`) through a local directory, the share of each that the blob checksum takes,
+"""Weight sync of the closed loop: publishing a policy version (`tracerl.artifacts.weights.publish`) and loading it
+(`tracerl.artifacts.weights.load_state_dict`) through a local directory, the share of each that the blob checksum takes,
 and how long each keeps other Python threads from running (both run on background threads in the loop: the
 trainer publishes while it trains the next step, the rollout prefetches while it generates).
 

@@ -2,8 +2,8 @@
 
 Closed loop without store or FP4: the demo's model (Qwen3-MoE, hidden 256, 8 layers, 16 experts top-2) with the
 task's vocabulary, fp32 or bf16 on CPU; each step samples G completions of P prompts with plain torch sampling
-(KV cache, temperature 1), scores them with the task's verifiable reward (`tracerl.tasks`), computes group
-advantages and the PPO-clip loss against the sampling log-probs (`tracerl.rl`) and takes AdamW steps.
+(KV cache, temperature 1), scores them with the task's verifiable reward (`tracerl.policy.tasks`), computes group
+advantages and the PPO-clip loss against the sampling log-probs (`tracerl.train.loss`) and takes AdamW steps.
 
 Prints one line per step and a summary table (reward of the first 5 steps -> last 5 steps, median over seeds
 with min..max, and wall time); saves JSON (machine with its load average, versions, settings, per-step curves)

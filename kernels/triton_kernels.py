@@ -1,5 +1,11 @@
 """Triton kernels of the FP4 numerics, bit-identical to `tracefp4.reference` (imported lazily by `tracefp4.api`).
 
+One module on purpose (about 1,100 lines): the five kernels are thin compositions of the same ~25 ``@triton.jit``
+helpers (piece loads, block amax, own and given scales, the three-operation E2M1 rounding, code/hint packing and
+stores), and the bit-level argument below is made once for all of them. Split by op, each op's module would hold
+a page of kernel and a page of launcher while every reason for its bits stayed in a shared helper module; the
+sections below (loads, scales, rounding, stores, kernels, launchers) give the same map in one place.
+
 Kernels over a flat view of the input as NB blocks of B values (B = 16 NVFP4, 32 MXFP4; rows are whole numbers
 of blocks, so block k is simply elements [kB, (k+1)B)):
 

@@ -27,7 +27,7 @@ Trainer side::
     QATTrainer(model, runtime).recompute(packed, "fp4_hints", backward=True)
 
 `tracerl.demo.run_demo` wires both ends to a tracestore store and computes `tracerl.fidelity` metrics; the
-``tracerl demo`` command prints them. The flat module paths of tracerl 0.1 (``tracerl.qat``, ...) still import,
+``tracerl demo`` command prints them. The flat module paths of tracerl 0.1 (``tracerl.policy.runtime``, ...) still import,
 with a deprecation warning (`tracerl.deprecation`).
 """
 

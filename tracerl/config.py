@@ -28,7 +28,7 @@ MODEL_FAMILIES = ("qwen3-moe", "qwen3.5-moe")
 FP4_PLACEMENTS = ("none", "experts", "experts+attention")
 #: which FP4 sites of a hinted layer get hints
 HINT_SITE_KINDS = ("moe-input", "all-fp4")
-#: rollout decode paths of `tracerl.engine.RolloutEngine`
+#: rollout decode paths of `tracerl.rollout.engine.RolloutEngine`
 DECODE_PATHS = ("auto", "hf", "static", "graph")
 #: ``tracerl audit --concurrent-decode``: the replay and floor decodes side by side (auto: CUDA-graph decodes)
 CONCURRENT_DECODE = ("auto", "on", "off")
@@ -197,7 +197,7 @@ class DemoConfig:
                               f"{', '.join(f.name for f in dataclasses.fields(TinyMoESpec))}") from None
 
 
-#: QAT modes of the trainer (`tracerl.qat.MODES`): here, so that the command line checks them without torch
+#: QAT modes of the trainer (`tracerl.policy.runtime.MODES`): here, so that the command line checks them without torch
 QAT_MODES = ("bf16", "fp4_rne_own_scales", "fp4_rne_rollout_scales", "fp4_hints")
 
 

@@ -26,7 +26,7 @@ class RecorderError(TracerlError, RuntimeError):
 
 
 class CheckpointError(TracerlError):
-    """Base class of the trainer-checkpoint errors (`tracerl.checkpoint`)."""
+    """Base class of the trainer-checkpoint errors (`tracerl.artifacts.checkpoints`)."""
 
 
 class CheckpointNotFoundError(CheckpointError, LookupError):

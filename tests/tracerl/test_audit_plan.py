@@ -1,4 +1,4 @@
-"""The arithmetic of `tracerl.audit_plan` on hand-made inputs: layer bands, groups, the attribution's parts, the
+"""The arithmetic of `tracerl.audit.plan` on hand-made inputs: layer bands, groups, the attribution's parts, the
 planner's ranking and choice of a point, site tables."""
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""Trainer checkpoints (`tracerl.checkpoint`) on every backend (local, memory, S3 through moto): round trip,
+"""Trainer checkpoints (`tracerl.artifacts.checkpoints`) on every backend (local, memory, S3 through moto): round trip,
 immutability, corruption and absence -> typed errors that change nothing, pruning."""
 
 from __future__ import annotations

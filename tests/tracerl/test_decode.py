@@ -1,4 +1,4 @@
-"""Static-shape decode (`tracerl.decode.StaticDecoder`, the path that runs as a CUDA graph on a GPU).
+"""Static-shape decode (`tracerl.rollout.decode.StaticDecoder`, the path that runs as a CUDA graph on a GPU).
 
 On the CPU the decoder runs eagerly; these tests check that it computes what the Hugging Face decode path
 computes (exactly enough in fp32 to agree on every sampled token, FP4 code, routed expert and recorded hint),

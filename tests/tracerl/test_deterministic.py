@@ -1,4 +1,4 @@
-"""The deterministic grouped-MoE path (`tracerl._deterministic`, what `FP4MoEBlock._routed` runs) against the plain
+"""The deterministic grouped-MoE path (`tracerl.policy.experts`, what `FP4MoEBlock._routed` runs) against the plain
 grouped path it replaced (advanced-index gathers whose backward accumulates, kept here as the reference): the
 same forward bit for bit, the same weight gradients bit for bit, the input gradient up to one rounding, and
 bitwise-equal gradients across runs and thread counts."""

@@ -1,4 +1,4 @@
-"""GRPO math (`tracerl.rl`): hand-computed values and properties (clip-region gradients, zero-sum advantages)."""
+"""GRPO math (`tracerl.train.loss`): hand-computed values and properties (clip-region gradients, zero-sum advantages)."""
 
 from __future__ import annotations
 

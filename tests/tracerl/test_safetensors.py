@@ -1,4 +1,4 @@
-"""`tracerl._safetensors` against the safetensors library itself: files it encodes load with the library, files
+"""`tracerl.artifacts.tensorfile` against the safetensors library itself: files it encodes load with the library, files
 the library saves decode here, bit for bit, every dtype the policy weights use; malformed files are typed errors."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tasks with verifiable rewards (`tracerl.tasks`): prompts, rewards by hand, chance levels, and a short GRPO run
+"""Tasks with verifiable rewards (`tracerl.policy.tasks`): prompts, rewards by hand, chance levels, and a short GRPO run
 on a tiny model whose reward must rise."""
 
 from __future__ import annotations

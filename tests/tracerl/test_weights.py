@@ -1,4 +1,4 @@
-"""Policy-version publishing (`tracerl.weights`) on every backend (local, memory, S3 through moto): round trip,
+"""Policy-version publishing (`tracerl.artifacts.weights`) on every backend (local, memory, S3 through moto): round trip,
 immutability, corruption -> typed errors, and readers that never see a partial version."""
 
 from __future__ import annotations

@@ -14,11 +14,11 @@ step fails with `CheckpointExistsError`.
 
 Manifest (JSON)::
 
-    {"kind": "tracerl.checkpoint", "format_version": 2, "step": 12, "created_unix": 1.7e9,
+    {"kind": "tracerl.artifacts.checkpoints", "format_version": 2, "step": 12, "created_unix": 1.7e9,
      "blobs": {"model": {"key": "checkpoints/000000000012-<crc32c>.model", "crc32c": "<8 hex>", "bytes": 1234}, ...},
      "state": {...}}
 
-(format 1, still read: ``sha256`` with 64 hex digits, its first 16 in the key; see `tracerl._objects`.)
+(format 1, still read: ``sha256`` with 64 hex digits, its first 16 in the key; see `tracerl.artifacts.objects`.)
 
 ``state`` is the caller's JSON (the trainer keeps its step, policy version, store cursor, RNG states and the last
 step's metrics there). `load` checks the manifest's kind and format version, then every blob's size and checksum,
@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = WRITE_FORMAT  # written; READ_FORMATS are read
 READ_FORMATS = (1, 2)
-KIND = "tracerl.checkpoint"
+KIND = "tracerl.artifacts.checkpoints"
 #: ``checkpoints/<step>.json`` (the manifest) and ``checkpoints/<step>-<checksum>.<blob name>``
 STEPS = NumberedObjects("checkpoints", "checkpoint step")
 AREA = STEPS.area  # the store's application area of checkpoints (tracestore FORMAT §2)

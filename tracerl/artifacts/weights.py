@@ -15,11 +15,11 @@ leaves an orphan ``.safetensors`` that no reader looks at.
 
 Sidecar (JSON)::
 
-    {"kind": "tracerl.weights", "format_version": 2, "version": 7, "key": "weights/000000000007-<crc32c>.safetensors",
+    {"kind": "tracerl.artifacts.weights", "format_version": 2, "version": 7, "key": "weights/000000000007-<crc32c>.safetensors",
      "crc32c": "<8 hex>", "bytes": 1234, "created_unix": 1.7e9, "step": 70, "parent_version": 6,
      "tensors": 123, "meta": {...}}
 
-(format 1, still read: ``sha256`` with 64 hex digits, its first 16 in the key; see `tracerl._objects`.)
+(format 1, still read: ``sha256`` with 64 hex digits, its first 16 in the key; see `tracerl.artifacts.objects`.)
 
 ``step`` and ``parent_version`` are optional (null); ``meta`` is the caller's JSON-ready dict. The safetensors
 header metadata carries ``tracerl.version`` too (a blob copied elsewhere still says what it is); the hash lives
@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = WRITE_FORMAT  # written; READ_FORMATS are read
 READ_FORMATS = (1, 2)
-KIND = "tracerl.weights"
+KIND = "tracerl.artifacts.weights"
 #: ``weights/<version>.json`` (the sidecar) and ``weights/<version>-<checksum>.safetensors``
 VERSIONS = NumberedObjects("weights", "policy version")
 AREA = VERSIONS.area  # the store's application area of policy versions (tracestore FORMAT §2)
@@ -78,7 +78,7 @@ def sidecar_key(version: int) -> str:
 
 
 def _encode(state_dict: Mapping[str, torch.Tensor], version: int) -> list:
-    """The safetensors file as parts (`tracerl._safetensors.encode`: no copy, and the GIL stays free)."""
+    """The safetensors file as parts (`tracerl.artifacts.tensorfile.encode`: no copy, and the GIL stays free)."""
     tensors = {}
     for name, t in state_dict.items():
         if not isinstance(t, torch.Tensor):

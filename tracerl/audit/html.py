@@ -4,7 +4,7 @@ One file, no external references: CSS inline, plots as PNG data URIs (matplotlib
 integrity result of `tracestore verify` for the store, the replay's verdict, the fidelity table per mode, four
 plots (code agreement by layer, the |dlogp| histogram against the floor, mismatch by token position, excess vs
 hint bytes per token), the attribution, the planner's curve, and the per-site and per-trajectory tables.
-Like `tracerl.audit_report`, it reads the result dict only.
+Like `tracerl.audit.report`, it reads the result dict only.
 """
 
 from __future__ import annotations

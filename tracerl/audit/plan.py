@@ -275,7 +275,7 @@ def site_table(sites: Sequence[str], plan: SitePlan, store_model: Mapping[str, A
 
 def hint_sites_from_table(table: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> list[str]:
     """The hinted site names of a site table (an object with ``sites``, or the list itself), for
-    ``tracerl.sites.plan_sites(model, hint_sites=...)``: the rollout side's plan from a planner table.
+    ``tracerl.policy.sites.plan_sites(model, hint_sites=...)``: the rollout side's plan from a planner table.
     Raises `ConfigError` when there is no list of named sites."""
     sites = table.get("sites") if isinstance(table, Mapping) else table
     if not isinstance(sites, list) or not sites or not all(isinstance(s, Mapping) and "name" in s for s in sites):

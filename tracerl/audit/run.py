@@ -3,7 +3,7 @@
 An audit rebuilds the rollout's model from the store's model metadata (``builder``, ``spec``, ``seed``, ``fp4``,
 ``site_plan``, ``global_scales``, and ``rollout``: decode path, temperature, batches, as `tracerl demo` records
 them), loads the policy version each trajectory was generated with when it is published beside the store
-(`tracerl.weights`; ``--model`` gives a checkpoint instead), and then:
+(`tracerl.artifacts.weights`; ``--model`` gives a checkpoint instead), and then:
 
 1. **Integrity**: `tracestore.verify` of the store; trajectories whose data cannot be read are left out and
    named, and the failure (with the object) is reported instead of a crash.
@@ -15,11 +15,11 @@ them), loads the policy version each trajectory was generated with when it is pu
 3. **Floor**: the same decode path in bf16 with the tokens forced; on a GPU it runs side by side with the
    replay (a second thread, its own CUDA stream; ``concurrent_decode``), which gives the same bits as one after
    the other.
-4. **Passes**: the trainer's recompute (`tracerl.trainer.QATTrainer`, THD micro-batches read from the store)
+4. **Passes**: the trainer's recompute (`tracerl.train.recompute.QATTrainer`, THD micro-batches read from the store)
    in each configuration, a `PassSpec`: the FP4 sites are driven by `FP4Runtime.substitute` (own rounding,
    the store's scales, the store's hints, hints from the replay, or the replay's exact values), so one
-   runtime serves every pass. Metrics are taken on the device per micro-batch (`tracerl.audit_metrics`).
-5. **Attribution** and **coverage planner**: `tracerl.audit_plan` (definitions there).
+   runtime serves every pass. Metrics are taken on the device per micro-batch (`tracerl.audit.metrics`).
+5. **Attribution** and **coverage planner**: `tracerl.audit.plan` (definitions there).
 
 Passes (names as in the JSON ``modes``, ``detail`` and ``attribution``):
 

@@ -136,7 +136,7 @@ def load_checkpoint(model: torch.nn.Module, path: str) -> None:
 
 
 def use_weights(s: Setup, url: str, version: int, published: set[int], storage_options: dict | None) -> str:
-    """Load the weights of policy ``version`` into the model: published beside the store (`tracerl.weights`),
+    """Load the weights of policy ``version`` into the model: published beside the store (`tracerl.artifacts.weights`),
     else the spec/seed initial weights (policy version 0 of a fresh run); a ``--model`` checkpoint is kept for
     every version. Returns the source: ``checkpoint``, ``published`` or ``initial``."""
     if s.loaded == "checkpoint":

@@ -25,7 +25,7 @@ EXAMPLES = [
     "tracerl demo --device cuda --hidden 2048 --layers 40 --experts 32",
 ]
 _DEFAULTS = DemoConfig()
-#: model-size options -> `tracerl.models.TinyMoESpec` fields
+#: model-size options -> `tracerl.policy.models.TinyMoESpec` fields
 SPEC_OPTIONS = {"hidden": "hidden_size", "layers": "num_layers", "experts": "num_experts", "vocab": "vocab_size"}
 
 

@@ -1,4 +1,4 @@
-"""``tracerl replay``: a thin layer over `tracerl.replay.replay` (checkpoint + pinned store -> comparison)."""
+"""``tracerl replay``: a thin layer over `tracerl.loop.replay.replay` (checkpoint + pinned store -> comparison)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The grouped MoE expert path of `tracerl.qat.FP4MoEBlock._routed`, with a backward that is deterministic by
+"""The grouped MoE expert path of `tracerl.policy.runtime.FP4MoEBlock._routed`, with a backward that is deterministic by
 construction (no accumulation whose order depends on thread scheduling).
 
 What the plain grouped path (``qat.py`` before; the reference in ``tests/tracerl/test_deterministic.py``) does in

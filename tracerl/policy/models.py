@@ -23,7 +23,7 @@ import torch
 from tracerl.config import TinyMoESpec
 
 #: the name stores record for `build_model` in their model metadata (a stable identifier, not a module path:
-#: tracerl 0.1 kept the builder in ``tracerl.models``)
+#: tracerl 0.1 kept the builder in ``tracerl.policy.models``)
 BUILDER = "tracerl.models.build_model"
 
 
@@ -97,7 +97,7 @@ def has_linear_attention(model: torch.nn.Module) -> bool:
 
 def moe_layer_name(layer: int) -> str:
     """Module name of decoder layer ``layer``'s MoE block: the name its routed experts are recorded under (the
-    store's ``moe_layers``, `tracerl.packing.PackedHints.experts`) and the prefix of its FP4 sites."""
+    store's ``moe_layers``, `tracerl.train.packing.PackedHints.experts`) and the prefix of its FP4 sites."""
     return f"model.layers.{layer}.mlp"
 
 

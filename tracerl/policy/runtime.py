@@ -371,7 +371,7 @@ class FP4MoEBlock(nn.Module):
         if x_q.device.type != "cpu" and n * k <= rt.gather_max_slots and not (
                 grouped_gemm_supported(x_q, w_gate_up) and grouped_gemm_sync_free(x_q.device)):
             return self._routed_gather(x_q, idx, weights, w_gate_up, w_down)
-        # Grouped per-expert GEMMs with a backward that is deterministic by construction (`tracerl._deterministic`:
+        # Grouped per-expert GEMMs with a backward that is deterministic by construction (`tracerl.policy.experts`:
         # gathers, permutations and a fixed-order fp32 sum of each token's k slots instead of index-put
         # accumulation), whose forward is the same computation as the plain grouped path, bit for bit. Back in slot
         # order the k slots are summed in a fixed order (``index_add`` on CUDA adds with atomics in whatever order

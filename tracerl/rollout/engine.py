@@ -1,6 +1,6 @@
 """Reference FP4 rollout engine: batched prefill + token-by-token decode with a KV cache, seeded sampling.
 
-The model carries an `FP4Runtime` (`tracerl.qat.install_fp4`); the engine runs it in ``fp4_rne_own_scales``
+The model carries an `FP4Runtime` (`tracerl.policy.runtime.install_fp4`); the engine runs it in ``fp4_rne_own_scales``
 (the FP4 rollout) or ``bf16`` (the floor run) and, at hinted sites, receives each `tracefp4.quantize` result
 through the runtime's capture callback and hands hint bits and block scales to a `RolloutRecorder` along with
 the routed expert ids, the sampled tokens and their log-probs. Nothing here synchronizes with the device per
@@ -11,7 +11,7 @@ Host inputs (prompts, masks, positions) go to the device from pinned memory with
 last sampled token is fed through one more forward (``feed_last``) so that every recorded token has its hints,
 scales and routed experts; its logits are discarded.
 
-Decode paths (``decode=``): ``static`` and ``graph`` run `tracerl.decode.StaticDecoder` (a preallocated KV
+Decode paths (``decode=``): ``static`` and ``graph`` run `tracerl.rollout.decode.StaticDecoder` (a preallocated KV
 cache, SDPA over it; ``graph`` replays each step as one CUDA graph, as serving engines decode, with hint
 capture written to device rings inside the graph); ``hf`` calls the model's own forward with a `DynamicCache`
 (attention through SDPA by default, ``attn_implementation=None`` keeps the model's setting). ``auto`` picks

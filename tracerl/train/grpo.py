@@ -64,7 +64,7 @@ class GRPOTrainer:
     """The policy, its optimizer and one GRPO step at a time (see the module docstring).
 
     Args:
-        store: the loop store (`tracerl.policy.create_loop_store`); the policy is built from its metadata.
+        store: the loop store (`tracerl.loop.create_loop_store`); the policy is built from its metadata.
         cfg: `TrainConfig` (checked here).
         device: torch device of the model and the optimizer.
         backend: tracefp4 kernel backend (``auto``: Triton on CUDA).
@@ -110,7 +110,7 @@ class GRPOTrainer:
         return param_digest(self.master)
 
     def blobs(self) -> dict[str, Any]:
-        """Checkpoint blobs: ``model`` (safetensors of the bf16 state dict, as `tracerl._safetensors.encode` parts:
+        """Checkpoint blobs: ``model`` (safetensors of the bf16 state dict, as `tracerl.artifacts.tensorfile.encode` parts:
         no serialization copy) and ``optim`` (torch.save of the fp32 master weights, None while they are the bf16
         weights widened, and the AdamW state)."""
         buf = io.BytesIO()

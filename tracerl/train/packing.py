@@ -156,7 +156,7 @@ def read_packed(
     """Read ``mb``'s token ranges of ``sites`` (feature slice ``features``) from ``source`` into THD arrays.
 
     ``source.read(traj_id, start, stop, sites=..., features=...)`` is tracestore's ``Reader.read`` (pass
-    ``read_kwargs={"fmt": "numpy"}``) or `tracerl.recorder.MemorySink.read`.
+    ``read_kwargs={"fmt": "numpy"}``) or `tracerl.rollout.recorder.MemorySink.read`.
     """
     parts = [
         source.read(s.traj_id, s.start, s.stop, sites=list(sites), features=features, **(read_kwargs or {}))

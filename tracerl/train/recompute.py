@@ -1,9 +1,9 @@
 """Hint-guided QAT recompute for Hugging Face MoE models (the trainer's side of TRACE).
 
-The trainer recomputes a packed micro-batch (`tracerl.packing.PackedHints`) in one full-sequence forward,
+The trainer recomputes a packed micro-batch (`tracerl.train.packing.PackedHints`) in one full-sequence forward,
 with no KV cache: a different numerical path from the rollout's token-by-token decode. The model carries an
 `FP4Runtime` with the rollout's site plan and global scales; the mode picks what the FP4 sites do
-(`tracerl.qat.MODES`). In ``fp4_rne_rollout_scales`` and ``fp4_hints`` the hinted sites take the rollout's
+(`tracerl.policy.runtime.MODES`). In ``fp4_rne_rollout_scales`` and ``fp4_hints`` the hinted sites take the rollout's
 block scales (and hint bits) from the packed batch, row for row.
 
 Compute layout: the THD batch is the data layout; how the model runs it is ``layout``:
@@ -54,7 +54,7 @@ class TokenLogprobs:
 
 
 class QATTrainer:
-    """Forward (+ backward) of packed micro-batches in one of `tracerl.qat.MODES`."""
+    """Forward (+ backward) of packed micro-batches in one of `tracerl.policy.runtime.MODES`."""
 
     def __init__(self, model: torch.nn.Module, runtime: FP4Runtime, *, layout: str = "padded"):
         if layout not in ("padded", "packed"):

@@ -19,7 +19,7 @@ __all__ = ["RecordSource", "packed_nbytes", "read_ahead"]
 
 
 class RecordSource:
-    """`tracerl.packing.read_packed`'s source over complete trajectories' record metadata: a range of a
+    """`tracerl.train.packing.read_packed`'s source over complete trajectories' record metadata: a range of a
     trajectory is read from the records that cover it (`tracestore.read_record`), without a Reader (which would
     index the whole log)."""
 
