@@ -23,7 +23,7 @@ _EXPORTS = {
     "api": ("QuantizedFP4", "quantize", "dequantize", "fake_quantize", "quantize_fake", "compute_global_scale",
             "resolve_backend"),
     "packing": ("pack_codes", "unpack_codes", "pack_hints", "unpack_hints", "hints_from_codes"),
-    "errors": ("FP4Error", "ShapeError", "DTypeError", "FormatError", "BackendError"),
+    "errors": ("FP4Error", "ShapeError", "DTypeError", "FormatError", "LaunchConfigError", "BackendError"),
     "constants": ("BLOCK_SIZES", "E2M1_MAGNITUDES", "FORMATS"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}

@@ -22,6 +22,10 @@ class FormatError(FP4Error):
     """Unknown format name, scale rule or STE mode, or an argument that the format does not take."""
 
 
+class LaunchConfigError(FP4Error):
+    """A kernel launch configuration (blocks per program, warps, programs per SM) of the wrong shape."""
+
+
 class BackendError(FP4Error):
     """The requested backend cannot run here (e.g. Triton not importable, or Triton on CPU without
     TRITON_INTERPRET=1)."""

@@ -66,6 +66,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from .errors import FormatError, LaunchConfigError
+
 __all__ = [
     "default_config",
     "quantize_blocks_triton",
@@ -898,7 +900,7 @@ def _g_arg(g: torch.Tensor | None, fmt: str, device: torch.device, unused: torch
     tensor `unused`, already on the device, so that a launch allocates and fills nothing for it."""
     if g is None:
         if fmt == "nvfp4":
-            raise ValueError("nvfp4 needs the global scale g (fp32 0-d tensor); got None")
+            raise FormatError("nvfp4 needs the global scale g (fp32 0-d tensor); got None")
         return unused
     # tracefp4.api passes g on x's device already; a host g goes along without blocking (no host sync).
     return g.to(device=device, dtype=torch.float32, non_blocking=g.device.type == "cpu").contiguous()
@@ -918,7 +920,7 @@ def _fwd_cfg(config: tuple | None, key: str, dtype: torch.dtype, fmt: str) -> tu
     programs per SM) or with a 4th element, a register cap per thread (0: none); None: `default_config`."""
     cfg = config or default_config(key, dtype, fmt)
     if len(cfg) not in (3, 4):
-        raise ValueError(f"a forward config is (blocks per program, num_warps, programs per SM[, max registers]); "
+        raise LaunchConfigError(f"a forward config is (blocks per program, num_warps, programs per SM[, max registers]); "
                          f"got {cfg}")
     opts = {"maxnreg": cfg[3]} if len(cfg) == 4 and cfg[3] and not _interpreting() else {}
     return cfg[0], cfg[1], cfg[2], opts
@@ -1052,7 +1054,7 @@ def _bwd_cfg(config: tuple | None) -> tuple[int, int]:
     """(BN, num_warps) of the backward kernel; config: (BN, num_warps) or None for CONFIG."""
     cfg = config or CONFIG["fake_quant_bwd"]
     if len(cfg) != 2:
-        raise ValueError(f"the backward config is (blocks per program, num_warps); got {cfg}")
+        raise LaunchConfigError(f"the backward config is (blocks per program, num_warps); got {cfg}")
     return cfg
 
 

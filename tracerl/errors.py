@@ -21,6 +21,16 @@ class HintMismatchError(TracerlError, ValueError):
     """Hints or scales whose shape or site set does not match what the forward pass needs."""
 
 
+class ShapeMismatchError(TracerlError, ValueError):
+    """Arrays that must have the same shape (or fit each other) do not: rollout and trainer log-probs, codes,
+    scales or routed experts compared by `tracerl.fidelity`."""
+
+
+class NotReadyError(TracerlError, RuntimeError):
+    """A call before what it needs is there (the rollout worker asked to generate before a policy version is
+    loaded)."""
+
+
 class RecorderError(TracerlError, RuntimeError):
     """A recorder call out of order (e.g. a step for a request that was never begun)."""
 

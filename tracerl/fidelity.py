@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from tracerl.errors import ShapeMismatchError
+
 EXTREME_RATIO = 2.0
 
 
@@ -28,7 +30,7 @@ def dlogp_stats(logp_train: np.ndarray, logp_rollout: np.ndarray) -> dict[str, f
     a = np.asarray(logp_train, dtype=np.float64)
     b = np.asarray(logp_rollout, dtype=np.float64)
     if a.shape != b.shape:
-        raise ValueError(f"log-prob arrays differ in shape: {a.shape} vs {b.shape}")
+        raise ShapeMismatchError(f"log-prob arrays differ in shape: {a.shape} vs {b.shape}")
     ok = np.isfinite(a) & np.isfinite(b)
     d = a[ok] - b[ok]
     if d.size == 0:
@@ -50,7 +52,7 @@ def code_matches(codes_a: np.ndarray, codes_b: np.ndarray) -> np.ndarray:
     a = np.asarray(codes_a, dtype=np.uint8)
     b = np.asarray(codes_b, dtype=np.uint8)
     if a.shape != b.shape:
-        raise ValueError(f"code arrays differ in shape: {a.shape} vs {b.shape}")
+        raise ShapeMismatchError(f"code arrays differ in shape: {a.shape} vs {b.shape}")
     return (a == b) | (((a & 7) == 0) & ((b & 7) == 0))
 
 
@@ -84,7 +86,7 @@ def count_code_matches(codes, packed_ref) -> tuple[int, int, int, int]:
     ref = torch.as_tensor(packed_ref).to(c.device)
     if c.dtype != torch.uint8 or ref.dtype != torch.uint8 or c.dim() != 2 or ref.dim() != 2 \
             or c.shape[0] != ref.shape[0] or c.shape[1] != 2 * ref.shape[1]:
-        raise ValueError(f"codes {tuple(c.shape)} {c.dtype} and packed codes {tuple(ref.shape)} {ref.dtype}: need "
+        raise ShapeMismatchError(f"codes {tuple(c.shape)} {c.dtype} and packed codes {tuple(ref.shape)} {ref.dtype}: need "
                          "uint8 [R, W] and [R, W/2]")
     rows, cols = torch.nonzero((c[:, 0::2] | (c[:, 1::2] << 4)) != ref, as_tuple=True)
     a = torch.stack([c[rows, 2 * cols], c[rows, 2 * cols + 1]], dim=-1).to(torch.int16)
@@ -100,7 +102,7 @@ def count_code_matches(codes, packed_ref) -> tuple[int, int, int, int]:
 def scale_agreement(scales_a: np.ndarray, scales_b: np.ndarray) -> float:
     a, b = np.asarray(scales_a), np.asarray(scales_b)
     if a.shape != b.shape:
-        raise ValueError(f"scale arrays differ in shape: {a.shape} vs {b.shape}")
+        raise ShapeMismatchError(f"scale arrays differ in shape: {a.shape} vs {b.shape}")
     return float((a == b).mean()) if a.size else math.nan
 
 
@@ -109,7 +111,7 @@ def router_flips(experts_a: np.ndarray, experts_b: np.ndarray) -> np.ndarray:
     a = np.sort(np.asarray(experts_a), axis=-1)
     b = np.sort(np.asarray(experts_b), axis=-1)
     if a.shape != b.shape:
-        raise ValueError(f"expert arrays differ in shape: {a.shape} vs {b.shape}")
+        raise ShapeMismatchError(f"expert arrays differ in shape: {a.shape} vs {b.shape}")
     return (a != b).any(axis=-1)
 
 

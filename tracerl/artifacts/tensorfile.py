@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from tracerl.errors import SafetensorsFormatError
+from tracerl.errors import ConfigError, SafetensorsFormatError
 
 __all__ = ["encode", "decode", "SafetensorsFormatError"]
 
@@ -47,18 +47,18 @@ def encode(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | No
     """
     meta = dict(metadata or {})
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
-        raise ValueError("safetensors metadata must map str to str")
+        raise ConfigError("safetensors metadata must map str to str")
     for name, t in tensors.items():
         if not isinstance(name, str) or name == "__metadata__":
-            raise ValueError(f"tensor name {name!r}: must be a str other than '__metadata__'")
+            raise ConfigError(f"tensor name {name!r}: must be a str other than '__metadata__'")
         if t.device.type != "cpu" or not t.is_contiguous() or t.dtype not in _DTYPES:
-            raise ValueError(f"tensor {name!r}: needs a contiguous CPU tensor of {sorted(_DTYPES.values())}, got "
+            raise ConfigError(f"tensor {name!r}: needs a contiguous CPU tensor of {sorted(_DTYPES.values())}, got "
                              f"{t.dtype} on {t.device}{'' if t.is_contiguous() else ', not contiguous'}")
     spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name)
                    for name, t in tensors.items() if t.numel())
     for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
         if begin < end:  # as the library: a file holds each byte once (tied weights: publish one of them)
-            raise ValueError(f"tensors {a!r} and {b!r} share memory; safetensors stores each tensor's bytes once")
+            raise ConfigError(f"tensors {a!r} and {b!r} share memory; safetensors stores each tensor's bytes once")
     order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
     header: dict = {"__metadata__": meta} if meta else {}
     views, offset = [], 0

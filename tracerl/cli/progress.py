@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import time
 
 #: without a terminal, a long phase logs its progress at least this often (a CI log or a nohup run never looks hung)

@@ -40,6 +40,7 @@ import tracestore as ts
 from tracerl.artifacts import weights
 from tracerl.artifacts.codes import CODES_KEY, put_codes
 from tracerl.config import RolloutConfig
+from tracerl.errors import NotReadyError
 from tracerl.policy import Policy, build_policy, site_widths
 from tracerl.rollout.engine import RolloutEngine
 from tracerl.rollout.recorder import RolloutRecorder
@@ -140,7 +141,7 @@ class RolloutWorker:
         cfg, task = self.cfg, self.task
         batch = self.next_batch
         if self.version is None:
-            raise RuntimeError("generate_batch before sync_weights: no policy version is loaded")
+            raise NotReadyError("generate_batch before sync_weights: no policy version is loaded (call sync_weights first)")
         seed = cfg.seed * 1_000_003 + batch
         prompts = task.prompts(cfg.groups_per_batch, seed=seed)
         rep = [p for p in prompts for _ in range(cfg.group_size)]  # each group's G samples adjacent
