@@ -114,3 +114,8 @@ def test_prune_keeps_newest_and_first(location):
     assert len(keys) == 3 * 3
     with pytest.raises(ConfigError):
         C.prune(url, 0, storage_options=opts)
+
+
+def test_manifest_kind_is_format_data():
+    """The manifest's ``kind`` is part of the format (readers check it): it did not move with the module."""
+    assert C.KIND == "tracerl.checkpoint"

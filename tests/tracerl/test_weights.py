@@ -303,3 +303,8 @@ def test_rollout_prefetch_raises_a_corrupt_version_and_retries_a_pruned_one(tmp_
         time.sleep(0.01)
     p.close()
     assert got is not None and got[1]["version"] == 1 and torch.equal(got[0]["a.weight"], _sd(1)["a.weight"])
+
+
+def test_sidecar_kind_is_format_data():
+    """The sidecar's ``kind`` is part of the format (readers check it): it did not move with the module."""
+    assert W.KIND == "tracerl.weights"

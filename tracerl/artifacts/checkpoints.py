@@ -14,7 +14,7 @@ step fails with `CheckpointExistsError`.
 
 Manifest (JSON)::
 
-    {"kind": "tracerl.artifacts.checkpoints", "format_version": 2, "step": 12, "created_unix": 1.7e9,
+    {"kind": "tracerl.checkpoint", "format_version": 2, "step": 12, "created_unix": 1.7e9,
      "blobs": {"model": {"key": "checkpoints/000000000012-<crc32c>.model", "crc32c": "<8 hex>", "bytes": 1234}, ...},
      "state": {...}}
 
@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = WRITE_FORMAT  # written; READ_FORMATS are read
 READ_FORMATS = (1, 2)
-KIND = "tracerl.artifacts.checkpoints"
+KIND = "tracerl.checkpoint"  # the manifests' kind (format data, not a module path)
 #: ``checkpoints/<step>.json`` (the manifest) and ``checkpoints/<step>-<checksum>.<blob name>``
 STEPS = NumberedObjects("checkpoints", "checkpoint step")
 AREA = STEPS.area  # the store's application area of checkpoints (tracestore FORMAT §2)

@@ -15,7 +15,7 @@ leaves an orphan ``.safetensors`` that no reader looks at.
 
 Sidecar (JSON)::
 
-    {"kind": "tracerl.artifacts.weights", "format_version": 2, "version": 7, "key": "weights/000000000007-<crc32c>.safetensors",
+    {"kind": "tracerl.weights", "format_version": 2, "version": 7, "key": "weights/000000000007-<crc32c>.safetensors",
      "crc32c": "<8 hex>", "bytes": 1234, "created_unix": 1.7e9, "step": 70, "parent_version": 6,
      "tensors": 123, "meta": {...}}
 
@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = WRITE_FORMAT  # written; READ_FORMATS are read
 READ_FORMATS = (1, 2)
-KIND = "tracerl.artifacts.weights"
+KIND = "tracerl.weights"  # the sidecars' kind (format data, not a module path)
 #: ``weights/<version>.json`` (the sidecar) and ``weights/<version>-<checksum>.safetensors``
 VERSIONS = NumberedObjects("weights", "policy version")
 AREA = VERSIONS.area  # the store's application area of policy versions (tracestore FORMAT §2)
