@@ -449,7 +449,7 @@ def test_export_counts_each_record_once(fresh, tmp_path, capsys):
 
 def test_readme_store_snippet_runs_on_its_own(tmp_path, monkeypatch):
     text = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
-    start = text.index("```python\nimport torch, tracefp4, tracestore as ts")
+    start = text.rindex("```python\n", 0, text.index("tracestore as ts\n", text.index("## The store")))
     code = text[start + len("```python\n"): text.index("```", start + 10)]
     monkeypatch.chdir(tmp_path)
     exec(compile(code.replace("/tmp/hints", str(tmp_path / "hints")), "README", "exec"), {})
