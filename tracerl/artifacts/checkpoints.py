@@ -37,25 +37,16 @@ from collections.abc import Mapping
 from typing import Any
 
 import tracestore as ts
-from tracerl.artifacts.objects import (
-    WRITE_FORMAT,
-    Location,
-    NumberedObjects,
-    blob_mismatch,
-    blob_ref,
-    opened,
-    read_commit,
-    ref_is_valid,
-)
+from tracerl.artifacts import objects as ob
+from tracerl.artifacts.objects import Location
 from tracerl.errors import CheckpointCorruptError, CheckpointExistsError, CheckpointNotFoundError, ConfigError
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = WRITE_FORMAT  # written; READ_FORMATS are read
-READ_FORMATS = (1, 2)
+FORMAT_VERSION, READ_FORMATS = ob.WRITE_FORMAT, ob.READ_FORMATS  # written; read
 KIND = "tracerl.checkpoint"  # the manifests' kind (format data, not a module path)
 #: ``checkpoints/<step>.json`` (the manifest) and ``checkpoints/<step>-<checksum>.<blob name>``
-STEPS = NumberedObjects("checkpoints", "checkpoint step")
+STEPS = ob.NumberedObjects("checkpoints", "checkpoint step")
 AREA = STEPS.area  # the store's application area of checkpoints (tracestore FORMAT §2)
 PREFIX = f"{AREA}/"
 STEP_DIGITS = STEPS.digits
@@ -93,7 +84,7 @@ def save(location: Location, step: int, blobs: Mapping[str, Any], state: Mapping
     for name in blobs:
         if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
             raise ConfigError(f"checkpoint blob name {name!r}: use 1-32 characters of [a-z0-9_], starting with a letter")
-    refs = {name: blob_ref(data, STEPS.stem(step), f".{name}", FORMAT_VERSION)
+    refs = {name: ob.blob_ref(data, STEPS.stem(step), f".{name}", FORMAT_VERSION)
             for name, data in blobs.items()}
     manifest = {"kind": KIND, "format_version": FORMAT_VERSION, "step": step, "created_unix": time.time(),
                 "blobs": refs, "state": dict(state)}
@@ -101,20 +92,17 @@ def save(location: Location, step: int, blobs: Mapping[str, Any], state: Mapping
         raw = json.dumps(manifest, sort_keys=True, allow_nan=False).encode()
     except (TypeError, ValueError) as e:
         raise ConfigError(f"checkpoint {step}: state is not JSON-serializable: {e}") from e
-    with opened(location, AREA, storage_options) as area:
-        if area.exists(STEPS.commit_name(step)):  # before uploading large blobs for nothing
-            raise CheckpointExistsError(f"{area.url}: checkpoint {step} is already committed")
-        for name, data in blobs.items():
-            area.put(STEPS.blob_name(refs[name]["key"]), data)
-        if not area.put_if_absent(STEPS.commit_name(step), raw):
-            raise CheckpointExistsError(f"{area.url}: checkpoint {step} was committed concurrently")
+    with ob.opened(location, AREA, storage_options) as area:
+        STEPS.commit(area, step, [(refs[name]["key"], data) for name, data in blobs.items()], raw,
+                     lambda concurrent: CheckpointExistsError(
+                         f"{area.url}: checkpoint {step} was committed {'concurrently' if concurrent else 'already'}"))
         log.info("checkpoint %d committed to %s (%d bytes)", step, area.url, sum(r["bytes"] for r in refs.values()))
         return manifest_key(step)
 
 
 def list_steps(location: Location, *, storage_options: Mapping | None = None) -> list[int]:
     """Committed checkpoint steps, ascending (a fresh listing)."""
-    with opened(location, AREA, storage_options) as area:
+    with ob.opened(location, AREA, storage_options) as area:
         return STEPS.numbers(area)
 
 
@@ -126,12 +114,12 @@ def latest_step(location: Location, *, storage_options: Mapping | None = None) -
 
 def _manifest(area: ts.ObjectArea, step: int) -> dict:
     key = manifest_key(step)
-    man = read_commit(area, STEPS.commit_name(step), KIND, READ_FORMATS, corrupt=CheckpointCorruptError,
+    man = ob.read_commit(area, STEPS.commit_name(step), KIND, READ_FORMATS, corrupt=CheckpointCorruptError,
                       version_error=CheckpointCorruptError,
                       missing=CheckpointNotFoundError(f"{area.url}: no checkpoint {step} ({key} does not exist)"))
     blobs = man.get("blobs")
     if (man.get("step") != step or not isinstance(man.get("state"), dict) or not isinstance(blobs, dict)
-            or not all(ref_is_valid(r, man["format_version"], STEPS.stem(step), f".{n}")
+            or not all(ob.ref_is_valid(r, man["format_version"], STEPS.stem(step), f".{n}")
                        for n, r in blobs.items())):
         raise CheckpointCorruptError(f"{area.describe(STEPS.commit_name(step))}: manifest fields do not describe "
                                      f"checkpoint {step}")
@@ -147,7 +135,7 @@ def load(location: Location, step: int | None = None, *, storage_options: Mappin
             version, a blob missing or of the wrong size or checksum.
         tracestore.BackendError: the storage failed.
     """
-    with opened(location, AREA, storage_options) as area:
+    with ob.opened(location, AREA, storage_options) as area:
         if step is None:
             step = latest_step(area)
             if step is None:
@@ -160,7 +148,7 @@ def load(location: Location, step: int | None = None, *, storage_options: Mappin
             except ts.ObjectNotFoundError:
                 raise CheckpointCorruptError(f"{area.url}: checkpoint {step} is committed but its blob "
                                              f"{ref['key']} is missing") from None
-            bad = blob_mismatch(data, ref, man["format_version"])
+            bad = ob.blob_mismatch(data, ref, man["format_version"])
             if bad is not None:
                 raise CheckpointCorruptError(f"{area.describe(STEPS.blob_name(ref['key']))}: {bad}")
             blobs[name] = data
@@ -175,7 +163,7 @@ def prune(location: Location, keep_last: int, *, keep: tuple[int, ...] = (),
     orphans from then on and are deleted after it."""
     if keep_last < 1:
         raise ConfigError(f"keep_last={keep_last}: keep at least the newest checkpoint")
-    with opened(location, AREA, storage_options) as area:
+    with ob.opened(location, AREA, storage_options) as area:
         steps = list_steps(area)
         doomed = [s for s in steps[:-keep_last] if s not in keep]
         for s in doomed:

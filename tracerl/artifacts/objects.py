@@ -15,7 +15,7 @@ import dataclasses
 import hashlib
 import json
 import re
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import crc32c as _crc32c
@@ -77,6 +77,20 @@ class NumberedObjects:
         """A blob key below the location (as commit objects record it) -> its name in the area."""
         return key.removeprefix(f"{self.area}/")
 
+    def commit(self, area: ts.ObjectArea, n: int, blobs: Sequence[tuple[str, Any]], commit: bytes,
+               exists: Callable[[bool], Exception]) -> None:
+        """Commit ``n`` as the store commits records: data first, then the commit object created with put-if-absent,
+        so that ``n`` exists exactly when its commit object does. ``blobs`` are (key below the location, bytes-like
+        or a list of parts); ``exists(concurrent)`` makes the error for an ``n`` that was committed already (checked
+        before any upload, so a large blob is not uploaded for nothing: ``concurrent`` False) or by another writer
+        meanwhile (True). A writer killed between the two leaves orphan blobs that no reader looks at."""
+        if area.exists(self.commit_name(n)):
+            raise exists(False)
+        for key, data in blobs:
+            area.put(self.blob_name(key), data)
+        if not area.put_if_absent(self.commit_name(n), commit):
+            raise exists(True)
+
     def numbers(self, area: ts.ObjectArea) -> list[int]:
         """The committed numbers, ascending (a fresh listing of the area)."""
         pattern = re.compile(rf"(\d{{{self.digits}}})\.json")
@@ -92,8 +106,9 @@ def check_number(value: Any, digits: int, what: str) -> int:
 
 #: the blob checksum of each format version of the commit objects
 CHECKSUMS: dict[int, str] = {1: "sha256", 2: "crc32c"}
-#: the format version written
+#: the format version written, and the ones read
 WRITE_FORMAT = 2
+READ_FORMATS = tuple(CHECKSUMS)
 _HEX = {"sha256": re.compile(r"[0-9a-f]{64}"), "crc32c": re.compile(r"[0-9a-f]{8}")}
 
 

@@ -42,27 +42,18 @@ from typing import Any
 import torch
 
 import tracestore as ts
+from tracerl.artifacts import objects as ob
 from tracerl.artifacts import tensorfile as st
 from tracerl.artifacts.errors import VersionExistsError, VersionNotFoundError, WeightsError, WeightsIntegrityError
-from tracerl.artifacts.objects import (
-    WRITE_FORMAT,
-    Location,
-    NumberedObjects,
-    blob_mismatch,
-    blob_ref,
-    opened,
-    read_commit,
-    ref_is_valid,
-)
+from tracerl.artifacts.objects import Location
 from tracerl.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = WRITE_FORMAT  # written; READ_FORMATS are read
-READ_FORMATS = (1, 2)
+FORMAT_VERSION, READ_FORMATS = ob.WRITE_FORMAT, ob.READ_FORMATS  # written; read
 KIND = "tracerl.weights"  # the sidecars' kind (format data, not a module path)
 #: ``weights/<version>.json`` (the sidecar) and ``weights/<version>-<checksum>.safetensors``
-VERSIONS = NumberedObjects("weights", "policy version")
+VERSIONS = ob.NumberedObjects("weights", "policy version")
 AREA = VERSIONS.area  # the store's application area of policy versions (tracestore FORMAT §2)
 WEIGHTS_PREFIX = f"{AREA}/"
 VERSION_DIGITS = VERSIONS.digits
@@ -112,7 +103,7 @@ def publish(url: Location, version: int, state_dict: Mapping[str, torch.Tensor],
     if parent_version is not None:
         VERSIONS.check(parent_version)
     blob = _encode(state_dict, version)
-    ref = blob_ref(blob, VERSIONS.stem(version), ".safetensors", FORMAT_VERSION)
+    ref = ob.blob_ref(blob, VERSIONS.stem(version), ".safetensors", FORMAT_VERSION)
     key = ref["key"]
     side = {"kind": KIND, "format_version": FORMAT_VERSION, "version": version, **ref, "created_unix": time.time(),
             "step": step, "parent_version": parent_version, "tensors": len(state_dict), "meta": dict(meta or {})}
@@ -120,20 +111,17 @@ def publish(url: Location, version: int, state_dict: Mapping[str, torch.Tensor],
         side_bytes = json.dumps(side, sort_keys=True, allow_nan=False).encode()
     except (TypeError, ValueError) as e:
         raise ConfigError(f"meta of version {version} is not JSON-serializable: {e}") from e
-    with opened(url, AREA, storage_options) as area:
-        if area.exists(VERSIONS.commit_name(version)):  # fail before uploading a large blob for nothing
-            raise VersionExistsError(f"{area.url}: policy version {version} is already published")
-        area.put(VERSIONS.blob_name(key), blob)
-        if not area.put_if_absent(VERSIONS.commit_name(version), side_bytes):
-            raise VersionExistsError(f"{area.url}: policy version {version} was published concurrently by "
-                                     "another publisher")
+    with ob.opened(url, AREA, storage_options) as area:
+        VERSIONS.commit(area, version, [(key, blob)], side_bytes, lambda concurrent: VersionExistsError(
+            f"{area.url}: policy version {version} "
+            + ("was published concurrently by another publisher" if concurrent else "is already published")))
         log.info("published policy version %d to %s (%d bytes, %s)", version, area.url, ref["bytes"], key)
         return sidecar_key(version)
 
 
 def list_versions(url: Location, *, storage_options: Mapping | None = None) -> list[int]:
     """Committed versions, ascending (a fresh listing of ``weights/``)."""
-    with opened(url, AREA, storage_options) as area:
+    with ob.opened(url, AREA, storage_options) as area:
         return VERSIONS.numbers(area)
 
 
@@ -145,10 +133,10 @@ def latest_version(url: Location, *, storage_options: Mapping | None = None) -> 
 
 def _read_sidecar(area: ts.ObjectArea, version: int) -> dict:
     key = sidecar_key(version)
-    side = read_commit(area, VERSIONS.commit_name(version), KIND, READ_FORMATS, corrupt=WeightsIntegrityError,
+    side = ob.read_commit(area, VERSIONS.commit_name(version), KIND, READ_FORMATS, corrupt=WeightsIntegrityError,
                        version_error=ts.SchemaVersionError,
                        missing=VersionNotFoundError(f"{area.url}: no policy version {version} ({key} does not exist)"))
-    if side.get("version") != version or not ref_is_valid(side, side["format_version"], VERSIONS.stem(version), ".safetensors"):
+    if side.get("version") != version or not ob.ref_is_valid(side, side["format_version"], VERSIONS.stem(version), ".safetensors"):
         raise WeightsIntegrityError(f"{area.describe(VERSIONS.commit_name(version))}: sidecar fields do not describe version {version} "
                                     f"(version {side.get('version')!r}, key {side.get('key')!r})")
     return side
@@ -161,7 +149,7 @@ def read_meta(url: Location, version: int | None = None, *, storage_options: Map
         VersionNotFoundError: not committed (or nothing published, for None).
         WeightsIntegrityError / tracestore.SchemaVersionError: the sidecar is corrupt or of another format.
     """
-    with opened(url, AREA, storage_options) as area:
+    with ob.opened(url, AREA, storage_options) as area:
         return _read_sidecar(area, _resolve(area, version))
 
 
@@ -184,7 +172,7 @@ def load_state_dict(url: Location, version: int | None = None, *, device: str | 
         tracestore.SchemaVersionError: a sidecar of a format version this code does not read.
         tracestore.BackendError: the storage failed.
     """
-    with opened(url, AREA, storage_options) as area:
+    with ob.opened(url, AREA, storage_options) as area:
         version = _resolve(area, version)
         side = _read_sidecar(area, version)
         where = area.describe(VERSIONS.blob_name(side["key"]))
@@ -193,7 +181,7 @@ def load_state_dict(url: Location, version: int | None = None, *, device: str | 
         except ts.ObjectNotFoundError:
             raise WeightsIntegrityError(f"{area.url}: version {version} is committed but its tensors "
                                         f"{side['key']} are missing") from None
-    bad = blob_mismatch(blob, side, side["format_version"])
+    bad = ob.blob_mismatch(blob, side, side["format_version"])
     if bad is not None:
         raise WeightsIntegrityError(f"{where}: {bad}")
     try:
@@ -239,7 +227,7 @@ def load_if_newer(url: Location, model: torch.nn.Module, current: int | None, *,
                   storage_options: Mapping | None = None) -> dict | None:
     """The rollout side's poll: if a version newer than ``current`` (None: any) is committed, load the latest
     into ``model`` and return its sidecar; else None. Raises what `load` raises."""
-    with opened(url, AREA, storage_options) as area:
+    with ob.opened(url, AREA, storage_options) as area:
         latest = latest_version(area)
         if latest is None or (current is not None and latest <= current):
             return None
@@ -256,7 +244,7 @@ def prune(url: Location, keep_last: int, *, keep: tuple[int, ...] = (), storage_
     Raises ConfigError for ``keep_last`` < 1."""
     if keep_last < 1:
         raise ConfigError(f"keep_last={keep_last}: keep at least the newest version")
-    with opened(url, AREA, storage_options) as area:
+    with ob.opened(url, AREA, storage_options) as area:
         doomed = [v for v in list_versions(area)[:-keep_last] if v not in keep]
         for v in doomed:
             side = _read_sidecar(area, v)

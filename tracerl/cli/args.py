@@ -25,7 +25,8 @@ from tracestore.cliargs import (
 )
 
 __all__ = ["add_storage_arguments", "finite_float", "float_above", "float_at_least", "int_at_least",
-           "storage_options", "add_process_arguments", "stop_on_signals", "stop_with_parent"]
+           "storage_options", "add_process_arguments", "add_model_size_arguments", "start_process",
+           "stop_on_signals", "stop_with_parent"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,32 @@ def add_process_arguments(p: argparse.ArgumentParser, what: str) -> None:
                    help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", action="store_true", help=f"print one JSON line per {what} on stdout")
     add_storage_arguments(p)
+
+
+def add_model_size_arguments(p: argparse.ArgumentParser, *, vocab: bool = True) -> None:
+    """``--hidden``, ``--layers``, ``--experts`` (and ``--vocab``): overrides of `tracerl.config.TinyMoESpec`'s
+    defaults, each None when not given."""
+    pos = int_at_least(1)
+    p.add_argument("--hidden", type=pos, metavar="N", help="model hidden size, a multiple of 16 (default 256)")
+    p.add_argument("--layers", type=pos, metavar="N", help="decoder layers (default 8)")
+    p.add_argument("--experts", type=pos, metavar="N",
+                   help="routed experts per MoE layer, at most 256 (default 16, top-2)")
+    if vocab:
+        p.add_argument("--vocab", type=pos, metavar="N", help="vocabulary size (default 1024)")
+
+
+def start_process(args: argparse.Namespace):
+    """What a loop process (``tracerl train``, ``tracerl rollout``) does first, after its arguments were checked: the
+    store's storage options (raises tracestore's `UsageError`), torch's CPU threads, warnings-level logging, and
+    a rich console on stderr for its progress lines. Returns (storage options, console)."""
+    opts = storage_options(args, args.store)
+    import torch
+    from rich.console import Console
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    return opts, Console(stderr=True, log_path=False)
 
 
 @contextlib.contextmanager

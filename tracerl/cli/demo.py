@@ -7,7 +7,7 @@ import json
 import math
 import sys
 
-from tracerl.cli.args import add_storage_arguments, int_at_least, storage_options
+from tracerl.cli.args import add_model_size_arguments, add_storage_arguments, int_at_least, storage_options
 from tracerl.cli.progress import StepBars
 from tracerl.config import DECODE_PATHS, FP4_PLACEMENTS, HINT_SITE_KINDS, MODEL_FAMILIES, DemoConfig
 
@@ -54,11 +54,7 @@ def add_arguments(d: argparse.ArgumentParser) -> None:
                    help=f"seed of the weights, prompts and sampling (default {_DEFAULTS.seed})")
     d.add_argument("--backward", action="store_true",
                    help="trainer forward + backward (straight-through) in every mode (default: forward only)")
-    d.add_argument("--hidden", type=pos, metavar="N", help="model hidden size, a multiple of 16 (default 256)")
-    d.add_argument("--layers", type=pos, metavar="N", help="decoder layers (default 8)")
-    d.add_argument("--experts", type=pos, metavar="N",
-                   help="routed experts per MoE layer, at most 256 (default 16, top-2)")
-    d.add_argument("--vocab", type=pos, metavar="N", help="vocabulary size (default 1024)")
+    add_model_size_arguments(d)
     d.add_argument("--device", metavar="DEVICE", default=_DEFAULTS.device,
                    help="torch device of the model, rollout and trainer (default cpu; e.g. cuda, cuda:1)")
     d.add_argument("--decode", default=_DEFAULTS.decode, choices=DECODE_PATHS,

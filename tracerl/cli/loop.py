@@ -7,7 +7,14 @@ import json
 import sys
 import time
 
-from tracerl.cli.args import add_storage_arguments, float_above, int_at_least, stop_on_signals, storage_options
+from tracerl.cli.args import (
+    add_model_size_arguments,
+    add_storage_arguments,
+    float_above,
+    int_at_least,
+    stop_on_signals,
+    storage_options,
+)
 from tracerl.config import FP4_PLACEMENTS, QAT_MODES, LoopConfig
 from tracestore.cliargs import EXIT_INTERRUPTED
 
@@ -46,9 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"prompt symbols (default {_TASK['prompt_len']})")
     p.add_argument("--response-len", type=pos, default=_TASK["response_len"], metavar="N",
                    help=f"response tokens (default {_TASK['response_len']}; copy: at most --prompt-len)")
-    p.add_argument("--hidden", type=pos, metavar="N", help="model hidden size, a multiple of 16 (default 256)")
-    p.add_argument("--layers", type=pos, metavar="N", help="decoder layers (default 8)")
-    p.add_argument("--experts", type=pos, metavar="N", help="routed experts per MoE layer (default 16, top-2)")
+    add_model_size_arguments(p, vocab=False)
     p.add_argument("--hint-layers", default=_D.hint_layers, metavar="LAYERS",
                    help="layers whose MoE input gets hints: latter-half (default), all, none, or e.g. 0,3")
     p.add_argument("--fp4", default=_D.fp4, choices=FP4_PLACEMENTS, help="FP4 placement (default experts)")

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 
 from tracerl.cli.args import (
     add_process_arguments,
     float_above,
     int_at_least,
+    start_process,
     stop_on_signals,
     stop_with_parent,
-    storage_options,
 )
 from tracerl.config import DECODE_PATHS, RolloutConfig
 
@@ -61,18 +60,11 @@ def run(args: argparse.Namespace) -> int:
                         temperature=args.temperature, seed=args.seed, max_ahead=args.max_ahead,
                         record_codes=args.record_codes, decode=args.decode)
     cfg.check()
-    opts = storage_options(args, args.store)
-    import torch
-    from rich.console import Console
-
+    opts, console = start_process(args)
     import tracestore as ts
     from tracerl.rollout import RolloutWorker, run_rollout
     from tracerl.runlog import MetricsLog
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
-    console = Console(stderr=True, log_path=False)
     worker = RolloutWorker(ts.open_store(args.store, storage_options=opts), cfg, device=args.device,
                            worker_id=args.worker_id, weights_url=args.weights, storage_options=opts)
 

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 
 from tracerl.cli.args import (
     add_process_arguments,
     float_above,
     int_at_least,
+    start_process,
     stop_on_signals,
     stop_with_parent,
-    storage_options,
 )
 from tracerl.config import QAT_MODES, TrainConfig
 
@@ -148,24 +147,17 @@ def step_line(m: dict, total: int | None) -> str:
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)  # before torch is imported: bad options answer at once
-    opts = storage_options(args, args.store)
     if args.device.startswith("cuda") and not args.no_deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts (deterministic GEMMs)
-    import torch
-    from rich.console import Console
-
+    opts, console = start_process(args)
     import tracestore as ts
     from tracerl.runlog import MetricsLog
     from tracerl.train import run_training, start_or_resume
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     device = init_distributed(args.device)
     store = ts.open_store(args.store, storage_options=opts)
     weights_url = None if args.no_publish else (args.weights or args.store)
     metrics = MetricsLog(args.metrics)
-    console = Console(stderr=True, log_path=False)
     trainer, follower = start_or_resume(store, cfg, checkpoints=args.checkpoints, weights_url=weights_url,
                                         metrics=metrics, device=device, cursor=args.cursor, storage_options=opts)
     if trainer.rank == 0:
