@@ -17,6 +17,7 @@ import atexit
 import logging
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -53,9 +54,11 @@ class State:
         self.started = False
         self.local = threading.local()  # .layer: the FusedMoE layer in apply
         self.pending: list[tuple[Any, Any, np.ndarray | None]] = []
+        # SGLang's routed-experts capturer and a request's weight-version spans (SGLang's own functions; a test
+        # that drives the hooks without SGLang's runtime puts stand-ins of SGLang's parts here)
+        self.routes: Callable[[], Any] = _sglang_routes
+        self.spans: Callable[[Any], list[tuple[str, int, int]]] = _sglang_spans
 
-
-STATE = State()
 
 
 # ---- start ------------------------------------------------------------------------------------------------
@@ -156,9 +159,7 @@ def allocate_capture(session: RecordingSession, runner: Any) -> SlotCapture:
     hidden = int(runner.model_config.hidden_size)
     if widths != {hidden}:
         raise PluginConfigError(f"store sites have widths {sorted(widths)}; the model's hidden size is {hidden}")
-    from sglang.srt.state_capturer.routed_experts import get_global_experts_capturer
-
-    routes = get_global_experts_capturer()
+    routes = STATE.routes()
     if session.moe_layers and routes is None:
         raise UnsupportedSettingError("the store declares MoE layers and SGLang captures no routed experts: start "
                                       "it with --enable-return-routed-experts")
@@ -237,9 +238,7 @@ def after_collect_routed_experts(result, self, req):
     slots = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx][: max(seqlen - 1, 0)].cpu().numpy()
     experts = None
     if st.session.moe_layers:
-        from sglang.srt.state_capturer.routed_experts import get_global_experts_capturer
-
-        experts = np.asarray(get_global_experts_capturer().get_topk(
+        experts = np.asarray(st.routes().get_topk(
             req_pool_idx=req.kv.req_pool_idx, seqlen=seqlen, req_to_token_pool=self.req_to_token_pool))
     st.pending.append((req, st.capture.rows(slots), experts))
     return None
@@ -257,7 +256,15 @@ def finished_request(req: Any, rows, experts, *, spans) -> FinishedRequest:
                            custom_params=getattr(sp, "custom_params", None))
 
 
-def _spans(req: Any) -> list[tuple[str, int, int]]:
+def _sglang_routes() -> Any:
+    """SGLang's routed-experts capturer (None without ``--enable-return-routed-experts``)."""
+    from sglang.srt.state_capturer.routed_experts import get_global_experts_capturer
+
+    return get_global_experts_capturer()
+
+
+def _sglang_spans(req: Any) -> list[tuple[str, int, int]]:
+    """``req``'s weight-version spans over its output tokens, as SGLang reports them (``weight_versions``)."""
     from sglang.srt.runtime_context import get_serving
     from sglang.srt.utils.weight_versions import compute_weight_version_spans
 
@@ -274,7 +281,7 @@ def around_process_batch_result(original, self, batch, result):
     pending, st.pending = st.pending, []
     for req, rows, experts in pending:
         if st.session is not None:
-            st.session.finish(finished_request(req, rows, experts, spans=_spans(req)))
+            st.session.finish(finished_request(req, rows, experts, spans=st.spans(req)))
     return out
 
 
@@ -287,6 +294,9 @@ def before_handle_generate_request(self, recv_req, *args, **kwargs):
         recv_req.return_logprob = True
         recv_req.logprob_start_len = -1
     return None
+
+
+STATE = State()  # this process's (the hooks are module functions: SGLang registers them once)
 
 
 # ---- installation -------------------------------------------------------------------------------------------
