@@ -257,7 +257,7 @@ class RecordingSession:
         if known is not None:
             changed = {s: (known.get(s), b) for s, b in bits.items() if known.get(s) != b}
             if changed:
-                raise QuantizerRecordError(f"policy version {version}: multipliers changed {changed}")
+                raise QuantizerRecordError(f"policy version {version} was quantized by two rules: multipliers {changed}")
             return
         sites = {site: {"layer": layer, "multiplier": qz.f32_from_bits(bits[site]),
                         "checkpoint_global_scale": self.preferred_g.get(site)}
