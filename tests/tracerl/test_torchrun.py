@@ -1,5 +1,5 @@
 """The trainer under ``torchrun`` with 2 gloo ranks on CPU: each rank reads only its data-parallel slice of every
-step (disjoint, together the whole batch), gradients are all-reduced, and the result matches one rank's."""
+step (disjoint, together the whole batch), gradients are reduce-scattered by FSDP2, and the result matches one rank's."""
 
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ def test_two_gloo_ranks_read_disjoint_slices_and_agree_with_one_rank(tmp_path):
         assert b["world_size"] == 2 and a["traj_ids"] == b["traj_ids"]
         r0, r1 = b["rank_traj_ids"]
         assert r0 and r1 and not set(r0) & set(r1) and sorted(r0 + r1) == sorted(b["traj_ids"])
-        # the same loss and gradient up to the order of the fp32 sums (the ranks' partial sums, then all_reduce)
+        # the same loss and gradient up to the order of the fp32 sums (the ranks' partial sums, then FSDP2's
+        # reduce-scatter)
         np.testing.assert_allclose(b["grad_norm"], a["grad_norm"], rtol=1e-3)
         np.testing.assert_allclose(b["reward_mean"], a["reward_mean"], rtol=0)

@@ -145,7 +145,8 @@ def test_corrupt_newest_checkpoint_changes_nothing(store, tmp_path):
     _gen(store, 1)
     run_training(trainer, follower, checkpoints=str(ck), weights_url=store.url, metrics=log, max_steps=1)
     man = json.loads((ck / ckpt.manifest_key(1)).read_bytes())
-    blob = ck / man["blobs"]["optim"]["key"]
+    shard = max(man["tensors"]["files"], key=lambda n: man["tensors"]["files"][n]["bytes"])  # a tensor file
+    blob = ck / man["tensors"]["dir"] / shard
     data = bytearray(blob.read_bytes())
     data[len(data) // 2] ^= 1
     blob.write_bytes(bytes(data))

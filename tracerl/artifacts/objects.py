@@ -105,10 +105,10 @@ def check_number(value: Any, digits: int, what: str) -> int:
 
 
 #: the blob checksum of each format version of the commit objects
-CHECKSUMS: dict[int, str] = {1: "sha256", 2: "crc32c"}
+CHECKSUMS: dict[int, str] = {1: "sha256", 2: "crc32c", 3: "crc32c"}
 #: the format version written, and the ones read
 WRITE_FORMAT = 2
-READ_FORMATS = tuple(CHECKSUMS)
+READ_FORMATS = (1, 2)
 _HEX = {"sha256": re.compile(r"[0-9a-f]{64}"), "crc32c": re.compile(r"[0-9a-f]{8}")}
 
 
@@ -139,14 +139,16 @@ def blob_ref(data: Any, stem: str, suffix: str, fmt: int = WRITE_FORMAT) -> dict
             "bytes": sum(memoryview(p).nbytes for p in _parts(data))}
 
 
-def ref_is_valid(ref: Any, fmt: int, stem: str, suffix: str) -> bool:
-    """Whether ``ref`` is a well-formed blob reference of a format-``fmt`` object whose key is ``stem``/``suffix``."""
-    if not isinstance(ref, Mapping) or isinstance(ref.get("bytes"), bool) or not isinstance(ref.get("bytes"), int):
+def ref_is_valid(ref: Any, fmt: int, stem: str, suffix: str, *, keyed: bool = True) -> bool:
+    """Whether ``ref`` is a well-formed blob reference of a format-``fmt`` object whose key is ``stem``/``suffix``
+    (``keyed=False``: a size and checksum of a file whose name is not derived from its checksum)."""
+    size = ref.get("bytes") if isinstance(ref, Mapping) else None
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
         return False
     algorithm = CHECKSUMS[fmt]
     hexsum = ref.get(algorithm)
     return (isinstance(hexsum, str) and _HEX[algorithm].fullmatch(hexsum) is not None
-            and ref.get("key") == f"{stem}-{hexsum[:16]}{suffix}")
+            and (not keyed or ref.get("key") == f"{stem}-{hexsum[:16]}{suffix}"))
 
 
 def blob_mismatch(data: bytes, ref: Mapping[str, Any], fmt: int) -> str | None:

@@ -23,8 +23,9 @@ DESCRIPTION = (
     "mode: PPO-clip against the rollout's stored log-probs (or TIS), AdamW on fp32 masters of the bf16 model. "
     "After every step: a checkpoint (model, optimizer, RNG, store cursor; atomic), a metrics line in --metrics, "
     "and the new policy version published beside the store for the rollout side. A killed trainer restarted with "
-    "the same options resumes exactly where its checkpoint left off. Under torchrun each rank reads only its "
-    "micro-batches; gradients are all-reduced (gloo on CPU, NCCL on CUDA). Ctrl-C stops after the current step."
+    "the same options resumes exactly where its checkpoint left off. Under torchrun the weights, gradients "
+    "and AdamW state are sharded with FSDP2 over the ranks (gloo on CPU, NCCL on CUDA), each rank reads only its "
+    "micro-batches, and checkpoints are distributed checkpoints that resume at any world size. Ctrl-C stops after the current step."
 )
 EXAMPLES = [
     "tracerl train ./run/store --checkpoints ./run --metrics ./run/train.jsonl --steps 20",

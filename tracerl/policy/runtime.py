@@ -154,7 +154,10 @@ class FP4Runtime:
         if global_scales is not None:
             self.set_global_scales(global_scales)
         self._calib: dict[str, torch.Tensor] | None = None
-        self._wcache: dict[str, tuple[int, int, torch.Tensor]] = {}
+        self._wcache: dict[str, tuple[int, int, int, torch.Tensor]] = {}
+        self._weights_generation = 0  # bumped by `weights_changed`: part of every cached weight's stamp
+        #: keep fake-quantized weights between forwards (`weight`); off, each forward quantizes them anew
+        self.cache_weights = True
         # Device copies of the (host) global scales: {(site, device): (host tensor, its version, device copy)}.
         self._gdev: dict[tuple[str, torch.device], tuple[torch.Tensor, int, torch.Tensor]] = {}
 
@@ -292,21 +295,30 @@ class FP4Runtime:
         return (self.quant(k_site, k.reshape(-1, d)).reshape(k.shape),
                 self.quant(v_site, v.reshape(-1, v.shape[-1])).reshape(v.shape))
 
+    def weights_changed(self) -> None:
+        """Forget every cached fake-quantized weight (`weight`): call it whenever the weights change by a route the
+        cache's stamp (a tensor's version counter and storage) cannot see — an optimizer step into FSDP2's shards,
+        which the next all-gather writes into the same unsharded storage, or another version's weights swapped in."""
+        self._weights_generation += 1
+        self._wcache.clear()
+
     def weight(self, key: str, w_hp: torch.Tensor) -> torch.Tensor:
-        """NVFP4 fake-quantized weight (per-matrix dynamic global scale), cached until the parameter changes."""
+        """NVFP4 fake-quantized weight (per-matrix dynamic global scale), cached until the parameter changes (its
+        version counter or storage, or a `weights_changed` call)."""
         if self.mode == "bf16" or not self.plan.fp4_weights:
             return w_hp
-        stamp = (w_hp._version, w_hp.data_ptr())
+        stamp = (w_hp._version, w_hp.data_ptr(), self._weights_generation)
         hit = self._wcache.get(key)
-        if hit is None or hit[:2] != stamp:
+        if hit is None or hit[:3] != stamp:
             with torch.no_grad():
                 flat = w_hp.detach().reshape(-1, *w_hp.shape[-2:])  # [E, out, in] or [1, out, in]
                 wq = torch.stack(
                     [tracefp4.fake_quantize(m, fmt="nvfp4", global_scale=None, backend=self.backend) for m in flat]
                 ).reshape(w_hp.shape)
-            self._wcache[key] = (*stamp, wq)
-            hit = self._wcache[key]
-        wq = hit[2]
+            hit = (*stamp, wq)
+            if self.cache_weights:
+                self._wcache[key] = hit
+        wq = hit[3]
         if w_hp.requires_grad and torch.is_grad_enabled():
             return _StraightThrough.apply(w_hp, wq)
         return wq

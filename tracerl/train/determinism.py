@@ -39,18 +39,59 @@ def param_digest(tensors: Iterable[torch.Tensor]) -> str:
     """A fingerprint of tensors' exact bits, computed on their device: per tensor, the bit patterns (as integers)
     times odd position weights, summed in int64 (wrapping: integer sums are exact and order-free, so the digest
     is deterministic on any device); the per-tensor sums and shapes are then hashed with sha256 on the host.
-    Any single changed bit changes its tensor's sum. Not cryptographic: it tells replays apart, not attackers."""
+    Any single changed bit changes its tensor's sum. Not cryptographic: it tells replays apart, not attackers.
+
+    Sharded parameters (FSDP2's DTensors, sharded along dim 0) are summed shard by shard at their global positions
+    and the sums added over the ranks (an integer all-reduce), so a model has the same digest whatever its world
+    size, and no rank gathers a whole tensor. Every rank must call it (it is a collective then)."""
     tensors = list(tensors)
-    sums = []
+    sums, sharded = [], []
     for t in tensors:
-        flat = t.detach().reshape(-1)
-        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
-        x = flat.view(bits).to(torch.int64)
-        w = torch.arange(x.numel(), device=x.device, dtype=torch.int64) * 2654435761 % _DIGEST_MOD * 2 + 1
-        sums.append((x * w).sum())
-    host = torch.stack(sums).cpu().numpy().tobytes() if sums else b""
+        local, first = _local_shard(t.detach())
+        sums.append(_bit_sum(local.reshape(-1), first))
+        sharded.append(local.shape != t.shape or _is_dtensor(t))
+    total = torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64)
+    if any(sharded):
+        import torch.distributed as dist
+
+        reduced = total.clone()
+        dist.all_reduce(reduced)  # the shards' sums: exact integer addition, in any order
+        mask = torch.tensor(sharded, device=total.device)
+        total = torch.where(mask, reduced, total)
+    host = total.cpu().numpy().tobytes()
     shapes = json.dumps([list(t.shape) for t in tensors]).encode()
     return hashlib.sha256(host + shapes).hexdigest()[:32]
+
+
+def _bit_sum(flat: torch.Tensor, first: int) -> torch.Tensor:
+    """sum over i of bits(flat[i]) * w(first + i) in wrapping int64, w(p) = (p * 2654435761 mod (2^61 - 1)) * 2 + 1."""
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+    x = flat.contiguous().view(bits).to(torch.int64)
+    pos = torch.arange(first, first + x.numel(), device=x.device, dtype=torch.int64)
+    return (x * (pos * 2654435761 % _DIGEST_MOD * 2 + 1)).sum()
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _local_shard(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(this rank's part of ``t``, the flat global position of its first element): a DTensor's local shard (it
+    must be sharded along dim 0 over one mesh dimension, as FSDP2 shards), else ``t`` itself at 0."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(t, DTensor):
+        return t, 0
+    assert tuple(t.placements) == (Shard(0),), f"digest of a DTensor placed {t.placements}"  # what FSDP2 makes
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    inner = 1
+    for n in t.shape[1:]:
+        inner *= n
+    return t.to_local(), int(offset[0]) * inner if t.numel() else 0
 
 
 def rng_state() -> dict:

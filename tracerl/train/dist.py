@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["rank_world", "barrier", "any_rank"]
+__all__ = ["rank_world", "barrier", "any_rank", "gather_objects", "max_over_ranks"]
 
 
 def rank_world() -> tuple[int, int]:
@@ -35,3 +35,20 @@ def any_rank(flag: bool) -> bool:
         t = t.cuda()
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+def gather_objects(obj):
+    """Every rank's ``obj`` (picklable), in rank order, on every rank; ``[obj]`` without a process group."""
+    rank, world = rank_world()
+    if world == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out: list = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def max_over_ranks(value: int) -> int:
+    """The largest ``value`` of any rank, on every rank."""
+    return max(gather_objects(int(value)))

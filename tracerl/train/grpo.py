@@ -4,10 +4,12 @@ Update. Advantages are group-normalized (`tracerl.train.loss.group_advantages`);
 `tracerl.train.loss.policy_loss`, token-mean over the step's response tokens (each micro-batch's loss is weighted
 by its share of them, so the gradient does not depend on the packing). The ratio is taken against the rollout's
 stored log-probs; with ``tis_cap`` against the trainer's own log-probs, each token weighted by
-min(exp(logp_trainer - logp_rollout), C). The model stays bf16 (the numerics the rollout runs and the weights it
-loads); AdamW updates fp32 master copies, which are rounded to the bf16 parameters after each step. With
-``torch.distributed`` initialized (gloo on CPU, NCCL on GPUs, launched by ``torchrun``) the gradients of the
-ranks' slices are summed by ``all_reduce``.
+min(exp(logp_trainer - logp_rollout), C). The forward is bf16 (the numerics the rollout runs and the weights it
+loads); AdamW updates fp32 weights, whose rounding the bf16 model is (`tracerl.train.params`). With
+``torch.distributed`` initialized (gloo on CPU, NCCL on GPUs, launched by ``torchrun``) they are sharded with
+FSDP2 over the ranks (parameters, gradients and optimizer state 1/N per rank), which reduce-scatter the gradients
+of their slices; every rank runs the same number of forwards and backwards (a rank with fewer micro-batches than
+another runs a zero-weighted stand-in), as the collectives inside them require.
 
 Data. The step packs its trajectories into THD micro-batches (`tracerl.train.packing.pack_micro_batches`; with
 data parallelism each rank takes its `dp_shard`) and reads their tokens, hints and scales from the store ahead of
@@ -24,7 +26,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import contextlib
 import io
 import logging
 import math
@@ -47,9 +48,10 @@ from tracerl.policy import NO_SITE, Policy, build_policy
 from tracerl.runlog import json_ready
 from tracerl.train import loss as rl
 from tracerl.train.determinism import param_digest, rng_state, set_deterministic, set_rng_state
-from tracerl.train.dist import rank_world
+from tracerl.train.dist import gather_objects, rank_world
+from tracerl.train.params import make_params
 from tracerl.train.follower import Follower, Taken, Trajectory
-from tracerl.train.packing import dp_shard, pack_micro_batches
+from tracerl.train.packing import PackedHints, Segment, dp_shard, pack_micro_batches
 from tracerl.train.recompute import QATTrainer
 from tracerl.train.source import RecordSource, read_ahead
 from tracerl.util import sync
@@ -86,19 +88,20 @@ class GRPOTrainer:
         self.qat = QATTrainer(self.policy.model, self.policy.runtime)
         self.sites = [s for s in self.policy.hinted_sites if s != NO_SITE]  # hinted sites: codes, QAT
         self.read_sites = list(store.sites)  # what a micro-batch reads (a hint-free store: its placeholder)
-        self.params = [p for p in self.policy.model.parameters() if p.requires_grad]
-        self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
-        # fused on CUDA: one elementwise kernel per step, without the multi-GB temporaries of the foreach path
-        self.opt = torch.optim.AdamW(self.master, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
-                                     eps=1e-8, fused=True if self.device.type == "cuda" else None)
+        #: the trainable weights and AdamW: FSDP2-sharded under torch.distributed, else bf16 + fp32 masters
+        self.trainable = make_params(self.policy.model, cfg, self.device)
+        # Sharded, the fake-quantized expert weights are not kept between forwards: a cache would hold every layer's
+        # whole (all-gathered) expert stacks on every rank, what sharding is for not to hold.
+        self.policy.runtime.cache_weights = not self.trainable.sharded
         self.step_num = 0
         self.version = 0
         self.last_metrics: dict | None = None
         self.metrics_path: str | None = None  # the live metrics log (kept in checkpoints, for replay)
-        self._history: dict[int, list[torch.Tensor]] = {}  # version -> its bf16 parameters (measure_stale)
+        self._history: dict[int, list[torch.Tensor]] = {}  # version -> its weights (measure_stale)
         self._publisher: concurrent.futures.ThreadPoolExecutor | None = None
         self._published: concurrent.futures.Future | None = None
         self._codes = RolloutCodes(store)
+        self._stand_in_batch: PackedHints | None = None
 
     # ---- state ------------------------------------------------------------------------------------------
     @property
@@ -106,86 +109,90 @@ class GRPOTrainer:
         return self.policy.model
 
     def digest(self) -> str:
-        """`param_digest` of the fp32 master weights (the bf16 model is their rounding)."""
-        return param_digest(self.master)
-
-    def blobs(self) -> dict[str, Any]:
-        """Checkpoint blobs: ``model`` (safetensors of the bf16 state dict, as `tracerl.artifacts.tensorfile.encode` parts:
-        no serialization copy) and ``optim`` (torch.save of the fp32 master weights, None while they are the bf16
-        weights widened, and the AdamW state)."""
-        buf = io.BytesIO()
-        # Before the first update the masters are the bf16 weights widened (exactly): not stored twice.
-        fresh = not self.opt.state and all(torch.equal(m, p.float()) for m, p in zip(self.master, self.params))
-        master = None if fresh else [m.detach().cpu() for m in self.master]
-        torch.save({"master": master, "opt": self.opt.state_dict()}, buf)
-        model = st.encode({k: v.detach().cpu().contiguous() for k, v in self.model.state_dict().items()})
-        return {"model": model, "optim": buf.getvalue()}
+        """`param_digest` of the fp32 weights (the bf16 model is their rounding; sharded: a collective)."""
+        return self.trainable.digest()
 
     def state(self, follower: Follower) -> dict:
+        """The checkpoint's JSON: counters, config, follower, RNG, the weights' digest (a collective when sharded)."""
         return {"step": self.step_num, "version": self.version, "store_id": self.store.store_id,
                 "config": self.cfg.to_json(), "follower": follower.state(), "rng": rng_state(),
                 "digest": self.digest(), "last_metrics": self.last_metrics, "metrics_path": self.metrics_path,
+                "optim_initialized": bool(self.trainable.opt.state),
                 "runtime": {"device": self.device.type, "threads": torch.get_num_threads(), "world_size": self.world,
-                            "torch": torch.__version__}}
+                            "torch": torch.__version__, "sharded": self.trainable.sharded}}
 
     def save(self, location: str, follower: Follower, *, storage_options: Mapping | None = None) -> None:
-        """Commit a checkpoint of this step (rank 0 only; other ranks hold the same state)."""
-        if self.rank == 0:
-            ckpt.save(location, self.step_num, self.blobs(), self.state(follower), storage_options=storage_options)
-            if self.cfg.keep_checkpoints is not None:
-                ckpt.prune(location, self.cfg.keep_checkpoints, keep=(0,), storage_options=storage_options)
+        """Commit a checkpoint of this step: the weights and AdamW state as a distributed checkpoint (every rank
+        writes its shards; `tracerl.artifacts.checkpoints.save_sharded`) and the trainer's JSON state. Every rank
+        calls it."""
+        ckpt.save_sharded(location, self.step_num, self.trainable.state_dict(), self.state(follower),
+                          storage_options=storage_options)
+        if self.rank == 0 and self.cfg.keep_checkpoints is not None:
+            ckpt.prune(location, self.cfg.keep_checkpoints, keep=(0,), storage_options=storage_options)
 
     def restore(self, c: ckpt.Checkpoint, *, log_end: int | None = None) -> Follower:
-        """Load checkpoint ``c`` (model, optimizer, RNG, counters); returns the follower at its cursor.
+        """Load checkpoint ``c`` (weights, optimizer, RNG, counters); returns the follower at its cursor. A format-3
+        checkpoint's tensors are read from where ``c`` was loaded into this trainer's shards, whatever world size
+        wrote them (resharding); a format-2 one (one process) only into an unsharded trainer.
 
-        Everything is decoded and checked against this trainer's model before anything changes: a checkpoint of
+        Everything is read and checked against this trainer's model before anything changes: a checkpoint of
         another store or model raises `CheckpointCorruptError` / `ConfigError` and leaves the trainer as it was."""
         state = c.state
         if state.get("store_id") != self.store.store_id:
             raise ConfigError(f"checkpoint {c.step} belongs to store {state.get('store_id')}, not {self.store.store_id}")
-        try:
-            model_sd, _ = st.decode(c.blobs["model"])
-            opt = torch.load(io.BytesIO(c.blobs["optim"]), weights_only=True, map_location="cpu")
-            master, opt_sd = opt["master"], opt["opt"]
-            if master is None:  # saved before the first update: the bf16 weights widened
-                names = [n for n, p in self.model.named_parameters() if p.requires_grad]
-                master = [model_sd[n].float() for n in names]
-        except (KeyError, RuntimeError, ValueError, TypeError) as e:  # ValueError: st.SafetensorsFormatError
-            raise CheckpointCorruptError(f"checkpoint {c.step}: blobs do not decode: {e}") from e
-        own = self.model.state_dict()
-        if set(model_sd) != set(own) or any(model_sd[k].shape != own[k].shape for k in own) or \
-                [tuple(m.shape) for m in master] != [tuple(m.shape) for m in self.master]:
-            raise ConfigError(f"checkpoint {c.step} does not fit this model (names or shapes differ)")
-        if state.get("digest") and param_digest(master) != state["digest"]:
-            raise CheckpointCorruptError(f"checkpoint {c.step}: the saved weights' digest {param_digest(master)} is "
-                                         f"not the recorded {state['digest']}")
+        if c.tensors:
+            sd = self.trainable.template(with_optim=bool(state.get("optim_initialized", True)))
+            ckpt.load_tensors(c, sd)
+            got = param_digest([sd["model"][n] for n in self.trainable.names])
+            apply = lambda: self.trainable.load_state_dict(sd)  # noqa: E731
+        else:
+            master, opt_sd = self._decode_blobs(c)
+            got = param_digest(master)
+            apply = lambda: self.trainable.load_unsharded(master, opt_sd)  # noqa: E731
+        if state.get("digest") and got != state["digest"]:
+            raise CheckpointCorruptError(f"checkpoint {c.step}: the saved weights' digest {got} is not the recorded "
+                                         f"{state['digest']}")
         follower = Follower(self.store, self.cfg.group_size, state=state["follower"],
                             max_open_groups=self.cfg.max_open_groups, log_end=log_end)
-        self.model.load_state_dict(model_sd)
-        with torch.no_grad():
-            for m, v in zip(self.master, master):
-                m.copy_(v)
-        self.opt.load_state_dict(opt_sd)
+        apply()
+        self.policy.runtime.weights_changed()
         set_rng_state(state["rng"])
         self.step_num, self.version = int(state["step"]), int(state["version"])
         self.last_metrics = state.get("last_metrics")
         return follower
 
+    def _decode_blobs(self, c: ckpt.Checkpoint) -> tuple[list[torch.Tensor], dict]:
+        """A format-2 checkpoint's fp32 masters (parameter order) and AdamW state, checked against the model."""
+        try:
+            model_sd, _ = st.decode(c.blobs["model"])
+            opt = torch.load(io.BytesIO(c.blobs["optim"]), weights_only=True, map_location="cpu")
+            master, opt_sd = opt["master"], opt["opt"]
+            if master is None:  # saved before the first update: the bf16 weights widened
+                master = [model_sd[n].float() for n in self.trainable.names]
+        except (KeyError, RuntimeError, ValueError, TypeError) as e:  # ValueError: st.SafetensorsFormatError
+            raise CheckpointCorruptError(f"checkpoint {c.step}: blobs do not decode: {e}") from e
+        own = self.model.state_dict()
+        if set(model_sd) != set(own) or any(model_sd[k].shape != own[k].shape for k in own) or \
+                [tuple(m.shape) for m in master] != [tuple(p.shape) for p in self.trainable.params]:
+            raise ConfigError(f"checkpoint {c.step} does not fit this model (names or shapes differ)")
+        return master, opt_sd
+
     def publish(self, url: str, *, storage_options: Mapping | None = None, wait: bool = True) -> None:
-        """Publish the bf16 weights as policy ``self.version`` (rank 0). A version that is already published
-        (by a run that was killed after publishing it) is kept.
+        """Publish the bf16 weights as policy ``self.version``: one whole safetensors file, written by rank 0 (every
+        rank calls it: sharded weights are gathered). A version that is already published (by a run that was killed
+        after publishing it) is kept.
 
         With ``wait=False`` the weights are copied to host memory here and serialized, hashed and written by a
         background thread while training goes on (for a large model the publication takes as long as several
         steps); the previous publication is waited for first, and `wait_published` waits for the last one and
         raises what it raised. A trainer killed meanwhile has its checkpoint already: the restart publishes that
         version again (`start_or_resume`)."""
+        self.wait_published()
+        host = self.trainable.full_bf16_state_dict()  # sharded: gathered onto rank 0 (a collective)
+        digest = self.digest()
         if self.rank != 0:
             return
-        self.wait_published()
-        host = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
-        args = (url, self.version, host, {"digest": self.digest(), "mode": self.cfg.mode}, self.step_num,
-                storage_options)
+        args = (url, self.version, host, {"digest": digest, "mode": self.cfg.mode}, self.step_num, storage_options)
         if wait:
             self._publish(*args)
             return
@@ -238,6 +245,10 @@ class GRPOTrainer:
             self._micro_batch(packed, by_id, adv_of, n_resp, acc)
             read_s += secs
             fwd_s += time.perf_counter() - t1
+        # Sharded, every rank runs as many forwards and backwards as the rank with the most micro-batches (their
+        # all-gathers and reduce-scatters are collectives): the others run zero-weighted stand-ins.
+        for _ in range(-(-len(mbs) // self.world) - len(mine)):
+            self._micro_batch(None, by_id, adv_of, n_resp, acc)
         t_reduce = time.perf_counter()
         tick = self._phase_clock(acc)
         totals = self._reduce(acc)
@@ -247,10 +258,10 @@ class GRPOTrainer:
             evicted = [self._history.pop(v) for v in sorted(self._history)
                        if v < self.version + 1 - self.cfg.max_staleness]
             spare = evicted[0] if evicted else None  # its buffers are reused (pinned host memory is slow to get)
-            self._history[self.version] = [self._keep(p, None if spare is None else spare[i])
-                                           for i, p in enumerate(self.params)]
+            self._history[self.version] = self.trainable.snapshot(spare)
         tick("keep_weights")
-        grad_norm = self._optimizer_step()
+        grad_norm = self.trainable.step(self.cfg.grad_clip)
+        self.policy.runtime.weights_changed()
         sync(self.device)
         tick("optimizer")
         self.step_num += 1
@@ -278,20 +289,38 @@ class GRPOTrainer:
             "phases_s": dict(acc.phases) if cfg.time_phases else None,
             "tokens_per_s": n_tok / wall if wall > 0 else math.nan,
             "digest": self.digest(), "world_size": self.world, "rank_traj_ids": totals["rank_traj_ids"],
+            "sharded": self.trainable.sharded, "rank_state_bytes": gather_objects(self.trainable.state_bytes()),
         }
         metrics = json_ready(metrics)
         self.last_metrics = metrics
         return metrics
 
-    def _micro_batch(self, packed, by_id: Mapping[str, Trajectory], adv_of: Mapping[str, float], n_resp: int,
-                     acc: _StepAccumulator) -> None:
-        """Forward + backward of one micro-batch; adds its weighted loss stats, mismatch and codes to ``acc``."""
+    def _micro_batch(self, packed: PackedHints | None, by_id: Mapping[str, Trajectory], adv_of: Mapping[str, float],
+                     n_resp: int, acc: _StepAccumulator) -> None:
+        """Forward + backward of one micro-batch; adds its weighted loss stats, mismatch and codes to ``acc``.
+        ``packed`` None: a zero-weighted stand-in (a sharded rank with fewer micro-batches than another)."""
         cfg = self.cfg
         want_codes = cfg.code_agreement and bool(self.sites) and cfg.mode != "bf16"
         tick = self._phase_clock(acc)
-        fwd = self.qat.token_logprobs(packed, cfg.mode, observe=want_codes, replay_routes=cfg.replay_routes,
-                                      temperature=cfg.temperature, routes=False)
+        fwd = self.qat.token_logprobs(packed or self._stand_in(), cfg.mode, observe=want_codes and packed is not None,
+                                      replay_routes=cfg.replay_routes, temperature=cfg.temperature, routes=False)
         tick("forward")
+        if packed is None:
+            (fwd.logprobs.sum() * 0.0).backward()  # takes part in the gradients' reduce-scatter, adds nothing
+            self.trainable.accumulate()
+            tick("backward")
+        else:
+            self._train_on(packed, fwd, by_id, adv_of, n_resp, acc, tick)
+            self._measure(packed, fwd, by_id, acc, self.version, want_codes)
+            tick("measure")
+        self._measure_stale(packed, by_id, acc, want_codes)
+        tick("stale_versions")
+
+    def _train_on(self, packed: PackedHints, fwd, by_id: Mapping[str, Trajectory], adv_of: Mapping[str, float],
+                  n_resp: int, acc: _StepAccumulator, tick: Callable[[str], None]) -> None:
+        """The policy loss of ``packed``'s response tokens (weighted by their share of the step's) and its
+        backward, from its forward ``fwd``."""
+        cfg = self.cfg
         seg_of_row = np.repeat(np.arange(len(packed.segments)), np.diff(packed.cu_seqlens))
         roll_scored = np.asarray(packed.logprobs, dtype=np.float32)[fwd.scored]
         resp = np.isfinite(roll_scored)  # response tokens (prompt tokens carry NaN)
@@ -317,23 +346,49 @@ class GRPOTrainer:
         n = lp.shape[1]
         tick("loss")
         (loss * (n / n_resp)).backward()
-        self._accumulate_grads()
+        self.trainable.accumulate()
         tick("backward")
         acc.add_stats(st, n)
-        self._measure(packed, fwd, by_id, acc, self.version, want_codes)
-        tick("measure")
-        stale = sorted({by_id[s.traj_id].policy_version for s in packed.segments} - {self.version})
-        for v in stale:  # the mismatch of older groups needs the weights that generated them
+
+    def _measure_stale(self, packed: PackedHints | None, by_id: Mapping[str, Trajectory], acc: _StepAccumulator,
+                       want_codes: bool) -> None:
+        """The mismatch of ``packed``'s trajectories of older policy versions, each from a no-gradient forward with
+        that version's kept weights. Sharded, every rank swaps in and forwards every version any rank needs here
+        (the forwards are collectives; a rank without such trajectories forwards and discards)."""
+        here = [] if packed is None else sorted({by_id[s.traj_id].policy_version for s in packed.segments}
+                                                - {self.version})
+        versions = sorted({v for vs in gather_objects(here) for v in vs}) if self.trainable.sharded else here
+        for v in versions:  # the mismatch of older groups needs the weights that generated them
             snap = self._history.get(v)
             if snap is None:
-                acc.sums["_unmeasured"] += sum(by_id[s.traj_id].response_tokens for s in packed.segments
-                                               if by_id[s.traj_id].policy_version == v)
+                if v in here:
+                    acc.sums["_unmeasured"] += sum(by_id[s.traj_id].response_tokens for s in packed.segments
+                                                   if by_id[s.traj_id].policy_version == v)
                 continue
-            with self._weights(snap), torch.no_grad():
-                fwd_v = self.qat.token_logprobs(packed, cfg.mode, observe=want_codes, replay_routes=cfg.replay_routes,
-                                                temperature=cfg.temperature, routes=False)
-            self._measure(packed, fwd_v, by_id, acc, v, want_codes)
-        tick("stale_versions")
+            self.policy.runtime.weights_changed()
+            with self.trainable.swapped(snap), torch.no_grad():
+                fwd_v = self.qat.token_logprobs(packed or self._stand_in(), self.cfg.mode,
+                                                observe=want_codes and v in here, replay_routes=self.cfg.replay_routes,
+                                                temperature=self.cfg.temperature, routes=False)
+            self.policy.runtime.weights_changed()
+            if v in here:
+                self._measure(packed, fwd_v, by_id, acc, v, want_codes)
+
+    def _stand_in(self) -> PackedHints:
+        """Two tokens of one sequence with zero hints and scales at every read site (and experts 0..k-1, for
+        routing replay): a forward that exercises every parameter and carries no response token."""
+        if self._stand_in_batch is None:
+            widths = {name: site.width for name, site in self.store.sites.items()}
+            layers = self.policy.moe_layers
+            top_k = self.policy.spec.top_k
+            self._stand_in_batch = PackedHints(
+                segments=(Segment("stand-in", 0, 2),), cu_seqlens=np.array([0, 2], dtype=np.int64),
+                token_ids=np.zeros(2, dtype=np.int64), positions=np.arange(2, dtype=np.int64),
+                logprobs=np.full(2, np.nan, dtype=np.float32),
+                hints={s: np.zeros((2, w // 8), dtype=np.uint8) for s, w in widths.items()},
+                scales={s: np.zeros((2, w // 16), dtype=np.uint8) for s, w in widths.items()},
+                experts={la: np.tile(np.arange(top_k, dtype=np.uint8), (2, 1)) for la in layers}, features=None)
+        return self._stand_in_batch
 
     def _phase_clock(self, acc: _StepAccumulator) -> Callable[[str], None]:
         """With ``time_phases``: a function that adds the seconds since its last call (after waiting for the
@@ -351,28 +406,6 @@ class GRPOTrainer:
         sync(self.device)
         last[0] = time.perf_counter()
         return tick
-
-    def _keep(self, p: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
-        """A copy of parameter ``p`` for `_history` (into ``into`` when given): on the host (pinned) for a GPU
-        model, whose memory the optimizer needs; on the CPU as it is."""
-        if into is not None:
-            return into.copy_(p.detach())
-        if p.device.type == "cuda":
-            return torch.empty(p.shape, dtype=p.dtype, pin_memory=True).copy_(p.detach())
-        return p.detach().clone()
-
-    @contextlib.contextmanager
-    def _weights(self, snapshot: list[torch.Tensor]):
-        """The bf16 parameters of an earlier version for the block (swapped in: no copy on the CPU, one host ->
-        device copy for a GPU model, freed after the block)."""
-        current = [p.data for p in self.params]
-        try:
-            for p, t in zip(self.params, snapshot):
-                p.data = t.to(p.device, non_blocking=True)
-            yield
-        finally:
-            for p, t in zip(self.params, current):
-                p.data = t
 
     def _measure(self, packed, fwd, by_id: Mapping[str, Trajectory], acc: _StepAccumulator, version: int,
                  want_codes: bool) -> None:
@@ -412,23 +445,14 @@ class GRPOTrainer:
             acc.codes += np.array([m, t, bad, one], dtype=np.int64)
 
     def _reduce(self, acc: _StepAccumulator) -> dict:
-        """Sum gradients and statistics over the data-parallel ranks (``all_reduce``; nothing with one rank)."""
+        """Sum the step's statistics over the data-parallel ranks (their gradients FSDP2 reduce-scattered already)."""
         train_lp = np.concatenate(acc.train_lp) if acc.train_lp else np.zeros(0, np.float32)
         roll_lp = np.concatenate(acc.roll_lp) if acc.roll_lp else np.zeros(0, np.float32)
         lag, sums, codes = dict(acc.lag), acc.sums, acc.codes
         if self.world > 1:
-            import torch.distributed as dist
-
-            flat = torch.cat([m.grad.reshape(-1) for m in self.master])
-            dist.all_reduce(flat)  # the sum of every rank's slice (each already weighted by its token share)
-            off = 0
-            for m in self.master:
-                m.grad.copy_(flat[off:off + m.numel()].view_as(m))
-                off += m.numel()
             keys = sorted(sums)
-            gathered: list = [None] * self.world
-            dist.all_gather_object(gathered, (keys, [sums[k] for k in keys], codes.tolist(), lag,
-                                              train_lp.tolist(), roll_lp.tolist(), acc.mins, acc.maxs, acc.read))
+            gathered = gather_objects((keys, [sums[k] for k in keys], codes.tolist(), lag, train_lp.tolist(),
+                                       roll_lp.tolist(), acc.mins, acc.maxs, acc.read))
             sums, codes, lag = collections.Counter(), np.zeros(4, np.int64), {}
             tl, rlp, mins, maxs = [], [], {}, {}
             acc.read = [r for *_, r in gathered]
@@ -456,30 +480,6 @@ class GRPOTrainer:
         mismatch["code_mismatch_one_step_share"] = float(codes[3] / codes[2]) if codes[2] else math.nan
         read = acc.read if self.world > 1 else [acc.read]
         return {"loss_stats": stats, "mismatch": mismatch, "lag": lag, "rank_traj_ids": read}
-
-    def _accumulate_grads(self) -> None:
-        """Add the micro-batch's bf16 gradients to the fp32 masters' (the sum over micro-batches is then fp32,
-        not a bf16 running sum) and clear them."""
-        for p, m in zip(self.params, self.master):
-            if m.grad is None:
-                m.grad = torch.zeros_like(m)
-            if p.grad is not None:
-                m.grad.add_(p.grad.detach().to(m.dtype))
-                p.grad = None
-
-    def _optimizer_step(self) -> float:
-        """Clip the fp32 master gradients, AdamW, round the masters to the bf16 parameters; the norm before
-        clipping. A rank without micro-batches contributes zero gradients."""
-        for m in self.master:
-            if m.grad is None:
-                m.grad = torch.zeros_like(m)
-        norm = float(torch.nn.utils.clip_grad_norm_(self.master, self.cfg.grad_clip))
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for p, m in zip(self.params, self.master):
-                p.copy_(m)
-        return norm
 
 
 class _StepAccumulator:
