@@ -5,6 +5,7 @@ that costs no trajectory twice or never."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -161,3 +162,12 @@ def test_a_rank_killed_mid_step_costs_no_trajectory_twice_or_never(tmp_path):
     trained = [t for m in log.records() for t in m["traj_ids"]]
     assert [m["step"] for m in log.records()] == list(range(1, steps + 1)), killed_at
     assert sorted(trained) == sorted(set(trained)) == sorted(ts.open_store(store.url).reader().complete_traj_ids())
+
+
+def test_replay_of_two_ranks_at_two_ranks_is_bitwise(runs):
+    d, store, _, two = runs
+    p = _torchrun("replay", store.url, "--from", str(d / "ck2"), "--json")
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err[-3000:]
+    r = json.loads(out.strip().splitlines()[-1])
+    assert (r["bitwise_equal"], r["steps"], r["from_step"]) == (True, STEPS, 0)

@@ -25,7 +25,8 @@ from tracestore.cliargs import (
 )
 
 __all__ = ["add_storage_arguments", "finite_float", "float_above", "float_at_least", "int_at_least",
-           "storage_options", "add_process_arguments", "add_model_size_arguments", "start_process",
+           "storage_options", "add_process_arguments", "add_model_size_arguments", "start_process", "init_distributed",
+           "end_distributed",
            "stop_on_signals", "stop_with_parent"]
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,30 @@ def start_process(args: argparse.Namespace):
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     return opts, Console(stderr=True, log_path=False)
+
+
+def init_distributed(device: str) -> str:
+    """Under torchrun (``WORLD_SIZE`` > 1): join the process group (NCCL for CUDA, gloo otherwise) and return
+    this rank's device (``cuda:LOCAL_RANK`` for a CUDA device); else ``device`` unchanged."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return device
+    import torch
+    import torch.distributed as dist
+
+    cuda = device.startswith("cuda")
+    if cuda:
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return device
+
+
+def end_distributed() -> None:
+    """Leave the process group `init_distributed` joined (nothing without one)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @contextlib.contextmanager

@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 
-from tracerl.cli.args import add_storage_arguments, int_at_least, storage_options
+from tracerl.cli.args import add_storage_arguments, end_distributed, init_distributed, int_at_least, storage_options
 
 HELP = "re-run training from a checkpoint and the archived store; compare loss, grad norm, weights bit for bit"
 DESCRIPTION = (
@@ -14,12 +14,15 @@ DESCRIPTION = (
     "head, and re-runs the training steps after the checkpoint in memory (nothing is written), comparing each "
     "step's loss, gradient norm and weight digest with the live run's metrics log. Prints a table, or with --json "
     '{"bitwise_equal": true|false, "steps": n, "first_divergence": null|{...}, ...}. Exit 0 when every replayed '
-    "step is bitwise equal, 1 when one differs (or none could be replayed), 2 on errors."
+    "step is bitwise equal, 1 when one differs (or none could be replayed), 2 on errors. A run trained under "
+    "torchrun is replayed under torchrun with as many ranks (its sharded checkpoints load at any world size, but "
+    "another world size adds the gradients in another order)."
 )
 
 
 EXAMPLES = [
     "tracerl replay ./run/store --from ./run",
+    "torchrun --nproc-per-node 2 -m tracerl.cli replay ./run/store --from ./run --json",
     "tracerl replay ./run/store --from ./run --step 0 --steps 5 --json",
 ]
 
@@ -66,8 +69,15 @@ def run(args: argparse.Namespace) -> int:
         err.log(f"step {row['step']}: {'equal' if row['equal'] else 'DIFFERS'} (loss {row['loss']}, "
                 f"|g| {row['grad_norm']}, digest {row['digest']})")
 
-    result = replay(ts.open_store(args.store, storage_options=opts), args.checkpoints, live, step=args.step,
-                    max_steps=args.steps, device=args.device, storage_options=opts, on_step=on_step)
+    device = init_distributed(args.device)  # under torchrun: the live run's world size, sharded as it was
+    try:
+        result = replay(ts.open_store(args.store, storage_options=opts), args.checkpoints, live, step=args.step,
+                        max_steps=args.steps, device=device, storage_options=opts, on_step=on_step)
+    finally:
+        rank = int(os.environ.get("RANK", "0"))
+        end_distributed()
+    if rank != 0:
+        return 0 if result["bitwise_equal"] else 1
     if args.json:
         print(json.dumps(result))
     else:

@@ -8,7 +8,9 @@ import os
 
 from tracerl.cli.args import (
     add_process_arguments,
+    end_distributed,
     float_above,
+    init_distributed,
     int_at_least,
     start_process,
     stop_on_signals,
@@ -117,22 +119,6 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return cfg
 
 
-def init_distributed(device: str) -> str:
-    """Under torchrun (``WORLD_SIZE`` > 1): join the process group (NCCL for CUDA, gloo otherwise) and return
-    this rank's device (``cuda:LOCAL_RANK`` for a CUDA device); else ``device`` unchanged."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return device
-    import torch
-    import torch.distributed as dist
-
-    cuda = device.startswith("cuda")
-    if cuda:
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo")
-    return device
-
-
 def step_line(m: dict, total: int | None) -> str:
     """One line of a step's metrics, for a log."""
     mm = m.get("mismatch") or {}
@@ -184,8 +170,5 @@ def run(args: argparse.Namespace) -> int:
                  if every else "no checkpoints (--checkpoint-every 0)")
         console.log(f"trainer {'stopped' if stopped else 'done'} at step {trainer.step_num} (policy version "
                     f"{trainer.version}); {where}")
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    end_distributed()
     return 0

@@ -26,7 +26,7 @@ import tracestore as ts
 from tracerl.artifacts import checkpoints as ckpt
 from tracerl.config import TrainConfig
 from tracerl.errors import CheckpointNotFoundError, ConfigError
-from tracerl.train import GRPOTrainer
+from tracerl.train import GRPOTrainer, any_rank, gather_objects
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,9 @@ def replay(store: ts.Store, checkpoints: str, live: Sequence[Mapping[str, Any]],
     "equal"}]}``; ``bitwise_equal`` is true only when at least one step was replayed and every compared value of
     every step matched.
 
+    Under torch.distributed (``torchrun``) every rank calls it and the trainer is sharded as the live one was: a
+    replay is bitwise at the live run's world size (another world size adds its gradients in another order).
+
     Raises CheckpointNotFoundError / CheckpointCorruptError for the checkpoint, ConfigError when it belongs to
     another store or ``live`` has no step after it.
     """
@@ -75,7 +78,7 @@ def replay(store: ts.Store, checkpoints: str, live: Sequence[Mapping[str, Any]],
     if runtime.get("device") and runtime["device"] != torch.device(device).type:
         log.warning("the live run trained on %s, the replay runs on %s: expect differences", runtime["device"],
                     torch.device(device).type)
-    snapshot = store.snapshot()  # pinned: what the archive holds now
+    snapshot = gather_objects(store.snapshot())[0]  # pinned: what the archive holds now (rank 0's, on every rank)
     cfg = TrainConfig.from_json(c.state["config"])
     trainer = GRPOTrainer(store, cfg, device=device)
     follower = trainer.restore(c, log_end=snapshot.log_end)
@@ -85,7 +88,7 @@ def replay(store: ts.Store, checkpoints: str, live: Sequence[Mapping[str, Any]],
     while trainer.step_num < last:
         taken = follower.take(cfg.groups_per_step, version=trainer.version, max_staleness=cfg.max_staleness,
                               timeout_s=0)
-        if taken is None:
+        if any_rank(taken is None):
             log.warning("the pinned snapshot (log end %d) has no groups for step %d", snapshot.log_end,
                         trainer.step_num + 1)
             break

@@ -30,11 +30,11 @@ from typing import Any
 import numpy as np
 
 import tracestore as ts
-from tracestore.errors import ResultExistsError
 from tracerl.sglang import quantizer as qz
 from tracerl.sglang.capture import CapturedRows
 from tracerl.sglang.config import SGLangConfig, moe_input_layer
 from tracerl.sglang.errors import PluginConfigError, QuantizerRecordError, SGLangPluginError
+from tracestore.errors import ResultExistsError
 
 log = logging.getLogger(__name__)
 

@@ -8,6 +8,7 @@ and the trainer's main loop with checkpoints and weight publication (`run_traini
 from tracerl import deprecation
 
 from tracerl.train.determinism import param_digest, set_deterministic
+from tracerl.train.dist import any_rank, barrier, gather_objects, rank_world
 from tracerl.train.follower import Follower, Group, Taken, Trajectory
 from tracerl.train.grpo import GRPOTrainer
 from tracerl.train.loss import entropy_from_logits, group_advantages, policy_loss, token_logprobs
@@ -28,6 +29,7 @@ from tracerl.train.source import RecordSource, packed_nbytes, read_ahead
 
 __all__ = [
     "param_digest", "set_deterministic",
+    "any_rank", "barrier", "gather_objects", "rank_world",
     "Follower", "Group", "Taken", "Trajectory",
     "GRPOTrainer",
     "entropy_from_logits", "group_advantages", "policy_loss", "token_logprobs",

@@ -49,9 +49,9 @@ from tracerl.runlog import json_ready
 from tracerl.train import loss as rl
 from tracerl.train.determinism import param_digest, rng_state, set_deterministic, set_rng_state
 from tracerl.train.dist import gather_objects, rank_world
-from tracerl.train.params import make_params
 from tracerl.train.follower import Follower, Taken, Trajectory
 from tracerl.train.packing import PackedHints, Segment, dp_shard, pack_micro_batches
+from tracerl.train.params import make_params
 from tracerl.train.recompute import QATTrainer
 from tracerl.train.source import RecordSource, read_ahead
 from tracerl.util import sync
