@@ -117,7 +117,7 @@ def model_bench(device, spec_kw: dict, seqs: int, seq_len: int, reps: int) -> di
 
     from tracerl.rollout import RolloutEngine
     from tracerl.policy import TinyMoESpec, build_model
-    from tracerl.train import PackedHints, Segment
+    from tracerl.hints import PackedHints, Segment
     from tracerl.policy import install_fp4
     from tracerl.policy import plan_sites
     from tracerl.train import QATTrainer

@@ -42,7 +42,7 @@ from tracerl.config import DemoConfig
 from tracerl.demo import run_demo  # noqa: E402
 from tracerl.rollout import RolloutEngine  # noqa: E402
 from tracerl.policy import TinyMoESpec, build_model, moe_blocks  # noqa: E402
-from tracerl.train import PackedHints, Segment  # noqa: E402
+from tracerl.hints import PackedHints, Segment
 from tracerl.policy import install_fp4  # noqa: E402
 from tracerl.rollout import MemorySink, RolloutRecorder  # noqa: E402
 from tracerl.policy import plan_sites  # noqa: E402

@@ -7,7 +7,8 @@ The package is laid out along the closed loop:
 | `tracerl.policy` | the model both ends run: tiny HF MoE builders, FP4 sites, the FP4 runtime, expert GEMMs, tasks |
 | `tracerl.rollout` | the reference FP4 rollout engine, static/CUDA-graph decode, recorder, rollout worker |
 | `tracerl.sglang` | recording from SGLang servers (an entry-point plugin) |
-| `tracerl.train` | QAT recompute, packing, the follower, the GRPO loss and step, the trainer loop |
+| `tracerl.hints` | TRACE in any trainer: the hint feed (packed, sliced, read ahead), the model patcher |
+| `tracerl.train` | our trainer: QAT recompute, the follower, the GRPO loss and step (FSDP2), the trainer loop |
 | `tracerl.artifacts` | policy versions, checkpoints and recorded codes beside a store |
 | `tracerl.audit` | ``tracerl audit``: replay, recompute in every mode, attribution, coverage planner |
 | `tracerl.loop` | the closed loop's store and processes, replay of training |
@@ -46,8 +47,9 @@ _EXPORTS = {
                        "plan_sites"),
     "tracerl.rollout": ("MemorySink", "RolloutEngine", "RolloutRecorder", "RolloutResult", "StaticDecoder",
                         "TraceSink", "supports_static_decode"),
-    "tracerl.train": ("MicroBatch", "PackedHints", "QATTrainer", "RecomputeResult", "Segment", "cp_shard",
-                      "cp_zigzag_ranges", "dp_shard", "pack_micro_batches", "read_packed", "tp_feature_range"),
+    "tracerl.hints": ("MicroBatch", "PackedHints", "Segment", "cp_shard", "cp_zigzag_ranges", "dp_shard",
+                      "pack_micro_batches", "read_packed", "tp_feature_range", "HintFeed", "FeedBatch", "patch_model"),
+    "tracerl.train": ("QATTrainer", "RecomputeResult"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 

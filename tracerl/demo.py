@@ -38,6 +38,7 @@ from tracefp4.constants import HINTS_PER_BYTE
 from tracerl import fidelity
 from tracerl.config import DemoConfig
 from tracerl.errors import ConfigError
+from tracerl.hints import pack_micro_batches, read_packed
 from tracerl.policy import (
     BLOCK,
     MODES,
@@ -54,7 +55,7 @@ from tracerl.policy import (
 )
 from tracerl.rollout import RolloutEngine, RolloutRecorder, RolloutResult
 from tracerl.runlog import StepFn, json_ready, machine_info
-from tracerl.train import QATTrainer, pack_micro_batches, read_packed
+from tracerl.train import QATTrainer
 from tracerl.util import check_device, swapped
 
 REPORT_MODES = ("floor", *MODES)

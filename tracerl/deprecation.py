@@ -31,7 +31,7 @@ MOVED_MODULES: dict[str, str] = {
     "tracerl.decode": "tracerl.rollout.decode",
     "tracerl.recorder": "tracerl.rollout.recorder",
     "tracerl.trainer": "tracerl.train.recompute",
-    "tracerl.packing": "tracerl.train.packing",
+    "tracerl.packing": "tracerl.hints.packing",
     "tracerl.rl": "tracerl.train.loss",
     "tracerl.weights": "tracerl.artifacts.weights",
     "tracerl.checkpoint": "tracerl.artifacts.checkpoints",

@@ -21,6 +21,11 @@ class HintMismatchError(TracerlError, ValueError):
     """Hints or scales whose shape or site set does not match what the forward pass needs."""
 
 
+class PatchError(TracerlError, ValueError):
+    """`tracerl.hints.patch_model` cannot patch this model as the site plan asks (a module missing, a width that
+    differs, a site kind it cannot patch); nothing was installed."""
+
+
 class ShapeMismatchError(TracerlError, ValueError):
     """Arrays that must have the same shape (or fit each other) do not: rollout and trainer log-probs, codes,
     scales or routed experts compared by `tracerl.fidelity`."""

@@ -8,7 +8,7 @@ import tracefp4
 from tracerl import fidelity
 from tracerl.rollout import RolloutEngine
 from tracerl.policy import TinyMoESpec, build_model
-from tracerl.train import MicroBatch, Segment, read_packed
+from tracerl.hints import MicroBatch, Segment, read_packed
 from tracerl.policy import install_fp4
 from tracerl.rollout import MemorySink, RolloutRecorder
 from tracerl.policy import moe_input_site, plan_sites
@@ -31,7 +31,7 @@ PROMPTS = [[5, 9, 17, 33, 2, 7], [3, 4, 5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15,
 
 
 def _thd(seqs, logprobs=None):
-    from tracerl.train import PackedHints
+    from tracerl.hints import PackedHints
 
     lens = [len(s) for s in seqs]
     return PackedHints(

@@ -16,7 +16,7 @@ from tracerl.deprecation import MOVED_MODULES
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACERL = ROOT / "tracerl"
-ROOMS = ("policy", "rollout", "sglang", "train", "artifacts", "audit", "loop", "cli")
+ROOMS = ("policy", "rollout", "sglang", "hints", "train", "artifacts", "audit", "loop", "cli")
 
 
 def _module_of(path: Path) -> str:

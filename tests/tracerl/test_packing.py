@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from tracerl.errors import ConfigError
-from tracerl.train import MicroBatch, Segment, cp_shard, cp_zigzag_ranges, dp_shard, pack_micro_batches, read_packed, tp_feature_range
+from tracerl.hints import MicroBatch, Segment, cp_shard, cp_zigzag_ranges, dp_shard, pack_micro_batches, read_packed, tp_feature_range
 from tracerl.rollout import MemorySink
 
 

@@ -273,8 +273,8 @@ def test_read_ahead_reads_a_step_before_its_first_forward_and_trains_the_same_bi
     """With the default read-ahead every micro-batch of a step is read before the first is trained (the batch is
     in the trainer's memory when the store delivers it: no lag from computing earlier micro-batches), with 0 one
     at a time between computations; the byte cap bounds what is held; training is the same to the last bit."""
-    from tracerl.train import pack_micro_batches
-    from tracerl.train import packed_nbytes, read_ahead
+    from tracerl.hints import pack_micro_batches
+    from tracerl.hints import packed_nbytes, read_ahead
 
     _publish_init(store)
     _gen(store, 1, max_ahead=4)
@@ -357,7 +357,7 @@ def test_code_counts_of_a_micro_batch_equal_per_trajectory_counts():
     from types import SimpleNamespace
 
     from tracerl import fidelity
-    from tracerl.train import Segment
+    from tracerl.hints import Segment
     from tracerl.train.grpo import _StepAccumulator
 
     rng = np.random.default_rng(0)

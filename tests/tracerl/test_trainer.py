@@ -7,7 +7,7 @@ import torch
 from tracerl import fidelity
 from tracerl.errors import ConfigError, HintMismatchError
 from tracerl.policy import TinyMoESpec, build_model
-from tracerl.train import PackedHints, Segment
+from tracerl.hints import PackedHints, Segment
 from tracerl.policy import MODES, install_fp4
 from tracerl.policy import moe_down_site, moe_input_site, parse_layers, plan_sites
 from tracerl.train import QATTrainer

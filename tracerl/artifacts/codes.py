@@ -56,7 +56,7 @@ class RolloutCodes:
         """uint8 [num_tokens, W/2] packed codes of trajectory ``traj`` (anything with its `tracestore.Result` as
         ``result``, e.g. a `tracerl.train.Trajectory`) at ``site``, or None when not recorded."""
         result = traj.result
-        key = result.extra.get(CODES_KEY) if isinstance(result.extra, Mapping) else None
+        key = result.extra.get(CODES_KEY) if result is not None and isinstance(result.extra, Mapping) else None
         if not key:
             return None
         arrays = self._cache.get(key)

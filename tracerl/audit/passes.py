@@ -17,8 +17,9 @@ from tracerl.audit import metrics as am
 from tracerl.audit import plan as ap
 from tracerl.audit.replay import ReplayBatch
 from tracerl.audit.setup import Setup, StoredTrajectory
+from tracerl.hints import PackedHints
 from tracerl.policy import SitePlan, effective_codes
-from tracerl.train import PackedHints, QATTrainer
+from tracerl.train import QATTrainer
 from tracerl.util import to_device
 
 #: the slices of each mode's ``detail`` entry

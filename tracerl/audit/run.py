@@ -95,8 +95,8 @@ from tracerl.audit.passes import (
 from tracerl.audit.replay import ReplayBatch, replay_batch
 from tracerl.audit.setup import check_metadata, load_setup, read_trajectories, replay_chunks, use_weights
 from tracerl.config import AuditConfig
+from tracerl.hints import pack_micro_batches, read_packed
 from tracerl.runlog import StepFn, json_ready, machine_info
-from tracerl.train import pack_micro_batches, read_packed
 
 log = logging.getLogger(__name__)
 

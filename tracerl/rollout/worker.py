@@ -237,11 +237,13 @@ class _Prefetch:
         self._thread.join()
 
 
-def run_rollout(worker: RolloutWorker, *, metrics: MetricsLog, max_batches: int | None = None,
+def run_rollout(worker: RolloutWorker, *, metrics: MetricsLog | None = None, max_batches: int | None = None,
                 stop: threading.Event | None = None, weights_timeout_s: float | None = None,
                 on_batch: Callable[[dict], None] | None = None) -> int:
     """Generate batches until ``max_batches``, ``stop``, or no policy version came for ``weights_timeout_s``;
-    returns the batches generated. A stop lands between batches: what was generated is committed whole."""
+    returns the batches generated; one line per batch in ``metrics`` (default: none). A stop lands between
+    batches: what was generated is committed whole."""
+    metrics = metrics if metrics is not None else MetricsLog(None)
     done = 0
     while max_batches is None or done < max_batches:
         if stop is not None and stop.is_set():

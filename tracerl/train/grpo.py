@@ -44,16 +44,15 @@ from tracerl.artifacts import weights
 from tracerl.artifacts.codes import RolloutCodes
 from tracerl.config import TrainConfig
 from tracerl.errors import CheckpointCorruptError, ConfigError, FollowError
+from tracerl.hints import PackedHints, RecordSource, Segment, dp_shard, pack_micro_batches, read_ahead
 from tracerl.policy import NO_SITE, Policy, build_policy
 from tracerl.runlog import json_ready
 from tracerl.train import loss as rl
 from tracerl.train.determinism import param_digest, rng_state, set_deterministic, set_rng_state
 from tracerl.train.dist import gather_objects, rank_world
 from tracerl.train.follower import Follower, Taken, Trajectory
-from tracerl.train.packing import PackedHints, Segment, dp_shard, pack_micro_batches
 from tracerl.train.params import make_params
 from tracerl.train.recompute import QATTrainer
-from tracerl.train.source import RecordSource, read_ahead
 from tracerl.util import sync
 
 log = logging.getLogger(__name__)

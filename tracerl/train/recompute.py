@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from tracerl.errors import ConfigError
+from tracerl.hints import PackedHints
 from tracerl.policy import FP4Runtime, cache_kwarg, check_mode, fp4_kv_cache, has_linear_attention, moe_blocks
-from tracerl.train.packing import PackedHints
 from tracerl.util import sync, to_device, to_host
 
 

@@ -143,6 +143,7 @@ class PackedHints:
     scales: dict[str, np.ndarray]  # site -> uint8 [T, (hi-lo)/16]
     experts: dict[str, np.ndarray]  # moe layer -> uint8 [T, top_k]
     features: tuple[int, int] | None
+    policy_versions: np.ndarray | None = None  # int64 [T], when the source records them
 
 
 def read_packed(
@@ -181,4 +182,6 @@ def read_packed(
         scales={s: cat(lambda p, s=s: p.scales[s]) for s in sites},
         experts={la: cat(lambda p, la=la: p.experts[la]) for la in layers},
         features=features,
+        policy_versions=(cat(lambda p: p.policy_version).astype(np.int64)
+                         if parts and getattr(parts[0], "policy_version", None) is not None else None),
     )

@@ -12,18 +12,19 @@ from typing import Any
 import numpy as np
 
 import tracestore as ts
-from tracerl.train.follower import Trajectory
-from tracerl.train.packing import MicroBatch, PackedHints, read_packed
+from tracerl.hints.packing import MicroBatch, PackedHints, read_packed
 
 __all__ = ["RecordSource", "packed_nbytes", "read_ahead"]
 
 
 class RecordSource:
-    """`tracerl.train.packing.read_packed`'s source over complete trajectories' record metadata: a range of a
-    trajectory is read from the records that cover it (`tracestore.read_record`), without a Reader (which would
-    index the whole log)."""
+    """`read_packed`'s source over trajectories' committed records: a range of a trajectory is read from the
+    records that cover it (`tracestore.read_record`), without a Reader (which would index the whole log).
 
-    def __init__(self, store: ts.Store, trajs: Mapping[str, Trajectory]):
+    ``trajs``: traj_id -> anything with the trajectory's ``records`` (`tracestore.CommittedRecord`s covering its
+    tokens), e.g. a `tracerl.train.Trajectory`."""
+
+    def __init__(self, store: ts.Store, trajs: Mapping[str, Any]):
         self.store = store
         self.trajs = trajs
 

@@ -1,0 +1,28 @@
+"""TRACE in the trainer you already run: a hint feed and a model patcher that any PyTorch training loop can call
+(verl's FSDP workers, slime/miles-style loops, torchtitan-style FSDP2 loops), importable without tracerl's own
+trainer.
+
+- `HintFeed` (`tracerl.hints.feed`): given a store, the trajectories of a step and the trainer's own packing (its
+  (trajectory, token range) lists per micro-batch, THD), it yields per micro-batch, for this rank's slice (DP, CP
+  zig-zag, TP), the device tensors the forward needs — hints, scales, global scales, routed experts, rollout
+  log-probs, policy versions, rewards — read ahead in the background with bounded memory, in order.
+- `patch_model` (`tracerl.hints.patch`): installs hint-guided FP4 fake quantization at a site plan's sites and
+  routing replay at the routers of a Hugging Face-style MoE model, taking the current micro-batch's tensors from
+  the feed (``with patch.micro_batch(batch):``); removable, no change to the model's code.
+- The packing and slicing they share (`tracerl.hints.packing`) and the record source that reads a trajectory's
+  committed records without a log index (`tracerl.hints.source`).
+"""
+
+from tracerl.hints.feed import FeedBatch, HintFeed
+from tracerl.hints.packing import (MicroBatch, PackedHints, Segment, cp_shard, cp_zigzag_ranges, dp_shard,
+                                   pack_micro_batches, read_packed, tp_feature_range)
+from tracerl.hints.patch import Patch, patch_model
+from tracerl.hints.source import RecordSource, packed_nbytes, read_ahead
+
+__all__ = [
+    "FeedBatch", "HintFeed",
+    "MicroBatch", "PackedHints", "Segment", "cp_shard", "cp_zigzag_ranges", "dp_shard", "pack_micro_batches",
+    "read_packed", "tp_feature_range",
+    "Patch", "patch_model",
+    "RecordSource", "packed_nbytes", "read_ahead",
+]
