@@ -97,3 +97,33 @@ def _file(header: dict, data: bytes = b"") -> bytes:
 def test_malformed_files_are_typed_errors(blob, match):
     with pytest.raises(st.SafetensorsFormatError, match=match):
         st.decode(blob)
+
+
+def _file(header: dict | bytes, data: bytes = b"") -> bytes:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+@pytest.mark.parametrize("header, match", [
+    ({"a": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}}, "dtype"),  # a list: was an untyped TypeError
+    ({"a": {"dtype": "F32", "shape": [2**40, 2**40, 2**40], "data_offsets": [0, 4]}}, "bytes for shape"),
+    ({"a": {"dtype": "F32", "shape": [{"x": 1}], "data_offsets": [0, 4]}}, "shape"),
+    (b"[" * 100_000 + b"]" * 100_000, "nests 100000 levels"),  # was a RecursionError
+    (b'{"a": ' + b'{"b": ' * 5 + b"1" + b"}" * 6, "nests"),
+])
+def test_hostile_headers_are_typed_errors(header, match):
+    with pytest.raises(st.SafetensorsFormatError, match=match):
+        st.decode(_file(header, b"\0" * 4))
+
+
+def test_many_entries_over_one_range_fail_before_any_copy():
+    """1,000 entries over one 1 MiB range: every entry was allocated and copied (1 GB) before the tiling was checked
+    (it did not finish in 240 s); now the tiling is checked first, memory bounded by the file."""
+    import time
+
+    n = 1 << 20
+    header = {f"t{i}": {"dtype": "U8", "shape": [n], "data_offsets": [0, n]} for i in range(1000)}
+    t0 = time.perf_counter()
+    with pytest.raises(st.SafetensorsFormatError, match="starts at 0, the previous data ends at"):
+        st.decode(_file(header, b"\0" * n))
+    assert time.perf_counter() - t0 < 5

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 import warnings
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 
 from tracerl.errors import ConfigError, SafetensorsFormatError
@@ -34,6 +36,7 @@ _DTYPES: dict[torch.dtype, str] = {
     torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
 }
 _TORCH = {v: k for k, v in _DTYPES.items()}
+_ITEMSIZE = {d: torch.empty((), dtype=d).element_size() for d in _DTYPES}
 _MAX_HEADER = 100 << 20  # the library's bound on the header size
 
 
@@ -77,53 +80,87 @@ def encode(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | No
 def decode(blob: bytes | memoryview) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(tensors, metadata) of a safetensors file; every tensor is a fresh CPU tensor (copied out of ``blob``).
 
+    Hostile bytes cost at most the file's size: the header's nesting is bounded before it is parsed, and every
+    entry (dtype, shape, offsets) and the tiling of the data by the entries are checked before the first tensor is
+    allocated, so the tensors together are exactly the data bytes.
+
     Raises SafetensorsFormatError when ``blob`` is not a well-formed safetensors file (truncated, a header that is
-    not JSON, unknown dtypes, offsets that do not tile the data exactly)."""
+    not JSON or nests deeper than the format does, unknown dtypes, shapes that do not match their bytes, offsets
+    that do not tile the data exactly)."""
     mv = memoryview(blob).cast("B")
     if len(mv) < 8:
         raise SafetensorsFormatError(f"{len(mv)} bytes: shorter than the 8-byte header length")
     (n,) = struct.unpack("<Q", mv[:8])
     if n > _MAX_HEADER or 8 + n > len(mv):
         raise SafetensorsFormatError(f"header length {n} does not fit a file of {len(mv)} bytes")
-    try:
-        header = json.loads(bytes(mv[8:8 + n]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SafetensorsFormatError(f"the header is not JSON: {e}") from e
-    if not isinstance(header, dict):
-        raise SafetensorsFormatError("the header is not a JSON object")
+    header = _parse_header(bytes(mv[8:8 + n]))
     meta = header.pop("__metadata__", None) or {}
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise SafetensorsFormatError("__metadata__ is not a str -> str object")
     data = mv[8 + n:]
-    spans, out = [], {}
-    for name, e in header.items():
-        if not isinstance(e, dict):
-            raise SafetensorsFormatError(f"tensor {name!r}: its entry is not an object")
-        dtype, shape, offs = _TORCH.get(e.get("dtype")), e.get("shape"), e.get("data_offsets")
-        if dtype is None:
-            raise SafetensorsFormatError(f"tensor {name!r}: dtype {e.get('dtype')!r} is not one of {sorted(_TORCH)}")
-        if not _ints(shape) or not _ints(offs) or len(offs) != 2 or not 0 <= offs[0] <= offs[1] <= len(data):
-            raise SafetensorsFormatError(f"tensor {name!r}: shape {shape!r} / data_offsets {offs!r} do not describe "
-                                         f"bytes within the {len(data)} data bytes")
-        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        if offs[1] - offs[0] != size:
-            raise SafetensorsFormatError(f"tensor {name!r}: {offs[1] - offs[0]} bytes for shape {shape} of {e['dtype']}")
-        spans.append((offs[0], offs[1], name))
+    entries = _check_entries(header, len(data))
+    out = {}
+    for name, dtype, shape, begin, size in entries:
         t = torch.empty(shape, dtype=dtype)
         if size:
             with warnings.catch_warnings():  # read-only bytes: the tensor is only read from, then dropped
                 warnings.simplefilter("ignore", UserWarning)
-                src = torch.frombuffer(data, dtype=torch.uint8, count=size, offset=offs[0])
+                src = torch.frombuffer(data, dtype=torch.uint8, count=size, offset=begin)
             t.view(-1).view(torch.uint8).copy_(src)  # torch copies release the GIL
         out[name] = t
-    end = 0
-    for begin, stop, name in sorted(spans):
-        if begin != end:
-            raise SafetensorsFormatError(f"tensor {name!r} starts at {begin}, the previous data ends at {end}")
-        end = stop
-    if end != len(data):
-        raise SafetensorsFormatError(f"the tensors cover {end} of the {len(data)} data bytes")
     return out, meta
+
+
+#: the deepest a safetensors header nests: the header object > a tensor's entry > its shape or offsets list
+_MAX_DEPTH = 3
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+
+
+def _parse_header(raw: bytes) -> dict:
+    """The header's JSON object, its nesting checked first (a 100,000-deep array made json.loads recurse)."""
+    bare = np.frombuffer(_STRING.sub(b'""', raw), dtype=np.uint8)
+    step = ((bare == ord("{")) | (bare == ord("["))).astype(np.int64) - ((bare == ord("}")) | (bare == ord("]")))
+    depth = int(np.cumsum(step).max()) if step.size else 0
+    if depth > _MAX_DEPTH:
+        raise SafetensorsFormatError(f"the header nests {depth} levels deep; a safetensors header nests "
+                                     f"{_MAX_DEPTH} (an object of entries with shape and offset lists)")
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SafetensorsFormatError(f"the header is not JSON: {e}") from e
+    if not isinstance(header, dict):
+        raise SafetensorsFormatError("the header is not a JSON object")
+    return header
+
+
+def _check_entries(header: dict, nbytes: int) -> list[tuple[str, torch.dtype, list[int], int, int]]:
+    """Every tensor entry checked against the ``nbytes`` data bytes, and their tiling of them: (name, dtype, shape,
+    first byte, bytes) in data order. Raises SafetensorsFormatError for the first problem."""
+    entries = []
+    for name, e in header.items():
+        if not isinstance(e, dict):
+            raise SafetensorsFormatError(f"tensor {name!r:.80}: its entry is not an object")
+        code, shape, offs = e.get("dtype"), e.get("shape"), e.get("data_offsets")
+        dtype = _TORCH.get(code) if isinstance(code, str) else None
+        if dtype is None:
+            raise SafetensorsFormatError(f"tensor {name!r:.80}: dtype {code!r:.40} is not one of {sorted(_TORCH)}")
+        if not _ints(shape) or not _ints(offs) or len(offs) != 2 or not 0 <= offs[0] <= offs[1] <= nbytes:
+            raise SafetensorsFormatError(f"tensor {name!r:.80}: shape {shape!r:.80} / data_offsets {offs!r:.80} do "
+                                         f"not describe bytes within the {nbytes} data bytes")
+        size = math.prod(shape) * _ITEMSIZE[dtype]  # Python integers: no overflow
+        if offs[1] - offs[0] != size:
+            raise SafetensorsFormatError(f"tensor {name!r:.80}: {offs[1] - offs[0]} bytes for shape {shape!r:.80} "
+                                         f"of {code}")
+        entries.append((name, dtype, list(shape), offs[0], size))
+    entries.sort(key=lambda x: (x[3], x[3] + x[4]))
+    end = 0
+    for name, _, _, begin, size in entries:
+        if begin != end:
+            raise SafetensorsFormatError(f"tensor {name!r:.80} starts at {begin}, the previous data ends at {end}")
+        end = begin + size
+    if end != nbytes:
+        raise SafetensorsFormatError(f"the tensors cover {end} of the {nbytes} data bytes")
+    return entries
 
 
 def _ints(xs: object) -> bool:

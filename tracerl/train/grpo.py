@@ -89,9 +89,9 @@ class GRPOTrainer:
         self.read_sites = list(store.sites)  # what a micro-batch reads (a hint-free store: its placeholder)
         #: the trainable weights and AdamW: FSDP2-sharded under torch.distributed, else bf16 + fp32 masters
         self.trainable = make_params(self.policy.model, cfg, self.device)
-        # Sharded, the fake-quantized expert weights are not kept between forwards: a cache would hold every layer's
-        # whole (all-gathered) expert stacks on every rank, what sharding is for not to hold.
-        self.policy.runtime.cache_weights = not self.trainable.sharded
+        # Sharded over several ranks, the fake-quantized expert weights are not kept between forwards: a cache would
+        # hold every layer's whole (all-gathered) expert stacks on every rank, what sharding is for not to hold.
+        self.policy.runtime.cache_weights = self.world == 1
         self.step_num = 0
         self.version = 0
         self.last_metrics: dict | None = None
@@ -289,6 +289,8 @@ class GRPOTrainer:
             "tokens_per_s": n_tok / wall if wall > 0 else math.nan,
             "digest": self.digest(), "world_size": self.world, "rank_traj_ids": totals["rank_traj_ids"],
             "sharded": self.trainable.sharded, "rank_state_bytes": gather_objects(self.trainable.state_bytes()),
+            "cuda_max_allocated_bytes": (torch.cuda.max_memory_allocated(self.device)
+                                         if self.device.type == "cuda" else None),
         }
         metrics = json_ready(metrics)
         self.last_metrics = metrics
