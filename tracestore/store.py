@@ -17,7 +17,6 @@ from .format.keys import (
     DEFAULT_CHUNK_ROWS,
     DEFAULT_GC_GRACE_S,
     DEFAULT_SHARD_BYTES,
-    FORMAT_NAME,
     FORMAT_VERSION,
     MANIFEST_KEY,
     check_name,
@@ -30,6 +29,7 @@ from .format.manifest import (
     check_gc_grace,
     check_manifest,
     declaration,
+    decode_manifest,
     experts_dtype,
     new_manifest,
 )
@@ -264,17 +264,9 @@ def open_store(url: str, *, storage_options: Mapping | None = None, retry: Retry
     except ObjectNotFoundError as e:
         raise StoreNotFoundError(f"no tracestore store at {url} ({MANIFEST_KEY} not found)") from e
     try:
-        manifest = json.loads(raw)
-    except ValueError as e:
-        raise IntegrityError(f"{url}/{MANIFEST_KEY} is not valid JSON: {e}") from e
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
-        raise IntegrityError(f"{url}/{MANIFEST_KEY} is not a tracestore manifest (format={manifest.get('format') if isinstance(manifest, dict) else None!r})")
-    try:
-        check_manifest(manifest)
+        manifest = decode_manifest(raw, f"{url}/{MANIFEST_KEY}")
     except SchemaVersionError as e:
         raise SchemaVersionError(f"store {url}: {e} (format_version)") from None
-    except TraceStoreError as e:
-        raise IntegrityError(f"{url}/{MANIFEST_KEY}: {e}") from e
     try:
         return Store(url, backend, manifest)
     except (KeyError, TypeError, ValueError, TraceStoreError) as e:

@@ -3,6 +3,7 @@ segment holds (FORMAT §2.3)."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import time
@@ -12,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ..errors import DeclarationError, ShapeError, TraceStoreError
+from ..errors import DeclarationError, IntegrityError, SchemaVersionError, ShapeError, TraceStoreError
 from .keys import (
     DEFAULT_CHUNK_ROWS,
     DEFAULT_GC_GRACE_S,
@@ -26,8 +27,8 @@ from .keys import (
 )
 from .segment import ArraySpec
 
-__all__ = ["Site", "check_manifest", "check_gc_grace", "new_manifest", "array_specs", "experts_dtype",
-           "declaration"]
+__all__ = ["Site", "check_manifest", "check_gc_grace", "new_manifest", "decode_manifest", "array_specs",
+           "experts_dtype", "declaration"]
 
 
 @dataclass(frozen=True)
@@ -213,6 +214,30 @@ def check_manifest(m: object) -> None:
     _int_in(lay, "shard_bytes", 1, MAX_SHARD_BYTES, "layout.", DEFAULT_SHARD_BYTES)
     _int_in(lay, "feature_chunk", 0, 1 << 20, "layout.", 0)
     check_gc_grace(m.get("gc_grace_s", DEFAULT_GC_GRACE_S))
+
+
+def decode_manifest(raw: bytes, where: str) -> dict:
+    """The manifest stored at ``where`` (its URL and key, named in errors), checked as :func:`check_manifest` does,
+    after its JSON and its ``format`` name.
+
+    Raises:
+        SchemaVersionError: an unsupported ``format_version``. IntegrityError: not JSON, not a tracestore manifest,
+        or a value of the wrong type or out of range.
+    """
+    try:
+        manifest = json.loads(raw)
+    except ValueError as e:
+        raise IntegrityError(f"{where} is not valid JSON: {e}") from e
+    name = manifest.get("format") if isinstance(manifest, dict) else None
+    if name != FORMAT_NAME:
+        raise IntegrityError(f"{where} is not a tracestore manifest (format={name!r})")
+    try:
+        check_manifest(manifest)
+    except SchemaVersionError:
+        raise
+    except TraceStoreError as e:
+        raise IntegrityError(f"{where}: {e}") from e
+    return manifest
 
 
 def declaration(m: Mapping) -> tuple:
