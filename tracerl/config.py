@@ -197,6 +197,19 @@ class DemoConfig:
                               f"{', '.join(f.name for f in dataclasses.fields(TinyMoESpec))}") from None
 
 
+#: why the trainer's follower sets a trajectory aside (never trains on it); the keys are the ``reason`` of
+#: `tracerl.train.Follower.set_aside` entries (here, so that the command line lists them without torch)
+SET_ASIDE_REASONS: dict[str, str] = {
+    "no_group_id": "its result has no group_id (GRPO needs groups)",
+    "group_size": "its result declares another group size than the trainer's",
+    "tokens": "its token records do not cover [0, n) past the prompt",
+    "duplicate_result": "a second result for a trajectory whose result was already taken",
+    "group_overfull": "its group already had group_size results",
+    "group_incomplete": "its group stayed incomplete while more than max_open_groups groups were open",
+    "never_completed": "token records without a result while more than max_pending trajectories were pending",
+    "tokens_after_result": "token records committed after the trajectory's result (ignored; the trajectory "
+                           "was complete)",
+}
 #: QAT modes of the trainer (`tracerl.policy.runtime.MODES`): here, so that the command line checks them without torch
 QAT_MODES = ("bf16", "fp4_rne_own_scales", "fp4_rne_rollout_scales", "fp4_hints")
 

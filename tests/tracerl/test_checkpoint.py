@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from helpers import artifacts
 from tracerl.artifacts import checkpoints as C
 from tracerl.errors import CheckpointCorruptError, CheckpointExistsError, CheckpointNotFoundError, ConfigError
 
@@ -48,12 +49,13 @@ def test_immutable_and_bad_input(location):
 
 @pytest.mark.parametrize("damage", ["flip_blob", "delete_blob", "manifest_not_json", "manifest_other_kind",
                                     "manifest_other_version", "manifest_wrong_step", "manifest_wrong_checksum",
-                                    "manifest_format_1_fields"])
+                                    "manifest_format_1_fields", "manifest_flipped_digit"])
 def test_corruption_is_a_typed_error(location, damage):
     url, opts = location.url, location.options
     C.save(url, 5, _blobs(5), {"x": 1}, storage_options=opts)
     man_key = C.manifest_key(5)
-    man = json.loads(location.read(man_key))
+    raw = location.read(man_key)
+    man = artifacts.fields(raw)
     blob = man["blobs"]["model"]["key"]
     if damage == "flip_blob":
         location.flip(blob, 100)
@@ -66,18 +68,22 @@ def test_corruption_is_a_typed_error(location, damage):
         ref["crc32c"] = f"{int(ref['crc32c'], 16) ^ 1:08x}"
         ref["key"] = ref["key"].rsplit("-", 1)[0] + f"-{ref['crc32c']}.model"
         location.write(ref["key"], location.read(blob))
-        location.write(man_key, json.dumps(man).encode())
+        location.write(man_key, artifacts.wrap(C.KIND, man))
     elif damage == "manifest_format_1_fields":  # format 2 says crc32c; a sha256 reference does not describe it
         import hashlib
 
         data = location.read(blob)
         man["blobs"]["model"] = {"key": blob, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-        location.write(man_key, json.dumps(man).encode())
+        location.write(man_key, artifacts.wrap(C.KIND, man))
+    elif damage == "manifest_flipped_digit":  # the caller's state, changed after the commit: read as is before
+        location.write(man_key, raw.replace(b'\\"x\\": 1', b'\\"x\\": 7'))
+        assert location.read(man_key) != raw
+    elif damage == "manifest_other_kind":
+        location.write(man_key, artifacts.wrap("something.else", man))
+    elif damage == "manifest_other_version":
+        location.write(man_key, artifacts.wrap(C.KIND, man, format_version=99))
     else:
-        field, value = {"manifest_other_kind": ("kind", "something.else"),
-                        "manifest_other_version": ("format_version", 99),
-                        "manifest_wrong_step": ("step", 6)}[damage]
-        location.write(man_key, json.dumps({**man, field: value}).encode())
+        location.write(man_key, artifacts.wrap(C.KIND, {**man, "step": 6}))
     before = location.snapshot()
     with pytest.raises(CheckpointCorruptError):
         C.load(url, storage_options=opts)

@@ -5,18 +5,20 @@ checkpoint is a typed error that changes nothing."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 
 import numpy as np
 import pytest
 import torch
 
 import tracestore as ts
-from helpers import loop
+from helpers import artifacts, loop
 from helpers.store import rows
 from tracerl.artifacts import checkpoints as ckpt
 from tracerl.artifacts import weights
-from tracerl.errors import CheckpointCorruptError, CheckpointNotFoundError, FollowError
+from tracerl.errors import CheckpointCorruptError, CheckpointNotFoundError
 from tracerl.policy import build_policy
 from tracerl.rollout import RolloutWorker, run_rollout
 from tracerl.train import Follower
@@ -96,16 +98,104 @@ def test_staleness_bound_drops_old_groups(store):
     assert f.counts["stale_groups"] == 2
 
 
-@pytest.mark.parametrize("bad", ["no_group", "other_group_size", "gap"])
-def test_follower_rejects_what_grpo_cannot_use(store, bad):
+def _group(w, store, gid: str, n: int, first: int = 0, tokens: int = 6, **result) -> list[str]:
+    ids = [f"{gid}-{i}" for i in range(first, first + n)]
+    for t in ids:
+        w.write(t, 0, **rows(store, t, 0, tokens))
+        w.write_result(t, reward=1.0, group_id=result.get("group_id", gid), prompt_len=3, extra={"group_size": result.get("group_size", loop.G)})
+    return ids
+
+
+def test_follower_sets_aside_what_grpo_cannot_use_and_goes_on(store):
+    """Results the store accepts but GRPO cannot use never stop the follower: each is set aside (counted, listed,
+    kept in the state), the valid groups around them come out in order, and a resumed follower decides the same."""
     with ts.open_store(store.url).writer("w", commit_interval_s=0) as w:
-        w.write("t0", 0, **rows(store, "t0", 0, 6))
-        if bad == "gap":
-            w.write("t0", 8, **rows(store, "t0", 8, 12))
-        w.write_result("t0", reward=1.0, group_id="" if bad == "no_group" else "g0", prompt_len=5,
-                       extra={"group_size": 3 if bad == "other_group_size" else loop.G})
-    with pytest.raises(FollowError):
-        Follower(store, loop.G).take(1, version=0, max_staleness=0, timeout_s=2)
+        first = _group(w, store, "a", loop.G)
+        no_group = _group(w, store, "b", 1, group_id="")
+        other_size = _group(w, store, "c", 1, group_size=3)
+        second = _group(w, store, "d", loop.G)
+        overfull = _group(w, store, "d", 1, first=loop.G)  # a 5th result for group "d"
+        third = _group(w, store, "e", loop.G)
+    f = Follower(store, loop.G)
+    taken = f.take(1, version=0, max_staleness=0, timeout_s=5)
+    assert _ids(taken.groups) == first
+    f = Follower(ts.open_store(store.url), loop.G, state=json.loads(json.dumps(f.state())))  # resume
+    taken = f.take(2, version=0, max_staleness=0, timeout_s=5)
+    assert _ids(taken.groups) == second + third
+    aside = [(e["traj_id"], e["group_id"], e["reason"]) for e in f.state()["set_aside"]]
+    assert aside == [(no_group[0], "", "no_group_id"), (other_size[0], "c", "group_size"),
+                     (overfull[0], "d", "group_overfull")]
+    assert f.counts["set_aside"] == 3 and f.counts["set_aside.group_size"] == 1
+    assert all(isinstance(e["seq"], int) for e in f.set_aside)
+
+
+def _result(traj_id: str, seq: int, group_id: str = "g", prompt_len: int = 3) -> ts.CommittedResult:
+    return ts.CommittedResult(traj_id, ts.Result(traj_id, 1.0, group_id, None, prompt_len, 0, 0, "", {}), "w", seq, 0)
+
+
+def test_follower_sets_aside_broken_token_records(store, caplog):
+    """Token records a result cannot complete (none, a gap, no more than the prompt), records after a result, a
+    second result, and the oldest of too many pending trajectories or open groups: each set aside in one log line;
+    the follower's memory stays bounded."""
+    with ts.open_store(store.url).writer("w", commit_interval_s=0) as w:
+        w.write("t", 0, **rows(store, "t", 0, 6))
+    rec = ts.open_store(store.url).stream(None, timeout_s=0).poll()[0]  # a real committed record, re-aimed below
+
+    def record(traj_id: str, start: int, stop: int, seq: int) -> ts.CommittedRecord:
+        return dataclasses.replace(rec, traj_id=traj_id, token_start=start, token_stop=stop, seq=seq)
+
+    f = Follower(store, 2, max_open_groups=1, max_pending=2)
+    items = [_result("none", 1),  # no token records at all
+             record("gap", 0, 4, 2), record("gap", 6, 8, 3), _result("gap", 4),
+             record("short", 0, 3, 5), _result("short", 6),  # prompt_len 3 = its tokens
+             record("ok", 0, 6, 7), _result("ok", 8, group_id="g1"),
+             record("ok", 6, 9, 9),  # tokens after its result
+             _result("ok", 10, group_id="g1"),  # a second result
+             record("p1", 0, 2, 11), record("p2", 0, 2, 12), record("p3", 0, 2, 13),  # 3 pending > max_pending
+             record("q", 0, 6, 14), _result("q", 15, group_id="g2")]  # 2 open groups > max_open_groups
+    with caplog.at_level(logging.WARNING, logger="tracerl.train.follower"):
+        for item in items:
+            f._consume(item)
+    reasons = [(e["traj_id"], e["reason"], e["seq"]) for e in f.set_aside]
+    assert reasons == [("none", "tokens", 1), ("gap", "tokens", 4), ("short", "tokens", 6),
+                       ("ok", "tokens_after_result", 9), ("ok", "duplicate_result", 10),
+                       ("p1", "never_completed", 13), ("p2", "never_completed", 14), ("ok", "group_incomplete", 15)]
+    assert len(caplog.records) == len(reasons) and all("set aside" in r.getMessage() for r in caplog.records)
+    st = f.state()
+    assert set(st["pending"]) == {"p3"} and set(st["open"]) == {"g2"}
+    assert Follower(store, 2, state=json.loads(json.dumps(st))).state() == st
+
+
+def test_poisoned_store_never_stops_training(store, tmp_path, capsys, monkeypatch):
+    """Bad results between the rollout's groups: training takes every valid group, the step metrics count what was
+    set aside, the checkpoint keeps it, and ``tracerl set-aside`` lists it (a restarted trainer does not meet it
+    again: the checkpoint's cursor is past it)."""
+    from tracerl.cli import main
+
+    _publish_init(store)
+    _gen(store, 1)
+    with ts.open_store(store.url).writer("poison", commit_interval_s=0) as w:
+        _group(w, store, "bad", 1, group_id="")
+        _group(w, store, "odd", 2, group_size=2)
+    _gen(store, 1)
+    ck, log = str(tmp_path / "ckpt"), MetricsLog(tmp_path / "train.jsonl")
+    trainer, follower = start_or_resume(store, loop.train_cfg(groups_per_step=1, max_staleness=4), checkpoints=ck,
+                                        weights_url=None, metrics=log)
+    assert run_training(trainer, follower, checkpoints=ck, weights_url=None, metrics=log, max_steps=4,
+                        wait_timeout_s=30) == 4
+    m = log.records()
+    assert m[-1]["follower"]["set_aside"] == 3 and m[-1]["follower"]["set_aside.group_size"] == 2
+    assert sum(len(r["traj_ids"]) for r in m) == 4 * loop.G
+    state = ckpt.load(ck).state["follower"]
+    assert [e["reason"] for e in state["set_aside"]] == ["no_group_id", "group_size", "group_size"]
+    assert main(["set-aside", ck, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["step"] == 4 and out["set_aside"] == 3 and out["by_reason"] == {"no_group_id": 1, "group_size": 2}
+    assert [e["traj_id"] for e in out["entries"]] == ["bad-0", "odd-0", "odd-1"]
+    monkeypatch.setenv("COLUMNS", "200")  # rich wraps at the terminal's width
+    assert main(["set-aside", ck, "--reason", "no_group_id"]) == 0
+    text = capsys.readouterr().out
+    assert "3 trajectories set aside" in text and "bad-0" in text and "odd-0" not in text
 
 
 def test_steps_checkpoints_and_bitwise_resume(store, tmp_path):
@@ -144,7 +234,7 @@ def test_corrupt_newest_checkpoint_changes_nothing(store, tmp_path):
                                         metrics=log)
     _gen(store, 1)
     run_training(trainer, follower, checkpoints=str(ck), weights_url=store.url, metrics=log, max_steps=1)
-    man = json.loads((ck / ckpt.manifest_key(1)).read_bytes())
+    man = artifacts.fields((ck / ckpt.manifest_key(1)).read_bytes())
     shard = max(man["tensors"]["files"], key=lambda n: man["tensors"]["files"][n]["bytes"])  # a tensor file
     blob = ck / man["tensors"]["dir"] / shard
     data = bytearray(blob.read_bytes())

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import tracestore as ts
+from helpers import artifacts
 from tracerl.artifacts import weights as W
 from tracerl.errors import ConfigError
 
@@ -31,7 +32,7 @@ class _Toy(torch.nn.Module):
 
 
 def _blob_key(location, version: int) -> str:
-    return json.loads(location.read(W.sidecar_key(version)))["key"]
+    return artifacts.fields(location.read(W.sidecar_key(version)))["key"]
 
 
 def test_round_trip(location):
@@ -109,19 +110,30 @@ def test_corrupt_tensors_raise_integrity_error(location, damage):
 
 
 @pytest.mark.parametrize("edit", ["garbage", "other-kind", "other-version", "wrong-checksum", "bad-checksum",
-                                  "bool-bytes", "format"])
+                                  "bool-bytes", "format", "flipped-digit", "fields-checksum"])
 def test_corrupt_sidecar(location, edit):
+    """Fields that describe something else (re-checksummed, as a buggy writer would leave them) and fields changed
+    after they were written (a flipped digit in ``step`` was read as is before format 3) are integrity errors."""
     url, opts = location.url, location.options
-    W.publish(url, 0, _sd(0), storage_options=opts)
+    W.publish(url, 0, _sd(0), step=12, storage_options=opts)
     key = W.sidecar_key(0)
-    side = json.loads(location.read(key))
+    raw = location.read(key)
+    side = artifacts.fields(raw)
+    kind = W.KIND
     if edit == "garbage":
         location.write(key, b"\xff{not json")
+    elif edit == "flipped-digit":
+        location.write(key, raw.replace(b'\\"step\\": 12', b'\\"step\\": 13'))
+        assert location.read(key) != raw
+    elif edit == "fields-checksum":
+        location.write(key, artifacts.wrap(kind, side, crc="0" * 8))
     else:
-        side.update({"other-kind": {"kind": "something.else"}, "other-version": {"version": 1},
+        if edit == "other-kind":
+            kind = "something.else"
+        side.update({"other-kind": {}, "other-version": {"version": 1},
                      "wrong-checksum": {"crc32c": "0" * 8}, "bad-checksum": {"crc32c": "XYZ"},
-                     "bool-bytes": {"bytes": True}, "format": {"format_version": 3}}[edit])
-        location.write(key, json.dumps(side).encode())
+                     "bool-bytes": {"bytes": True}, "format": {}}[edit])
+        location.write(key, artifacts.wrap(kind, side, format_version=99 if edit == "format" else 3))
     err = ts.SchemaVersionError if edit == "format" else W.WeightsIntegrityError
     with pytest.raises(err):
         W.load_state_dict(url, 0, storage_options=opts)
@@ -274,7 +286,7 @@ def test_rollout_prefetch_raises_a_corrupt_version_and_retries_a_pruned_one(tmp_
 
     url = str(tmp_path / "w")
     W.publish(url, 0, _sd(0))
-    blob = tmp_path / "w" / json.loads((tmp_path / "w" / W.sidecar_key(0)).read_text())["key"]
+    blob = tmp_path / "w" / artifacts.fields((tmp_path / "w" / W.sidecar_key(0)).read_bytes())["key"]
     blob.write_bytes(blob.read_bytes()[:-10])  # committed, but truncated
     calls = []
     real = W.load_state_dict

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import re
 import time
@@ -60,8 +59,8 @@ from tracerl.errors import (
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 3  # written (blobs and/or the tensors of a distributed checkpoint)
-READ_FORMATS = (*ob.READ_FORMATS, 3)
+FORMAT_VERSION, READ_FORMATS = ob.WRITE_FORMAT, ob.READ_FORMATS  # written (3: blobs and/or the tensors of a
+# distributed checkpoint, fields checksummed); read (1, 2: blobs only)
 KIND = "tracerl.checkpoint"  # the manifests' kind (format data, not a module path)
 #: ``checkpoints/<step>.json`` (the manifest) and ``checkpoints/<step>-<checksum>.<blob name>``
 STEPS = ob.NumberedObjects("checkpoints", "checkpoint step")
@@ -124,12 +123,11 @@ def _manifest_bytes(step: int, blobs: Mapping[str, Any], state: Mapping[str, Any
                     tensors: Mapping[str, Any] | None) -> tuple[dict, bytes]:
     """(blob references, the manifest's JSON bytes); raises ConfigError for state that is not JSON."""
     refs = {name: ob.blob_ref(data, STEPS.stem(step), f".{name}", FORMAT_VERSION) for name, data in blobs.items()}
-    manifest = {"kind": KIND, "format_version": FORMAT_VERSION, "step": step, "created_unix": time.time(),
-                "blobs": refs, "state": dict(state)}
+    fields = {"step": step, "created_unix": time.time(), "blobs": refs, "state": dict(state)}
     if tensors is not None:
-        manifest["tensors"] = dict(tensors)
+        fields["tensors"] = dict(tensors)
     try:
-        return refs, json.dumps(manifest, sort_keys=True, allow_nan=False).encode()
+        return refs, ob.encode_commit(KIND, FORMAT_VERSION, fields)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"checkpoint {step}: state is not JSON-serializable: {e}") from e
 

@@ -106,9 +106,12 @@ def check_number(value: Any, digits: int, what: str) -> int:
 
 #: the blob checksum of each format version of the commit objects
 CHECKSUMS: dict[int, str] = {1: "sha256", 2: "crc32c", 3: "crc32c"}
-#: the format version written, and the ones read
-WRITE_FORMAT = 2
-READ_FORMATS = (1, 2)
+#: the format version written, and the ones read. Format 3 wraps the object's fields in a checksummed string
+#: (`encode_commit`): a flipped digit anywhere in them is an integrity error, not a different value.
+WRITE_FORMAT = 3
+READ_FORMATS = (1, 2, 3)
+#: from this format version on, a commit object's fields are a JSON text with its own crc32c
+WRAPPED_FROM = 3
 _HEX = {"sha256": re.compile(r"[0-9a-f]{64}"), "crc32c": re.compile(r"[0-9a-f]{8}")}
 
 
@@ -162,12 +165,29 @@ def blob_mismatch(data: bytes, ref: Mapping[str, Any], fmt: int) -> str | None:
     return None
 
 
+def encode_commit(kind: str, fmt: int, fields: Mapping[str, Any]) -> bytes:
+    """The bytes of a commit object of ``kind`` and format ``fmt`` holding ``fields`` (JSON-ready): from format 3
+    ``{"kind", "format_version", "fields": "<the fields as a JSON text>", "fields_crc32c": "<8 hex>"}``, the crc32c
+    of the text's UTF-8 bytes (so a reader in any language checks the exact bytes before it parses them); before,
+    the fields at the top level beside ``kind`` and ``format_version``.
+
+    Raises ValueError / TypeError (json's) for fields that are not JSON-serializable."""
+    if fmt < WRAPPED_FROM:
+        return json.dumps({"kind": kind, "format_version": fmt, **fields}, sort_keys=True, allow_nan=False).encode()
+    text = json.dumps(dict(fields), sort_keys=True, allow_nan=False)
+    return json.dumps({"kind": kind, "format_version": fmt, "fields": text,
+                       "fields_crc32c": checksum(text.encode(), "crc32c")}, sort_keys=True).encode()
+
+
 def read_commit(area: ts.ObjectArea, name: str, kind: str, formats: Collection[int], *, missing: Exception,
                 corrupt: type[Exception], version_error: type[Exception]) -> dict:
-    """The JSON object ``name`` of ``area``, checked to be of ``kind`` and one of the format versions ``formats``.
+    """The JSON object ``name`` of ``area``, checked to be of ``kind`` and one of the format versions ``formats``;
+    a format-3 object's fields are checked against their crc32c and returned beside ``kind`` and
+    ``format_version`` (the same flat dict as formats 1 and 2).
 
-    Raises ``missing`` when the object does not exist, ``corrupt`` when it is not a JSON object of ``kind``, and
-    ``version_error`` for another format version (each message names the object's URL)."""
+    Raises ``missing`` when the object does not exist, ``corrupt`` when it is not a JSON object of ``kind`` or its
+    fields do not match their checksum, and ``version_error`` for another format version (each message names the
+    object's URL)."""
     where = area.describe(name)
     try:
         raw = area.get(name)
@@ -183,4 +203,18 @@ def read_commit(area: ts.ObjectArea, name: str, kind: str, formats: Collection[i
     if isinstance(fv, bool) or fv not in formats:
         raise version_error(f"{where}: {kind} format_version {fv!r}; this code reads "
                             f"{', '.join(map(str, sorted(formats)))}")
-    return obj
+    if fv < WRAPPED_FROM:
+        return obj
+    text, crc = obj.get("fields"), obj.get("fields_crc32c")
+    if not isinstance(text, str) or not isinstance(crc, str):
+        raise corrupt(f"{where}: a format-{fv} {kind} object needs 'fields' (a JSON text) and 'fields_crc32c'")
+    got = checksum(text.encode(), "crc32c")
+    if got != crc:
+        raise corrupt(f"{where}: its fields have crc32c {got}, the object says {crc}: changed after it was written")
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise corrupt(f"{where}: its fields are not JSON: {e}") from e
+    if not isinstance(fields, dict) or {"kind", "format_version"} & set(fields):
+        raise corrupt(f"{where}: its fields are not a JSON object of fields")
+    return {"kind": kind, "format_version": fv, **fields}

@@ -33,7 +33,6 @@ backends bypass listing caches), so a rollout engine that polls it sees a new ve
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Mapping
@@ -105,10 +104,10 @@ def publish(url: Location, version: int, state_dict: Mapping[str, torch.Tensor],
     blob = _encode(state_dict, version)
     ref = ob.blob_ref(blob, VERSIONS.stem(version), ".safetensors", FORMAT_VERSION)
     key = ref["key"]
-    side = {"kind": KIND, "format_version": FORMAT_VERSION, "version": version, **ref, "created_unix": time.time(),
-            "step": step, "parent_version": parent_version, "tensors": len(state_dict), "meta": dict(meta or {})}
+    fields = {"version": version, **ref, "created_unix": time.time(), "step": step, "parent_version": parent_version,
+              "tensors": len(state_dict), "meta": dict(meta or {})}
     try:
-        side_bytes = json.dumps(side, sort_keys=True, allow_nan=False).encode()
+        side_bytes = ob.encode_commit(KIND, FORMAT_VERSION, fields)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"meta of version {version} is not JSON-serializable: {e}") from e
     with ob.opened(url, AREA, storage_options) as area:

@@ -24,7 +24,8 @@ from tracestore.cliargs import EXIT_ERROR, EXIT_INTERRUPTED, accept_negative_num
 
 #: subcommand -> module under tracerl.cli
 COMMANDS = {"demo": "tracerl.cli.demo", "train": "tracerl.cli.train", "rollout": "tracerl.cli.rollout",
-            "loop": "tracerl.cli.loop", "replay": "tracerl.cli.replay", "audit": "tracerl.cli.audit"}
+            "loop": "tracerl.cli.loop", "replay": "tracerl.cli.replay", "audit": "tracerl.cli.audit",
+            "set-aside": "tracerl.cli.set_aside"}
 
 __all__ = ["COMMANDS", "build_parser", "main", "render_table"]
 
