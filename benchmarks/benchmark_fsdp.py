@@ -3,7 +3,8 @@ seconds per step, and the loss, gradient norm and code agreement against world s
 
 Each configuration runs ``tracerl train`` on one store (``--steps`` steps, no checkpoints or publication after step 0:
 what is measured is the step): ``plain`` is one process without torchrun (bf16 weights + fp32 masters), ``fsdp-N``
-is ``torchrun --nproc-per-node N`` (gloo on the CPU, NCCL on GPUs: FSDP2-sharded fp32 weights, bf16 compute). The
+is ``torchrun --nproc-per-node N`` (gloo on the CPU, NCCL on GPUs: FSDP2-sharded fp32 weights, bf16 compute;
+``fsdp-1`` too: torchrun at one rank runs the same sharded path, fully_shard over a mesh of one). The
 store is recorded once (a loop store; every batch by policy version 0, so later steps also measure stale groups
 with the kept weights swapped in). Step times are the medians over steps 2.. (the first step warms up) of each run,
 then the median and spread (min..max) over ``--runs`` runs. State bytes are the last step's, per rank.
@@ -51,7 +52,8 @@ def _store(url: str, spec: dict, args) -> None:
     task = make_task(**{**TASK, "response_len": args.response_len})
     store = create_loop_store(url, TinyMoESpec(**spec, vocab_size=task.vocab_size), task, hint_layers=args.hint_layers,
                               calibration_prompts=32, device=args.device)
-    weights.publish(url, 0, build_policy(store.model).model.state_dict())
+    # version 0 as the trainer builds it: on the trainer's device (the seeded init differs between CPU and CUDA)
+    weights.publish(url, 0, build_policy(store.model, args.device).model.state_dict())
     cfg = RolloutConfig(groups_per_batch=args.groups, group_size=args.group_size, max_ahead=args.steps,
                         record_codes=True)
     with RolloutWorker(ts.open_store(url), cfg, device=args.device) as worker:
@@ -65,6 +67,8 @@ def _train(config: str, url: str, run_dir: Path, args) -> list[dict]:
            "--micro-batch-tokens", str(args.micro_batch_tokens), "--max-staleness", str(args.steps),
            "--no-publish", "--checkpoint-every", "0", "--device", args.device, "--wait-timeout", "120",
            "--threads", str(args.threads)]
+    if args.time_phases:
+        cmd.append("--time-phases")
     if config == "plain":
         argv = [sys.executable, *cmd]
     else:
@@ -78,6 +82,15 @@ def _train(config: str, url: str, run_dir: Path, args) -> list[dict]:
     for r in rows:
         r["wall_s_process"] = time.perf_counter() - t0
     return rows
+
+
+def _phases(reps: list[list[dict]]) -> dict[str, float] | None:
+    """Per phase, the median over runs of its median over steps 2.. (None without --time-phases)."""
+    rows = [r for rows in reps for r in (rows[1:] or rows) if r.get("phases_s")]
+    if not rows:
+        return None
+    names = dict.fromkeys(k for r in rows for k in r["phases_s"])
+    return {k: statistics.median(r["phases_s"].get(k, 0.0) for r in rows) for k in names}
 
 
 def _summary(runs: dict[str, list[list[dict]]]) -> dict[str, dict]:
@@ -102,6 +115,11 @@ def _summary(runs: dict[str, list[list[dict]]]) -> dict[str, dict]:
             "code_agreement": [a["mismatch"]["code_agreement"] for a in reps[0]],
             "code_agreement_ref": [b["mismatch"]["code_agreement"] for b in ref],
             "digests_equal_to_ref": [a["digest"] == b["digest"] for a, b in zip(reps[0], ref)],
+            "reduce_s_median": statistics.median(statistics.median(r["reduce_s"] for r in rows[1:] or rows)
+                                                 for rows in reps),
+            "compute_s_median": statistics.median(statistics.median(r["compute_s"] for r in rows[1:] or rows)
+                                                  for rows in reps),
+            "phases_s_median": _phases(reps),
         }
     return out
 
@@ -120,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hint-layers", default="latter-half", metavar="LAYERS", help="hinted layers (default latter-half)")
     ap.add_argument("--threads", type=int, default=1, metavar="N", help="torch CPU threads per process (default 1)")
     ap.add_argument("--timeout", type=int, default=1800, metavar="S", help="seconds per run at most (default 1800)")
+    ap.add_argument("--time-phases", action="store_true",
+                    help="time the trainer's phases (a device sync each; summary.phases_s_median says where a step goes)")
     ap.add_argument("--smoke", action="store_true", help="tiny model, 1 run, 2 steps, plain and fsdp-2")
     ap.add_argument("--out", metavar="PATH", help="JSON output (default benchmarks/results/fsdp-<device>.json)")
     args = ap.parse_args(argv)
@@ -131,6 +151,17 @@ def main(argv: list[str] | None = None) -> int:
     configs = args.configs.split(",")
     out = Path(args.out or Path(_REPO) / "benchmarks" / "results" /
                f"fsdp-{'smoke' if args.smoke else args.device.split(':')[0]}.json")
+    from tracerl.runlog import machine_info
+
+    def save(runs: dict[str, list[list[dict]]]) -> dict[str, dict]:
+        """The JSON so far (after every run: a run cut short by a time limit keeps the finished ones)."""
+        summary = _summary(runs)
+        result = {"machine": machine_info(), "spec": spec, "device": args.device, "args": vars(args),
+                  "summary": summary, "runs": runs}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1, default=str))
+        return summary
+
     with tempfile.TemporaryDirectory() as tmp:
         url = f"{tmp}/store"
         t0 = time.perf_counter()
@@ -143,14 +174,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows = _train(config, url, Path(tmp) / f"{config}-{rep}", args)
                 runs.setdefault(config, []).append(rows)
                 print(f"run {rep + 1}/{args.runs} {config}: step_s {[round(r['step_s'], 3) for r in rows]}",
-                      file=sys.stderr)
-    summary = _summary(runs)
-    from tracerl.runlog import machine_info
-
-    result = {"machine": machine_info(), "spec": spec, "device": args.device, "args": vars(args),
-              "summary": summary, "runs": runs}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1, default=str))
+                      file=sys.stderr, flush=True)
+                summary = save(runs)
     print(f"{'config':<8} {'ranks':>5} {'step s (min..max)':>22} {'per-rank state MiB':>24} {'rel loss':>9} "
           f"{'rel |g|':>9} {'code agr.':>10}")
     for config, s in summary.items():

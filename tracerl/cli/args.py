@@ -73,9 +73,10 @@ def start_process(args: argparse.Namespace):
 
 
 def init_distributed(device: str) -> str:
-    """Under torchrun (``WORLD_SIZE`` > 1): join the process group (NCCL for CUDA, gloo otherwise) and return
-    this rank's device (``cuda:LOCAL_RANK`` for a CUDA device); else ``device`` unchanged."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    """Under torchrun (any ``--nproc-per-node``, 1 included: the FSDP2 path at world size 1) or another launcher
+    with ``WORLD_SIZE`` > 1: join the process group (NCCL for CUDA, gloo otherwise) and return this rank's device
+    (``cuda:LOCAL_RANK`` for a CUDA device); else (a plain process) ``device`` unchanged."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
         return device
     import torch
     import torch.distributed as dist

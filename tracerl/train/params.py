@@ -213,17 +213,19 @@ class ShardedParams:
                 "optim": _optim_bytes(self.opt)}
 
     def snapshot(self, reuse: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """A copy of this rank's fp32 weight shards (the bf16 weights of the version are their rounding, as the
-        forward all-gathers them): pinned host memory on a GPU."""
+        """The bf16 rounding of this rank's fp32 weight shards (pinned host memory on a GPU): what the forward
+        computes with, since the mixed-precision policy casts the all-gathered shards to bf16 the same way (round to
+        nearest even), so a forward with the snapshot swapped in gives the version's bits; half the bytes of the
+        fp32 shards to copy and keep."""
         out = []
         for i, p in enumerate(self.params):
-            local = p.detach().to_local()
+            local = p.detach().to_local().to(torch.bfloat16)
             if reuse is not None:
                 out.append(reuse[i].copy_(local))
             elif local.device.type == "cuda":
                 out.append(torch.empty(local.shape, dtype=local.dtype, pin_memory=True).copy_(local))
             else:
-                out.append(local.clone())
+                out.append(local)  # (a new tensor already)
         return out
 
     @contextlib.contextmanager
