@@ -850,6 +850,19 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _loop_count(n_iter: int):
+    """A persistent kernel's ``n_iter`` (its ``range`` bound) as a launch argument: the int itself when compiled (the
+    kernels and their binaries do not change); under the interpreter a NumPy integer, which it passes to the kernel
+    as it is. Triton 3.6's interpreter wraps a Python int argument into a shape-(1,) array and ``range`` takes its
+    ``__index__``, ``int(array)``, which NumPy >= 2.4 refuses ("only 0-dimensional arrays can be converted to Python
+    scalars"); Triton 3.9 squeezes the array first."""
+    if not _interpreting():
+        return n_iter
+    import numpy as np
+
+    return np.int64(n_iter)
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -947,8 +960,8 @@ def _launch_quantize(xb, fmt, g, scale_rule, emit_hints, fake, config, key, scal
         hints_arg = _per_block_view(hints, b // 8) if emit_hints else scales
         fq_arg = (out.view(torch.int32) if kind == 0 else out) if fake else scales
         compiled = _quantize_kernel[(progs,)](
-            xv, codes.view(torch.int64), scales, hints_arg, fq_arg, _g_arg(g, fmt, dev, scales), nb, n_iter,
-            PERSIST=persist, num_warps=warps, **consts, **opts,
+            xv, codes.view(torch.int64), scales, hints_arg, fq_arg, _g_arg(g, fmt, dev, scales), nb,
+            _loop_count(n_iter), PERSIST=persist, num_warps=warps, **consts, **opts,
         )
         _note_residency(rkey, compiled, warps)
     return codes, scales, hints, out
@@ -1016,7 +1029,7 @@ def fake_quantize_blocks_triton(
             hints_arg,
             _g_arg(g, fmt, dev, dummy),
             scales_out if store_scales else dummy,
-            nb, n_iter, PERSIST=persist, num_warps=warps, **consts, **opts,
+            nb, _loop_count(n_iter), PERSIST=persist, num_warps=warps, **consts, **opts,
         )
         _note_residency(rkey, compiled, warps)
     return out, (scales_u8 if has_scales else scales_out)
@@ -1043,8 +1056,8 @@ def dequantize_blocks_triton(
         progs, n_iter, persist = _grid(nb, bn, per_sm, dev, rkey)
         scales_u8 = scales_u8.contiguous()
         compiled = _dequantize_kernel[(progs,)](
-            codes_packed.view(torch.int32), scales_u8, _g_arg(g, fmt, dev, scales_u8), ov, nb, n_iter,
-            PERSIST=persist, num_warps=warps, **consts, **opts,
+            codes_packed.view(torch.int32), scales_u8, _g_arg(g, fmt, dev, scales_u8), ov, nb,
+            _loop_count(n_iter), PERSIST=persist, num_warps=warps, **consts, **opts,
         )
         _note_residency(rkey, compiled, warps)
     return out
