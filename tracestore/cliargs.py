@@ -1,5 +1,6 @@
 """Command-line pieces shared by the ``tracestore`` and ``tracerl`` commands, so that both take the same options in
-the same places and fail alike: usage errors, storage options, ``--debug``, argparse number types, exit codes.
+the same places and fail alike: usage errors, storage options, a local store's existence, ``--debug``, argparse
+number types, exit codes, and the plain progress lines of long phases when stderr is not a terminal (`ProgressLog`).
 
 Imports nothing heavy (no numpy, pyarrow, zarr or torch): a command checks its arguments before it loads any of
 them. Usage::
@@ -23,15 +24,19 @@ import json
 import math
 import os
 import re
+import threading
+import time
 from collections.abc import Callable, Iterator
 
-from .errors import UsageError
+from .errors import StoreNotFoundError, UsageError
 
 __all__ = ["UsageError", "EXIT_PROBLEMS", "EXIT_ERROR", "EXIT_INTERRUPTED", "ENV_STORAGE_OPTIONS",
-           "add_storage_arguments", "storage_options", "load_json_arg", "add_debug_argument", "HelpFormatter",
+           "add_storage_arguments", "storage_options", "check_local_store", "load_json_arg", "add_debug_argument",
+           "HelpFormatter",
            "examples",
            "accept_negative_numbers", "int_at_least", "float_above", "float_at_least", "finite_float",
-           "positive_int", "nonneg_int", "positive_float", "nonneg_float"]
+           "positive_int", "nonneg_int", "positive_float", "nonneg_float",
+           "ENV_PROGRESS_EVERY_S", "DEFAULT_EVERY_S", "progress_every_s", "ProgressLog"]
 
 #: exit codes: the command ran and found problems (``tracestore verify``, an audit that found one)
 EXIT_PROBLEMS = 1
@@ -93,6 +98,27 @@ def storage_options(args: argparse.Namespace, url: str) -> dict | None:
         opts = dict(opts or {})
         opts.setdefault("client_kwargs", {})["endpoint_url"] = args.endpoint_url
     return opts
+
+
+#: a store's manifest, the object whose absence means "no store here" (`tracestore.format.keys.MANIFEST_KEY`; that
+#: module loads numpy and pyarrow, so the name is repeated here and a test checks that the two agree)
+MANIFEST_NAME = "tracestore.json"
+
+
+def check_local_store(url: str, storage_options: dict | None = None) -> None:
+    """Raise `StoreNotFoundError`, with `tracestore.open_store`'s message, when ``url`` is a local path that holds
+    no store (nothing there, or a directory without a manifest), without loading numpy, pyarrow or zarr: a command
+    says so at once. Anything else passes (a store, a remote URL, storage options, a path `open_store` refuses for
+    another reason: a file on the way, no permission): opening the store decides then."""
+    if storage_options or not _is_local(url):
+        return  # s3fs and friends are needed to know; storage options on a local path are open_store's error
+    root = os.path.abspath(os.path.expanduser(url.removeprefix("file://")))
+    try:
+        os.stat(os.path.join(root, MANIFEST_NAME))
+    except FileNotFoundError:  # ENOENT only: ENOTDIR, EACCES, ... are open_store's to describe
+        raise StoreNotFoundError(f"no tracestore store at {url} ({MANIFEST_NAME} not found)") from None
+    except (OSError, ValueError):
+        return
 
 
 # ---------------------------------------------------------------------------------------------- parsers
@@ -206,3 +232,176 @@ nonneg_int = int_at_least(0)
 positive_float = float_above(0.0)
 #: a finite number >= 0
 nonneg_float = float_at_least(0.0)
+
+
+# ---------------------------------------------------------------------------------------------- progress lines
+# Without a terminal (a CI log, a ``nohup`` run, a pipe) both commands print plain progress lines instead of rich
+# bars: a long phase prints a line at least every ``every_s`` seconds (default 30; ``$TRACESTORE_PROGRESS_EVERY_S``
+# overrides it) with its count, rate and ETA. A heartbeat thread writes the line when it is due, so that a phase
+# whose steps are slow, or one that has not counted its first step yet, prints too::
+#
+#     with ProgressLog(lambda line: print(line, file=sys.stderr, flush=True)) as log:
+#         log.start("verify")                # optional: time it (and the heartbeat) before the first count
+#         for k, item in enumerate(items):
+#             log.update("verify", k, len(items))
+#             ...
+#         log.update("verify", len(items), len(items))
+#
+# A line reads ``verify: 120/5,000 (2%), 4.00 items/s, 30s elapsed, eta 1220s``. A phase that finishes before its
+# first line is due prints nothing (unless ``announce``: a line as it starts and one as it ends, always); one that
+# printed a line prints one more as it ends.
+
+#: seconds between two progress lines of a running phase without a terminal (a float); default `DEFAULT_EVERY_S`
+ENV_PROGRESS_EVERY_S = "TRACESTORE_PROGRESS_EVERY_S"
+DEFAULT_EVERY_S = 30.0
+#: the heartbeat thread never wakes more often than this, whatever the interval
+_MIN_WAIT_S = 0.01
+
+
+def progress_every_s(default: float = DEFAULT_EVERY_S) -> float:
+    """``$TRACESTORE_PROGRESS_EVERY_S`` when it is set to a number >= 0, else ``default``."""
+    text = os.environ.get(ENV_PROGRESS_EVERY_S, "").strip()
+    try:
+        value = float(text)
+    except ValueError:
+        return default
+    return value if value >= 0 else default  # nan compares False: the default
+
+
+class _Phase:
+    __slots__ = ("started", "logged", "first", "done", "total", "what", "lines")
+
+    def __init__(self, now: float, total: int | None, done: int = 0):
+        self.started = self.logged = now
+        self.first = self.done = done  # the rate counts what was done since the phase started here
+        self.total = total
+        self.what = ""
+        self.lines = 0
+
+
+class ProgressLog:
+    """Plain progress lines through ``write`` (one call per line, without a newline): see "progress lines" above.
+
+    Args:
+        write: takes one line (``print`` to stderr, a rich console's ``log``); called from the heartbeat thread too.
+        every_s: seconds between two lines of a running phase (default `progress_every_s`: 30 s).
+        unit: what the counts count (``steps``, ``items``, ``batches``), as in ``4.00 items/s``.
+        announce: also a line when a phase starts and one when it ends, however short it is.
+        heartbeat: write due lines from a background thread (False: only from `update`; for a simulated clock).
+        clock: seconds, monotonic.
+    """
+
+    def __init__(self, write: Callable[[str], None], *, every_s: float | None = None, unit: str = "items",
+                 announce: bool = False, heartbeat: bool = True, clock: Callable[[], float] = time.monotonic):
+        self.write = write
+        self.every_s = progress_every_s() if every_s is None else float(every_s)
+        self.unit = unit
+        self.announce = announce
+        self.clock = clock
+        self._heartbeat = heartbeat
+        self._phases: dict[str, _Phase] = {}  # running phases, in start order
+        self._lock = threading.RLock()
+        self._wake = threading.Event()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------------------------------ the caller's side
+    def start(self, phase: str, total: int | None = None) -> None:
+        """Start timing ``phase`` now (`update` starts a phase it does not know, too)."""
+        with self._lock:
+            self._start(phase, total, self.clock())
+
+    def update(self, phase: str, done: int, total: int | None = None, what: str = "", *,
+               printed: bool = False) -> None:
+        """``done`` of ``total`` (None: unknown) steps of ``phase`` are done; ``what`` (optional) names the current
+        item. A count below the last one or a total other than the one known starts the phase again (a new round).
+        ``printed``: the caller has just written its own line about this phase (the next one is due ``every_s``
+        from now)."""
+        with self._lock:
+            if self._closed:
+                return
+            now = self.clock()
+            p = self._phases.get(phase)
+            if p is None or done < p.done or (p.total is not None and total != p.total):
+                if p is not None:
+                    del self._phases[phase]
+                p = self._start(phase, total, now, done)
+            p.done, p.total, p.what = done, total, str(what)
+            if total is not None and done >= total:
+                del self._phases[phase]
+                if self.announce or p.lines:
+                    self._line(f"{phase}: {done}/{total} in {now - p.started:.1f}s")
+            elif printed:
+                p.logged = now
+            elif now - p.logged >= self.every_s:
+                self._report(phase, p, now)
+
+    def close(self) -> None:
+        """Stop the heartbeat; phases still running print nothing more."""
+        with self._lock:
+            self._closed = True
+            self._phases.clear()
+            self._wake.set()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=5)
+
+    def __enter__(self) -> ProgressLog:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------------ lines
+    def line(self, phase: str, now: float | None = None) -> str:
+        """The progress line of running ``phase`` (count, percentage, rate, elapsed time, ETA)."""
+        with self._lock:
+            p = self._phases[phase]
+            return self._text(phase, p, self.clock() if now is None else now)
+
+    def _text(self, phase: str, p: _Phase, now: float) -> str:
+        elapsed = now - p.started
+        rate = (p.done - p.first) / elapsed if elapsed > 0 else 0.0
+        unit = f" {self.unit}" if self.unit else ""
+        if p.total is None:
+            text = f"{phase}: {p.done:,}{unit}, {rate:.2f}{unit}/s, {elapsed:.0f}s elapsed"
+        else:
+            eta = f"{(p.total - p.done) / rate:.0f}s" if rate > 0 else "unknown"
+            text = (f"{phase}: {p.done:,}/{p.total:,} ({100 * p.done / max(p.total, 1):.0f}%), {rate:.2f}{unit}/s, "
+                    f"{elapsed:.0f}s elapsed, eta {eta}")
+        return f"{text} ({p.what})" if p.what else text
+
+    def _start(self, phase: str, total: int | None, now: float, done: int = 0) -> _Phase:
+        p = self._phases[phase] = _Phase(now, total, done)
+        if self.announce:
+            self._line(f"{phase}: started" + ("" if total is None else f", {total:,} {self.unit}".rstrip()))
+        if self._heartbeat and self._thread is None and not self._closed:
+            self._thread = threading.Thread(target=self._beat, name="progress-heartbeat", daemon=True)
+            self._thread.start()
+        self._wake.set()  # the heartbeat recomputes when the next line is due
+        return p
+
+    def _report(self, phase: str, p: _Phase, now: float) -> None:
+        p.logged = now
+        p.lines += 1
+        self._line(self._text(phase, p, now))
+
+    def _line(self, text: str) -> None:
+        self.write(text)
+
+    # ------------------------------------------------------------------------------------------ heartbeat
+    def _beat(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                now = self.clock()
+                wait = None
+                for phase, p in list(self._phases.items()):
+                    due = p.logged + self.every_s
+                    if now >= due:
+                        self._report(phase, p, now)
+                        due = now + self.every_s
+                    wait = due - now if wait is None else min(wait, due - now)
+                self._wake.clear()
+            self._wake.wait(None if wait is None else max(wait, _MIN_WAIT_S))

@@ -14,9 +14,10 @@ import sys
 import threading
 from collections.abc import Iterator
 
-from tracerl.config import LOOP_PARENT_ENV
+from tracerl.config import LOOP_PARENT_ENV, check_store_exists
 from tracestore.cliargs import (
     add_storage_arguments,
+    check_local_store,
     finite_float,
     float_above,
     float_at_least,
@@ -25,7 +26,8 @@ from tracestore.cliargs import (
 )
 
 __all__ = ["add_storage_arguments", "finite_float", "float_above", "float_at_least", "int_at_least",
-           "storage_options", "add_process_arguments", "add_model_size_arguments", "start_process", "init_distributed",
+           "storage_options", "existing_store_options", "add_process_arguments", "add_model_size_arguments",
+           "start_process", "init_distributed",
            "end_distributed",
            "stop_on_signals", "stop_with_parent"]
 
@@ -58,11 +60,26 @@ def add_model_size_arguments(p: argparse.ArgumentParser, *, vocab: bool = True) 
         p.add_argument("--vocab", type=pos, metavar="N", help="vocabulary size (default 1024)")
 
 
+def existing_store_options(args: argparse.Namespace, url: str) -> dict | None:
+    """The storage options of ``url`` (`storage_options`), once a store is known to exist there: before a command
+    imports torch or builds a model. A local path without a store is answered without numpy, pyarrow or zarr
+    (`tracestore.cliargs.check_local_store`); any other URL is opened and closed with tracestore (s3fs for S3).
+
+    Raises:
+        UsageError: bad storage options. StoreNotFoundError: no store at ``url``. BackendError: the storage failed.
+    """
+    opts = storage_options(args, url)
+    check_local_store(url, opts)
+    check_store_exists(url, opts)
+    return opts
+
+
 def start_process(args: argparse.Namespace):
     """What a loop process (``tracerl train``, ``tracerl rollout``) does first, after its arguments were checked: the
-    store's storage options (raises tracestore's `UsageError`), torch's CPU threads, warnings-level logging, and
-    a rich console on stderr for its progress lines. Returns (storage options, console)."""
-    opts = storage_options(args, args.store)
+    store's storage options (raises tracestore's `UsageError`) once the store is known to exist
+    (`existing_store_options`: tracestore's `StoreNotFoundError`), then torch's CPU threads, warnings-level
+    logging, and a rich console on stderr for its progress lines. Returns (storage options, console)."""
+    opts = existing_store_options(args, args.store)
     import torch
     from rich.console import Console
 

@@ -14,6 +14,7 @@ import sys
 from tracerl.cli.args import add_storage_arguments, finite_float, int_at_least, storage_options
 from tracerl.config import CONCURRENT_DECODE, AuditConfig, check_store_exists
 from tracerl.errors import ConfigError
+from tracestore.cliargs import check_local_store
 
 HELP = "recompute a store's trajectories: agreement, where the gap comes from, which sites to hint"
 DESCRIPTION = (
@@ -99,6 +100,7 @@ def config_from_args(args: argparse.Namespace) -> AuditConfig:
                       planner=not args.no_planner, target_excess=args.target_excess, storage_options=opts,
                       verify=not args.no_verify, concurrent_decode=args.concurrent_decode)
     cfg.check()
+    check_local_store(cfg.store, opts)  # without numpy, pyarrow, zarr
     check_store_exists(cfg.store, opts)
     return cfg
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 import time
 
@@ -15,8 +17,10 @@ from tracerl.cli.args import (
     stop_on_signals,
     storage_options,
 )
-from tracerl.config import FP4_PLACEMENTS, QAT_MODES, LoopConfig
-from tracestore.cliargs import EXIT_INTERRUPTED
+from tracerl.config import FP4_PLACEMENTS, QAT_MODES, LoopConfig, TinyMoESpec, check_store_exists, parse_layers
+from tracerl.errors import ConfigError
+from tracestore.cliargs import EXIT_INTERRUPTED, check_local_store
+from tracestore.errors import StoreNotFoundError
 
 HELP = "the closed RL loop: rollout and trainer processes on one store, live progress, table, JSON and plot"
 DESCRIPTION = (
@@ -103,17 +107,39 @@ def config_from_args(args: argparse.Namespace) -> LoopConfig:
     return cfg
 
 
+def check_before_loading(cfg: LoopConfig) -> None:
+    """What `run_loop` would refuse after loading torch and building the model, refused before (raises
+    `ConfigError`): a bad task, a model size or hinted layers the model cannot have, a run directory that is a
+    file, a store that exists already (the loop creates its store)."""
+    from tracerl.policy.tasks import make_task  # numpy only
+
+    task = make_task(**cfg.task)
+    spec = TinyMoESpec(**{"vocab_size": task.vocab_size, **cfg.spec})
+    parse_layers(cfg.hint_layers, spec.num_layers)
+    if os.path.exists(cfg.run_dir) and not os.path.isdir(cfg.run_dir):
+        raise ConfigError(f"--dir {cfg.run_dir}: exists and is not a directory")
+    url = cfg.store or os.path.join(cfg.run_dir, "store")
+    try:
+        check_local_store(url, cfg.storage_options)  # without numpy, pyarrow, zarr
+        check_store_exists(url, cfg.storage_options)
+    except StoreNotFoundError:
+        return
+    raise ConfigError(f"store {url}: a tracestore store exists there already; tracerl loop creates a new one (give "
+                      f"{'--store' if cfg.store else '--dir'} a path without one)")
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     cfg.storage_options = storage_options(args, cfg.store or cfg.run_dir)
+    check_before_loading(cfg)  # bad options answer before torch is imported
     from rich.console import Console
     from rich.live import Live
 
+    from tracerl.cli.progress import progress_log
+    from tracerl.cli.train import step_line
     from tracerl.loop import live_view, render_summary, run_loop
-    from tracerl.policy import make_task
     from tracerl.runlog import json_ready
 
-    make_task(**cfg.task)  # a bad task answers before anything is built
     err = Console(stderr=True, log_path=False)
     started = time.time()
     logged = [0]
@@ -122,13 +148,15 @@ def run(args: argparse.Namespace) -> int:
         if live is not None:
             live.update(live_view(procs, started))
             return
-        for m in procs.train_log.records[logged[0]:]:
-            from tracerl.cli.train import step_line
-
+        records = procs.train_log.records
+        for m in records[logged[0]:]:
             err.log(step_line(m, cfg.steps))
-        logged[0] = len(procs.train_log.records)
+        # without a terminal, a line at least every 30 s also while a step takes longer (count, rate, ETA)
+        beat.update("loop", len(records), cfg.steps, printed=len(records) > logged[0])
+        logged[0] = len(records)
 
     live = Live(console=err, refresh_per_second=4, transient=False) if err.is_terminal else None
+    beat = progress_log(err, heartbeat=False) if live is None else None  # on_update comes every 0.25 s
     err.log(f"tracerl loop in {cfg.run_dir}: {cfg.rollouts} rollout process(es) + 1 trainer, {cfg.steps} steps, "
             f"mode {cfg.mode}")
     with stop_on_signals() as stop:
@@ -136,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
             with live:
                 result = run_loop(cfg, on_update=on_update, stop=stop)
         else:
-            result = run_loop(cfg, on_update=on_update, stop=stop)
+            with contextlib.closing(beat):
+                result = run_loop(cfg, on_update=on_update, stop=stop)
     if args.json:
         print(json.dumps(json_ready(result)))
     else:

@@ -6,7 +6,13 @@ import argparse
 import json
 import os
 
-from tracerl.cli.args import add_storage_arguments, end_distributed, init_distributed, int_at_least, storage_options
+from tracerl.cli.args import (
+    add_storage_arguments,
+    end_distributed,
+    existing_store_options,
+    init_distributed,
+    int_at_least,
+)
 
 HELP = "re-run training from a checkpoint and the archived store; compare loss, grad norm, weights bit for bit"
 DESCRIPTION = (
@@ -42,39 +48,65 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_storage_arguments(p)
 
 
+def _check_checkpoints(args: argparse.Namespace, opts: dict | None) -> str:
+    """The live run's metrics log, once the checkpoint to start from is known to exist (before torch is imported):
+    raises `CheckpointNotFoundError` (no checkpoint in --from, or not --step), `ConfigError` (no log to compare
+    with)."""
+    from tracerl.artifacts import checkpoints as ckpt
+    from tracerl.errors import CheckpointNotFoundError, ConfigError
+
+    steps = ckpt.list_steps(args.checkpoints, storage_options=opts)  # a listing: no checkpoint is read
+    if not steps:
+        raise CheckpointNotFoundError(f"{args.checkpoints}: holds no checkpoint")
+    step = steps[0] if args.step is None else args.step
+    if step not in steps:
+        raise CheckpointNotFoundError(f"{args.checkpoints}: no checkpoint {step} (it holds {len(steps)}: "
+                                      f"{', '.join(map(str, steps[:8]))}{', ...' if len(steps) > 8 else ''})")
+    if args.log is not None:
+        return args.log
+    c = ckpt.load(args.checkpoints, step, storage_options=opts)
+    log_path = c.state.get("metrics_path")
+    if not log_path:
+        raise ConfigError(f"checkpoint {c.step} records no metrics log; pass --log PATH")
+    return log_path
+
+
 def run(args: argparse.Namespace) -> int:
-    opts = storage_options(args, args.store)
+    opts = existing_store_options(args, args.store)  # a missing store answers before torch loads
+    from tracerl.runlog import MetricsLog
+
+    live = MetricsLog(_check_checkpoints(args, opts)).records()  # the store's options, as replay() uses them
     if args.device.startswith("cuda"):
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts (deterministic GEMMs)
     from rich.console import Console
     from rich.table import Table
 
     import tracestore as ts
-    from tracerl.artifacts import checkpoints as ckpt
-    from tracerl.errors import ConfigError
+    from tracerl.cli.progress import progress_log
     from tracerl.loop import replay
-    from tracerl.runlog import MetricsLog
 
-    log_path = args.log
-    if log_path is None:
-        c = ckpt.load(args.checkpoints, args.step if args.step is not None else
-                      (ckpt.list_steps(args.checkpoints, storage_options=opts) or [0])[0], storage_options=opts)
-        log_path = c.state.get("metrics_path")
-        if not log_path:
-            raise ConfigError(f"checkpoint {c.step} records no metrics log; pass --log PATH")
-    live = MetricsLog(log_path).records()
     err = Console(stderr=True, log_path=False)
+    rank = int(os.environ.get("RANK", "0"))
+    # without a terminal, a line at least every 30 s also while a step (or loading the checkpoint) takes longer
+    beat = progress_log(err) if rank == 0 and not err.is_terminal else None
+    replayed = [0]
 
     def on_step(row: dict) -> None:
         err.log(f"step {row['step']}: {'equal' if row['equal'] else 'DIFFERS'} (loss {row['loss']}, "
                 f"|g| {row['grad_norm']}, digest {row['digest']})")
+        replayed[0] += 1
+        if beat is not None:
+            beat.update("replay", replayed[0], args.steps, printed=True)
 
     device = init_distributed(args.device)  # under torchrun: the live run's world size, sharded as it was
     try:
+        if beat is not None:
+            beat.start("replay", args.steps)
         result = replay(ts.open_store(args.store, storage_options=opts), args.checkpoints, live, step=args.step,
                         max_steps=args.steps, device=device, storage_options=opts, on_step=on_step)
     finally:
-        rank = int(os.environ.get("RANK", "0"))
+        if beat is not None:
+            beat.close()
         end_distributed()
     if rank != 0:
         return 0 if result["bitwise_equal"] else 1

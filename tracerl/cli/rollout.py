@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 
 from tracerl.cli.args import (
@@ -13,6 +14,7 @@ from tracerl.cli.args import (
     stop_on_signals,
     stop_with_parent,
 )
+from tracerl.cli.progress import progress_log
 from tracerl.config import DECODE_PATHS, RolloutConfig
 
 HELP = "rollout worker: generate GRPO groups with the newest policy version into a loop store"
@@ -68,17 +70,24 @@ def run(args: argparse.Namespace) -> int:
     worker = RolloutWorker(ts.open_store(args.store, storage_options=opts), cfg, device=args.device,
                            worker_id=args.worker_id, weights_url=args.weights, storage_options=opts)
 
+    # without a terminal, a line at least every 30 s also while a batch (or the wait for weights) takes longer
+    beat = None if console.is_terminal else progress_log(console, unit="batches")
+
     def on_batch(m: dict) -> None:
         if args.json:
             print(json.dumps(m), flush=True)
         console.log(f"batch {m['batch'] + 1}{'' if args.batches is None else f'/{args.batches}'} v{m['version']} "
                     f"reward {m['reward_mean']:.3f} {m['generated_tokens_per_s']:.0f} tok/s (waited "
                     f"{m['weights_wait_s']:.2f}s for weights)")
+        if beat is not None:
+            beat.update("rollout", m["batch"] + 1, args.batches, printed=True)
 
     console.log(f"rollout worker {worker.worker_id}: {cfg.groups_per_batch} x {cfg.group_size} per batch, task "
                 f"{worker.task.name}, into {args.store}")
+    if beat is not None:
+        beat.update("rollout", 0, args.batches, printed=True)
     try:
-        with stop_on_signals() as stop:
+        with contextlib.closing(beat) if beat is not None else contextlib.nullcontext(), stop_on_signals() as stop:
             stop_with_parent(stop)
             n = run_rollout(worker, metrics=MetricsLog(args.metrics), max_batches=args.batches, stop=stop,
                             weights_timeout_s=args.weights_timeout, on_batch=on_batch)

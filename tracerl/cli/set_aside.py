@@ -36,9 +36,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     opts = storage_options(args, args.checkpoints)
-    from rich.console import Console
-    from rich.table import Table
-
     from tracerl.artifacts import checkpoints as ckpt
     from tracerl.config import SET_ASIDE_REASONS
 
@@ -51,6 +48,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"step": c.step, "set_aside": total, "by_reason": by_reason, "entries": entries}))
         return 0
+    from rich.console import Console
+    from rich.table import Table
+
     out = Console()
     out.print(f"checkpoint {c.step} of {args.checkpoints}: {total} trajector{'y' if total == 1 else 'ies'} set aside"
               + (f" ({', '.join(f'{r}: {n}' for r, n in by_reason.items())})" if by_reason else ""))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 
@@ -16,6 +17,7 @@ from tracerl.cli.args import (
     stop_on_signals,
     stop_with_parent,
 )
+from tracerl.cli.progress import progress_log
 from tracerl.config import QAT_MODES, TrainConfig
 
 HELP = "GRPO trainer that follows a live loop store, checkpoints, and publishes policy versions"
@@ -147,9 +149,13 @@ def run(args: argparse.Namespace) -> int:
     metrics = MetricsLog(args.metrics)
     trainer, follower = start_or_resume(store, cfg, checkpoints=args.checkpoints, weights_url=weights_url,
                                         metrics=metrics, device=device, cursor=args.cursor, storage_options=opts)
+    # without a terminal, a line at least every 30 s also while a step (or the wait for its groups) takes longer
+    beat = progress_log(console) if trainer.rank == 0 and not console.is_terminal else None
     if trainer.rank == 0:
         console.log(f"trainer at step {trainer.step_num} (policy version {trainer.version}), mode {trainer.cfg.mode}, "
                     f"{trainer.world} rank(s), following {args.store} from {follower.cursor}")
+        if beat is not None:
+            beat.update("train", trainer.step_num, args.steps, printed=True)
 
     def on_step(m: dict) -> None:
         if trainer.rank != 0:
@@ -157,8 +163,10 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(m), flush=True)
         console.log(step_line(m, args.steps))
+        if beat is not None:
+            beat.update("train", trainer.step_num, args.steps, printed=True)
 
-    with stop_on_signals() as stop:
+    with contextlib.closing(beat) if beat is not None else contextlib.nullcontext(), stop_on_signals() as stop:
         stop_with_parent(stop)
         run_training(trainer, follower, checkpoints=args.checkpoints, weights_url=weights_url, metrics=metrics,
                      max_steps=args.steps, stop=stop, wait_timeout_s=args.wait_timeout, storage_options=opts,

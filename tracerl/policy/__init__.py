@@ -7,30 +7,46 @@ The rollout (`tracerl.rollout`) and the trainer (`tracerl.train`) both build on 
 other.
 """
 
+import importlib
+from typing import Any
+
 from tracerl import deprecation
 
-from tracerl.policy.build import NO_SITE, Policy, build_policy, site_widths
-from tracerl.policy.experts import grouped_gemm_supported, grouped_gemm_sync_free, routed_experts, slot_order
-from tracerl.policy.models import BUILDER, TinyMoESpec, attention_name, build_model, cache_kwarg, has_linear_attention
-from tracerl.policy.models import model_metadata, moe_blocks, moe_layer_name
-from tracerl.policy.runtime import MODES, FP4Linear, FP4MoEBlock, FP4Runtime, check_mode, effective_codes
-from tracerl.policy.runtime import fp4_kv_cache, install_fp4
-from tracerl.policy.sites import BLOCK, SitePlan, SiteSpec, kv_cache_sites, linear_input_site, moe_down_site
-from tracerl.policy.sites import moe_input_site, parse_layers, plan_sites
-from tracerl.policy.tasks import BOS, FIRST, SEP, TASKS, CopyTask, Reward, TargetSetTask, Task, make_task
+# Public names -> the module that defines them, imported on first use (PEP 562): ``tracerl loop`` checks its task
+# (`tracerl.policy.tasks`, numpy only) before anything loads torch and transformers.
+_EXPORTS = {
+    "tracerl.policy.build": ("NO_SITE", "Policy", "build_policy", "site_widths"),
+    "tracerl.policy.experts": ("grouped_gemm_supported", "grouped_gemm_sync_free", "routed_experts", "slot_order"),
+    "tracerl.policy.models": ("BUILDER", "TinyMoESpec", "attention_name", "build_model", "cache_kwarg",
+                              "has_linear_attention", "model_metadata", "moe_blocks", "moe_layer_name"),
+    "tracerl.policy.runtime": ("MODES", "FP4Linear", "FP4MoEBlock", "FP4Runtime", "check_mode", "effective_codes",
+                               "fp4_kv_cache", "install_fp4"),
+    "tracerl.policy.sites": ("BLOCK", "SitePlan", "SiteSpec", "kv_cache_sites", "linear_input_site", "moe_down_site",
+                             "moe_input_site", "parse_layers", "plan_sites"),
+    "tracerl.policy.tasks": ("BOS", "FIRST", "SEP", "TASKS", "CopyTask", "Reward", "TargetSetTask", "Task",
+                             "make_task"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+_SUBMODULES = frozenset(module.rsplit(".", 1)[1] for module in _EXPORTS)
 
-__all__ = [
-    "NO_SITE", "Policy", "build_policy", "site_widths",
-    "grouped_gemm_supported", "grouped_gemm_sync_free", "routed_experts", "slot_order",
-    "BUILDER", "TinyMoESpec", "attention_name", "build_model", "cache_kwarg", "has_linear_attention", "model_metadata",
-    "moe_blocks", "moe_layer_name",
-    "MODES", "FP4Linear", "FP4MoEBlock", "FP4Runtime", "check_mode", "effective_codes", "fp4_kv_cache", "install_fp4",
-    "BLOCK", "SitePlan", "SiteSpec", "kv_cache_sites", "linear_input_site", "moe_down_site", "moe_input_site",
-    "parse_layers", "plan_sites",
-    "BOS", "FIRST", "SEP", "TASKS", "CopyTask", "Reward", "TargetSetTask", "Task", "make_task",
-]
+__all__ = [name for names in _EXPORTS.values() for name in names]
 
 # names that left this package's modules in tracerl 0.2 (`tracerl.deprecation`)
-__getattr__ = deprecation.forward(__name__, {
+_moved = deprecation.forward(__name__, {
     "create_loop_store": "tracerl.loop.store",
 })
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value  # later look-ups skip this function
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    return _moved(name)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

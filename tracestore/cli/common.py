@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import json
 import sys
+import time
 from collections.abc import Iterator
 
 from ..cliargs import UsageError, storage_options
@@ -60,11 +61,19 @@ def human_bytes(n: float | None) -> str:
 
 @contextlib.contextmanager
 def progress(args: argparse.Namespace, description: str) -> Iterator:
-    """A rich progress bar on stderr (only when stderr is a terminal and not ``--quiet``); yields a callback
-    ``(done, total, what)``."""
-    enabled = sys.stderr.isatty() and not getattr(args, "quiet", False)
-    if not enabled:
+    """Progress of a long phase on stderr, nothing with ``--quiet``; yields a callback ``(done, total, what)``. On a
+    terminal a rich progress bar; elsewhere (a CI log, ``nohup``, a pipe) plain lines (`tracestore.progress`): one
+    at least every 30 s while the phase runs (``$TRACESTORE_PROGRESS_EVERY_S``), with the count, rate and ETA, also
+    while no count arrives, and one as it ends; a phase shorter than that prints nothing."""
+    if getattr(args, "quiet", False):
         yield lambda done, total, what="": None
+        return
+    if not sys.stderr.isatty():
+        from ..cliargs import ProgressLog
+
+        with ProgressLog(_stderr_line, unit="items") as log:
+            log.start(description)
+            yield lambda done, total, what="": log.update(description, done, total, str(what)[-60:])
         return
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -77,3 +86,9 @@ def progress(args: argparse.Namespace, description: str) -> Iterator:
             bar.update(task, completed=done, total=total, what=str(what)[-60:])
 
         yield update
+
+
+def _stderr_line(line: str) -> None:
+    """One progress line on stderr, after the time of day, as ``[12:04:31] tracestore verify: 10/20 ...``."""
+    sys.stderr.write(f"[{time.strftime('%H:%M:%S')}] tracestore {line}\n")
+    sys.stderr.flush()

@@ -30,6 +30,7 @@ from ..cliargs import (
     accept_negative_numbers,
     add_debug_argument,
     add_storage_arguments,
+    check_local_store,
     storage_options,
 )
 from ..cliargs import examples as _examples
@@ -41,6 +42,10 @@ from .common import URL_HELP
 __all__ = ["main", "build_parser", "UsageError", "storage_options"]
 
 log = logging.getLogger("tracestore.cli")
+
+#: the commands whose URL need not hold a store yet; every other command with a store URL (``opens_store``) opens
+#: an existing store, so a local path without one is answered before the command imports numpy, pyarrow and zarr
+NEW_STORE_COMMANDS = frozenset({"create"})
 
 
 def _common() -> argparse.ArgumentParser:
@@ -77,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                            epilog=_examples(examples), formatter_class=HelpFormatter)
         if url:
             p.add_argument("url", metavar="URL", help=URL_HELP)
+            p.set_defaults(opens_store=name not in NEW_STORE_COMMANDS)
         if json is not None:
             p.add_argument("--json", action="store_true", help=json)
         return p
@@ -101,6 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     level = logging.DEBUG if args.debug else logging.INFO if args.verbose else logging.WARNING
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
+        if getattr(args, "opens_store", False):
+            check_local_store(args.url, storage_options(args, args.url))
         return int(args.func(args) or 0)
     except (TraceStoreError, UsageError) as e:
         if args.debug:
