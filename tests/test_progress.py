@@ -66,17 +66,28 @@ def test_unknown_total_what_and_rate_since_the_phase_started():
 
 def test_a_caller_line_resets_the_interval_and_a_new_round_restarts_the_phase():
     log, lines, clock = _log(every_s=30)
-    log.update("bench", 0, 4, "local write")
+    log.update("train", 0, 4)
     clock.now = 25.0
-    log.update("bench", 1, 4, printed=True)  # the caller just printed its own line
+    log.update("train", 1, 4, printed=True)  # the caller just printed its own line
     clock.now = 50.0
-    log.update("bench", 2, 4)
+    log.update("train", 2, 4)
+    assert lines == []
+    log, lines, clock = _log(every_s=30, finish_at_total=False)  # tracestore bench: rounds, one phase
+    log.start("bench")
+    log.update("bench", 0, 4, "local write")
+    clock.now = 10.0
+    log.update("bench", 4, 4, "local write")  # a round done, the phase goes on
     assert lines == []
     clock.now = 55.0
     log.update("bench", 0, 3, "local read")  # a count below the last one: a new round, timed from now
     clock.now = 85.0
     log.update("bench", 1, 3, "local read")
-    assert lines == ["bench: 1/3 (33%), 0.03 items/s, 30s elapsed, eta 60s (local read)"]
+    clock.now = 90.0
+    log.update("bench", 3, 3, "local read")
+    log.finish("bench")
+    assert lines == ["bench: 0/3 (0%), 0.00 items/s, 0s elapsed, eta unknown (local read)",  # 55 s since the start
+                     "bench: 1/3 (33%), 0.03 items/s, 30s elapsed, eta 60s (local read)",
+                     "bench: 3/3 in 90.0s"]
 
 
 def test_the_heartbeat_writes_while_no_count_arrives():
@@ -94,7 +105,7 @@ def test_the_heartbeat_writes_while_no_count_arrives():
         log.start("gc")
         assert two.wait(timeout=60), lines  # two lines although nothing was counted
     n = len(lines)
-    assert all(re.fullmatch(r"gc: 0 items, 0\.00 items/s, \d+s elapsed", ln) for ln in lines), lines
+    assert all(re.fullmatch(r"gc: \d+s elapsed, no items counted yet", ln) for ln in lines), lines
     log.update("gc", 1, 2)  # closed: nothing more
     assert len(lines) == n
 

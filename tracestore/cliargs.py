@@ -269,11 +269,11 @@ def progress_every_s(default: float = DEFAULT_EVERY_S) -> float:
 
 
 class _Phase:
-    __slots__ = ("started", "logged", "first", "done", "total", "what", "lines")
+    __slots__ = ("began", "started", "logged", "first", "done", "total", "what", "lines")
 
     def __init__(self, now: float, total: int | None, done: int = 0):
-        self.started = self.logged = now
-        self.first = self.done = done  # the rate counts what was done since the phase started here
+        self.began = self.started = self.logged = now  # began: the first round's start (the end line's time)
+        self.first = self.done = done  # the rate counts what was done since this round started
         self.total = total
         self.what = ""
         self.lines = 0
@@ -287,16 +287,20 @@ class ProgressLog:
         every_s: seconds between two lines of a running phase (default `progress_every_s`: 30 s).
         unit: what the counts count (``steps``, ``items``, ``batches``), as in ``4.00 items/s``.
         announce: also a line when a phase starts and one when it ends, however short it is.
+        finish_at_total: a phase ends when its count reaches its total (False: at `finish` or `close` only, for a
+            phase that runs in rounds, each counted up to its own total, with uncounted work between them).
         heartbeat: write due lines from a background thread (False: only from `update`; for a simulated clock).
         clock: seconds, monotonic.
     """
 
     def __init__(self, write: Callable[[str], None], *, every_s: float | None = None, unit: str = "items",
-                 announce: bool = False, heartbeat: bool = True, clock: Callable[[], float] = time.monotonic):
+                 announce: bool = False, finish_at_total: bool = True, heartbeat: bool = True,
+                 clock: Callable[[], float] = time.monotonic):
         self.write = write
         self.every_s = progress_every_s() if every_s is None else float(every_s)
         self.unit = unit
         self.announce = announce
+        self.finish_at_total = finish_at_total
         self.clock = clock
         self._heartbeat = heartbeat
         self._phases: dict[str, _Phase] = {}  # running phases, in start order
@@ -309,32 +313,39 @@ class ProgressLog:
     def start(self, phase: str, total: int | None = None) -> None:
         """Start timing ``phase`` now (`update` starts a phase it does not know, too)."""
         with self._lock:
-            self._start(phase, total, self.clock())
+            if not self._closed:
+                self._start(phase, total, self.clock())
 
     def update(self, phase: str, done: int, total: int | None = None, what: str = "", *,
                printed: bool = False) -> None:
         """``done`` of ``total`` (None: unknown) steps of ``phase`` are done; ``what`` (optional) names the current
-        item. A count below the last one or a total other than the one known starts the phase again (a new round).
-        ``printed``: the caller has just written its own line about this phase (the next one is due ``every_s``
-        from now)."""
+        item. A count below the last one or a total other than the one known starts a new round of the phase (its
+        rate and ETA start again). ``printed``: the caller has just written its own line about this phase (the
+        next one is due ``every_s`` from now)."""
         with self._lock:
             if self._closed:
                 return
             now = self.clock()
             p = self._phases.get(phase)
-            if p is None or done < p.done or (p.total is not None and total != p.total):
-                if p is not None:
-                    del self._phases[phase]
+            if p is None:
                 p = self._start(phase, total, now, done)
+            elif done < p.done or (p.total is not None and total != p.total):
+                p.started, p.first, p.total = now, done, total  # a new round
+                if self.announce:
+                    self._line(self._started(phase, total))
             p.done, p.total, p.what = done, total, str(what)
-            if total is not None and done >= total:
-                del self._phases[phase]
-                if self.announce or p.lines:
-                    self._line(f"{phase}: {done}/{total} in {now - p.started:.1f}s")
+            if self.finish_at_total and total is not None and done >= total:
+                self._finish(phase, now)
             elif printed:
                 p.logged = now
             elif now - p.logged >= self.every_s:
                 self._report(phase, p, now)
+
+    def finish(self, phase: str) -> None:
+        """End ``phase`` (a line if it printed one, or with ``announce``); nothing if it is not running."""
+        with self._lock:
+            if phase in self._phases and not self._closed:
+                self._finish(phase, self.clock())
 
     def close(self) -> None:
         """Stop the heartbeat; phases still running print nothing more."""
@@ -353,33 +364,39 @@ class ProgressLog:
         self.close()
 
     # ------------------------------------------------------------------------------------------ lines
-    def line(self, phase: str, now: float | None = None) -> str:
-        """The progress line of running ``phase`` (count, percentage, rate, elapsed time, ETA)."""
-        with self._lock:
-            p = self._phases[phase]
-            return self._text(phase, p, self.clock() if now is None else now)
-
     def _text(self, phase: str, p: _Phase, now: float) -> str:
         elapsed = now - p.started
-        rate = (p.done - p.first) / elapsed if elapsed > 0 else 0.0
         unit = f" {self.unit}" if self.unit else ""
-        if p.total is None:
-            text = f"{phase}: {p.done:,}{unit}, {rate:.2f}{unit}/s, {elapsed:.0f}s elapsed"
+        if p.total is None and p.done == p.first:
+            text = f"{phase}: {now - p.began:.0f}s elapsed, no{unit or ' steps'} counted yet"
         else:
-            eta = f"{(p.total - p.done) / rate:.0f}s" if rate > 0 else "unknown"
-            text = (f"{phase}: {p.done:,}/{p.total:,} ({100 * p.done / max(p.total, 1):.0f}%), {rate:.2f}{unit}/s, "
-                    f"{elapsed:.0f}s elapsed, eta {eta}")
+            rate = (p.done - p.first) / elapsed if elapsed > 0 else 0.0
+            if p.total is None:
+                text = f"{phase}: {p.done:,}{unit}, {rate:.2f}{unit}/s, {elapsed:.0f}s elapsed"
+            else:
+                eta = f"{(p.total - p.done) / rate:.0f}s" if rate > 0 else "unknown"
+                text = (f"{phase}: {p.done:,}/{p.total:,} ({100 * p.done / max(p.total, 1):.0f}%), "
+                        f"{rate:.2f}{unit}/s, {elapsed:.0f}s elapsed, eta {eta}")
         return f"{text} ({p.what})" if p.what else text
+
+    def _started(self, phase: str, total: int | None) -> str:
+        return f"{phase}: started" + ("" if total is None else f", {total:,} {self.unit}".rstrip())
 
     def _start(self, phase: str, total: int | None, now: float, done: int = 0) -> _Phase:
         p = self._phases[phase] = _Phase(now, total, done)
         if self.announce:
-            self._line(f"{phase}: started" + ("" if total is None else f", {total:,} {self.unit}".rstrip()))
-        if self._heartbeat and self._thread is None and not self._closed:
+            self._line(self._started(phase, total))
+        if self._heartbeat and self._thread is None:
             self._thread = threading.Thread(target=self._beat, name="progress-heartbeat", daemon=True)
             self._thread.start()
         self._wake.set()  # the heartbeat recomputes when the next line is due
         return p
+
+    def _finish(self, phase: str, now: float) -> None:
+        p = self._phases.pop(phase)
+        if self.announce or p.lines:
+            count = f"{p.done:,}" if p.total is None else f"{p.done:,}/{p.total:,}"
+            self._line(f"{phase}: {count} in {now - p.began:.1f}s")
 
     def _report(self, phase: str, p: _Phase, now: float) -> None:
         p.logged = now

@@ -62,18 +62,20 @@ def human_bytes(n: float | None) -> str:
 @contextlib.contextmanager
 def progress(args: argparse.Namespace, description: str) -> Iterator:
     """Progress of a long phase on stderr, nothing with ``--quiet``; yields a callback ``(done, total, what)``. On a
-    terminal a rich progress bar; elsewhere (a CI log, ``nohup``, a pipe) plain lines (`tracestore.progress`): one
-    at least every 30 s while the phase runs (``$TRACESTORE_PROGRESS_EVERY_S``), with the count, rate and ETA, also
-    while no count arrives, and one as it ends; a phase shorter than that prints nothing."""
+    terminal a rich progress bar; elsewhere (a CI log, ``nohup``, a pipe) plain lines
+    (`tracestore.cliargs.ProgressLog`): one at least every 30 s until the block ends (``$TRACESTORE_PROGRESS_EVERY_S``), with the last count, rate and
+    ETA, also while no count arrives, and one as it ends; a block shorter than that prints nothing."""
     if getattr(args, "quiet", False):
         yield lambda done, total, what="": None
         return
     if not sys.stderr.isatty():
         from ..cliargs import ProgressLog
 
-        with ProgressLog(_stderr_line, unit="items") as log:
+        # one phase for the whole command: counted in rounds (bench), with uncounted work around them
+        with ProgressLog(_stderr_line, unit="items", finish_at_total=False) as log:
             log.start(description)
             yield lambda done, total, what="": log.update(description, done, total, str(what)[-60:])
+            log.finish(description)
         return
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
