@@ -20,7 +20,8 @@ from typing import Any
 # (format constants, for code that must not load torch, such as a command line checking its arguments) loads
 # nothing heavy.
 _EXPORTS = {
-    "api": ("QuantizedFP4", "quantize", "dequantize", "fake_quantize", "quantize_fake", "compute_global_scale",
+    "api": ("QuantizedFP4", "quantize", "dequantize", "fake_quantize", "fake_quantize_matrices", "quantize_fake",
+            "compute_global_scale",
             "resolve_backend"),
     "packing": ("pack_codes", "unpack_codes", "pack_hints", "unpack_hints", "hints_from_codes"),
     "errors": ("FP4Error", "ShapeError", "DTypeError", "FormatError", "LaunchConfigError", "BackendError"),

@@ -383,6 +383,39 @@ def _check_out(t: torch.Tensor | None, name: str, x: torch.Tensor, per: int) -> 
     return t
 
 
+def fake_quantize_matrices(w: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """NVFP4 round-to-nearest fake quantization of a stack of matrices, each with its own dynamic global scale:
+    for w [..., R, C] (bf16/fp16/fp32, C a multiple of 16), ``fake_quantize(w[i], "nvfp4")`` of every matrix
+    ``w[i]`` of the stack (the leading dimensions flattened), bit for bit, stacked back to w's shape and dtype.
+
+    The MoE expert weights of a trainer ([E, out, in] per layer), which its forward fake-quantizes after every
+    optimizer step: the global scales are one reduction over the stack and the Triton backend quantizes the whole
+    stack in one launch (per matrix: one reduction, a scale computation and one launch each). Not differentiable
+    (no autograd graph): wrap it in a straight-through estimator for training.
+
+    Raises ShapeError (fewer than 2 dimensions, C not a multiple of 16), DTypeError (not bf16/fp16/fp32),
+    BackendError (an unavailable backend)."""
+    _check_float(w, "w")
+    if w.dim() < 2:
+        raise ShapeError(f"w must be a stack of matrices [..., R, C]; got shape {tuple(w.shape)}")
+    _check_x(w, "nvfp4", "w")
+    with torch.no_grad():
+        stack = w.detach().reshape(-1, *w.shape[-2:]).contiguous()  # [M, R, C]
+        if stack.numel() == 0:
+            return w.detach().clone()
+        g = ref.global_scales_ref(stack)  # [M] fp32 on w's device
+        be = resolve_backend(backend, w.device)
+        block = BLOCK_SIZES["nvfp4"]
+        xb = stack.reshape(-1, block)
+        if be == "triton":
+            out, _ = _triton().fake_quantize_blocks_triton(xb, "nvfp4", g if g.numel() > 1 else g.reshape(()),
+                                                           None, None)
+        else:
+            out = torch.cat([ref.fake_quantize_blocks_ref(m.reshape(-1, block), "nvfp4", g[i], None, None)
+                             for i, m in enumerate(stack)])
+        return out.reshape(w.shape)
+
+
 def quantize_fake(
     x: torch.Tensor, fmt: str = "nvfp4", global_scale: torch.Tensor | float | None = None, backend: str = "auto",
     *, scale_rule: str = "floor", emit_hints: bool = True, ste: str = "identity",

@@ -160,6 +160,16 @@ def global_scale_ref(x: torch.Tensor) -> torch.Tensor:
     return torch.where(amax > 0, g, torch.full_like(g, NVFP4_GLOBAL_SCALE_FALLBACK))
 
 
+def global_scales_ref(w: torch.Tensor) -> torch.Tensor:
+    """Dynamic NVFP4 global scale of each matrix of a stack w [M, R, C] (fp32 [M]): `global_scale_ref` of w[i]
+    for every i, bit for bit (the max of finite |values| is exact in any order)."""
+    if w.shape[1] * w.shape[2] == 0:
+        return torch.full((w.shape[0],), NVFP4_GLOBAL_SCALE_FALLBACK, dtype=torch.float32, device=w.device)
+    amax = _finite_abs(w.float()).amax(dim=(1, 2))
+    g = div_rn(amax, NVFP4_GLOBAL_DENOM).clamp(min=NVFP4_GLOBAL_SCALE_MIN)
+    return torch.where(amax > 0, g, torch.full_like(g, NVFP4_GLOBAL_SCALE_FALLBACK))
+
+
 def e2m1_rne_magnitude(v: torch.Tensor) -> torch.Tensor:
     """Magnitude code 0..7 (int32) of fp32 ``v``: nearest ladder value, ties to the even code, saturating at
     6 (Inf -> 7); NaN -> 7."""

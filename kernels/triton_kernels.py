@@ -66,7 +66,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .errors import FormatError, LaunchConfigError
+from .errors import FormatError, LaunchConfigError, ShapeError
 
 __all__ = [
     "default_config",
@@ -636,7 +636,8 @@ def _fake_quant_pieces(xs, blk, bmask, out_ptr, s2, r2, g, flip, hb, P: tl.const
 def _fake_quant_tile(xs, blk, bmask, out_ptr, scales_ptr, hints_ptr, scales_out_ptr, g, inv_g,
                      P: tl.constexpr, K: tl.constexpr, KIND: tl.constexpr, IS_NV: tl.constexpr,
                      RCEIL: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_HINTS: tl.constexpr,
-                     STORE_SCALES: tl.constexpr, GPU: tl.constexpr):
+                     STORE_SCALES: tl.constexpr, GPU: tl.constexpr, G_PER: tl.constexpr):
+    """One tile of fake quantization; g, inv_g: fp32 scalars, or [BN] vectors (one per block) with G_PER."""
     if HAS_SCALES:
         s, r, flip = _given_scale(tl.load(scales_ptr + blk, mask=bmask, other=0).to(tl.int32), inv_g, IS_NV)
         flip = flip[:, None]
@@ -649,7 +650,11 @@ def _fake_quant_tile(xs, blk, bmask, out_ptr, scales_ptr, hints_ptr, scales_out_
         hb = tl.load(hints_ptr + blk, mask=bmask, other=0).to(tl.int32)  # [BN]: the block's hint bits
     else:
         hb = 0
-    _fake_quant_pieces(xs, blk, bmask, out_ptr, s[:, None], r[:, None], g, flip, hb, P, K, KIND, IS_NV,
+    if G_PER:
+        gp = g[:, None]
+    else:
+        gp = g
+    _fake_quant_pieces(xs, blk, bmask, out_ptr, s[:, None], r[:, None], gp, flip, hb, P, K, KIND, IS_NV,
                        HAS_HINTS, GPU)
 
 
@@ -697,18 +702,24 @@ def _quantize_kernel(
 
 @triton.jit(do_not_specialize=["NB", "n_iter"])
 def _fake_quant_kernel(
-    x_ptr, out_ptr, scales_ptr, hints_ptr, g_ptr, scales_out_ptr, NB, n_iter,
+    x_ptr, out_ptr, scales_ptr, hints_ptr, g_ptr, scales_out_ptr, NB, n_iter, G_BLOCKS,
     P: tl.constexpr, K: tl.constexpr, KIND: tl.constexpr, BN: tl.constexpr, IS_NV: tl.constexpr,
     RCEIL: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_HINTS: tl.constexpr, STORE_SCALES: tl.constexpr,
-    BIG: tl.constexpr, PERSIST: tl.constexpr, GPU: tl.constexpr,
+    BIG: tl.constexpr, PERSIST: tl.constexpr, GPU: tl.constexpr, G_PER: tl.constexpr,
 ):
-    g, inv_g = _global(g_ptr, IS_NV)
+    # G_PER: one global scale per G_BLOCKS consecutive blocks (a stack of matrices, each with its own g: block i
+    # takes g_ptr[i // G_BLOCKS]); else one g for the launch.
+    if not G_PER:
+        g, inv_g = _global(g_ptr, IS_NV)
     start, blk, bmask, xs = _first_tile(x_ptr, NB, BN, P, K, BIG)
     for _ in range(n_iter if PERSIST else 1):
         if PERSIST:
             start, nblk, nmask, nxs = _next_tile(x_ptr, start, NB, BN, P, K)
+        if G_PER:
+            g = tl.load(g_ptr + blk // G_BLOCKS, mask=bmask, other=1.0)  # [BN]
+            inv_g = tl.math.div_rn(1.0, g)
         _fake_quant_tile(xs, blk, bmask, out_ptr, scales_ptr, hints_ptr, scales_out_ptr, g, inv_g,
-                         P, K, KIND, IS_NV, RCEIL, HAS_SCALES, HAS_HINTS, STORE_SCALES, GPU)
+                         P, K, KIND, IS_NV, RCEIL, HAS_SCALES, HAS_HINTS, STORE_SCALES, GPU, G_PER)
         if PERSIST:
             xs, blk, bmask = nxs, nblk, nmask
 
@@ -1002,10 +1013,18 @@ def fake_quantize_blocks_triton(
 ):
     """Triton twin of `reference.fake_quantize_blocks_ref` with packed hints [NB, B/8].
     Returns (out [NB, B], scale bytes [NB] used, or None when own scales were not asked for). config: as for
-    `quantize_blocks_triton`, or None for `default_config` of "fake_quant" (scales given) / "fake_quant_rtn"."""
+    `quantize_blocks_triton`, or None for `default_config` of "fake_quant" (scales given) / "fake_quant_rtn".
+
+    NVFP4 ``g``: a 0-d (or one-element) fp32 tensor, or a 1-D fp32 tensor of M > 1 global scales, one per NB / M
+    consecutive blocks (M must divide NB: a stack of M matrices of NB / M blocks each)."""
     xb = xb.contiguous()
     nb, b = xb.shape
     dev = xb.device
+    g_blocks = 0
+    if g is not None and g.dim() == 1 and g.numel() > 1:
+        if nb % g.numel():
+            raise ShapeError(f"{g.numel()} global scales for {nb} blocks: the count must divide the blocks")
+        g_blocks = nb // g.numel()
     out = torch.empty_like(xb)
     has_scales = scales_u8 is not None
     store_scales = (not has_scales) and return_scales
@@ -1016,7 +1035,7 @@ def fake_quantize_blocks_triton(
         xv, p, k, kind = _layout(xb)
         consts = dict(P=p, K=k, KIND=kind, BN=bn, IS_NV=fmt == "nvfp4", RCEIL=scale_rule == "rceil",
                       HAS_SCALES=has_scales, HAS_HINTS=hints_packed is not None, STORE_SCALES=store_scales,
-                      BIG=_big(xb), GPU=not _interpreting())
+                      BIG=_big(xb), GPU=not _interpreting(), G_PER=g_blocks > 0)
         rkey = ("fake_quant", *consts.values(), warps, *opts.values())
         progs, n_iter, persist = _grid(nb, bn, per_sm, dev, rkey)
         dummy = torch.empty((1,), dtype=torch.int32, device=dev)
@@ -1029,7 +1048,7 @@ def fake_quantize_blocks_triton(
             hints_arg,
             _g_arg(g, fmt, dev, dummy),
             scales_out if store_scales else dummy,
-            nb, _loop_count(n_iter), PERSIST=persist, num_warps=warps, **consts, **opts,
+            nb, _loop_count(n_iter), max(g_blocks, 1), PERSIST=persist, num_warps=warps, **consts, **opts,
         )
         _note_residency(rkey, compiled, warps)
     return out, (scales_u8 if has_scales else scales_out)

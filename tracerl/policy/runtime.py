@@ -310,11 +310,10 @@ class FP4Runtime:
         stamp = (w_hp._version, w_hp.data_ptr(), self._weights_generation)
         hit = self._wcache.get(key)
         if hit is None or hit[:3] != stamp:
-            with torch.no_grad():
-                flat = w_hp.detach().reshape(-1, *w_hp.shape[-2:])  # [E, out, in] or [1, out, in]
-                wq = torch.stack(
-                    [tracefp4.fake_quantize(m, fmt="nvfp4", global_scale=None, backend=self.backend) for m in flat]
-                ).reshape(w_hp.shape)
+            # each matrix ([E, out, in]: each expert's) with its own dynamic global scale, the whole stack in one
+            # reduction and one launch (a launch and a reduction per matrix were 2,560 of each per forward of the
+            # H200 model, 0.1-0.2 ms of host time apiece)
+            wq = tracefp4.fake_quantize_matrices(w_hp.detach(), backend=self.backend)
             hit = (*stamp, wq)
             if self.cache_weights:
                 self._wcache[key] = hit

@@ -22,6 +22,12 @@ def set_deterministic(device: torch.device) -> None:
     (the flash / memory-efficient / cuDNN attention backwards accumulate in a scheduling-dependent order) and a
     fixed cuBLAS workspace (set ``CUBLAS_WORKSPACE_CONFIG`` before CUDA starts; the command line does)."""
     torch.use_deterministic_algorithms(True, warn_only=True)
+    # With deterministic algorithms torch also fills every new tensor of torch.empty with NaN (a fill kernel and a
+    # pass over the memory per allocation: most of the 243,000 fills in one step of the H200 model, and
+    # a host-side fill of each 8.8 GB kept-weights snapshot). That fill makes a read of unwritten memory
+    # reproducible; nothing here reads memory it has not written (replay is bitwise without it: the tests), so
+    # it is only cost.
+    torch.utils.deterministic.fill_uninitialized_memory = False
     if device.type == "cuda":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.backends.cuda.enable_flash_sdp(False)

@@ -44,7 +44,9 @@ from tracerl.artifacts import weights
 from tracerl.artifacts.codes import RolloutCodes
 from tracerl.config import TrainConfig
 from tracerl.errors import CheckpointCorruptError, ConfigError, FollowError
-from tracerl.hints import PackedHints, RecordSource, Segment, dp_shard, pack_micro_batches, read_ahead
+from tracerl.hints import (
+    MicroBatch, PackedHints, RecordSource, Segment, dp_shard, pack_micro_batches, packed_nbytes, read_ahead,
+)
 from tracerl.policy import NO_SITE, Policy, build_policy
 from tracerl.runlog import json_ready
 from tracerl.train import loss as rl
@@ -248,6 +250,7 @@ class GRPOTrainer:
         # all-gathers and reduce-scatters are collectives): the others run zero-weighted stand-ins.
         for _ in range(-(-len(mbs) // self.world) - len(mine)):
             self._micro_batch(None, by_id, adv_of, n_resp, acc)
+        self._measure_stale(source, by_id, acc)
         t_reduce = time.perf_counter()
         tick = self._phase_clock(acc)
         totals = self._reduce(acc)
@@ -313,9 +316,8 @@ class GRPOTrainer:
         else:
             self._train_on(packed, fwd, by_id, adv_of, n_resp, acc, tick)
             self._measure(packed, fwd, by_id, acc, self.version, want_codes)
+            self._keep_stale(packed, by_id, acc)
             tick("measure")
-        self._measure_stale(packed, by_id, acc, want_codes)
-        tick("stale_versions")
 
     def _train_on(self, packed: PackedHints, fwd, by_id: Mapping[str, Trajectory], adv_of: Mapping[str, float],
                   n_resp: int, acc: _StepAccumulator, tick: Callable[[str], None]) -> None:
@@ -351,29 +353,58 @@ class GRPOTrainer:
         tick("backward")
         acc.add_stats(st, n)
 
-    def _measure_stale(self, packed: PackedHints | None, by_id: Mapping[str, Trajectory], acc: _StepAccumulator,
-                       want_codes: bool) -> None:
-        """The mismatch of ``packed``'s trajectories of older policy versions, each from a no-gradient forward with
-        that version's kept weights. Sharded, every rank swaps in and forwards every version any rank needs here
-        (the forwards are collectives; a rank without such trajectories forwards and discards)."""
-        here = [] if packed is None else sorted({by_id[s.traj_id].policy_version for s in packed.segments}
-                                                - {self.version})
-        versions = sorted({v for vs in gather_objects(here) for v in vs}) if self.trainable.sharded else here
-        for v in versions:  # the mismatch of older groups needs the weights that generated them
-            snap = self._history.get(v)
-            if snap is None:
-                if v in here:
-                    acc.sums["_unmeasured"] += sum(by_id[s.traj_id].response_tokens for s in packed.segments
-                                                   if by_id[s.traj_id].policy_version == v)
-                continue
+    def _keep_stale(self, packed: PackedHints, by_id: Mapping[str, Trajectory], acc: _StepAccumulator) -> None:
+        """Note ``packed`` for the step's stale forwards (`_measure_stale`) when it holds trajectories of an older
+        policy version whose weights are kept; count the response tokens of those without kept weights as
+        unmeasured. The batch itself is kept while the kept batches fit the read-ahead budget, else read again."""
+        versions = sorted({by_id[s.traj_id].policy_version for s in packed.segments} - {self.version})
+        for v in versions:
+            if v in self._history:
+                acc.stale.setdefault(v, []).append(packed)
+            else:
+                acc.sums["_unmeasured"] += sum(by_id[s.traj_id].response_tokens for s in packed.segments
+                                               if by_id[s.traj_id].policy_version == v)
+        if versions and any(v in self._history for v in versions):
+            kept = packed_nbytes(packed)
+            if acc.stale_bytes + kept <= self.cfg.read_ahead_bytes:
+                acc.stale_bytes += kept
+            else:  # over the budget: read it again when its version's weights are swapped in
+                for v in versions:
+                    if v in self._history:
+                        acc.stale[v][-1] = _Reread(packed)
+
+    def _measure_stale(self, source: RecordSource, by_id: Mapping[str, Trajectory], acc: _StepAccumulator) -> None:
+        """The mismatch of the step's trajectories of older policy versions: per version, its kept weights swapped
+        in once and one no-gradient forward of each micro-batch that holds such trajectories (every micro-batch
+        after every backward of the step: the weights are swapped and their FP4 fake quantization redone once per
+        version and step, not per micro-batch). Sharded, every rank swaps in every version any rank needs and runs
+        as many forwards of it as the busiest rank (they are collectives; the others forward stand-ins)."""
+        want_codes = self.cfg.code_agreement and bool(self.sites) and self.cfg.mode != "bf16"
+        tick = self._phase_clock(acc)
+        counts = {v: len(b) for v, b in acc.stale.items()}
+        if self.trainable.sharded:
+            merged: dict[int, int] = {}
+            for c in gather_objects(counts):
+                for v, n in c.items():
+                    merged[v] = max(merged.get(v, 0), n)
+            counts = merged
+        for v in sorted(counts):
+            batches = acc.stale.get(v, [])
             self.policy.runtime.weights_changed()
-            with self.trainable.swapped(snap), torch.no_grad():
-                fwd_v = self.qat.token_logprobs(packed or self._stand_in(), self.cfg.mode,
-                                                observe=want_codes and v in here, replay_routes=self.cfg.replay_routes,
-                                                temperature=self.cfg.temperature, routes=False)
+            with self.trainable.swapped(self._history[v]), torch.no_grad():
+                for i in range(counts[v]):
+                    packed = batches[i] if i < len(batches) else None
+                    if isinstance(packed, _Reread):
+                        packed = packed.read(source, self.read_sites)
+                    fwd_v = self.qat.token_logprobs(packed or self._stand_in(), self.cfg.mode,
+                                                    observe=want_codes and packed is not None,
+                                                    replay_routes=self.cfg.replay_routes,
+                                                    temperature=self.cfg.temperature, routes=False)
+                    if packed is not None:
+                        self._measure(packed, fwd_v, by_id, acc, v, want_codes)
             self.policy.runtime.weights_changed()
-            if v in here:
-                self._measure(packed, fwd_v, by_id, acc, v, want_codes)
+        acc.stale.clear()
+        tick("stale_versions")
 
     def _stand_in(self) -> PackedHints:
         """Two tokens of one sequence with zero hints and scales at every read site (and experts 0..k-1, for
@@ -483,6 +514,16 @@ class GRPOTrainer:
         return {"loss_stats": stats, "mismatch": mismatch, "lag": lag, "rank_traj_ids": read}
 
 
+class _Reread:
+    """A kept micro-batch over the read-ahead budget: only its segments, read from the store again when needed."""
+
+    def __init__(self, packed: PackedHints):
+        self.segments = packed.segments
+
+    def read(self, source: RecordSource, sites: list[str]) -> PackedHints:
+        return next(iter(read_ahead(source, [MicroBatch(self.segments)], sites, 0)))[0]
+
+
 class _StepAccumulator:
     """Per-step sums over micro-batches: loss statistics weighted by response tokens, min/max statistics,
     on-policy log-probs for the mismatch, code counts, the lag of each trajectory."""
@@ -500,6 +541,9 @@ class _StepAccumulator:
         self.lag: dict[str, float] = {}
         self.read: list = []  # trajectories whose tokens this rank read (all ranks' after the reduce)
         self.phases: collections.Counter = collections.Counter()  # seconds per phase (time_phases)
+        #: version -> the micro-batches (or `_Reread` stand-ins) with its trajectories, for the stale forwards
+        self.stale: dict[int, list] = {}
+        self.stale_bytes = 0  # bytes of the kept micro-batches
 
     def add_stats(self, st: Mapping[str, float], n: int) -> None:
         self.sums["_tokens"] += n

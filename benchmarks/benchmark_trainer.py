@@ -1,0 +1,277 @@
+"""The trainer's step on one device: how fast it runs, where its time goes, and ``fp4_hints`` against ``bf16`` (no
+QAT) side by side on the same store.
+
+The store is recorded once (a loop store, ``--steps`` batches of ``--groups`` x ``--group-size`` trajectories, all
+by policy version 0, so every step after the first trains on groups of an older version and, with the default
+``measure_stale``, measures their mismatch with that version's kept weights, as a trainer one version behind its
+rollout does). The default ``--steps 2`` with the trainer's default ``--max-staleness 1`` measures that steady
+state: step 2 trains version-0 groups at version 1 and keeps its weights in the buffers of the evicted version 0.
+More steps need ``--max-staleness`` >= steps - 1 (all groups are version 0), and then every step keeps one more
+version, allocating fresh pinned host memory for it (8.8 GB on the H200 model: seconds per step, in
+``keep_weights``), which a loop at the default staleness only does in its first two steps.
+Each (mode, run) is a fresh process training ``--steps`` steps from scratch with the trainer's default settings
+(micro-batch tokens, read-ahead, measurement) and ``--time-phases``; no checkpoints, no publication. Per run: the
+median over steps 2.. of step seconds and tokens/s; reported: the median and spread (min..max) over ``--runs`` runs,
+the phase medians, peak allocated memory, and (CUDA) the GPU's utilization sampled by ``nvidia-smi`` every 100 ms
+while steps 2.. run. ``--profile`` adds one more ``fp4_hints`` process whose second step runs under torch.profiler:
+its trace (Chrome JSON, gzipped) and its top operations by device and host time are saved beside ``--out``.
+
+    python benchmarks/benchmark_trainer.py --device cuda                # the H200 model: fp4_hints and bf16, 3 runs
+    python benchmarks/benchmark_trainer.py --device cuda --profile      # plus a profiled step
+    python benchmarks/benchmark_trainer.py --smoke                      # tiny, CPU: checks the code paths
+
+Saves JSON (machine, versions, sizes, every run's per-step metrics) to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _REPO)
+sys.path.insert(0, os.path.join(_REPO, "benchmarks"))
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO, os.environ.get("PYTHONPATH", "")) if p)
+
+from benchmark_fsdp import CPU_SPEC, GPU_SPEC, SMOKE_SPEC, _store  # noqa: E402  the same model and store recipe
+
+MODES = ("fp4_hints", "bf16")
+
+
+def _child(args) -> int:
+    """One training run in this process (``--child``): metrics to ``args.metrics``; with ``--profile-step`` that step
+    (counted from 1) under torch.profiler, its trace and tables beside ``args.metrics``."""
+    import torch
+
+    import tracestore as ts
+    from tracerl.config import TrainConfig
+    from tracerl.runlog import MetricsLog
+    from tracerl.train import run_training, start_or_resume
+
+    torch.set_num_threads(args.threads)
+    store = ts.open_store(args.store)
+    cfg = TrainConfig(mode=args.mode, groups_per_step=args.groups, group_size=args.group_size,
+                      max_staleness=args.max_staleness, checkpoint_every=0, time_phases=True,
+                      **({"micro_batch_tokens": args.micro_batch_tokens} if args.micro_batch_tokens else {}))
+    log = MetricsLog(args.metrics)
+    ck = args.metrics + ".ck"
+    trainer, follower = start_or_resume(store, cfg, checkpoints=ck, weights_url=None, metrics=log,
+                                        device=args.device)
+    kw = dict(checkpoints=ck, weights_url=None, metrics=log, wait_timeout_s=120)
+    if not args.profile_step:
+        run_training(trainer, follower, max_steps=args.steps, **kw)
+        return 0
+    run_training(trainer, follower, max_steps=args.profile_step - 1, **kw)
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if args.device.startswith("cuda"):
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts, record_shapes=False) as prof:
+        run_training(trainer, follower, max_steps=args.profile_step, **kw)
+    base = args.metrics.removesuffix(".jsonl")
+    prof.export_chrome_trace(base + "-trace.json")
+    subprocess.run(["gzip", "-f", base + "-trace.json"], check=False)
+    dev = "cuda_time_total" if args.device.startswith("cuda") else "cpu_time_total"
+    ka = prof.key_averages()
+    Path(base + "-top.txt").write_text(ka.table(sort_by=dev, row_limit=60) + "\n\n"
+                                       + ka.table(sort_by="cpu_time_total", row_limit=40))
+    return 0
+
+
+class _GpuSampler:
+    """``nvidia-smi`` utilization samples (percent, every 100 ms) with their host times; nothing without it."""
+
+    def __init__(self):
+        self.samples: list[tuple[float, int]] = []
+        self._proc = None
+        if shutil.which("nvidia-smi"):
+            self._proc = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                                           "-lms", "100", "-i", "0"], stdout=subprocess.PIPE, text=True)
+            threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self._proc.stdout:
+            try:
+                self.samples.append((time.time(), int(line.strip())))
+            except ValueError:
+                pass
+
+    def between(self, t0: float, t1: float) -> list[int]:
+        return [u for t, u in self.samples if t0 <= t <= t1]
+
+    def close(self):
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait(timeout=10)
+
+
+def _run(mode: str, url: str, workdir: Path, args, sampler: _GpuSampler, *, profile_step: int = 0) -> dict:
+    metrics = workdir / f"{mode}-{time.time_ns()}.jsonl"
+    argv = [sys.executable, os.path.abspath(__file__), "--child", "--store", url, "--mode", mode, "--metrics",
+            str(metrics), "--steps", str(args.steps), "--groups", str(args.groups), "--group-size",
+            str(args.group_size), "--device", args.device, "--threads", str(args.threads),
+            "--max-staleness", str(args.max_staleness),
+            "--profile-step", str(profile_step)]
+    if args.micro_batch_tokens:
+        argv += ["--micro-batch-tokens", str(args.micro_batch_tokens)]
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout)
+    if p.returncode != 0:
+        raise SystemExit(f"{mode}: training failed:\n{p.stderr[-3000:]}")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    later = rows[1:] or rows
+    # steps 2..: from the end of step 1 to the end of the last step
+    util = sampler.between(rows[0]["time_unix"], rows[-1]["time_unix"]) if len(rows) > 1 else []
+    return {"rows": rows, "step_s": statistics.median(r["step_s"] for r in later),
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in later),
+            "gpu_util_median": statistics.median(util) if util else None, "gpu_util_samples": len(util),
+            "metrics": str(metrics)}
+
+
+def _spread(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+def _summary(runs: dict[str, list[dict]]) -> dict:
+    out = {}
+    for mode, reps in runs.items():
+        if not reps:
+            continue
+        later = [r for rep in reps for r in rep["rows"][1:] or rep["rows"]]
+        phases = dict.fromkeys(k for r in later for k in (r.get("phases_s") or {}))
+        utils = [rep["gpu_util_median"] for rep in reps if rep["gpu_util_median"] is not None]
+        peak = [r["cuda_max_allocated_bytes"] for rep in reps for r in rep["rows"] if r.get("cuda_max_allocated_bytes")]
+        out[mode] = {
+            "step_s": _spread([rep["step_s"] for rep in reps]),
+            "tokens_per_s": _spread([rep["tokens_per_s"] for rep in reps]),
+            "gpu_util_median": _spread(utils) if utils else None,
+            "phases_s_median": {k: statistics.median(r["phases_s"].get(k, 0.0) for r in later) for k in phases},
+            "tokens_per_step": statistics.median(r["tokens"] for r in later),
+            "cuda_max_allocated_gib": max(peak) / 2**30 if peak else None,
+            "code_agreement": [r["mismatch"]["code_agreement"] for r in reps[0]["rows"]],
+            "digests": [r["digest"] for r in reps[0]["rows"]],
+            "digests_same_every_run": all([r["digest"] for r in rep["rows"]] == [r["digest"] for r in reps[0]["rows"]]
+                                          for rep in reps),
+        }
+    if "fp4_hints" in out and "bf16" in out:
+        out["fp4_hints_over_bf16_step"] = out["fp4_hints"]["step_s"]["median"] / out["bf16"]["step_s"]["median"]
+    return out
+
+
+def _machine(device: str) -> dict:
+    import platform
+
+    import torch
+    import transformers
+
+    return {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "cuda_device": torch.cuda.get_device_name(0) if device.startswith("cuda") else None,
+            "cuda_total_gib": (torch.cuda.get_device_properties(0).total_memory / 2**30
+                               if device.startswith("cuda") else None),
+            "loadavg_1_5_15": list(os.getloadavg())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--modes", default=",".join(MODES), metavar="LIST",
+                    help="comma-separated trainer modes (default: fp4_hints,bf16)")
+    ap.add_argument("--runs", type=int, default=3, metavar="N", help="processes per mode (default 3)")
+    ap.add_argument("--steps", type=int, default=2, metavar="N",
+                    help="steps per run (default 2; step 1 warms up, steps 2.. are measured)")
+    ap.add_argument("--max-staleness", type=int, default=1, metavar="N",
+                    help="the trainer's max_staleness (default 1, its own default); must be >= steps - 1")
+    ap.add_argument("--device", default="cpu", metavar="DEVICE", help="cpu (default) or cuda (one GPU: the H200 model)")
+    ap.add_argument("--groups", type=int, default=4, metavar="N", help="groups per step (default 4)")
+    ap.add_argument("--group-size", type=int, default=8, metavar="N", help="trajectories per group (default 8)")
+    ap.add_argument("--response-len", type=int, default=None, metavar="N",
+                    help="response tokens per trajectory (default: 128 on CUDA, 8 on the CPU)")
+    ap.add_argument("--micro-batch-tokens", type=int, default=None, metavar="N",
+                    help="override the trainer's micro-batch size (default: the trainer's own default)")
+    ap.add_argument("--hint-layers", default="latter-half", metavar="WHICH",
+                    help="hinted layers of the store (default latter-half: 20 of 40 sites on the H200 model)")
+    ap.add_argument("--threads", type=int, default=1, metavar="N", help="torch CPU threads per process (default 1)")
+    ap.add_argument("--profile", action="store_true", help="also profile step 2 of one more fp4_hints run")
+    ap.add_argument("--timeout", type=float, default=1800, metavar="S", help="seconds per process (default 1800)")
+    ap.add_argument("--smoke", action="store_true", help="tiny model, 1 run x 2 steps: checks the code paths")
+    ap.add_argument("--out", default=None, metavar="PATH",
+                    help="JSON (default benchmarks/results/trainer-<device>.json; --smoke: a temporary file)")
+    # the child process's options (internal)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--store", help=argparse.SUPPRESS)
+    ap.add_argument("--mode", help=argparse.SUPPRESS)
+    ap.add_argument("--metrics", help=argparse.SUPPRESS)
+    ap.add_argument("--profile-step", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        return _child(args)
+    if args.max_staleness < args.steps - 1:
+        ap.error(f"--max-staleness {args.max_staleness} with --steps {args.steps}: every group is by version 0, "
+                 f"so steps after {args.max_staleness + 1} would find none; use --max-staleness >= {args.steps - 1}")
+    cuda = args.device.startswith("cuda")
+    spec = SMOKE_SPEC if args.smoke else (GPU_SPEC if cuda else CPU_SPEC)
+    if args.response_len is None:
+        args.response_len = 128 if cuda and not args.smoke else 8
+    if args.smoke:
+        args.runs, args.groups, args.group_size = 1, 2, 4
+    out = Path(args.out or (tempfile.mkdtemp(prefix="trainer-smoke-") + "/trainer.json" if args.smoke else
+                            f"{_REPO}/benchmarks/results/trainer-{'h200' if cuda else 'cpu'}.json"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="tracerl-bench-trainer-"))
+    url = str(workdir / "store")
+    t0 = time.perf_counter()
+    _store(url, spec, args)
+    print(f"store recorded in {time.perf_counter() - t0:.1f}s: {args.steps} batches of {args.groups} x "
+          f"{args.group_size}", flush=True)
+    modes = [m for m in args.modes.split(",") if m]
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    sampler = _GpuSampler() if cuda else _GpuSampler.__new__(_GpuSampler)
+    if not cuda:
+        sampler.samples, sampler._proc = [], None
+    result = {"machine": _machine(args.device), "spec": spec, "device": args.device, "args": vars(args)}
+    try:
+        for i in range(args.runs):
+            for mode in modes:  # alternating, so a drift of the machine hits every mode alike
+                r = _run(mode, url, workdir, args, sampler)
+                runs[mode].append(r)
+                print(f"run {i + 1}/{args.runs} {mode}: step_s {[round(x['step_s'], 3) for x in r['rows']]} "
+                      f"gpu util {r['gpu_util_median']}", flush=True)
+                result.update(runs=runs, summary=_summary(runs))
+                out.write_text(json.dumps(result, indent=1))
+        if args.profile:
+            r = _run("fp4_hints", url, workdir, args, sampler, profile_step=2)
+            base = r["metrics"].removesuffix(".jsonl")
+            for suffix in ("-trace.json.gz", "-top.txt"):
+                if os.path.exists(base + suffix):
+                    shutil.copy(base + suffix, str(out).removesuffix(".json") + "-profile" + suffix)
+            result["profile"] = {"rows": r["rows"], "trace": str(out).removesuffix(".json") + "-profile-trace.json.gz"}
+    finally:
+        sampler.close()
+    out.write_text(json.dumps(result, indent=1))
+    s = result["summary"]
+    print(f"{'mode':10} {'step s (min..max)':>24} {'tok/s (min..max)':>22} {'GPU util %':>11} {'peak GiB':>9}  code agr.")
+    for mode in modes:
+        m = s[mode]
+        u = m["gpu_util_median"]
+        print(f"{mode:10} {m['step_s']['median']:9.3f} ({m['step_s']['min']:.3f}..{m['step_s']['max']:.3f})"
+              f" {m['tokens_per_s']['median']:8.0f} ({m['tokens_per_s']['min']:.0f}..{m['tokens_per_s']['max']:.0f})"
+              f" {'-' if u is None else format(u['median'], '.0f'):>11}"
+              f" {'-' if m['cuda_max_allocated_gib'] is None else format(m['cuda_max_allocated_gib'], '.1f'):>9}"
+              f"  {m['code_agreement'][-1]}")
+    if "fp4_hints_over_bf16_step" in s:
+        print(f"fp4_hints / bf16 step time: {s['fp4_hints_over_bf16_step']:.3f}")
+    for mode in modes:
+        print(f"phases {mode}: " + ", ".join(f"{k} {v:.3f}" for k, v in s[mode]["phases_s_median"].items()))
+    print(f"saved {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
