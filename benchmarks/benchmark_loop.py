@@ -94,7 +94,7 @@ def _config(args, s: dict, mode: str, seed: int, run_dir: str) -> LoopConfig:
         record_codes=True, seed=seed, rollout_device=s["rollout_device"], trainer_device=s["trainer_device"],
         threads=args.threads, extra_train_args=tuple(s["extra_train"]) + (
             () if args.read_ahead_mb is None else ("--read-ahead-mb", str(args.read_ahead_mb))) + (
-            ("--time-phases",) if _time_phases(args) else ()))
+            ("--time-phases",) if _time_phases(args) else ()) + (("--replay-routes",) if args.replay_routes else ()))
 
 
 def _time_phases(args) -> bool:
@@ -218,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
                         "with --device cuda)")
     p.add_argument("--lr", type=float, help="AdamW learning rate (default: CPU 1e-3, GPU 1e-5, smoke 1e-3)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
+    p.add_argument("--replay-routes", action="store_true",
+                   help="the trainer replays the rollout's routed experts (routing replay, R3) in every mode")
     p.add_argument("--replay-steps", type=int, default=10,
                    help="replay this many steps of the first run (0: no replay; default 10)")
     p.add_argument("--keep", metavar="DIR", help="keep the run directories below DIR (default: temporary)")
