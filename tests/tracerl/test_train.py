@@ -491,3 +491,28 @@ def test_code_counts_of_a_micro_batch_equal_per_trajectory_counts():
             want += np.array(fidelity.count_code_matches(codes[s][rows], ref[seg.start:seg.stop][keep]))
     assert want[1] > 0 and 0 < want[2] < want[1] and 0 < want[3] < want[2]  # matches, one- and multi-step misses
     assert acc.codes.tolist() == want.tolist()
+
+
+def test_fresh_trainer_refuses_a_version_0_of_other_weights(tmp_path):
+    """A published version 0 is what the rollouts generate from: a fresh trainer whose own init differs (in
+    practice: the seeded init differs between CPU and CUDA, or someone published a base model) must not train on
+    its groups as if on-policy, nor overwrite it; the same init again (a run killed before its first checkpoint)
+    keeps it."""
+    from tracerl.errors import ConfigError
+
+    store = loop.create(str(tmp_path / "store"))
+    cfg = loop.train_cfg(max_staleness=2)
+    first, _ = start_or_resume(store, cfg, checkpoints=str(tmp_path / "ck-a"), weights_url=store.url,
+                               metrics=MetricsLog(None))
+    assert weights.read_meta(store.url, 0)["meta"]["digest"] == first.digest()
+    start_or_resume(store, cfg, checkpoints=str(tmp_path / "ck-b"), weights_url=store.url, metrics=MetricsLog(None))
+
+    other = loop.create(str(tmp_path / "other"))
+    sd = build_policy(other.model).model.state_dict()
+    name = next(n for n, t in sd.items() if t.is_floating_point())
+    sd[name] = sd[name] + 1
+    weights.publish(other.url, 0, sd, {"digest": param_digest([t.float() for t in sd.values()])})
+    with pytest.raises(ConfigError, match=r"policy version 0 at .* already published with other weights"):
+        start_or_resume(other, cfg, checkpoints=str(tmp_path / "ck-c"), weights_url=other.url,
+                        metrics=MetricsLog(None))
+    assert torch.equal(weights.load_state_dict(other.url, 0)[0][name], sd[name])  # unchanged

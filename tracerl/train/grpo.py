@@ -212,7 +212,18 @@ class GRPOTrainer:
             weights.publish(url, version, state, meta, step=step, parent_version=version - 1 if version else None,
                             storage_options=storage_options)
         except weights.VersionExistsError:
-            log.warning("policy version %d is already published (by an earlier run of this trainer); kept", version)
+            theirs = weights.read_meta(url, version, storage_options=storage_options).get("meta", {}).get("digest")
+            if theirs is not None and theirs != meta["digest"]:
+                what = (f"policy version {version} at {url} is already published with other weights (digest "
+                        f"{theirs}) than this trainer's (digest {meta['digest']})")
+                if version == 0:  # the rollouts generate from it: training other weights is off-policy from step 0
+                    raise ConfigError(f"{what}: a fresh run must start from the weights its rollouts use; publish to "
+                                      "a new weights location, or resume from the checkpoints of the run that "
+                                      "published it (a seeded init also differs between CPU and CUDA)")
+                log.warning("%s; kept (the rollouts may have generated from it)", what)
+            else:
+                log.warning("policy version %d is already published (by an earlier run of this trainer%s); kept",
+                            version, "" if theirs else ", or without a digest to check")
         if self.cfg.keep_versions is not None:
             weights.prune(url, self.cfg.keep_versions, keep=(0,), storage_options=storage_options)
 
