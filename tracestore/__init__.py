@@ -27,7 +27,8 @@ _EXPORTS = {
     "tracestore.batch": ("TraceBatch", "read_record"),
     "tracestore.records": ("CommittedRecord", "CommittedResult"),
     "tracestore.format.entries": ("Result",),
-    "tracestore.maintenance": ("verify", "collect_garbage", "compact", "info", "VerifyReport", "GcReport"),
+    "tracestore.maintenance": ("verify", "collect_garbage", "compact", "info", "export_table", "VerifyReport",
+                               "GcReport"),
     "tracestore.storage": ("Backend", "ByteRange", "ObjectInfo", "RetryPolicy", "open_backend"),
     "tracestore.objects": ("ObjectArea", "open_area", "RESERVED_AREAS"),
     "tracestore.errors": (

@@ -27,9 +27,17 @@ from .format.keys import (
 from .storage import PARTIAL_SUFFIX
 from .format.entries import LogEntry, decode_checkpoint, records_table, same_entry
 from .format.segment import array_metadata, crc32c, layout
-from .errors import GcRefusedError, IntegrityError, ObjectNotFoundError, SchemaVersionError, TraceStoreError
+from .errors import (
+    GcRefusedError,
+    IntegrityError,
+    ObjectNotFoundError,
+    OptionError,
+    SchemaVersionError,
+    TraceStoreError,
+)
 
-__all__ = ["info", "verify", "collect_garbage", "compact", "export_records", "VerifyReport", "GcReport"]
+__all__ = ["info", "verify", "collect_garbage", "compact", "export_table", "export_records", "export_results",
+           "VerifyReport", "GcReport"]
 
 log = logging.getLogger(__name__)
 
@@ -433,28 +441,57 @@ def collect_garbage(store, *, grace_s: float | None = None, dry_run: bool = Fals
     return report
 
 
-def export_records(store, path: str, snapshot=None) -> dict:
-    """Write every committed record of ``snapshot`` (default: the log head) to one Parquet file at ``path`` (a
-    local path): one row per record, in log order, with the columns of a checkpoint (FORMAT §3.1: ``seq``,
-    ``writer_id``, ``writer_seq``, ``segment``, ``rows``, ``chunk_rows``, ``shard_bytes``, ``created_unix``,
-    ``segment_nbytes``, ``traj_id``, ``token_start``, ``token_stop``, ``row_offset``, ``policy_version``) — for SQL
-    engines, which would double-count records by reading every ``index/*.parquet`` (each checkpoint holds the
-    whole log up to its ``log_end``). The snapshot is in the file's metadata (``tracestore.snapshot``).
+#: what ``tracestore export --table`` writes: one row per committed record, or per committed result
+EXPORT_TABLES = ("records", "results")
 
-    Returns ``{"path", "records", "log_end", "snapshot"}``. Raises as :meth:`Store.read_entries`; OSError if
-    ``path`` cannot be written (written to ``path + ".partial"`` first, then renamed).
+
+def export_table(store, path: str, snapshot=None, table: str = "records") -> dict:
+    """Write one table of ``snapshot`` (default: the log head) to one Parquet file at ``path`` (a local path), for
+    SQL engines and ``pyarrow.dataset``; the snapshot is in the file's metadata (``tracestore.snapshot``).
+
+    * ``records`` — one row per committed record, in log order, with the columns of a version-1 checkpoint
+      (FORMAT §3.1: ``seq``, ``writer_id``, ``writer_seq``, ``segment``, ``rows``, ``chunk_rows``, ``shard_bytes``,
+      ``created_unix``, ``segment_nbytes``, ``traj_id``, ``token_start``, ``token_stop``, ``row_offset``,
+      ``policy_version``). Query this, not ``index/*.parquet``: each checkpoint holds the whole log up to its
+      ``log_end``, so reading them all counts records more than once.
+    * ``results`` — one row per trajectory whose result is committed (its first result), in log order, in
+      ``traceschemas.result_schema()``: ``traj_id``, ``reward``, ``group_id``, ``advantage`` (null: left to the
+      trainer), ``prompt_len``, ``response_len``, ``policy_version``, ``finish_reason``, ``extra`` (JSON text),
+      ``seq`` (the results entry).
+
+    Returns ``{"path", "table", "rows", "log_end", "snapshot"}`` (and ``"records"`` = rows for ``records``, as
+    before). Raises OptionError for another ``table``; as :meth:`Store.read_entries`; OSError if ``path`` cannot be
+    written (written to ``path + ".partial"`` first, then renamed).
     """
     import os
 
     import pyarrow.parquet as pq
 
+    if table not in EXPORT_TABLES:
+        raise OptionError(f"export table {table!r:.40}: allowed are {', '.join(EXPORT_TABLES)}")
     snap = store.check_snapshot(snapshot)
-    table = records_table(store.read_entries(0, snap.log_end))
-    table = table.replace_schema_metadata({b"tracestore.snapshot": snap.to_json().encode()})
+    if table == "records":
+        data = records_table(store.read_entries(0, snap.log_end))
+    else:
+        data = store.reader(snap).results_table()
+    data = data.replace_schema_metadata({b"tracestore.snapshot": snap.to_json().encode()})
     tmp = f"{path}.partial"
-    pq.write_table(table, tmp, compression="zstd")
+    pq.write_table(data, tmp, compression="zstd")
     os.replace(tmp, path)
-    return {"path": path, "records": table.num_rows, "log_end": snap.log_end, "snapshot": snap.to_json()}
+    out = {"path": path, "table": table, "rows": data.num_rows, "log_end": snap.log_end, "snapshot": snap.to_json()}
+    if table == "records":
+        out["records"] = data.num_rows
+    return out
+
+
+def export_records(store, path: str, snapshot=None) -> dict:
+    """:func:`export_table` of the ``records`` table."""
+    return export_table(store, path, snapshot, "records")
+
+
+def export_results(store, path: str, snapshot=None) -> dict:
+    """:func:`export_table` of the ``results`` table."""
+    return export_table(store, path, snapshot, "results")
 
 
 def compact(store) -> int | None:

@@ -447,6 +447,51 @@ def test_export_counts_each_record_once(fresh, tmp_path, capsys):
     assert sorted(set(table.column("traj_id").to_pylist())) == ["traj-a", "traj-b", "traj-c", "traj-d"]
 
 
+def test_export_results_table(fresh, tmp_path, capsys):
+    """``export --table results``: one row per committed result (the first, if a trajectory had two), in
+    traceschemas.result_schema(), with the snapshot in the file; records and results from one snapshot join.
+    Before: export wrote records only (no --table)."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+    import traceschemas
+
+    with ts.open_store(fresh).writer("w0", commit_interval_s=0) as w:
+        w.write_result("traj-a", reward=1.0, group_id="g", prompt_len=10, response_len=60, policy_version=1,
+                       finish_reason="stop", extra={"k": [1, 2]})
+        w.write_result("traj-b", reward=0.0, group_id="g", prompt_len=5, response_len=20, policy_version=1)
+    with ts.open_store(fresh).writer("w1", commit_interval_s=0) as w:
+        w.write("traj-e", 0, **rows(ts.open_store(fresh), "traj-e", 0, 4))
+        w.write_result("traj-e", reward=0.5, prompt_len=1, policy_version=2, advantage=0.25)
+    snap = ts.open_store(fresh).snapshot().to_json()
+    d = run_json(["export", fresh, str(tmp_path / "res.parquet"), "--table", "results", "--snapshot", snap,
+                  "--json"], capsys)
+    assert (d["table"], d["rows"], d["snapshot"]) == ("results", 3, snap)
+    table = pq.read_table(tmp_path / "res.parquet")
+    assert table.schema.remove_metadata() == traceschemas.result_schema()
+    assert json.loads(table.schema.metadata[b"tracestore.snapshot"]) == json.loads(snap)
+    assert table.column("traj_id").to_pylist() == ["traj-a", "traj-b", "traj-e"]
+    assert json.loads(table.column("extra")[0].as_py()) == {"k": [1, 2]}
+    assert table.column("advantage").to_pylist() == [None, None, 0.25]
+    mean = table.group_by("policy_version").aggregate([("reward", "mean")]).sort_by("policy_version")
+    assert mean.column("reward_mean").to_pylist() == [0.5, 0.5]
+    records = run_json(["export", fresh, str(tmp_path / "rec.parquet"), "--snapshot", snap, "--json"], capsys)
+    rec = pq.read_table(tmp_path / "rec.parquet")
+    assert records["table"] == "records" and records["rows"] == records["records"] == rec.num_rows
+    joined = rec.join(table.select(["traj_id", "reward"]), "traj_id", join_type="inner")
+    assert set(joined.column("traj_id").to_pylist()) == {"traj-a", "traj-b", "traj-e"}
+    assert pc.sum(pc.subtract(joined.column("token_stop"), joined.column("token_start"))).as_py() == 70 + 25 + 4
+    code, out, _ = run(["export", fresh, str(tmp_path / "r.parquet"), "--table", "results"], capsys)
+    assert code == 0 and out.startswith("wrote 3 results")
+    with pytest.raises(SystemExit) as e:
+        main(["export", fresh, str(tmp_path / "x.parquet"), "--table", "tokens"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "'tokens'" in err and "'results'" in err and not (tmp_path / "x.parquet").exists()
+    with pytest.raises(SystemExit):
+        main(["export", "--help"])
+    text = capsys.readouterr().out
+    assert "--table" in text and "results" in text
+
+
 def test_readme_store_snippet_runs_on_its_own(tmp_path, monkeypatch):
     text = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
     start = text.rindex("```python\n", 0, text.index("tracestore as ts\n", text.index("## The store")))

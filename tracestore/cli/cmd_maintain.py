@@ -36,15 +36,24 @@ def register(add) -> None:
             json="{checkpoint_log_end: N or null}")
     p.set_defaults(func=_cmd_compact)
 
-    p = add("export", "write every committed record to one Parquet file (for SQL engines)",
-            description="Write every committed record (one row per record, in log order: seq, writer_id, segment, "
-                        "traj_id, token_start, token_stop, row_offset, policy_version, ...) to one local Parquet "
-                        "file. Query it instead of index/*.parquet: each checkpoint holds the whole log up to its "
-                        "log_end, so reading them all counts records more than once.",
+    p = add("export", "write every committed record, or every committed result, to one Parquet file (for SQL)",
+            description="Write one table of a snapshot to one local Parquet file. --table records (default): one "
+                        "row per committed record, in log order (seq, writer_id, segment, traj_id, token_start, "
+                        "token_stop, row_offset, policy_version, ...); query it instead of index/*.parquet, where "
+                        "each checkpoint holds the whole log up to its log_end (reading them all counts records "
+                        "more than once). --table results: one row per trajectory whose result is committed "
+                        "(traj_id, reward, group_id, advantage, prompt_len, response_len, policy_version, "
+                        "finish_reason, extra as JSON text, seq). Both files hold the snapshot in their metadata; "
+                        "export both from one --snapshot to join them.",
             examples=["tracestore export s3://bucket/run1 records.parquet",
+                      "tracestore export s3://bucket/run1 results.parquet --table results",
+                      "duckdb -c \"SELECT policy_version, avg(reward), count(*) FROM 'results.parquet' GROUP BY 1\"",
                       "duckdb -c \"SELECT traj_id, sum(token_stop - token_start) FROM 'records.parquet' GROUP BY 1\""],
-            json="one JSON object: {path, records, log_end, snapshot}")
+            json="one JSON object: {path, table, rows, log_end, snapshot} (records: also records)")
     p.add_argument("out", metavar="OUT.parquet", help="the Parquet file to write (a local path)")
+    p.add_argument("--table", choices=("records", "results"), default="records", metavar="TABLE",
+                   help="what to write: records (one row per committed token range; the default) or results (one "
+                        "row per committed trajectory result)")
     p.add_argument("--snapshot", metavar="JSON", help="export this snapshot (JSON or @file; default: the log head)")
     p.set_defaults(func=_cmd_export)
 
@@ -110,16 +119,16 @@ def _cmd_compact(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from ..maintenance import export_records
+    from ..maintenance import export_table
 
     store = open_store_arg(args)
     snapshot = load_json_arg(args.snapshot, "--snapshot") if args.snapshot else None
     try:
-        done = export_records(store, args.out, None if snapshot is None else json.dumps(snapshot))
+        done = export_table(store, args.out, None if snapshot is None else json.dumps(snapshot), args.table)
     except OSError as e:
         raise UsageError(f"cannot write {args.out}: {e.strerror or e}") from e
     if args.json:
         json_out(done)
     else:
-        out(f"wrote {done['records']:,} records of log entries [0, {done['log_end']}) to {done['path']}")
+        out(f"wrote {done['rows']:,} {args.table} of log entries [0, {done['log_end']}) to {done['path']}")
     return 0
