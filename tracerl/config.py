@@ -244,8 +244,9 @@ class TrainConfig:
     max_open_groups: int = 4096
     #: record the effective codes at hinted sites and compare them with the rollout's (when it recorded them)
     code_agreement: bool = True
-    #: measure the mismatch of stale groups too: keep the last ``max_staleness`` versions' bf16 weights and run one
-    #: extra forward (no gradient) with the generating version's weights per micro-batch that holds such groups
+    #: measure the mismatch of stale groups too: keep the last ``max_staleness`` versions' bf16 weights (host memory
+    #: on a GPU, plus one version's worth for the copy of the current one, made while its step computes) and, after a
+    #: step's backwards, run one extra forward (no gradient) per version and micro-batch that holds such groups
     measure_stale: bool = True
     #: a step's micro-batches are read from the store ahead of their forward/backward while the batches read and not
     #: yet trained hold at most this many bytes (at least one is always read): a step's batch is in the trainer's

@@ -99,6 +99,7 @@ class GRPOTrainer:
         self.last_metrics: dict | None = None
         self.metrics_path: str | None = None  # the live metrics log (kept in checkpoints, for replay)
         self._history: dict[int, list[torch.Tensor]] = {}  # version -> its weights (measure_stale)
+        self._spare: list[list[torch.Tensor]] = []  # an evicted version's buffers, for the next snapshot
         self._publisher: concurrent.futures.ThreadPoolExecutor | None = None
         self._published: concurrent.futures.Future | None = None
         self._codes = RolloutCodes(store)
@@ -248,6 +249,9 @@ class GRPOTrainer:
         n_resp = sum(t.response_tokens for t in trajs)
         source = RecordSource(self.store, by_id)
         acc = _StepAccumulator()
+        kept = None
+        if cfg.max_staleness and cfg.measure_stale:  # this version's weights, copied in the background on a GPU
+            kept = self.trainable.snapshot(self._spare.pop() if self._spare else None, background=True)
         read_s = fwd_s = 0.0
         acc.read = list(dict.fromkeys(seg.traj_id for mb in mine for seg in mb.segments))
         for packed, t_loaded, secs in read_ahead(source, mine, self.read_sites, cfg.read_ahead_bytes):
@@ -266,12 +270,14 @@ class GRPOTrainer:
         tick = self._phase_clock(acc)
         totals = self._reduce(acc)
         tick("reduce")
-        if self.cfg.max_staleness and self.cfg.measure_stale:
-            # this version's weights, for measuring the mismatch of its groups that later steps train on
+        if kept is not None:
+            # this version's weights (copied while the step computed), for measuring the mismatch of its groups that
+            # later steps train on; versions no later step may train on are evicted, one's buffers kept for reuse
+            # (pinned host memory is slow to get: seconds for the H200 model's 8.8 GB)
             evicted = [self._history.pop(v) for v in sorted(self._history)
                        if v < self.version + 1 - self.cfg.max_staleness]
-            spare = evicted[0] if evicted else None  # its buffers are reused (pinned host memory is slow to get)
-            self._history[self.version] = self.trainable.snapshot(spare)
+            self._spare = (self._spare + evicted)[:1]
+            self._history[self.version] = kept
         tick("keep_weights")
         grad_norm = self.trainable.step(self.cfg.grad_clip)
         self.policy.runtime.weights_changed()

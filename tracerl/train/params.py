@@ -62,6 +62,8 @@ class PlainParams:
         self.opt = _adamw(self.master, cfg, device)
         self.rank, self.world = 0, 1
         self.grad_bytes = 0
+        self._copy_stream = None  # a CUDA side stream for snapshots taken while the step computes
+        self._snapshot_done = None  # the CUDA event of the last such snapshot
 
     # ---- a step --------------------------------------------------------------------------------------
     def accumulate(self) -> None:
@@ -76,7 +78,9 @@ class PlainParams:
 
     def step(self, grad_clip: float) -> float:
         """Clip the fp32 gradients, AdamW, round the masters into the bf16 parameters; the norm before clipping.
-        A parameter without a gradient gets zeros."""
+        A parameter without a gradient gets zeros. Waits (on the device) for a snapshot still copying the bf16
+        parameters before writing them."""
+        self._wait_snapshot()
         for m in self.master:
             if m.grad is None:
                 m.grad = torch.zeros_like(m)
@@ -100,9 +104,26 @@ class PlainParams:
                 "optim": _optim_bytes(self.opt)}
 
     # ---- weights of earlier versions (the mismatch of stale groups) -----------------------------------
-    def snapshot(self, reuse: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    def snapshot(self, reuse: list[torch.Tensor] | None = None, *, background: bool = False) -> list[torch.Tensor]:
         """A copy of the bf16 weights (into ``reuse``, an evicted snapshot, when given): on the host (pinned) for a
-        GPU model, whose memory the optimizer needs; on the CPU as they are."""
+        GPU model, whose memory the optimizer needs; on the CPU as they are.
+
+        ``background`` (a GPU model): the device -> host copies run on a side stream while the caller goes on
+        computing with the same weights (a step's forwards and backwards: the copy engine and the SMs work at the
+        same time); `step` waits for them before it writes the weights. The host must not read the returned
+        tensors before that (a swap-in for a later forward is ordered after it on the device)."""
+        cuda = bool(self.params) and self.params[0].device.type == "cuda"
+        if background and cuda:
+            dev = self.params[0].device
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(dev)
+            self._copy_stream.wait_stream(torch.cuda.current_stream(dev))  # the weights as of now
+            with torch.cuda.stream(self._copy_stream):
+                out = [(reuse[i] if reuse is not None else torch.empty(p.shape, dtype=p.dtype, pin_memory=True))
+                       .copy_(p.detach(), non_blocking=True) for i, p in enumerate(self.params)]
+                self._snapshot_done = torch.cuda.Event()
+                self._snapshot_done.record(self._copy_stream)
+            return out
         out = []
         for i, p in enumerate(self.params):
             if reuse is not None:
@@ -112,6 +133,12 @@ class PlainParams:
             else:
                 out.append(p.detach().clone())
         return out
+
+    def _wait_snapshot(self) -> None:
+        """Order everything after this on the current stream behind a background snapshot's copies."""
+        if self._snapshot_done is not None:
+            torch.cuda.current_stream(self.params[0].device).wait_event(self._snapshot_done)
+            self._snapshot_done = None
 
     @contextlib.contextmanager
     def swapped(self, snapshot: list[torch.Tensor]) -> Iterator[None]:
@@ -212,8 +239,9 @@ class ShardedParams:
         return {"params": _nbytes(p.to_local() for p in self.params), "grads": self.grad_bytes,
                 "optim": _optim_bytes(self.opt)}
 
-    def snapshot(self, reuse: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """The bf16 rounding of this rank's fp32 weight shards (pinned host memory on a GPU): what the forward
+    def snapshot(self, reuse: list[torch.Tensor] | None = None, *, background: bool = False) -> list[torch.Tensor]:
+        """The bf16 rounding of this rank's fp32 weight shards (pinned host memory on a GPU; ``background`` is
+        accepted and the copy made at once, before the call returns): what the forward
         computes with, since the mixed-precision policy casts the all-gathered shards to bf16 the same way (round to
         nearest even), so a forward with the snapshot swapped in gives the version's bits; half the bytes of the
         fp32 shards to copy and keep."""
