@@ -21,6 +21,11 @@ class HintMismatchError(TracerlError, ValueError):
     """Hints or scales whose shape or site set does not match what the forward pass needs."""
 
 
+class HintCodingError(TracerlError, ValueError):
+    """Compact hints (`tracerl.hints.compact`) that do not decode as their coding says: a truncated or
+    over-long row, a position past its row, stored bits or bytes whose count is not what the marks say."""
+
+
 class PatchError(TracerlError, ValueError):
     """`tracerl.hints.patch_model` cannot patch this model as the site plan asks (a module missing, a width that
     differs, a site kind it cannot patch); nothing was installed."""

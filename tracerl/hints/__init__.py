@@ -13,6 +13,8 @@ trainer.
   committed records without a log index (`tracerl.hints.source`).
 """
 
+from tracerl.hints.compact import (MarginExceptions, Reconstruction, encode_margin_exceptions, fake_quantize_compact,
+                                   reconstruct)
 from tracerl.hints.feed import FeedBatch, HintFeed
 from tracerl.hints.packing import (MicroBatch, PackedHints, Segment, cp_shard, cp_zigzag_ranges, dp_shard,
                                    pack_micro_batches, read_packed, tp_feature_range)
@@ -20,6 +22,7 @@ from tracerl.hints.patch import Patch, patch_model
 from tracerl.hints.source import RecordSource, packed_nbytes, read_ahead
 
 __all__ = [
+    "MarginExceptions", "Reconstruction", "encode_margin_exceptions", "fake_quantize_compact", "reconstruct",
     "FeedBatch", "HintFeed",
     "MicroBatch", "PackedHints", "Segment", "cp_shard", "cp_zigzag_ranges", "dp_shard", "pack_micro_batches",
     "read_packed", "tp_feature_range",

@@ -1,0 +1,687 @@
+"""Margin exceptions: a compact hint encoding that stores hints and block scales only where the trainer could
+round differently from the rollout (issue 23, stage 1: the reference, torch and numpy; no store format yet).
+
+Today a store keeps, per token and NVFP4 site of width W, every value's hint bit (W/8 bytes) and every block's
+E4M3 scale byte (W/16 bytes). Most of it the trainer works out itself: it rounds a value the way the rollout did
+unless the two sit on opposite sides of a rounding boundary, and only the rollout can tell which values sit close
+to one. Margin exceptions keep just those.
+
+**Ladder position.** For a scaled value v (``v = x * r``, ``r = (1/g)/s`` as in NUMERICS.md §3), its position on
+the E2M1 ladder in units of the local ladder step is the piecewise-linear map with ``u(E[k]) = k``::
+
+    u(a) = 2a          for a in [0, 2]        (step 0.5)        a = |v|
+    u(a) = a + 2       for a in [2, 4]        (step 1)
+    u(a) = a / 2 + 4   for a >= 4             (step 2; saturated values keep going past u = 7)
+    u    = sign(v) * u(|v|)                   (float64: exact for every fp32 v)
+
+The round-to-nearest boundaries (the midpoints 0.25, 0.75, ..., 5) sit at ``|u| = k + 1/2``, k = 0..6, and
+round-to-nearest-even of v is the nearest integer of |u| (ties to even, at most 7). The distance to a boundary is
+``d(u) = min_k | |u| - (k + 1/2) |`` (float64). The block scale has the same picture one level up: ``t =
+clamp((amax_b / 6) / g, 2^-9, 448)`` has E4M3 position ``w(t)`` (the byte of t where t is an E4M3 value, linear
+between: ``w = 512 t`` below 2^-6, ``w = 8 (e + 7 + m)`` for ``t = 2^e (1 + m)``), its rounding boundaries are
+at ``w = b + 1/2`` and its distance is ``d_s(w) = min_b |w - (b + 1/2)|``, b = 1..125.
+
+**Encoding (rollout side, `encode_margin_exceptions`)**, margins ``m`` (values) and ``m_s`` (scales) >= 0:
+
+- block k is *marked* when ``d_s(w_r) < m_s`` (or ``m_s`` is inf, or the given scale byte is not the one x
+  implies); the store keeps the marked blocks' scale bytes (``scale_payload="byte"``) or only their LSB
+  (``"lsb"``, a *scale hint*: the trainer takes the one of the two E4M3 neighbours around its own t whose LSB it
+  is, exactly as hint-guided rounding does for values);
+- value i is *marked* when ``d(u_r) < m`` (or ``m`` is inf, or the given hint bit is not the LSB of the value's
+  round-to-nearest code), with ``u_r`` computed with the rollout's scale; the store keeps the marked values'
+  hint bits.
+
+**Decoding (trainer side, `reconstruct`)**: a marked block takes the stored scale byte (with scale hints: the
+byte ``b`` or ``b + 1``, ``b = min(floor(w_t), 125)``, whose LSB is the stored bit), an unmarked block the scale
+its own amax gives (NUMERICS §3). Then with those scales, a marked value takes the stored hint bit and an
+unmarked value the LSB of its own round-to-nearest code; hint-guided rounding (NUMERICS §6) with these hint bits
+gives exactly round-to-nearest at every unmarked value (RTN always returns one of the two ladder values around
+|v|), so the trainer's forward is today's ``tracefp4.fake_quantize(x', scales=, hints=)`` on the reconstructed
+scales and hints (`fake_quantize_compact`): a fill-in step, then today's kernel.
+
+**Exactness.** With ``u_t`` the trainer's position computed with the reconstructed scale of its block, and
+``Δ = |u_t - u_r|`` (float64, both signed): whenever ``Δ < min(m, 1/2)`` the reconstructed code equals the
+rollout's code up to the sign of zero (+0 and -0 count equal, as in the audit). Why: an unmarked value has
+``d(u_r) >= m`` and reaching or crossing a boundary c needs ``|u_t - u_r| >= |u_r - c| >= d(u_r)`` (and float64
+rounding is monotone), so ``u_t`` rounds as ``u_r`` does; a marked value's code is one of the two ladder values
+around ``u_t`` whenever ``Δ < 1/2``, and the hint bit picks it. Likewise every unmarked block whose trainer
+position satisfies ``|w_t - w_r| < m_s`` gets the rollout's scale byte, and so does every marked block (with
+scale hints: when ``|w_t - w_r| < 1/2``). Outside the margin a code may differ only
+where the trainer's value moved by at least the margin (or its block's scale differs); `margin_stats` counts both.
+``m = 0, m_s = 0`` stores nothing and is round-to-nearest with own scales; ``m = m_s = inf`` stores everything and
+is today's hint-guided rounding, bit for bit.
+
+**Position coding** (`pack_rows`, `unpack_rows`, numpy): each token's row at a site is a bit string, MSB first,
+padded with zeros to a whole byte::
+
+    [value positions] [one hint bit per marked value] [block positions] [8 bits (or 1: scale hints) per marked block]
+
+with each position set coded as ``bitmap`` (n bits, bit i = position i marked), ``block-bitmap`` (n/16 bits, one
+per group of 16 positions holding a mark, then 16 mask bits per such group), ``gamma`` (Elias gamma of count + 1,
+then of each gap ``p_i - p_(i-1)``, ``p_(-1) = -1``) or ``rice<k>`` (gamma of count + 1, then Golomb-Rice with
+parameter 2^k of each ``p_i - p_(i-1) - 1``: q = x >> k ones, a zero, the k low bits). `choose_coding` picks the
+cheapest per site; `row_bits` counts a coding's bits without writing them.
+
+NVFP4 only (block 16, E4M3 scales). Shapes: ``x`` [T, W] (bf16/fp16/fp32, W a multiple of 16), scales uint8
+[T, W/16], hints uint8 [T, W/8] (NUMERICS §2 layouts), global scale a positive finite float or a 1-element
+floating tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+import tracefp4
+from tracefp4 import reference as ref
+from tracefp4.constants import E2M1_MAX, E4M3_MAX, E4M3_MIN_NORMAL, E4M3_MIN_SCALE, HINTS_PER_BYTE, NVFP4_BLOCK_SIZE
+from tracerl.errors import ConfigError, HintCodingError
+
+__all__ = [
+    "MarginExceptions",
+    "Reconstruction",
+    "SiteCoding",
+    "PackedRows",
+    "POSITION_CODINGS",
+    "SCALE_PAYLOADS",
+    "ladder_position",
+    "boundary_distance",
+    "scale_position",
+    "scale_boundary_distance",
+    "encode_margin_exceptions",
+    "reconstruct",
+    "fake_quantize_compact",
+    "margin_stats",
+    "row_bits",
+    "choose_coding",
+    "pack_rows",
+    "unpack_rows",
+    "packed_row_bytes",
+    "today_bytes_per_token",
+]
+
+BLOCK = NVFP4_BLOCK_SIZE
+#: what the store keeps of a marked block: its E4M3 byte, or only the byte's LSB (a scale hint)
+SCALE_PAYLOADS = ("byte", "lsb")
+#: the position codings of a set of marked positions (``rice<k>``: Golomb-Rice with parameter 2^k, k in 0..30)
+POSITION_CODINGS = ("bitmap", "block-bitmap", "gamma", "rice<k>")
+#: positions per group of the ``block-bitmap`` coding
+GROUP = 16
+_RICE = re.compile(r"rice([0-9]|[12][0-9]|30)")
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# argument checks
+# ---------------------------------------------------------------------------------------------------------
+def _check_margin(value: float, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
+        raise ConfigError(f"{name} must be a number >= 0 (inf: mark everything); got {value!r}")
+    return float(value)
+
+
+def _check_x(x: torch.Tensor, name: str) -> tuple[int, int]:
+    if not isinstance(x, torch.Tensor):
+        raise tracefp4.DTypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise tracefp4.DTypeError(f"{name} must be one of {_FLOAT_DTYPES}; got {x.dtype}")
+    if x.dim() != 2 or x.shape[1] % BLOCK != 0 or x.shape[1] == 0:
+        raise tracefp4.ShapeError(f"{name} must be [T, W] with W a positive multiple of {BLOCK}; got "
+                                  f"{tuple(x.shape)}")
+    return int(x.shape[0]), int(x.shape[1])
+
+
+def _check_u8(t: torch.Tensor, name: str, shape: tuple[int, int]) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8:
+        got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+        raise tracefp4.DTypeError(f"{name} must be a uint8 tensor; got {got}")
+    if tuple(t.shape) != shape:
+        raise tracefp4.ShapeError(f"{name} must have shape {list(shape)}; got {list(t.shape)}")
+    return t
+
+
+def _global_scale(g, device: torch.device) -> torch.Tensor:
+    if isinstance(g, torch.Tensor):
+        if not g.dtype.is_floating_point:
+            raise tracefp4.DTypeError(f"global_scale must be a floating tensor; got {g.dtype}")
+        if g.numel() != 1:
+            raise tracefp4.ShapeError(f"global_scale must have one element; got shape {list(g.shape)}")
+        return g.to(device=device, dtype=torch.float32).reshape(())
+    if isinstance(g, bool) or not isinstance(g, (int, float)) or not (math.isfinite(g) and g > 0):
+        raise ConfigError(f"global_scale must be a positive finite number or a 1-element tensor; got {g!r}")
+    return torch.tensor(float(g), dtype=torch.float32, device=device)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# positions relative to the rounding boundaries
+# ---------------------------------------------------------------------------------------------------------
+def ladder_position(v: torch.Tensor) -> torch.Tensor:
+    """Signed E2M1 ladder position u (float64, same shape) of scaled values ``v`` (fp32): ``u(E[k]) = k``,
+    linear between ladder values, step 2 past 4 (module docstring). Exact: every fp32 a gives 2a, a + 2 and
+    a/2 + 4 exactly in float64. NaN stays NaN, +-Inf gives +-Inf."""
+    a = v.double().abs()
+    u = torch.where(a <= 2, 2 * a, torch.where(a <= 4, a + 2, a / 2 + 4))
+    return torch.where(torch.signbit(v), -u, u)
+
+
+def boundary_distance(u: torch.Tensor) -> torch.Tensor:
+    """Distance (float64) of ladder positions ``u`` to the nearest round-to-nearest boundary ``|u| = k + 1/2``
+    (k = 0..6): ``fl(| |u| - c |)`` for the nearest boundary c. NaN for NaN, +Inf for +-Inf."""
+    a = u.abs()
+    inner = 0.5 - (a - torch.round(a)).abs()  # |u| <= 7: the nearest boundary is round(|u|) +- 1/2
+    return torch.where(a > 7, a - 6.5, inner)
+
+
+def scale_position(t: torch.Tensor) -> torch.Tensor:
+    """E4M3 position w (float64) of positive fp32 ``t`` in [2^-9, 448]: the byte of t where t is an E4M3 value,
+    linear in t between two neighbouring E4M3 values (module docstring); exact in float64."""
+    td = t.double()
+    mant, exp = torch.frexp(td)  # td = mant * 2^exp, mant in [0.5, 1)
+    normal = 8.0 * (exp.double() + 5.0 + 2.0 * mant)
+    return torch.where(td >= E4M3_MIN_NORMAL, normal, td * 512.0)
+
+
+def scale_boundary_distance(w: torch.Tensor) -> torch.Tensor:
+    """Distance (float64) of E4M3 positions ``w`` in [1, 126] to the nearest rounding boundary ``b + 1/2``
+    (b = 1..125)."""
+    return 0.5 - (w - torch.round(w)).abs()
+
+
+def _block_t(x_f32: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``clamp((amax_b / 6) / g, 2^-9, 448)`` per block: fp32 [T, W/16] of x_f32 [T, W] (NUMERICS §3)."""
+    t_, w = x_f32.shape
+    a = x_f32.abs().reshape(t_, w // BLOCK, BLOCK)
+    amax = torch.where(torch.isfinite(a), a, torch.zeros_like(a)).amax(dim=-1)
+    return torch.clamp(ref.div_rn(ref.div_rn(amax, E2M1_MAX), g), min=E4M3_MIN_SCALE, max=E4M3_MAX)
+
+
+def _scaled(x_f32: torch.Tensor, scales_u8: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """v = x * ((1/g)/s) per value, fp32 [T, W], as `tracefp4.reference` computes it."""
+    r = ref.div_rn(ref.div_rn(torch.ones_like(g), g), ref.e4m3_decode(scales_u8))  # [T, W/16]
+    return x_f32 * r.repeat_interleave(BLOCK, dim=1)
+
+
+def _unpack_bits(hints_packed: torch.Tensor) -> torch.Tensor:
+    return tracefp4.unpack_hints(hints_packed).to(torch.uint8)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# encode / reconstruct
+# ---------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class MarginExceptions:
+    """What the rollout keeps at one site for T tokens (in memory; `pack_rows` gives the bytes).
+
+    value_mask:  bool [T, W]      marked values
+    hint_bits:   uint8 [N]        the rollout's hint bit (code LSB) of each marked value, row-major order (N =
+                                  value_mask.sum())
+    scale_mask:  bool [T, W/16]   marked blocks
+    scale_bytes: uint8 [M]        the rollout's E4M3 scale byte of each marked block, row-major (M = scale_mask.sum());
+                                  with ``scale_payload == "lsb"`` only its LSB (0 or 1)
+    margin, scale_margin: the margins it was encoded with (ladder steps; E4M3 steps)
+    scale_payload: "byte" | "lsb" (`SCALE_PAYLOADS`)
+    """
+
+    value_mask: torch.Tensor
+    hint_bits: torch.Tensor
+    scale_mask: torch.Tensor
+    scale_bytes: torch.Tensor
+    margin: float
+    scale_margin: float
+    scale_payload: str = "byte"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.value_mask.shape)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, MarginExceptions):
+            return NotImplemented
+        return (self.margin == other.margin and self.scale_margin == other.scale_margin
+                and self.scale_payload == other.scale_payload
+                and all(torch.equal(getattr(self, f).cpu(), getattr(other, f).cpu())
+                        for f in ("value_mask", "hint_bits", "scale_mask", "scale_bytes")))
+
+    __hash__ = None  # tensors inside: compared by value, not hashable
+
+
+def encode_margin_exceptions(x_hp: torch.Tensor, global_scale, scales_e4m3: torch.Tensor,
+                             hints_packed: torch.Tensor, margin: float, scale_margin: float, *,
+                             scale_payload: str = "byte") -> MarginExceptions:
+    """The rollout's margin exceptions at one site (module docstring).
+
+    ``x_hp`` [T, W] (bf16/fp16/fp32): the rollout's pre-quantization activation; ``global_scale``: its fp32 g;
+    ``scales_e4m3`` uint8 [T, W/16] and ``hints_packed`` uint8 [T, W/8]: what the rollout's quantizer emitted
+    (today's store rows). ``margin`` (ladder steps) and ``scale_margin`` (E4M3 steps): numbers >= 0, inf marks
+    everything. A block whose given scale byte differs from the one x implies, and a value whose given hint bit
+    differs from its round-to-nearest LSB (an engine's own arithmetic), are always marked (with scale hints such a
+    block is reproduced only when its byte neighbours the trainer's t). ``scale_payload``: ``"byte"`` keeps a
+    marked block's scale byte, ``"lsb"`` its LSB.
+
+    Raises tracefp4's `DTypeError` / `ShapeError` for tensors of the wrong dtype or shape, `ConfigError` for a
+    negative or NaN margin, an unknown scale payload or a bad global scale."""
+    if scale_payload not in SCALE_PAYLOADS:
+        raise ConfigError(f"scale_payload must be one of {SCALE_PAYLOADS}; got {scale_payload!r}")
+    m = _check_margin(margin, "margin")
+    ms = _check_margin(scale_margin, "scale_margin")
+    t_, w = _check_x(x_hp, "x_hp")
+    _check_u8(scales_e4m3, "scales_e4m3", (t_, w // BLOCK))
+    _check_u8(hints_packed, "hints_packed", (t_, w // HINTS_PER_BYTE))
+    g = _global_scale(global_scale, x_hp.device)
+    x = x_hp.float()
+    t_r = _block_t(x, g)
+    if math.isinf(ms):
+        scale_mask = torch.ones(t_, w // BLOCK, dtype=torch.bool, device=x.device)
+    else:
+        scale_mask = (scale_boundary_distance(scale_position(t_r)) < ms) | (ref.e4m3_encode(t_r) != scales_e4m3)
+    v = _scaled(x, scales_e4m3, g)
+    bits = _unpack_bits(hints_packed)
+    if math.isinf(m):
+        value_mask = torch.ones(t_, w, dtype=torch.bool, device=x.device)
+    else:
+        own = (ref.e2m1_rne_magnitude(v) & 1).to(torch.uint8)
+        value_mask = (boundary_distance(ladder_position(v)) < m) | (own != bits)
+    stored = scales_e4m3[scale_mask]
+    return MarginExceptions(value_mask, bits[value_mask], scale_mask, stored & 1 if scale_payload == "lsb" else stored,
+                            m, ms, scale_payload)
+
+
+@dataclasses.dataclass(frozen=True)
+class Reconstruction:
+    """What the trainer works out at one site from its own activation and the margin exceptions.
+
+    scales_e4m3:  uint8 [T, W/16]  stored bytes at marked blocks, its own block scales elsewhere
+    hints_packed: uint8 [T, W/8]   stored bits at marked values, LSB of its own round-to-nearest code (with the
+                                   reconstructed scales) elsewhere: today's hint layout
+    codes_u8:     uint8 [T, W]     the E2M1 codes (unpacked, sign in bit 3) that hint-guided rounding with these
+                                   scales and hints gives, i.e. what the forward uses (unspecified where x is NaN)
+    """
+
+    scales_e4m3: torch.Tensor
+    hints_packed: torch.Tensor
+    codes_u8: torch.Tensor
+
+
+def reconstruct(enc: MarginExceptions, x_hp: torch.Tensor, global_scale) -> Reconstruction:
+    """The trainer's rule (module docstring) for its activation ``x_hp`` [T, W] at the site ``enc`` was encoded
+    for, with the same fp32 ``global_scale``.
+
+    Raises tracefp4's `DTypeError` / `ShapeError` (x of the wrong dtype, or not the shape ``enc`` covers),
+    `HintCodingError` when ``enc`` is inconsistent (counts of stored bits/bytes not those of its masks)."""
+    t_, w = _check_x(x_hp, "x_hp")
+    if enc.shape != (t_, w):
+        raise tracefp4.ShapeError(f"x_hp {[t_, w]} does not match the margin exceptions' shape {list(enc.shape)}")
+    n, nb = int(enc.value_mask.sum()), int(enc.scale_mask.sum())
+    if enc.hint_bits.numel() != n or enc.scale_bytes.numel() != nb:
+        raise HintCodingError(f"margin exceptions mark {n} values and {nb} blocks but hold {enc.hint_bits.numel()} "
+                              f"hint bits and {enc.scale_bytes.numel()} scale bytes")
+    g = _global_scale(global_scale, x_hp.device)
+    x = x_hp.float()
+    dev = x.device
+    t_t = _block_t(x, g)
+    scales = ref.e4m3_encode(t_t)
+    smask = enc.scale_mask.to(dev)
+    stored = enc.scale_bytes.to(dev, torch.uint8)
+    if enc.scale_payload == "lsb":
+        # the neighbour of the trainer's own t whose LSB is the stored bit (hint-guided rounding of the scale)
+        low = torch.floor(scale_position(t_t[smask])).clamp(max=125).to(torch.int32)
+        stored = torch.where((low & 1) == stored.to(torch.int32), low, low + 1).to(torch.uint8)
+    scales[smask] = stored
+    v = _scaled(x, scales, g)
+    rtn = ref.e2m1_rne_magnitude(v)
+    bits = (rtn & 1).to(torch.uint8)
+    vmask = enc.value_mask.to(dev)
+    bits[vmask] = enc.hint_bits.to(dev, torch.uint8)
+    mag = torch.where(vmask, ref.e2m1_hint_magnitude(v, bits), rtn)
+    codes = (mag | (ref.input_signbit(x_hp).to(torch.int32) << 3)).to(torch.uint8)
+    return Reconstruction(scales, tracefp4.pack_hints(bits), codes)
+
+
+def fake_quantize_compact(enc: MarginExceptions, x_hp: torch.Tensor, global_scale, *,
+                          backend: str = "auto") -> torch.Tensor:
+    """The trainer's fake-quantized activation [T, W] (x_hp's dtype) under margin exceptions: `reconstruct`,
+    then today's hint-guided ``tracefp4.fake_quantize`` on the reconstructed scales and hints (any backend;
+    straight-through backward). Raises as `reconstruct` does."""
+    rec = reconstruct(enc, x_hp, global_scale)
+    g = _global_scale(global_scale, x_hp.device)
+    return tracefp4.fake_quantize(x_hp, "nvfp4", global_scale=g, scales=rec.scales_e4m3, hints=rec.hints_packed,
+                                  backend=backend)
+
+
+def margin_stats(enc: MarginExceptions, rec: Reconstruction, codes_rollout: torch.Tensor,
+                 x_rollout: torch.Tensor, x_trainer: torch.Tensor, global_scale,
+                 scales_rollout: torch.Tensor) -> dict[str, int]:
+    """Counts of one site's reconstruction against the rollout (all int):
+
+    values, blocks; marked_values, marked_blocks; code_mismatch (codes differ, +0 == -0); scale_mismatch;
+    unmarked_mismatch / marked_mismatch (code mismatches among unmarked / marked values); within_margin (values
+    with ``Δ < min(m, 1/2)``, Δ measured with the reconstructed scale) and within_margin_mismatch (the exactness
+    property says 0); moved_mismatch (mismatches with Δ >= the margin); wrong_scale_values (values in blocks
+    whose reconstructed scale differs from the rollout's).
+
+    ``codes_rollout`` uint8 [T, W] (unpacked), ``x_rollout`` / ``x_trainer`` [T, W], ``scales_rollout`` uint8
+    [T, W/16]."""
+    g = _global_scale(global_scale, x_trainer.device)
+    u_r = ladder_position(_scaled(x_rollout.float(), scales_rollout, g))
+    u_t = ladder_position(_scaled(x_trainer.float(), rec.scales_e4m3, g))
+    delta = (u_t - u_r).abs()
+    c_t, c_r = rec.codes_u8, codes_rollout
+    mism = (c_t != c_r) & ~(((c_t & 7) == 0) & ((c_r & 7) == 0))
+    within = delta < min(enc.margin, 0.5)
+    wrong_scale = (rec.scales_e4m3 != scales_rollout).repeat_interleave(BLOCK, dim=1)
+    vm = enc.value_mask
+    return {
+        "values": int(vm.numel()), "blocks": int(enc.scale_mask.numel()),
+        "marked_values": int(vm.sum()), "marked_blocks": int(enc.scale_mask.sum()),
+        "code_mismatch": int(mism.sum()), "scale_mismatch": int((rec.scales_e4m3 != scales_rollout).sum()),
+        "unmarked_mismatch": int((mism & ~vm).sum()), "marked_mismatch": int((mism & vm).sum()),
+        "within_margin": int(within.sum()), "within_margin_mismatch": int((mism & within).sum()),
+        "moved_mismatch": int((mism & ~within).sum()), "wrong_scale_values": int(wrong_scale.sum()),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# position coding (numpy): bit counts, pack, unpack
+# ---------------------------------------------------------------------------------------------------------
+def _check_coding(coding: str, n: int) -> int | None:
+    """The Rice parameter k of ``coding`` (None for the others); `ConfigError` for an unknown coding or a
+    block-bitmap over a row length that is not a multiple of 16."""
+    if coding in ("bitmap", "gamma"):
+        return None
+    if coding == "block-bitmap":
+        if n % GROUP:
+            raise ConfigError(f"coding 'block-bitmap' needs rows of a multiple of {GROUP} positions; got {n}")
+        return None
+    match = _RICE.fullmatch(coding) if isinstance(coding, str) else None
+    if match is None:
+        raise ConfigError(f"unknown position coding {coding!r}; supported: {', '.join(POSITION_CODINGS)} "
+                          "(k in 0..30)")
+    return int(match.group(1))
+
+
+def _floor_log2(x: np.ndarray) -> np.ndarray:
+    """floor(log2 x) of positive integers (exact below 2^53: frexp, not log2)."""
+    _, e = np.frexp(x.astype(np.float64))
+    return e.astype(np.int64) - 1
+
+
+def _gamma_len(x: np.ndarray) -> np.ndarray:
+    return 2 * _floor_log2(x) + 1
+
+
+def _gaps(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(row of each marked position, its gap p_i - p_(i-1) with p_(-1) = -1), row-major order."""
+    rows, cols = np.nonzero(mask)
+    prev = np.empty_like(cols)
+    prev[1:] = cols[:-1]
+    first = np.ones(len(cols), dtype=bool)
+    first[1:] = rows[1:] != rows[:-1]
+    prev[first] = -1
+    return rows, (cols - prev).astype(np.int64)
+
+
+def row_bits(mask: np.ndarray, coding: str) -> np.ndarray:
+    """Bits (int64 [T]) that ``coding`` takes for the marked positions of each row of ``mask`` (bool [T, n]),
+    positions only (no hint bits or scale bytes, no padding). Raises `ConfigError` for an unknown coding."""
+    mask = np.asarray(mask, dtype=bool)
+    t_, n = mask.shape
+    k = _check_coding(coding, n)
+    if coding == "bitmap":
+        return np.full(t_, n, dtype=np.int64)
+    if coding == "block-bitmap":
+        groups = mask.reshape(t_, n // GROUP, GROUP).any(axis=2).sum(axis=1)
+        return n // GROUP + GROUP * groups.astype(np.int64)
+    count = mask.sum(axis=1).astype(np.int64)
+    out = _gamma_len(count + 1)
+    rows, gaps = _gaps(mask)
+    per = _gamma_len(gaps) if k is None else ((gaps - 1) >> k) + 1 + k
+    np.add.at(out, rows, per)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteCoding:
+    """The position codings of one site: ``values`` for marked values (row length W), ``blocks`` for marked
+    blocks (row length W/16); each one of `POSITION_CODINGS`."""
+
+    values: str
+    blocks: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"values": self.values, "blocks": self.blocks}
+
+
+def _candidates(n: int, rice_max: int) -> list[str]:
+    out = ["bitmap", "gamma", *(f"rice{k}" for k in range(rice_max + 1))]
+    return out + (["block-bitmap"] if n % GROUP == 0 else [])
+
+
+def choose_coding(enc: MarginExceptions, rice_max: int = 8) -> tuple[SiteCoding, dict[str, dict[str, int]]]:
+    """The cheapest coding of each position set of ``enc`` (fewest bits over all its rows; ties: the earlier
+    of bitmap, gamma, rice0..rice<rice_max>, block-bitmap), and every candidate's total bits
+    ``{"values": {coding: bits}, "blocks": {...}}``."""
+    vm = enc.value_mask.cpu().numpy()
+    sm = enc.scale_mask.cpu().numpy()
+    totals = {"values": {c: int(row_bits(vm, c).sum()) for c in _candidates(vm.shape[1], rice_max)},
+              "blocks": {c: int(row_bits(sm, c).sum()) for c in _candidates(sm.shape[1], rice_max)}}
+    pick = {k: min(v, key=v.get) for k, v in totals.items()}
+    return SiteCoding(pick["values"], pick["blocks"]), totals
+
+
+def packed_row_bytes(enc: MarginExceptions, coding: SiteCoding) -> np.ndarray:
+    """Bytes (int64 [T]) of each row `pack_rows` writes: positions + hint bits + positions + scale bytes,
+    padded to a byte."""
+    vm = enc.value_mask.cpu().numpy()
+    sm = enc.scale_mask.cpu().numpy()
+    per_block = 1 if enc.scale_payload == "lsb" else 8
+    bits = row_bits(vm, coding.values) + vm.sum(1) + row_bits(sm, coding.blocks) + per_block * sm.sum(1)
+    return (bits + 7) // 8
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedRows:
+    """One site's rows as bytes: ``data`` uint8 [nbytes], row r = ``data[offsets[r]:offsets[r + 1]]``
+    (``offsets`` int64 [T + 1]); ``width`` W, the ``coding``, the margins and the scale payload, which the bytes
+    do not carry (a store would keep them per site)."""
+
+    data: np.ndarray
+    offsets: np.ndarray
+    width: int
+    coding: SiteCoding
+    margin: float
+    scale_margin: float
+    scale_payload: str = "byte"
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.size)
+
+
+def _fields_of_positions(mask: np.ndarray, coding: str) -> list[tuple[np.ndarray, ...]]:
+    """The position coding's fields as (row, order, value uint64, length) arrays: within a row, fields go out in
+    ``order``; every length is in 1..63 (long unary runs are split, bitmaps go bit by bit)."""
+    t_, n = mask.shape
+    k = _check_coding(coding, n)
+    if coding == "bitmap":
+        return [_bit_fields(mask)]
+    if coding == "block-bitmap":
+        g = mask.reshape(t_, n // GROUP, GROUP)
+        present = g.any(axis=2)  # [T, n/16]
+        # per row: the presence bits (order 0..n/16-1), then the 16 mask bits of each present group in order
+        r, grp = np.nonzero(present)
+        bits = g[r, grp]  # [P, 16]
+        rows = np.repeat(r, GROUP)
+        order = n // GROUP + np.repeat(grp, GROUP) * GROUP + np.tile(np.arange(GROUP), len(r))
+        return [_bit_fields(present), (rows.astype(np.int64), order.astype(np.int64),
+                                       bits.reshape(-1).astype(np.uint64), np.ones(rows.size, np.int64))]
+    count = mask.sum(axis=1).astype(np.int64)
+    header = (np.arange(t_, dtype=np.int64), np.full(t_, -1, np.int64), (count + 1).astype(np.uint64),
+              _gamma_len(count + 1))
+    rows, gaps = _gaps(mask)
+    idx = np.arange(len(rows), dtype=np.int64)  # codeword index (row-major, so increasing within a row)
+    if k is None:
+        return [header, (rows, idx, gaps.astype(np.uint64), _gamma_len(gaps))]
+    x = gaps - 1
+    q = x >> k
+    # codeword i: unary q ones and a zero, in pieces of <= 62 ones (orders 64i + j), then the k low bits (64i + 63)
+    pieces = q // 62 + 1
+    if int(pieces.max(initial=1)) > 63:
+        raise ConfigError(f"coding {coding!r}: a gap of {int(gaps.max())} needs more than 63 unary pieces; use a "
+                          "larger k")
+    prow = np.repeat(rows, pieces)
+    first = np.cumsum(pieces) - pieces
+    piece_j = np.arange(int(pieces.sum()), dtype=np.int64) - np.repeat(first, pieces)
+    plen = np.full(prow.size, 62, dtype=np.int64)
+    last = np.cumsum(pieces) - 1
+    plen[last] = q % 62 + 1  # the last piece: the remaining ones and the terminating zero
+    pval = (np.uint64(1) << plen.astype(np.uint64)) - np.uint64(1)
+    pval[last] -= np.uint64(1)  # its final bit is the zero
+    out = [header, (prow, np.repeat(idx, pieces) * 64 + piece_j, pval, plen)]
+    if k:
+        out.append((rows, idx * 64 + 63, (x & ((1 << k) - 1)).astype(np.uint64), np.full(len(rows), k, np.int64)))
+    return out
+
+
+def _bit_fields(bits: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Every bit of bool [T, L] as a 1-bit field (row, order = column, value, 1)."""
+    rows, cols = np.indices(bits.shape)
+    return (rows.reshape(-1).astype(np.int64), cols.reshape(-1).astype(np.int64),
+            bits.reshape(-1).astype(np.uint64), np.ones(bits.size, np.int64))
+
+
+def _write(sections: list[list[tuple[np.ndarray, ...]]], t_: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sections of fields (row, order, value, length) -> (bytes uint8, row byte offsets int64 [T + 1]): row by
+    row, section by section, fields by order, each MSB first, each row padded with zeros to a byte."""
+    parts = [(np.full(len(f[0]), s, np.int64), *f) for s, sec in enumerate(sections) for f in sec]
+    sec, r, order, v, ln = (np.concatenate([p[i] for p in parts]) for i in range(5))
+    perm = np.lexsort((order, sec, r))
+    r, v, ln = r[perm], v[perm], ln[perm]
+    row_bytes = (np.bincount(r, weights=ln, minlength=t_).astype(np.int64) + 7) // 8
+    offsets = np.concatenate([[0], np.cumsum(row_bytes)]).astype(np.int64)
+    before = np.cumsum(ln) - ln  # bits of all fields before each one
+    first = np.searchsorted(r, np.arange(t_))  # index of each row's first field
+    start = offsets[r] * 8 + before - before[first[r]] if r.size else before
+    out = np.zeros(int(offsets[-1]) * 8, dtype=np.uint8)
+    if r.size:
+        within = np.arange(int(ln.sum())) - np.repeat(before, ln)  # bit index inside its field
+        shift = (np.repeat(ln, ln) - 1 - within).astype(np.uint64)
+        out[np.repeat(start, ln) + within] = ((np.repeat(v, ln) >> shift) & np.uint64(1)).astype(np.uint8)
+    return np.packbits(out), offsets
+
+
+def pack_rows(enc: MarginExceptions, coding: SiteCoding) -> PackedRows:
+    """``enc`` as bytes, one byte-aligned row per token (module docstring). Raises `ConfigError` for an
+    unknown coding."""
+    vm = enc.value_mask.cpu().numpy()
+    sm = enc.scale_mask.cpu().numpy()
+    t_, w = vm.shape
+    hr, _ = np.nonzero(vm)
+    sr, _ = np.nonzero(sm)
+    sections = [
+        _fields_of_positions(vm, coding.values),
+        [(hr.astype(np.int64), np.arange(len(hr), dtype=np.int64), enc.hint_bits.cpu().numpy().astype(np.uint64),
+          np.ones(len(hr), np.int64))],
+        _fields_of_positions(sm, coding.blocks),
+        [(sr.astype(np.int64), np.arange(len(sr), dtype=np.int64), enc.scale_bytes.cpu().numpy().astype(np.uint64),
+          np.full(len(sr), 1 if enc.scale_payload == "lsb" else 8, np.int64))],
+    ]
+    data, offsets = _write(sections, t_)
+    return PackedRows(data, offsets, w, coding, enc.margin, enc.scale_margin, enc.scale_payload)
+
+
+class _Bits:
+    """A row's bits as a '0'/'1' string with a read position."""
+
+    def __init__(self, data: np.ndarray, what: str):
+        self.s = (np.unpackbits(data) + ord("0")).tobytes().decode("ascii")
+        self.pos = 0
+        self.what = what
+
+    def read(self, n: int) -> int:
+        if n == 0:
+            return 0
+        if self.pos + n > len(self.s):
+            raise HintCodingError(f"{self.what}: truncated ({n} bits wanted at bit {self.pos} of {len(self.s)})")
+        v = int(self.s[self.pos: self.pos + n], 2)
+        self.pos += n
+        return v
+
+    def gamma(self) -> int:
+        one = self.s.find("1", self.pos)
+        if one < 0:
+            raise HintCodingError(f"{self.what}: truncated Elias-gamma code at bit {self.pos}")
+        zeros = one - self.pos
+        self.pos = one
+        return self.read(zeros + 1)
+
+    def unary(self) -> int:
+        zero = self.s.find("0", self.pos)
+        if zero < 0:
+            raise HintCodingError(f"{self.what}: truncated unary code at bit {self.pos}")
+        q = zero - self.pos
+        self.pos = zero + 1
+        return q
+
+
+def _read_positions(b: _Bits, coding: str, n: int) -> np.ndarray:
+    k = _check_coding(coding, n)
+    if coding == "bitmap":
+        return np.flatnonzero(np.array([b.read(1) for _ in range(n)], dtype=bool))
+    if coding == "block-bitmap":
+        present = np.flatnonzero(np.array([b.read(1) for _ in range(n // GROUP)], dtype=bool))
+        out = []
+        for grp in present:
+            bits = b.read(GROUP)
+            if bits == 0:
+                raise HintCodingError(f"{b.what}: group {grp} flagged present but has no marked position")
+            out.extend(grp * GROUP + j for j in range(GROUP) if bits >> (GROUP - 1 - j) & 1)
+        return np.asarray(out, dtype=np.int64)
+    count = b.gamma() - 1
+    if count > n:
+        raise HintCodingError(f"{b.what}: {count} positions in a row of {n}")
+    pos, prev = np.empty(count, dtype=np.int64), -1
+    for i in range(count):
+        gap = b.gamma() if k is None else ((b.unary() << k) | b.read(k)) + 1
+        prev += gap
+        if prev >= n:
+            raise HintCodingError(f"{b.what}: position {prev} past the row of {n}")
+        pos[i] = prev
+    return pos
+
+
+def unpack_rows(packed: PackedRows) -> MarginExceptions:
+    """The inverse of `pack_rows`. Raises `HintCodingError` for bytes that do not decode as the coding says
+    (truncated, positions past the row, non-zero padding or trailing bits)."""
+    w = packed.width
+    nb = w // BLOCK
+    offsets = np.asarray(packed.offsets, dtype=np.int64)
+    t_ = len(offsets) - 1
+    if t_ < 0 or offsets[0] != 0 or offsets[-1] != packed.data.size or (np.diff(offsets) < 0).any():
+        raise HintCodingError(f"row offsets {offsets[:4].tolist()}... do not cover {packed.data.size} bytes")
+    vmask = np.zeros((t_, w), dtype=bool)
+    smask = np.zeros((t_, nb), dtype=bool)
+    hints, scales = [], []
+    for r in range(t_):
+        b = _Bits(packed.data[offsets[r]: offsets[r + 1]], f"row {r}")
+        vpos = _read_positions(b, packed.coding.values, w)
+        vmask[r, vpos] = True
+        hints.extend(b.read(1) for _ in vpos)
+        spos = _read_positions(b, packed.coding.blocks, nb)
+        smask[r, spos] = True
+        scales.extend(b.read(1 if packed.scale_payload == "lsb" else 8) for _ in spos)
+        rest = b.s[b.pos:]
+        if len(rest) >= 8 or "1" in rest:
+            raise HintCodingError(f"row {r}: {len(rest)} bits after the last field (padding must be < 8 zero bits)")
+    return MarginExceptions(torch.from_numpy(vmask), torch.tensor(hints, dtype=torch.uint8),
+                            torch.from_numpy(smask), torch.tensor(scales, dtype=torch.uint8),
+                            packed.margin, packed.scale_margin, packed.scale_payload)
+
+
+def today_bytes_per_token(widths: Sequence[int]) -> int:
+    """Bytes per token of today's layout at sites of these widths: W/8 hint bytes + W/16 scale bytes each."""
+    return sum(w // HINTS_PER_BYTE + w // BLOCK for w in widths)
