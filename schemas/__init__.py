@@ -1,6 +1,7 @@
 """Versioned Arrow schemas of the tracestore format (``FORMAT.md`` in this directory is the normative spec).
 
-Version 2 adds trajectory results (``result``; results entries in the log, FORMAT §3.2). Schemas:
+Version 2 adds trajectory results (``result``; results entries in the log, FORMAT §3.2); version 3 adds gc entries
+(FORMAT §6) and the structural rules of results, with the same schemas as version 2. Schemas:
 
 * :func:`log_entry_schema` — the columns of a commit-log entry (one row per committed record).
 * :func:`record_schema` — the logical record ``(trajectory, token position, site) -> (hint bits, block scales)``
@@ -16,8 +17,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-FORMAT_VERSION = 2
-SUPPORTED_FORMAT_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+SUPPORTED_FORMAT_VERSIONS = (1, 2, 3)
 
 
 _NULLABLE = "nullable"

@@ -36,7 +36,8 @@ _EXPORTS = {
         "InvalidIdError", "ShapeError", "DTypeError", "UnknownSiteError", "StoreExistsError", "StoreNotFoundError",
         "SnapshotError", "BackendError", "ObjectNotFoundError", "TransientStorageError", "ThrottledError",
         "StorageTimeoutError", "EndpointError", "CredentialsError", "AccessDeniedError", "LocationError",
-        "CommitError", "DeclarationError", "GcRefusedError", "ResultExistsError", "OptionError", "OptionTypeError",
+        "CommitError", "DeclarationError", "GcRefusedError", "GcFenceError", "ResultExistsError",
+        "TrajectoryCompleteError", "OptionError", "OptionTypeError",
         "ResultError", "EntryVersionError", "ArrowOverflowError"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}

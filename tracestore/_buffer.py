@@ -46,13 +46,12 @@ def _staging_array(shape: tuple[int, ...], dtype) -> np.ndarray:
 @dataclass
 class SegmentWrite:
     """A segment written for a stage: kept across failed commit tries so a retry commits it again (no orphan per
-    try) as long as it is younger than half the gc grace period (``started``: monotonic time of its first write)."""
+    try), unless a gc entry names it meanwhile (then it is written again under a new name)."""
 
     path: str
     nbytes: int
     rows: int
     chunk_rows: int
-    started: float
 
 
 class Stage:

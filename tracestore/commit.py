@@ -13,10 +13,11 @@
    leaves the rows with the writer; a later flush that finds an entry naming the commit (step 2) takes it as its
    own.
 
-Before each try of step 3 a segment written more than ``gc_grace_s / 2`` ago is written again under a new name,
-so that no commit references a segment ``gc`` may take for garbage; after a commit slower than that, ``_repair``
-checks that the segment survived and rewrites it in place if not (FORMAT §6). Results (FORMAT §3.2) take steps 2-3
-as a results entry, after the rows of their stage (:meth:`Committer.commit_results`).
+A segment that a gc entry (format version 3) read in step 2 names is never committed: gc deletes it, so it is written
+again under a new name and the claim starts over (FORMAT §6: together with gc's own rule, this keeps gc from deleting
+committed data whatever the delay of any request). Results (FORMAT §3.2) take steps 2-3 as a results entry, after
+the rows of their stage (:meth:`Committer.commit_results`), each checked again against the log below the position
+claimed (the trajectory's tokens one range from 0, more than ``prompt_len`` of them, committed first by this writer).
 """
 
 from __future__ import annotations
@@ -30,16 +31,57 @@ import numpy as np
 
 from ._buffer import SegmentWrite, Stage, TokenRanges
 from .errors import CommitError, ObjectNotFoundError, TransientStorageError
-from .format.entries import RESULTS, LogEntry, Record, SegmentRef, decode_entry, encode_entry
+from .format.entries import GC, RESULTS, LogEntry, Record, Result, SegmentRef, decode_entry, encode_entry
 from .format.keys import log_key
 from .format.segment import array_metadata, choose_chunk_rows, group_metadata, layout
 
-__all__ = ["Committer"]
+__all__ = ["Committer", "claim", "result_problem"]
 
 log = logging.getLogger(__name__)
 
 #: what an entry builder returns to start a claim over (after writing its segment again)
 _AGAIN = object()
+
+
+def claim(store, seq: int, data: bytes, writer_id: str, entry_id: str) -> tuple[str, BaseException | None]:
+    """Try to create log entry ``seq`` holding ``data`` (the commit ``entry_id`` of ``writer_id``): ``"ours"``,
+    ``"taken"`` (another entry is there) or ``"unknown"`` (the storage failed; the entry may still appear), with the
+    storage error seen, if any. After a failed or refused conditional PUT the entry is read back: a PUT that was
+    applied although the client saw an error (or whose retry got 412) is the caller's commit, not a lost race.
+    Writers and gc (its gc entries) claim positions alike."""
+    backend = store.backend
+    key = log_key(seq)
+    error = None
+    try:
+        if backend.put_if_absent(key, data):
+            return "ours", None
+    except TransientStorageError as e:
+        error = e
+    try:
+        existing = decode_entry(backend.get(key), seq, f"{store.url}/{key}")
+    except ObjectNotFoundError:
+        return "unknown", error  # not applied (or still in flight): try the same position again
+    except TransientStorageError as e:
+        return "unknown", e
+    return ("ours" if existing.writer_id == writer_id and existing.entry_id == entry_id else "taken"), error
+
+
+def result_problem(result: Result, writer_id: str, ranges: list[tuple[int, int]], owner: str | None) -> str | None:
+    """Why ``result`` may not be committed by ``writer_id`` when its trajectory's tokens are ``ranges`` (merged,
+    sorted) and ``owner`` committed (or, not committed yet, buffered) the first of them; None when it may (FORMAT
+    §3.2: tokens one range ``[0, n)``, ``prompt_len < n``, the result by the trajectory's owner)."""
+    if not ranges:
+        return "it has no tokens (a result follows the trajectory's tokens)"
+    if owner is not None and owner != writer_id:
+        return (f"its tokens were first committed by writer {owner!r}, which owns the trajectory (only the owner "
+                f"commits its result)")
+    if ranges[0][0] != 0 or len(ranges) > 1:
+        shown = ", ".join(f"[{a}, {b})" for a, b in ranges[:3]) + (" ..." if len(ranges) > 3 else "")
+        return f"its tokens {shown} are not one range from position 0 (a gap)"
+    if result.prompt_len >= ranges[0][1]:
+        return (f"prompt_len {result.prompt_len} is not less than its {ranges[0][1]} tokens (a result needs at "
+                f"least one response token)")
+    return None
 
 
 class Committer:
@@ -49,7 +91,9 @@ class Committer:
 
     Attributes:
         committed: every committed token range, as far as the log has been read. own: those of this writer's
-        segments. has_result: trajectories whose result is committed. stats: counters of what was committed.
+        segments. owner: per trajectory, the writer id of the entry that committed its first tokens. has_result:
+        trajectories whose result is committed. doomed: segments of this writer that a gc entry names (never
+        committed). stats: counters of what was committed.
     """
 
     def __init__(self, store, writer_id: str, commit_timeout_s: float, state: threading.Lock):
@@ -62,12 +106,15 @@ class Committer:
         self.attempted: set[str] = set()  # commits this writer tried (entry ids: a log entry naming one is ours)
         self.landed: set[str] = set()  # those of them that a log entry names
         self.has_result: set[str] = set()
+        self.owner: dict[str, str] = {}
+        self.doomed: set[str] = set()
         self.synced = 0  # log entries read
         self.counter = 0  # this writer's segments and results batches: the writer_seq of its entries
         self.last_error: BaseException | None = None
-        #: segments / records / rows / results committed, bytes written (data + log), races lost
+        #: segments / records / rows / results committed, bytes written (data + log), races lost, segments written
+        #: again because a gc entry named them
         self.stats = {"segments": 0, "records": 0, "rows": 0, "data_bytes": 0, "log_bytes": 0, "lost_races": 0,
-                      "results": 0}
+                      "results": 0, "rewritten": 0}
         self._sync_lock = threading.Lock()  # one log sync / commit at a time
 
     def sync(self) -> None:
@@ -77,7 +124,8 @@ class Committer:
 
     def _sync_locked(self) -> None:
         """Read the log entries this writer has not seen (caller holds ``_sync_lock``). An entry naming a segment
-        this writer wrote is its own commit, even if the answer to its conditional PUT was lost."""
+        this writer wrote is its own commit, even if the answer to its conditional PUT was lost; a gc entry naming
+        one dooms it (it is written again before it is committed)."""
         head = self.store.head()
         if head <= self.synced:
             return
@@ -86,28 +134,28 @@ class Committer:
             for entry in entries:
                 own = entry.writer_id == self.writer_id and entry.entry_id in self.attempted
                 self.has_result.update(r.traj_id for r in entry.results)
+                if entry.kind == GC:
+                    self.doomed.update(p for p in entry.segments if p in self.attempted)
                 if own and entry.entry_id not in self.landed:
                     self.landed.add(entry.entry_id)
                     log.info("%s: %s was committed as log entry %d by an earlier try", self.writer_id,
                              entry.entry_id, entry.seq)
                 for r in entry.records():
                     self.committed.add(r.traj_id, r.token_start, r.token_stop)
+                    self.owner.setdefault(r.traj_id, entry.writer_id)
                     if own:
                         self.own.add(r.traj_id, r.token_start, r.token_stop)
             self.synced = head
 
-    def write_segment(self, stage: Stage, path: str | None = None) -> SegmentWrite:
-        """Step 1: encode and write every array of ``stage`` as a segment, with the group ``zarr.json``; ``path``:
-        rewrite that existing segment (repair) instead of a new one. Records the write in ``stage.segment``."""
+    def write_segment(self, stage: Stage) -> SegmentWrite:
+        """Step 1: encode and write every array of ``stage`` as a new segment, with the group ``zarr.json``. Records
+        the write in ``stage.segment``."""
         store = self.store
         rows = stage.rows
         chunk_rows = choose_chunk_rows(rows, store.chunk_rows)
-        started = time.monotonic()
-        if path is None:
-            segment_id = f"{self.counter:08d}-{uuid.uuid4().hex[:12]}"
-            self.counter += 1
-            path = f"data/{self.writer_id}/{segment_id}"
-        segment_id = path.rsplit("/", 1)[1]
+        segment_id = f"{self.counter:08d}-{uuid.uuid4().hex[:12]}"
+        self.counter += 1
+        path = f"data/{self.writer_id}/{segment_id}"
 
         # every object of the segment in one put_many: object stores send them concurrently (one round trip
         # per segment instead of one per array); nothing is visible before the log entry references them
@@ -127,20 +175,25 @@ class Committer:
             {"tracestore": {"format_version": store.format_version, "writer_id": self.writer_id,
                             "segment_id": segment_id, "rows": rows, "store_id": store.store_id}})
         self.attempted.add(path)  # from here on a log entry naming it is this writer's
-        # a repair replaces what is left of the segment (atomic puts); a new segment's objects are fresh
-        store.backend.put_many(items, atomic=stage.segment is not None and stage.segment.path == path)
+        store.backend.put_many(items, atomic=False)  # fresh objects, read by nobody before an entry names them
         nbytes = sum(len(v) if isinstance(v, (bytes, bytearray)) else sum(len(x) for x in v) for v in items.values())
-        stage.segment = SegmentWrite(path, nbytes, rows, chunk_rows, started)
+        stage.segment = SegmentWrite(path, nbytes, rows, chunk_rows)
         return stage.segment
 
-    def _split(self, records: list[Record]) -> tuple[list[Record], list[tuple[str, int, int]]]:
-        """Split ``records`` against the committed ranges (caller holds ``state``): the parts still to commit,
-        and the parts another writer committed first (conflicts). Parts that an earlier try of this writer
-        committed (an ambiguous commit that did land) are neither."""
+    def _split(self, records: list[Record]) -> tuple[list[Record], list[tuple[str, int, int]],
+                                                     list[tuple[str, int, int]]]:
+        """Split ``records`` against the committed ranges (caller holds ``state``): the parts still to commit, the
+        parts another writer committed first (conflicts), and the records of trajectories whose result another
+        writer committed meanwhile (completed: no token follows a result, FORMAT §3.2). Parts that an earlier try of
+        this writer committed (an ambiguous commit that did land) are none of them."""
         keep: list[Record] = []
         conflicts: list[tuple[str, int, int]] = []
+        completed: list[tuple[str, int, int]] = []
         for r in records:
             t = r.traj_id
+            if t in self.has_result:
+                completed.extend((t, x, y) for x, y in self.own.uncovered(t, r.token_start, r.token_stop))
+                continue
             if self.committed.overlaps(t, r.token_start, r.token_stop) is None:
                 keep.append(r)
                 continue
@@ -152,28 +205,7 @@ class Committer:
                 pos = b
             if pos < r.token_stop:
                 conflicts.extend((t, x, y) for x, y in self.own.uncovered(t, pos, r.token_stop))
-        return keep, conflicts
-
-    def _claim(self, seq: int, data: bytes, entry_id: str) -> str:
-        """Try to create log entry ``seq``: ``"ours"`` (it holds our commit ``entry_id``), ``"taken"`` (another
-        entry is there) or ``"unknown"`` (the storage failed; the entry may still appear). After a failed or refused
-        conditional PUT the entry is read back: a PUT that was applied although the client saw an error (or whose
-        retry got 412) is our commit, not a lost race."""
-        backend = self.store.backend
-        key = log_key(seq)
-        try:
-            if backend.put_if_absent(key, data):
-                return "ours"
-        except TransientStorageError as e:
-            self.last_error = e
-        try:
-            existing = decode_entry(backend.get(key), seq, f"{self.store.url}/{key}")
-        except ObjectNotFoundError:
-            return "unknown"  # not applied (or still in flight): try the same position again
-        except TransientStorageError as e:
-            self.last_error = e
-            return "unknown"
-        return "ours" if existing.writer_id == self.writer_id and existing.entry_id == entry_id else "taken"
+        return keep, conflicts, completed
 
     def _commit_loop(self, what: str, build, on_ours) -> list:
         """Claim the next free log position for one commit (see the module docstring); returns what ``build``
@@ -190,18 +222,29 @@ class Committer:
         """
         store = self.store
         deadline = time.monotonic() + self.commit_timeout_s
-        failures = 0
+        failures = rewrites = 0
         self.last_error = None
         with self._sync_lock:
             while True:
                 self._sync_locked()
                 entry, dropped = build(self.synced)
                 if entry is _AGAIN:
+                    rewrites += 1
+                    if time.monotonic() > deadline:
+                        # gc named every version of the segment before it could commit: its grace is shorter
+                        # than this writer's commits take (liveness only: nothing was committed or lost)
+                        raise CommitError(
+                            f"writer {self.writer_id!r} could not commit {what} to {store.url} within "
+                            f"{self.commit_timeout_s:.0f} s: gc named the segment for deletion {rewrites} times "
+                            f"before its commit landed (the store's gc_grace_s {store.gc_grace_s:g} s is shorter "
+                            f"than this writer's commits take); it stays buffered and the next flush retries")
                     continue
                 if entry is None:
                     return dropped
                 data = encode_entry(entry)
-                outcome = self._claim(entry.seq, data, entry.entry_id)
+                outcome, error = claim(store, entry.seq, data, self.writer_id, entry.entry_id)
+                if error is not None:
+                    self.last_error = error
                 if outcome == "ours":
                     with self.state:
                         self.landed.add(entry.entry_id)
@@ -224,29 +267,39 @@ class Committer:
                         f"buffered and the next flush retries; last error: {self.last_error}")
                 time.sleep(pause)
 
-    def commit_rows(self, stage: Stage) -> list[tuple[str, int, int]]:
+    def commit_rows(self, stage: Stage) -> tuple[list[tuple[str, int, int]], list[tuple[str, int, int]]]:
         """Steps 2-3 for the stage's segment (written by :meth:`write_segment`): commit it with the stage's records,
-        less what another writer committed first; returns the dropped ranges. Never commits a segment older than
-        half the gc grace period (writes it again first)."""
+        less what another writer committed first; returns the dropped ranges: (conflicts, completed), the latter
+        those of trajectories whose result another writer committed first. Never commits a segment that a gc entry
+        names (writes it again first)."""
         store = self.store
         records = list(stage.records)
+        conflicts: list[tuple[str, int, int]] = []
+        completed: list[tuple[str, int, int]] = []
+        dropped = (conflicts, completed)
 
         def build(seq: int):
             nonlocal records
             seg = stage.segment
             if seg.path in self.landed:  # an earlier try whose answer was lost did commit
-                return None, []
+                return None, dropped
             with self.state:
-                records, conflicts = self._split(records)
+                records, lost, done = self._split(records)
+                conflicts.extend(lost)
+                completed.extend(done)
+                doomed = seg.path in self.doomed
             if not records:
                 log.info("%s: nothing left to commit in %s", self.writer_id, seg.path)
-                return None, conflicts
-            if time.monotonic() - seg.started > store.gc_grace_s / 2:
-                # gc may delete an unreferenced segment once it is gc_grace_s old: never commit an old one
-                log.warning("%s: segment %s is older than half the gc grace period (%.0f s); writing it again",
-                            self.writer_id, seg.path, store.gc_grace_s)
+                return None, dropped
+            if doomed:
+                # a gc entry below seq names the segment: gc deletes it, and no entry after that gc entry may
+                # reference it (FORMAT §6); its rows are still here, so write them again under a new name
+                log.warning("%s: a gc entry names segment %s (not committed in time); writing it again",
+                            self.writer_id, seg.path)
                 self.write_segment(stage)
-                return _AGAIN, []
+                with self.state:
+                    self.stats["rewritten"] += 1
+                return _AGAIN, dropped
             return LogEntry(
                 seq=seq, writer_id=self.writer_id, writer_seq=int(seg.path.rsplit("/", 1)[1].split("-")[0]),
                 segment=SegmentRef(seg.path, self.writer_id, seg.rows, seg.chunk_rows, store.shard_bytes),
@@ -257,7 +310,7 @@ class Committer:
                 row_offset=np.array([r.row_offset for r in records], np.int64),
                 policy_version=np.array([r.policy_version for r in records], np.int64),
                 format_version=store.format_version,
-            ), conflicts
+            ), dropped
 
         def on_ours(entry: LogEntry, data: bytes) -> None:
             seg = stage.segment
@@ -265,32 +318,47 @@ class Committer:
                 for r in entry.records():
                     self.committed.add(r.traj_id, r.token_start, r.token_stop)
                     self.own.add(r.traj_id, r.token_start, r.token_stop)
+                    self.owner.setdefault(r.traj_id, self.writer_id)
                 self.stats["segments"] += 1
                 self.stats["rows"] += seg.rows
                 self.stats["data_bytes"] += seg.nbytes
                 self.stats["records"] += len(entry)
-            if time.monotonic() - seg.started > store.gc_grace_s / 2:
-                self._repair(stage, seg)
 
         return self._commit_loop(f"segment {stage.segment.path}", build, on_ours)
 
-    def commit_results(self, stage: Stage) -> list[str]:
-        """Steps 2-3 for the stage's results, as one results entry (after the stage's rows: FORMAT §3.2); returns the
-        trajectories whose result another writer committed first (dropped)."""
+    def commit_results(self, stage: Stage) -> tuple[list[str], list[tuple[str, str]]]:
+        """Steps 2-3 for the stage's results, as one results entry (after the stage's rows: FORMAT §3.2). Each
+        result is checked again against the log below the position claimed; returns what was dropped: the
+        trajectories whose result another writer committed first, and ``(trajectory, why)`` of those the log no
+        longer allows (:func:`result_problem`: another writer committed the trajectory's first tokens, or tokens
+        that leave a gap, since ``write_result`` checked)."""
         if not stage.results_batch:  # kept across retries: a results entry naming it is this writer's
             stage.results_batch = f"{self.counter:08d}-{uuid.uuid4().hex[:12]}"
             self.counter += 1
         batch = stage.results_batch
         entry_id = f"results/{self.writer_id}/{batch}"
         results = list(stage.results)
+        exists: list[str] = []
+        refused: list[tuple[str, str]] = []
+        dropped = (exists, refused)
 
         def build(seq: int):
             nonlocal results
             if entry_id in self.landed:
-                return None, []
+                return None, dropped
+            keep = []
             with self.state:
-                dropped = [r.traj_id for r in results if r.traj_id in self.has_result]
-                results = [r for r in results if r.traj_id not in self.has_result]
+                for r in results:
+                    if r.traj_id in self.has_result:
+                        exists.append(r.traj_id)
+                        continue
+                    why = result_problem(r, self.writer_id, self.committed.get(r.traj_id),
+                                         self.owner.get(r.traj_id))
+                    if why is not None:
+                        refused.append((r.traj_id, why))
+                        continue
+                    keep.append(r)
+            results = keep
             if not results:
                 return None, dropped
             empty = np.zeros(0, np.int64)
@@ -306,12 +374,3 @@ class Committer:
 
         self.attempted.add(entry_id)
         return self._commit_loop(f"{len(results)} results", build, on_ours)
-
-    def _repair(self, stage: Stage, seg: SegmentWrite) -> None:
-        """After a commit that took longer than half the gc grace period, a gc that ran meanwhile may have deleted
-        the (then unreferenced) segment: check it, and write it again at the same path if it is gone."""
-        if self.store.backend.exists(f"{seg.path}/zarr.json"):
-            return
-        log.warning("%s: committed segment %s was deleted while its commit was in flight (gc); writing it again",
-                    self.writer_id, seg.path)
-        self.write_segment(stage, path=seg.path)

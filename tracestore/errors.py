@@ -33,6 +33,8 @@ __all__ = [
     "DeclarationError",
     "GcRefusedError",
     "ResultExistsError",
+    "TrajectoryCompleteError",
+    "GcFenceError",
     "UsageError",
     "OptionError",
     "OptionTypeError",
@@ -154,14 +156,24 @@ class DeclarationError(TraceStoreError, ValueError):
 
 
 class GcRefusedError(TraceStoreError, ValueError):
-    """``collect_garbage`` refused to delete anything: its grace period is not safe for this store (not a finite
-    number > 0, shorter than the store's ``gc_grace_s`` that writers rely on, or not longer than twice the
-    longest commit the store has seen)."""
+    """``collect_garbage`` refused to delete anything: its grace period is not a finite number > 0, or shorter than
+    the store's ``gc_grace_s`` without ``force``."""
+
+
+class GcFenceError(CommitError):
+    """``collect_garbage`` could not commit the gc entry that names the segments it is about to delete (the storage
+    kept failing until its deadline); nothing was deleted."""
 
 
 class ResultExistsError(OverlapError):
     """A trajectory already has a result (committed, or buffered by this writer): a trajectory is complete once,
     with one result. ``.conflicts`` lists ``(traj_id, 0, 0)`` for each refused result."""
+
+
+class TrajectoryCompleteError(OverlapError):
+    """Tokens for a trajectory whose result is committed (or buffered by this writer): a trajectory is complete once,
+    and no token follows its result (FORMAT §3.2). ``.conflicts`` lists the refused ``(traj_id, token_start,
+    token_stop)`` ranges."""
 
 
 class UsageError(TraceStoreError, ValueError):

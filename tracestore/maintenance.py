@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,9 +26,20 @@ from .format.keys import (
     parse_log_key,
 )
 from .storage import PARTIAL_SUFFIX
-from .format.entries import LogEntry, decode_checkpoint, records_table, same_entry
+from ._buffer import TokenRanges
+from .commit import claim, result_problem
+from .format.entries import (
+    GC,
+    MAX_GC_SEGMENTS,
+    LogEntry,
+    decode_checkpoint,
+    encode_entry,
+    records_table,
+    same_entry,
+)
 from .format.segment import array_metadata, crc32c, layout
 from .errors import (
+    GcFenceError,
     GcRefusedError,
     IntegrityError,
     ObjectNotFoundError,
@@ -35,6 +47,7 @@ from .errors import (
     SchemaVersionError,
     TraceStoreError,
 )
+from .writer import _default_writer_id
 
 __all__ = ["info", "verify", "collect_garbage", "compact", "export_table", "export_records", "export_results",
            "VerifyReport", "GcReport"]
@@ -196,6 +209,57 @@ class VerifyReport:
                 "orphan_segments": list(self.orphan_segments), "partial_objects": list(self.partial_objects)}
 
 
+def _normal_zarr(meta: object, itemsize: int) -> object:
+    """An array's ``zarr.json`` in a normal form, so that two encodings of the same metadata compare equal (FORMAT
+    §2.3): whatever the key order and whitespace, with the optional members at their defaults left out
+    (``attributes: {}``, ``storage_transformers: []``, ``dimension_names: null``, a codec's empty
+    ``configuration``, the ``v2`` key encoding's default separator ``.``) and the ``bytes`` codec of a one-byte
+    data type with or without ``endian`` (byte order means nothing there)."""
+    if not isinstance(meta, dict):
+        return meta
+    out = dict(meta)
+    for key, default in (("attributes", {}), ("storage_transformers", []), ("dimension_names", None)):
+        if key in out and out[key] == default:
+            del out[key]
+    cke = out.get("chunk_key_encoding")
+    if isinstance(cke, dict) and cke.get("name") == "v2" and cke.get("configuration", {}) in ({}, {"separator": "."}):
+        out["chunk_key_encoding"] = {"name": "v2"}
+
+    def codecs(items: object, inner: bool) -> object:
+        if not isinstance(items, list):
+            return items
+        normal = []
+        for c in items:
+            if isinstance(c, dict):
+                c = dict(c)
+                if c.get("configuration") == {}:
+                    del c["configuration"]
+                if c.get("name") == "bytes" and inner and itemsize == 1:
+                    c.pop("configuration", None)
+                if c.get("name") == "sharding_indexed" and isinstance(c.get("configuration"), dict):
+                    conf = dict(c["configuration"])
+                    conf["codecs"] = codecs(conf.get("codecs"), True)
+                    conf["index_codecs"] = codecs(conf.get("index_codecs"), False)
+                    c["configuration"] = conf
+            normal.append(c)
+        return normal
+
+    out["codecs"] = codecs(out.get("codecs"), True)
+    return out
+
+
+def same_array_metadata(stored: bytes, expected: bytes, itemsize: int) -> bool:
+    """Whether a stored array ``zarr.json`` means what ``expected`` (this code's encoding) means (FORMAT §2.3: the
+    same JSON value up to :func:`_normal_zarr`); False for bytes that are not JSON."""
+    if stored == expected:
+        return True
+    try:
+        got = json.loads(stored)
+    except (ValueError, RecursionError):
+        return False
+    return _normal_zarr(got, itemsize) == _normal_zarr(json.loads(expected), itemsize)
+
+
 def _verify_segment(store, entry: LogEntry, report: VerifyReport) -> None:
     seg = entry.segment
     where = f"segment {store.url}/{seg.path} (log entry {entry.seq})"
@@ -214,7 +278,8 @@ def _verify_segment(store, entry: LogEntry, report: VerifyReport) -> None:
         lay = layout(spec, seg.rows, seg.chunk_rows, seg.shard_bytes)
         prefix = f"{seg.path}/{name}"
         try:
-            if store.backend.get(f"{prefix}/zarr.json") != array_metadata(lay):
+            if not same_array_metadata(store.backend.get(f"{prefix}/zarr.json"), array_metadata(lay),
+                                       spec.dtype.itemsize):
                 report.errors.append(f"{where}: {name}/zarr.json differs from the layout the log entry implies")
         except ObjectNotFoundError:
             report.errors.append(f"{where}: {name}/zarr.json is missing")
@@ -290,6 +355,9 @@ def verify(store, *, progress: Progress | None = None) -> VerifyReport:
                                      f"{with_result[r.traj_id]} and {e.seq})")
             with_result.setdefault(r.traj_id, e.seq)
     report.results = len(with_result)
+    if store.format_version >= 3:
+        report.errors.extend(result_rule_violations(entries))
+    report.errors.extend(gc_rule_violations(entries))
     seen: set[str] = set()
     for k, e in enumerate(entries):
         if progress is not None:
@@ -316,6 +384,44 @@ def verify(store, *, progress: Progress | None = None) -> VerifyReport:
     return report
 
 
+def result_rule_violations(entries: list[LogEntry]) -> list[str]:
+    """What breaks the structural rules of results (FORMAT §3.2, format version 3) in ``entries`` (the log from 0,
+    in order): a result whose trajectory's tokens below it are not one range ``[0, n)`` with ``prompt_len < n``, or
+    whose first tokens another writer committed; tokens committed after a trajectory's result. A reader hands such
+    entries out as they are (another implementation may have written them); ``verify`` reports them."""
+    ranges = TokenRanges()
+    owner: dict[str, str] = {}
+    completed: dict[str, int] = {}
+    out: list[str] = []
+    for e in entries:
+        for r in e.records():
+            if r.traj_id in completed:
+                out.append(f"trajectory {r.traj_id!r}: tokens [{r.token_start}, {r.token_stop}) committed in log "
+                           f"entry {e.seq}, after its result (log entry {completed[r.traj_id]})")
+            ranges.add(r.traj_id, r.token_start, r.token_stop)
+            owner.setdefault(r.traj_id, e.writer_id)
+        for res in e.results:
+            if res.traj_id in completed:
+                continue  # a second result: reported as such
+            completed[res.traj_id] = e.seq
+            why = result_problem(res, e.writer_id, ranges.get(res.traj_id), owner.get(res.traj_id))
+            if why is not None:
+                out.append(f"trajectory {res.traj_id!r}: its result in log entry {e.seq} (writer {e.writer_id!r}) "
+                           f"breaks FORMAT §3.2: {why}")
+    return out
+
+
+def gc_rule_violations(entries: list[LogEntry]) -> list[str]:
+    """Segments that a gc entry names and an entry references (FORMAT §6: never, in either order)."""
+    announced: dict[str, int] = {}
+    for e in entries:
+        for p in e.segments:
+            announced.setdefault(p, e.seq)
+    return [f"segment {e.segment.path} is referenced by log entry {e.seq} and named for deletion by gc entry "
+            f"{announced[e.segment.path]}" for e in entries
+            if e.segment is not None and e.segment.path in announced]
+
+
 @dataclass
 class GcReport:
     """Outcome of :func:`collect_garbage`."""
@@ -325,66 +431,109 @@ class GcReport:
     deleted_objects: int = 0
     deleted_bytes: int = 0
     young_segments: list[str] = field(default_factory=list)
+    #: log positions of the gc entries this run committed (format version 3: they name what it deleted)
+    gc_entries: list[int] = field(default_factory=list)
+    #: old unreferenced segments that an entry committed while this run announced its gc entry (kept)
+    committed_meanwhile: list[str] = field(default_factory=list)
+    #: old unreferenced segments kept because the store's format version has no gc entries (use ``force``)
+    kept_segments: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {"dry_run": self.dry_run, "deleted_segments": list(self.deleted_segments),
                 "deleted_objects": self.deleted_objects, "deleted_bytes": self.deleted_bytes,
-                "young_segments": list(self.young_segments)}
+                "young_segments": list(self.young_segments), "gc_entries": list(self.gc_entries),
+                "committed_meanwhile": list(self.committed_meanwhile), "kept_segments": list(self.kept_segments)}
 
 
-#: resolution of object modification times (S3 LastModified has whole seconds)
-MTIME_RESOLUTION_S = 1.0
+#: how long gc keeps trying to commit one gc entry while the storage fails (then GcFenceError, nothing deleted)
+GC_ENTRY_TIMEOUT_S = 120.0
 
 
-def commit_windows(objects, entries: list[LogEntry]) -> dict[int, float]:
-    """Per log entry, how long its segment was (at least) unreferenced before the entry existed: the larger of
-    (log object mtime - the segment's newest object mtime), both by the storage's clock from one listing, and
-    (log object mtime - the entry's ``created_unix``), the time its conditional PUT was in flight (writer's clock
-    against the storage's: clock skew adds to it). gc's grace must exceed these."""
-    seg_mtime: dict[str, float] = {}
-    log_mtime: dict[int, float] = {}
-    for o in objects:
-        seg = _segment_of(o.key)
-        if seg is not None:
-            seg_mtime[seg] = max(seg_mtime.get(seg, 0.0), o.mtime)
-        elif (n := parse_log_key(o.key)) is not None:
-            log_mtime[n] = o.mtime
-    out = {}
-    for e in entries:
-        if e.seq not in log_mtime or e.segment is None:
-            continue
-        landed = log_mtime[e.seq]
-        window = landed - e.created_unix
-        if e.segment.path in seg_mtime:
-            window = max(window, landed - seg_mtime[e.segment.path])
-        # object stores report whole seconds: a fast commit can span a second boundary, so take one second off
-        out[e.seq] = max(0.0, window - MTIME_RESOLUTION_S)
-    return out
+def _announce(store, paths: list[str], seq: int, timeout_s: float | None = None) -> tuple[set[str], list[int]]:
+    """Commit gc entries (FORMAT §6) naming ``paths`` (unreferenced by every entry below ``seq``, which gc has
+    read), at the first free positions from ``seq``: each claim reads the entries it lost the position to and
+    leaves out the segments they reference. Returns (the segments the committed gc entries name, their
+    positions). From then on no conforming writer commits any of them, and no entry below names them: deleting
+    them is safe however long the deletion takes.
+
+    Raises:
+        GcFenceError: a gc entry could not be committed within ``timeout_s`` (storage failing); the segments of
+            the entries committed before it are returned by no one, and a later run deletes them.
+        BackendError / IntegrityError: reading the log failed.
+    """
+    timeout_s = GC_ENTRY_TIMEOUT_S if timeout_s is None else timeout_s
+    gc_id = f"gc-{_default_writer_id()}"[:200]
+    remaining = sorted(paths)
+    fenced: set[str] = set()
+    positions: list[int] = []
+    k = 0
+    while remaining:
+        batch = f"{k:08d}-{uuid.uuid4().hex[:12]}"
+        deadline = time.monotonic() + timeout_s
+        failures = 0
+        while remaining:
+            chunk = tuple(remaining[:MAX_GC_SEGMENTS])
+            empty = np.zeros(0, np.int64)
+            entry = LogEntry(seq=seq, writer_id=gc_id, writer_seq=k, segment=None, created_unix=time.time(),
+                             segment_nbytes=0, traj_ids=[], token_start=empty, token_stop=empty, row_offset=empty,
+                             policy_version=empty, kind=GC, batch=batch, segments=chunk,
+                             format_version=store.format_version)
+            outcome, error = claim(store, seq, encode_entry(entry), gc_id, entry.entry_id)
+            if outcome == "ours":
+                store.log.note_head(seq + 1)
+                fenced.update(chunk)
+                positions.append(seq)
+                remaining = remaining[len(chunk):]
+                seq += 1
+                break
+            if outcome == "taken":  # read what won the position(s): a segment it commits is not garbage
+                later = store.read_entries(seq, max(store.head(), seq + 1))
+                committed = {e.segment.path for e in later if e.segment is not None}
+                remaining = [p for p in remaining if p not in committed]
+                seq += len(later)
+                continue
+            failures += 1
+            pause = store.backend.retry.delay(failures)
+            if time.monotonic() + pause > deadline:
+                raise GcFenceError(f"gc could not commit its gc entry to {store.url} within {timeout_s:.0f} s "
+                                   f"({failures} failed tries at log entry {seq}); nothing of it was deleted; last "
+                                   f"error: {error}")
+            time.sleep(pause)
+        k += 1
+    return fenced, positions
 
 
 def collect_garbage(store, *, grace_s: float | None = None, dry_run: bool = False,
                     progress: Progress | None = None, now: float | None = None, force: bool = False) -> GcReport:
-    """Delete data that no committed log entry references and that is older than ``grace_s``.
+    """Delete data that no committed log entry references and that is older than ``grace_s``; never data a
+    committed entry references, however slow any request of gc or of a writer is (FORMAT §6).
 
-    Deletes (a) every object of a segment ``data/<writer>/<segment>/`` that no log entry names, once the
-    segment's newest object is older than the grace period, and (b) ``*.partial`` temporary files older than it.
-    Log entries, checkpoints and the manifest are never deleted. Data is listed *before* the log is read, so a
-    segment that commits meanwhile is seen as referenced; writers never commit a segment older than half the
-    store's ``gc_grace_s`` (they write it again), and check after a slower commit that its segment survived
-    (FORMAT §6). Safe to run while writers and readers work.
+    Lists the store, reads the whole log, then (format version 3) commits a **gc entry** naming the segments it
+    will delete — unreferenced by every entry below that gc entry, their newest object older than the grace
+    period — and deletes exactly those. A writer that reads the gc entry before it commits such a segment writes
+    it again under a new name; a commit that was already on its way cannot land at or below the gc entry's
+    position (put-if-absent) and reads it when it retries. Segments an earlier gc entry names are deleted
+    whatever their age (an earlier run stopped before deleting them). Also deletes ``*.partial`` temporary files
+    older than the grace period. Log entries, checkpoints, the manifest and application areas are never deleted.
+    Safe to run while writers, readers and other gc runs work.
+
+    Format versions 1 and 2 have no gc entries: there gc deletes unreferenced segments only with ``force`` (only
+    when no writer runs and no commit is on its way), and lists them in ``kept_segments`` otherwise.
 
     Nothing is deleted unless the whole log was read: a listing or an entry that cannot be read, or a hole in
     the log, raises before any deletion.
 
     Args:
-        grace_s: seconds; default the store's ``gc_grace_s``. Must be finite and > 0, at least the store's
-            ``gc_grace_s`` (writers rely on it) unless ``force``, and more than twice the longest commit seen in
-            the store (from its segment's last write to its log entry, by the storage's clock).
-        force: allow a grace shorter than the store's ``gc_grace_s`` (only when no writer is running).
+        grace_s: seconds; default the store's ``gc_grace_s``. Must be finite and > 0, and at least the store's
+            ``gc_grace_s`` unless ``force``. The grace period does not make gc safe (its gc entries do); it spares
+            writers whose segments are about to commit the work of writing them again.
+        force: allow a grace shorter than the store's ``gc_grace_s``; in a version-1/2 store, delete unreferenced
+            segments (only when no writer runs).
         now: the current time (unix seconds; tests).
 
     Raises:
-        GcRefusedError: an unsafe grace period (nothing deleted).
+        GcRefusedError: a grace period that is not allowed (nothing deleted).
+        GcFenceError: the gc entry could not be committed (storage failing; nothing deleted).
         IntegrityError / SchemaVersionError: a log entry is missing (a hole) or cannot be decoded (nothing is
             deleted then: the entry might reference data). BackendError: the storage failed (nothing deleted
             unless the failure came during deletion).
@@ -395,49 +544,56 @@ def collect_garbage(store, *, grace_s: float | None = None, dry_run: bool = Fals
     grace = float(grace)
     if grace < store.gc_grace_s and not force:
         raise GcRefusedError(
-            f"gc grace {grace:g} s is shorter than the store's gc_grace_s {store.gc_grace_s:g} s, which writers rely "
-            f"on (they commit segments younger than half of it); use force (--force) only when no writer runs")
+            f"gc grace {grace:g} s is shorter than the store's gc_grace_s {store.gc_grace_s:g} s, which writers "
+            f"expect (a segment not committed within it is written again); use force (--force) to allow it")
     now = time.time() if now is None else now
     report = GcReport(dry_run=dry_run)
     objects = _store_objects(store)
-    entries = _all_entries(store, objects=objects)  # after listing (see docstring); raises on any problem
-    windows = commit_windows(objects, entries)
-    if windows:
-        seq, slowest = max(windows.items(), key=lambda kv: kv[1])
-        if grace <= 2 * slowest:
-            raise GcRefusedError(
-                f"gc grace {grace:g} s is not more than twice the longest commit seen in {store.url} "
-                f"(log entry {seq}: about {slowest:.1f} s from its segment's write to its log entry); use a grace "
-                f"> {2 * slowest:.0f} s")
+    entries = _all_entries(store, objects=objects)  # raises on any problem: nothing is deleted then
     referenced = {e.segment.path for e in entries if e.segment is not None}
+    announced = {p for e in entries if e.kind == GC for p in e.segments}
     segments: dict[str, list] = {}
-    doomed: list = []
+    partials: list = []
     for o in objects:
         if o.key.endswith(PARTIAL_SUFFIX):
             if now - o.mtime > grace:
-                doomed.append(o)
+                partials.append(o)
             continue
         seg = _segment_of(o.key)
         if seg is not None and seg not in referenced:
             segments.setdefault(seg, []).append(o)
+    doomed: list[str] = []  # named by a gc entry already: no entry can ever reference them
+    old: list[str] = []
     for seg, objs in sorted(segments.items()):
-        if now - max(o.mtime for o in objs) > grace:
-            report.deleted_segments.append(seg)
-            doomed.extend(objs)
+        if seg in announced:
+            doomed.append(seg)
+        elif now - max(o.mtime for o in objs) > grace:
+            old.append(seg)
         else:
             report.young_segments.append(seg)
-    report.deleted_objects = len(doomed)
-    report.deleted_bytes = sum(o.size for o in doomed)
+    if old and store.format_version < 3 and not force:
+        log.warning("gc %s: %d unreferenced segments older than the grace period kept: a format-version-%d store "
+                    "has no gc entries, so deleting them is safe only when no writer runs (force)", store.url,
+                    len(old), store.format_version)
+        report.kept_segments, old = old, []
+    if not dry_run and old and store.format_version >= 3:
+        fenced, report.gc_entries = _announce(store, old, len(entries))
+        report.committed_meanwhile = [p for p in old if p not in fenced]
+        old = [p for p in old if p in fenced]
+    report.deleted_segments = sorted(doomed + old)
+    doomed_objects = [o for seg in report.deleted_segments for o in segments[seg]] + partials
+    report.deleted_objects = len(doomed_objects)
+    report.deleted_bytes = sum(o.size for o in doomed_objects)
     if not dry_run:
         batch = 256
-        for k in range(0, len(doomed), batch):
+        for k in range(0, len(doomed_objects), batch):
             if progress is not None:
-                progress(k, len(doomed), "deleting")
-            store.backend.delete_many([o.key for o in doomed[k:k + batch]])
+                progress(k, len(doomed_objects), "deleting")
+            store.backend.delete_many([o.key for o in doomed_objects[k:k + batch]])
         if progress is not None:
-            progress(len(doomed), len(doomed), "done")
-        log.info("gc %s: deleted %d segments, %d objects, %d bytes", store.url, len(report.deleted_segments),
-                 report.deleted_objects, report.deleted_bytes)
+            progress(len(doomed_objects), len(doomed_objects), "done")
+        log.info("gc %s: deleted %d segments, %d objects, %d bytes (gc entries %s)", store.url,
+                 len(report.deleted_segments), report.deleted_objects, report.deleted_bytes, report.gc_entries)
     return report
 
 

@@ -2,8 +2,8 @@
 
 A store owns the top-level names ``tracestore.json``, ``log/``, ``data/`` and ``index/`` of its URL; every other
 top-level name is an application's, and no ``gc``, ``verify`` or ``compact`` reads, changes or deletes it. tracerl
-keeps policy versions under ``weights/``, trainer checkpoints under ``checkpoints/`` and recorded code tables
-under ``audit/`` (:data:`RESERVED_AREAS`)::
+keeps policy versions under ``weights/``, trainer checkpoints under ``checkpoints/``, recorded code tables under
+``audit/`` and the SGLang plugin's quantizer records under ``quantizer/`` (:data:`RESERVED_AREAS`)::
 
     with ts.open_area("s3://bucket/run1", "weights") as area:      # or store.area("weights")
         area.put("000000000007.safetensors", blob)
@@ -28,8 +28,9 @@ from .storage import PARTIAL_SUFFIX, Backend, Data, ObjectInfo, RetryPolicy, joi
 
 __all__ = ["ObjectArea", "open_area", "RESERVED_AREAS", "check_area", "check_object_name"]
 
-#: the application areas tracerl uses beside its stores: policy versions, trainer checkpoints, audit code tables
-RESERVED_AREAS: tuple[str, ...] = ("weights", "checkpoints", "audit")
+#: the application areas tracerl uses beside its stores: policy versions, trainer checkpoints, audit code tables,
+#: the SGLang plugin's quantizer records
+RESERVED_AREAS: tuple[str, ...] = ("weights", "checkpoints", "audit", "quantizer")
 
 AREA_PATTERN = r"[a-z][a-z0-9_-]{0,63}"
 _AREA_RE = re.compile(AREA_PATTERN)

@@ -37,9 +37,18 @@ import numpy as np
 from ._buffer import RowBuffer, Stage
 from ._closing import Closing
 from ._rows import CheckedWrite, check_write
-from .commit import Committer
-from .errors import BackendError, OptionError, OverlapError, ResultExistsError, SchemaVersionError, TraceStoreError
-from .format.entries import Result, check_result
+from .commit import Committer, result_problem
+from .errors import (
+    BackendError,
+    OptionError,
+    OverlapError,
+    ResultError,
+    ResultExistsError,
+    SchemaVersionError,
+    TrajectoryCompleteError,
+    TraceStoreError,
+)
+from .format.entries import Result, check_result, merge_ranges
 from .format.keys import check_id
 
 __all__ = ["Writer"]
@@ -80,10 +89,9 @@ class Writer(Closing):
             CommitError, the rows stay buffered and the next flush retries. Transient failures within it are
             retried with backoff; a commit whose answer was lost is recognised by reading the entry back.
 
-    Every commit claims the first free log position with put-if-absent; a segment older than half the store's
-    gc grace period is written again under a new name before it is committed (gc deletes unreferenced segments
-    older than the grace period), and after a commit slower than that the segment is checked and rewritten in
-    place if a gc removed it meanwhile.
+    Every commit claims the first free log position with put-if-absent; a segment that a gc entry names (gc is
+    about to delete it: it was not committed within the grace period) is written again under a new name before it
+    is committed (FORMAT §6).
 
     Raises:
         BackendError: the store's backend cannot create-if-absent (read-only fsspec filesystems).
@@ -123,7 +131,9 @@ class Writer(Closing):
         self._inflight = None  # (future, stage) being written and committed by the flusher thread
         self._failed: Stage | None = None  # a stage whose commit failed; retried at the next flush
         self._lost: list[tuple[str, int, int]] = []  # ranges dropped at commit (another writer was first)
+        self._lost_complete: list[tuple[str, int, int]] = []  # ranges dropped: another writer committed a result
         self._lost_results: list[str] = []  # results dropped at commit (another writer committed one first)
+        self._refused_results: list[tuple[str, str]] = []  # results dropped at commit: the log no longer allows them
         self._closed = False
         #: counters: segments / records / rows / results committed, bytes written (data + log), races lost
         self.stats = self._committer.stats
@@ -168,7 +178,9 @@ class Writer(Closing):
 
         Raises:
             InvalidIdError, ShapeError, DTypeError, UnknownSiteError, OverlapError (range overlaps one committed
-            or buffered for ``traj_id``), TraceStoreError (writer closed / a background commit failed),
+            or buffered for ``traj_id``), TrajectoryCompleteError (an OverlapError: ``traj_id`` has a result,
+            committed as far as this writer has read the log, or buffered by it: no token follows a result),
+            TraceStoreError (writer closed / a background commit failed),
             BackendError (a commit triggered by this write failed; buffered rows stay buffered and are retried).
             A storage error raised part-way through a long write (a full buffer could not be handed on because
             the previous commit failed) carries ``buffered_to``: the tokens of this write before that position
@@ -190,13 +202,21 @@ class Writer(Closing):
         the trajectory this writer buffered before it, so a trajectory is *complete* exactly when its result is
         committed. Fields as :class:`~tracestore.format.entries.Result` (``reward`` finite, ``group_id`` an id or "",
         ``advantage`` finite or None, lengths >= 0, ``policy_version`` int64, ``finish_reason`` a short word,
-        ``extra`` a JSON object of at most 16 KiB). Needs a format-version-2 store.
+        ``extra`` a JSON object of at most 16 KiB and 32 levels). Needs a format-version-2 store.
+
+        The result must fit the trajectory's tokens, committed (as far as this writer has read the log) and buffered
+        by this writer: one range ``[0, n)`` (none missing), ``prompt_len < n``, and the first of them committed (or,
+        not committed yet, buffered) by this writer's id. The commit checks it again against the log below the
+        position it claims (another writer may have committed the trajectory's tokens first); a result it drops
+        then is reported by the next ``flush``/``close`` (ResultError; with ``skip_committed`` logged only). Every
+        check runs before anything is buffered, on values of any size (bounded work).
 
         Raises:
             SchemaVersionError: the store is format version 1 (it cannot hold results).
             ResultExistsError: the trajectory already has a result, committed (as far as this writer has read the
                 log) or buffered by this writer; with ``skip_committed`` a committed one is skipped silently.
-            InvalidIdError / ResultError: a bad field (nothing is buffered).
+            InvalidIdError / ResultError: a bad field, or a result that does not fit the trajectory's tokens as
+                above (nothing is buffered).
             TraceStoreError / BackendError: as :meth:`write`.
         """
         if self.store.format_version < 2:
@@ -206,8 +226,9 @@ class Writer(Closing):
                                      policy_version, finish_reason, {} if extra is None else extra))
         with self._lock:
             self._check_open()
+            committer = self._committer
             with self._state:
-                committed = traj_id in self._committer.has_result
+                committed = traj_id in committer.has_result
                 if committed and self.skip_committed:
                     log.info("%s: %s already has a committed result; skipped", self.writer_id, traj_id)
                     return
@@ -215,6 +236,11 @@ class Writer(Closing):
                     where = "committed" if committed else "buffered by this writer"
                     raise ResultExistsError(f"trajectory {traj_id!r} already has a result {where} in "
                                             f"{self.store.url}", [(traj_id, 0, 0)])
+                ranges = merge_ranges(sorted(committer.committed.get(traj_id) + self._buffer.pending.get(traj_id)))
+                why = result_problem(result, self.writer_id, ranges, committer.owner.get(traj_id))
+                if why is not None:
+                    raise ResultError(f"result of {traj_id!r} refused by writer {self.writer_id!r} of "
+                                      f"{self.store.url}: {why} (FORMAT §3.2)")
                 self._buffer.pending_results.add(traj_id)
             self._buffer.add_result(result)
 
@@ -239,6 +265,12 @@ class Writer(Closing):
                 raise OverlapError(
                     f"trajectory {traj_id!r}: tokens [{start}, {stop}) overlap [{hit[0]}, {hit[1]}) "
                     f"already {where} in {self.store.url}", [(traj_id, start, stop)])
+            if parts and (traj_id in self._committer.has_result or traj_id in self._buffer.pending_results):
+                where = "committed" if traj_id in self._committer.has_result else "buffered by this writer"
+                raise TrajectoryCompleteError(
+                    f"trajectory {traj_id!r}: tokens [{start}, {stop}) after its result ({where}) in "
+                    f"{self.store.url}: a trajectory is complete once its result is committed, no token follows it "
+                    f"(FORMAT §3.2)", [(traj_id, start, stop)])
             for a, b in parts:
                 pending.add(traj_id, a, b)
         return parts
@@ -297,6 +329,10 @@ class Writer(Closing):
         Raises:
             OverlapError: since the last flush()/close(), commits (this one or automatic ones) dropped token ranges
                 that another writer had committed first; ``.conflicts`` lists them, everything else was committed.
+                TrajectoryCompleteError (an OverlapError): ranges of trajectories whose result another writer
+                committed first. ResultExistsError (an OverlapError): results of trajectories that another writer
+                completed first. ResultError: results the log no longer allowed when they committed (another
+                writer committed the trajectory's first tokens, or tokens that leave a gap).
             BackendError: storage failure (rows stay buffered; a later flush retries).
         """
         with self._lock:
@@ -306,19 +342,42 @@ class Writer(Closing):
             self._raise_lost()
 
     def _raise_lost(self) -> None:
+        """Raise what commits dropped since the last report, as one error: its type is the first kind below that
+        occurred, its message and ``.conflicts`` list every kind (``(traj_id, 0, 0)`` for a result)."""
         with self._state:
             lost, self._lost = self._lost, []
+            complete, self._lost_complete = self._lost_complete, []
             lost_results, self._lost_results = self._lost_results, []
+            refused, self._refused_results = self._refused_results, []
+
+        def ranges(xs):
+            return ", ".join(f"{t}[{a}:{b})" for t, a, b in xs[:5]) + (" ..." if len(xs) > 5 else "")
+
+        parts = []
+        if refused:
+            parts.append((ResultError, f"{len(refused)} result(s) the log no longer allowed when they committed ("
+                          + "; ".join(f"{t!r}: {why}" for t, why in refused[:3]) + ")",
+                          [(t, 0, 0) for t, _ in refused]))
+        if complete:
+            parts.append((TrajectoryCompleteError, f"{len(complete)} token range(s) of trajectories whose result "
+                          f"another writer committed first ({ranges(complete)})", complete))
         if lost_results:
-            raise ResultExistsError(
-                f"{len(lost_results)} result(s) were not committed: another writer committed a result for "
-                f"{', '.join(repr(t) for t in lost_results[:5])} first; everything else was committed",
-                [(t, 0, 0) for t in lost_results])
+            parts.append((ResultExistsError, f"{len(lost_results)} result(s) of trajectories another writer "
+                          f"committed a result for first ({', '.join(repr(t) for t in lost_results[:5])})",
+                          [(t, 0, 0) for t in lost_results]))
         if lost:
-            raise OverlapError(
-                f"{len(lost)} token range(s) lost a commit race: another writer committed them first "
-                f"({', '.join(f'{t}[{a}:{b})' for t, a, b in lost[:5])}); they were dropped, everything else "
-                f"was committed", lost)
+            parts.append((OverlapError, f"{len(lost)} token range(s) that lost a commit race: another writer "
+                          f"committed them first ({ranges(lost)})", lost))
+        if not parts:
+            return
+        message = "not committed: " + "; ".join(m for _, m, _ in parts) + "; they were dropped, everything else was committed"
+        conflicts = [c for _, _, cs in parts for c in cs]
+        cls = parts[0][0]
+        if cls is ResultError:
+            err = ResultError(message)
+            err.conflicts = conflicts
+            raise err
+        raise cls(message, conflicts)
 
     def close(self) -> None:
         """Commit what is buffered and stop the background threads. Idempotent once it succeeded.
@@ -400,11 +459,16 @@ class Writer(Closing):
         if stage.rows and not stage.rows_committed:
             if stage.segment is None:
                 self._committer.write_segment(stage)
-            conflicts = self._committer.commit_rows(stage)
+            conflicts, complete = self._committer.commit_rows(stage)
             stage.rows_committed = True
             with self._state:
                 for r in stage.records:
                     self._buffer.pending.subtract(r.traj_id, r.token_start, r.token_stop)
+                if complete:
+                    log.warning("%s: %d token range(s) of trajectories another writer completed first were dropped: "
+                                "%s", self.writer_id, len(complete), complete[:5])
+                    if not self.skip_committed:
+                        self._lost_complete.extend(complete)
                 if conflicts:
                     if self.skip_committed:  # another writer committed these positions first: nothing to report
                         log.info("%s: %d token range(s) were committed by another writer first; skipped: %s",
@@ -414,9 +478,13 @@ class Writer(Closing):
                                     self.writer_id, len(conflicts), conflicts[:5])
                         self._lost.extend(conflicts)
         if stage.results:
-            dropped = self._committer.commit_results(stage)
+            dropped, refused = self._committer.commit_results(stage)
             with self._state:
                 self._buffer.pending_results.difference_update(r.traj_id for r in stage.results)
-                if dropped and not self.skip_committed:
+                if refused:
+                    log.warning("%s: %d result(s) the log no longer allows were dropped: %s", self.writer_id,
+                                len(refused), refused[:3])
+                if not self.skip_committed:
                     self._lost_results.extend(dropped)
+                    self._refused_results.extend(refused)
         self._buffer.recycle(stage)

@@ -396,9 +396,11 @@ def test_gc_refuses_a_grace_below_the_stores_without_force(tmp_path):
 
 @pytest.mark.s3
 def test_slow_commits_lose_nothing_to_a_concurrent_gc(proxy, s3):
-    """Every log entry PUT takes 3 s to arrive, the grace period is 2 s, gc runs all the time: before the fix
-    gc deleted every committed segment. Now the writer rewrites a segment that gc removed while its commit was in
-    flight, and gc refuses a grace shorter than twice the slowest commit it can see."""
+    """Every log entry PUT (the writers' and gc's own) takes 3 s to arrive, the grace period is 2 s, gc runs all
+    the time: two fixes ago gc deleted every committed segment; one fix ago gc refused to run once it saw a slow
+    commit (it had not seen one yet when it deleted). Now gc announces what it deletes in a gc entry first, which
+    a slow commit either precedes (gc reads it) or loses its position to (the writer reads the gc entry and writes
+    the segment again): nothing is lost and gc keeps running (FORMAT §6)."""
     url, opts, raw = s3
     store = _create(url, opts, gc_grace_s=2)
     proxy.add("delay", "PUT", r"/log/\d+\.arrow$", times=None, delay_s=3.0)
@@ -418,7 +420,7 @@ def test_slow_commits_lose_nothing_to_a_concurrent_gc(proxy, s3):
     t = threading.Thread(target=gc_loop)
     t.start()
     try:
-        for i in range(3):
+        for i in range(2):
             with store.writer(commit_interval_s=0) as w:
                 w.write(f"t{i}", 0, **rows(store, f"t{i}", 0, 8))
     finally:
@@ -429,9 +431,9 @@ def test_slow_commits_lose_nothing_to_a_concurrent_gc(proxy, s3):
     report = ts.verify(fresh)
     assert report.ok, report.errors
     reader = fresh.reader()
-    for i in range(3):
+    for i in range(2):
         check_batch(store, reader.read(f"t{i}", 0, 8, fmt="numpy"), f"t{i}", 0, 8)
-    assert "refused" in gc_outcomes  # once a slow commit is in the log, gc with a 2 s grace stops
+    assert "refused" not in gc_outcomes and len(gc_outcomes) > 5
 
 
 # ------------------------------------------------------------------ 9. CLI and parsing

@@ -95,7 +95,7 @@ def test_bad_area_names_are_refused(location, area_name):
 
 def test_store_area_shares_the_store_backend(location):
     store = ts.create_store(location.url, SITES, storage_options=location.options)
-    assert ts.RESERVED_AREAS == ("weights", "checkpoints", "audit")
+    assert ts.RESERVED_AREAS == ("weights", "checkpoints", "audit", "quantizer")
     for name in ts.RESERVED_AREAS:
         with store.area(name) as a:
             assert (a.url, a.area) == (store.url, name)
@@ -137,6 +137,33 @@ def test_gc_verify_compact_info_leave_application_areas_alone(location):
     assert d["bytes"]["total"] == sum(len(location.read(k)) for k in location.keys() if k not in app)
     assert {k: location.read(k) for k in app} == app  # nothing in an area was changed or deleted
     assert set(location.keys()) - set(app) == store_keys | {"index/000000000001.parquet"}
+
+
+def test_gc_deleting_garbage_never_touches_the_reserved_areas(location):
+    """Every area tracerl uses (FORMAT §2: weights/, checkpoints/, audit/, quantizer/), holding keys that look like
+    old store garbage, while gc announces and deletes a real orphan segment: only the orphan goes."""
+    assert set(ts.RESERVED_AREAS) == {"weights", "checkpoints", "audit", "quantizer"}
+    store = ts.create_store(location.url, SITES, storage_options=location.options, gc_grace_s=60)
+    with store.writer("w", commit_interval_s=0) as w:
+        w.write("t", 0, **rows(store, "t", 0, 8))
+    orphan = store.writer("crashed", commit_interval_s=0)
+    orphan.write("x", 0, **rows(store, "x", 0, 8))
+    stage = orphan._buffer.take()
+    orphan._committer.write_segment(stage)  # written, never committed
+    app = {}
+    for area in ts.RESERVED_AREAS:
+        app.update({f"{area}/data/w/00000000-0123456789ab/zarr.json": b"{}", f"{area}/.x.0123abcd.partial": b"half",
+                    f"{area}/log/000000000000.arrow": b"junk", f"{area}/000000000001/w.json": b"{}"})
+    for key, data in app.items():
+        location.write(key, data)
+    if hasattr(location, "set_mtime"):
+        for key in app:
+            location.set_mtime(key, time.time() - 1e6)
+    rep = ts.collect_garbage(store, now=time.time() + 1e7)
+    assert rep.deleted_segments == [stage.segment.path] and rep.gc_entries == [1]
+    assert {k: location.read(k) for k in app} == app
+    assert not any(k.startswith(stage.segment.path) for k in location.keys())
+    assert ts.verify(store).ok
 
 
 # ------------------------------------------------------------------ S3 through the fault-injecting proxy

@@ -68,33 +68,30 @@ def test_stream_resumes_between_records_and_results(location):
     assert [(i.kind, i.seq, i.index) for i in first + resumed] == everything and len(everything) == 6
 
 
-def test_a_result_without_tokens(location):
-    store = _store(location)
-    with store.writer("w", commit_interval_s=0) as w:
-        w.write_result("empty", reward=0.0, finish_reason="abort")
-    info = store.reader().info("empty")
-    assert info.complete and info.num_tokens == 0 and info.result.finish_reason == "abort"
-
-
 def test_one_result_per_trajectory(location):
     store = _store(location)
     with store.writer("w", commit_interval_s=0) as w:
+        w.write("t", 0, **rows(store, "t", 0, 4))
         w.write_result("t", reward=1.0)
         with pytest.raises(ts.ResultExistsError, match="buffered"):
             w.write_result("t", reward=2.0)
-    with store.writer("w2", commit_interval_s=0) as w:
+    with store.writer("w", commit_interval_s=0) as w:
         with pytest.raises(ts.ResultExistsError, match="committed"):
             w.write_result("t", reward=3.0)
-    with store.writer("w3", commit_interval_s=0, skip_committed=True) as w:
+    with store.writer("w", commit_interval_s=0, skip_committed=True) as w:
         w.write_result("t", reward=4.0)  # skipped silently
     assert [r.reward for r in store.reader().results()] == [1.0]
 
 
 @pytest.mark.parametrize("skip", [False, True])
 def test_racing_writers_commit_one_result(location, skip):
+    """Two writer objects of one writer id (a restarted process and the one it replaces) both buffer the result of
+    a trajectory that id owns: the first commit wins, the second is dropped (ResultExistsError, or silently)."""
     store = _store(location)
+    with store.writer("a", commit_interval_s=0) as w:
+        w.write("t", 0, **rows(store, "t", 0, 4))
     a = store.writer("a", commit_interval_s=0, skip_committed=skip)
-    b = store.writer("b", commit_interval_s=0, skip_committed=skip)
+    b = store.writer("a", commit_interval_s=0, skip_committed=skip)
     a.write_result("t", reward=1.0)
     b.write_result("t", reward=2.0)  # b has not seen a's result: both buffer one
     a.close()
@@ -169,16 +166,18 @@ def test_version_2_checkpoint_holds_results(tmp_path, monkeypatch):
 def test_verify_reports_two_results_for_one_trajectory(tmp_path):
     store = ts.create_store(str(tmp_path / "s"), SITES)
     with store.writer("w", commit_interval_s=0) as w:
+        w.write("t", 0, **rows(store, "t", 0, 4))
         w.write_result("t", reward=1.0)
     empty = np.zeros(0, np.int64)
-    rogue = LogEntry(seq=1, writer_id="rogue", writer_seq=0, segment=None, created_unix=0.0, segment_nbytes=0,
+    rogue = LogEntry(seq=2, writer_id="rogue", writer_seq=0, segment=None, created_unix=0.0, segment_nbytes=0,
                      traj_ids=[], token_start=empty, token_stop=empty, row_offset=empty, policy_version=empty,
                      kind=RESULTS, results=(Result("t", 9.0),), batch="00000000-000000000000")
-    assert store.backend.put_if_absent(log_key(1), encode_entry(rogue))
+    assert store.backend.put_if_absent(log_key(2), encode_entry(rogue))
     fresh = ts.open_store(str(tmp_path / "s"))
     report = ts.verify(fresh)
     assert not report.ok and any("two results" in e for e in report.errors)
     assert fresh.reader().result("t").reward == 1.0  # the first committed result counts
+    assert [i.reward for i in fresh.stream(timeout_s=0) if i.kind == "result"] == [1.0, 9.0]  # a stream: both
 
 
 @pytest.mark.s3
@@ -191,11 +190,13 @@ def test_ambiguous_results_commit_is_ours(moto_endpoint, s3_bucket, monkeypatch)
         opts = proxy.storage_options()
         store = ts.create_store(f"s3://{name}/r", SITES, storage_options=opts,
                                 retry=ts.RetryPolicy(attempts=4, base_delay_s=0.01, max_delay_s=0.05))
-        proxy.add("apply_error", "PUT", r"/log/000000000000\.arrow$", code="InternalError")
         with store.writer("w", commit_interval_s=0) as w:
+            w.write("t", 0, **rows(store, "t", 0, 4))
+            w.flush()
+            proxy.add("apply_error", "PUT", r"/log/000000000001\.arrow$", code="InternalError")
             w.write_result("t", reward=1.0)
         assert proxy.stats["apply_error"] == 1 and w.stats["lost_races"] == 0
-        assert store.head() == 1 and [r.reward for r in store.reader().results()] == [1.0]
+        assert store.head() == 2 and [r.reward for r in store.reader().results()] == [1.0]
 
 
 def test_cli_shows_results(tmp_path, capsys):

@@ -21,14 +21,22 @@ def register(add) -> None:
     p.set_defaults(func=_cmd_verify)
 
     p = add("gc", "delete uncommitted segments and partial files older than the grace period",
+            description="Delete the segments no committed log entry references whose newest object is older than "
+                        "the grace period, and old partial files. In a format-version-3 store gc first commits a gc "
+                        "entry to the log naming what it deletes, so that no writer commits those segments "
+                        "afterwards and none committed them before (FORMAT §6): safe while writers run, whatever "
+                        "the delays. Version-1/2 stores have no gc entries: there segments are deleted only with "
+                        "--force (when no writer runs).",
             examples=["tracestore gc /data/run1 --dry-run", "tracestore gc s3://bucket/run1 --grace 7200"],
-            json="one JSON object: {dry_run, deleted_segments, ...}")
-    p.add_argument("--dry-run", action="store_true", help="only report what would be deleted")
+            json="one JSON object: {dry_run, deleted_segments, deleted_objects, deleted_bytes, young_segments, "
+                 "gc_entries, committed_meanwhile, kept_segments}")
+    p.add_argument("--dry-run", action="store_true", help="only report what would be deleted (commits nothing)")
     p.add_argument("--grace", type=positive_float, default=None, metavar="SECONDS",
                    help="grace period in seconds, > 0 (default: the store's gc_grace_s, 3600); shorter than the "
                         "store's needs --force")
     p.add_argument("--force", action="store_true",
-                   help="allow a grace period shorter than the store's gc_grace_s (only when no writer is running)")
+                   help="allow a grace period shorter than the store's gc_grace_s (writers slower than it write "
+                        "segments again); in a version-1/2 store, delete segments at all (only when no writer runs)")
     p.set_defaults(func=_cmd_gc)
 
     p = add("compact", "write a checkpoint of the whole log so that readers open the store with one GET",
@@ -96,7 +104,10 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     verb = "would delete" if report.dry_run else "deleted"
     out(f"{verb} {len(report.deleted_segments)} segments / {report.deleted_objects} objects "
          f"({human_bytes(report.deleted_bytes)}); {len(report.young_segments)} uncommitted segments younger than "
-         f"the grace period kept")
+         f"the grace period kept" + (f"; gc entries {report.gc_entries}" if report.gc_entries else ""))
+    if report.kept_segments:
+        out(f"{len(report.kept_segments)} old uncommitted segments kept: a format-version-{store.format_version} "
+            f"store has no gc entries (--force deletes them, only when no writer runs)")
     for s in report.deleted_segments[:20]:
         out(f"  {s}")
     if len(report.deleted_segments) > 20:

@@ -71,8 +71,81 @@ class SegmentRef:
 
 #: ``finish_reason`` values: short words (``stop``, ``length``, ``abort``, ...)
 _FINISH_RE = re.compile(r"[A-Za-z0-9_.:-]{0,64}")
-#: largest JSON encoding of one result's ``extra``
+#: largest canonical JSON encoding (:func:`encode_extra`) of one result's ``extra``, in bytes
 MAX_EXTRA_BYTES = 16 << 10
+#: deepest nesting of objects and arrays in ``extra`` (the object itself is level 1)
+MAX_EXTRA_DEPTH = 32
+
+
+def encode_extra(extra: Mapping) -> str:
+    """The canonical JSON text of a result's ``extra`` (FORMAT §3.2), whose length is measured against
+    :data:`MAX_EXTRA_BYTES`: sorted keys, no whitespace, every non-ASCII character escaped (``\\uXXXX``), so its
+    length in characters is its length in bytes."""
+    return json.dumps(extra, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
+def _extra_lower_bound(extra: Mapping, where: str) -> None:
+    """Walk ``extra`` without building anything, adding up a lower bound of its canonical encoding's bytes, and stop
+    (ResultError) as soon as that bound passes :data:`MAX_EXTRA_BYTES` or the nesting passes :data:`MAX_EXTRA_DEPTH`:
+    at most about MAX_EXTRA_BYTES values are looked at, however large or deep ``extra`` is. Types are checked here;
+    :func:`encode_extra` then measures exactly what passed."""
+    size = 0
+    stack: list[tuple[object, int]] = [(extra, 1)]
+    too_big = ResultError(f"{where}: extra is more than {MAX_EXTRA_BYTES} bytes of JSON (FORMAT §3.2)")
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, Mapping) or isinstance(value, (list, tuple)):
+            if depth > MAX_EXTRA_DEPTH:
+                raise ResultError(f"{where}: extra is nested more than {MAX_EXTRA_DEPTH} levels deep")
+            size += 2 + max(0, len(value) - 1)  # brackets, commas
+            if size > MAX_EXTRA_BYTES:
+                raise too_big
+            if isinstance(value, Mapping):
+                for k in value:
+                    if not isinstance(k, str):
+                        raise ResultError(f"{where}: extra must be a JSON object, got a key of type "
+                                          f"{type(k).__name__} ({k!r:.40})")
+                    size += len(k) + 3  # quotes, colon
+                    if size > MAX_EXTRA_BYTES:
+                        raise too_big
+                    stack.append((value[k], depth + 1))
+            else:
+                stack.extend((v, depth + 1) for v in value)
+        elif isinstance(value, str):
+            size += len(value) + 2
+        elif value is None or isinstance(value, bool):
+            size += 4
+        elif isinstance(value, int):
+            size += max(1, int(value.bit_length() * 0.30102999566398))  # decimal digits, at least
+        elif isinstance(value, float):
+            if not math.isfinite(value):
+                raise ResultError(f"{where}: extra must be JSON: it holds {value!r}, which JSON cannot encode")
+            size += 1
+        else:
+            raise ResultError(f"{where}: extra must be JSON: it holds a {type(value).__name__}, which JSON has no "
+                              f"type for")
+        if size > MAX_EXTRA_BYTES:
+            raise too_big
+
+
+def _show(value: object) -> str:
+    """A short text of a value for an error message (str() of a huge int is slow, or refused past 4,300 digits)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"an int of {value.bit_length()} bits"
+    return f"{value!r:.40}"
+
+
+def _finite(value: object, where: str, name: str) -> float:
+    """``value`` as a float if it is a finite number (int, float or numpy float; not a bool), else ResultError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)):
+        raise ResultError(f"{where}: {name} must be a finite number, got {type(value).__name__} {_show(value)}")
+    try:
+        f = float(value)
+    except OverflowError:  # an int beyond float's range (10**400)
+        f = math.inf
+    if not math.isfinite(f):
+        raise ResultError(f"{where}: {name} must be a finite number (float64), got {_show(value)}")
+    return f
 
 
 @dataclass(frozen=True)
@@ -101,60 +174,76 @@ class Result:
                 "policy_version": self.policy_version, "finish_reason": self.finish_reason, "extra": dict(self.extra)}
 
     @classmethod
-    def from_json(cls, d: object) -> Result:
-        """Raises ResultError / InvalidIdError on anything malformed (see :func:`check_result`)."""
+    def from_json(cls, d: object, *, reading: bool = False) -> Result:
+        """Raises ResultError / InvalidIdError on anything malformed (see :func:`check_result`; ``reading``: a
+        result decoded from a log entry)."""
         if not isinstance(d, Mapping) or set(d) != _RESULT_FIELDS:
             raise ResultError(f"a result needs exactly the fields {sorted(_RESULT_FIELDS)}, got {d!r:.200}")
-        return check_result(cls(**d))
+        return check_result(cls(**d), reading=reading)
 
 
 _RESULT_FIELDS = {"traj_id", "reward", "group_id", "advantage", "prompt_len", "response_len", "policy_version",
                   "finish_reason", "extra"}
-def check_result(r: Result) -> Result:
-    """Validate every field of ``r`` (types, ranges, ids); returns it with plain Python values.
+
+
+def check_result(r: Result, *, reading: bool = False) -> Result:
+    """Validate every field of ``r`` (types, ranges, ids); returns it with plain Python values. Cheap and bounded
+    whatever arrives (an int of 400 digits, an ``extra`` nested 100,000 deep or holding a billion values): nothing
+    is converted or encoded before its size is known to be small.
+
+    ``reading``: ``r`` was decoded from a stored entry, which another implementation may have written: its
+    ``extra`` was parsed already, and its size is not held against the bound (encoders format numbers differently
+    by a few bytes; FORMAT §3.2).
 
     Raises:
         InvalidIdError: bad ``traj_id`` or ``group_id``. ResultError (a ValueError and TypeError): anything else (says
         which field, what arrived and what is allowed).
     """
     check_id(r.traj_id)
+    where = f"result of {r.traj_id!r}"
     if r.group_id != "":
         check_id(r.group_id, "group id")
-    if not isinstance(r.reward, (int, float, np.floating)) or isinstance(r.reward, bool) or not math.isfinite(r.reward):
-        raise ResultError(f"result of {r.traj_id!r}: reward must be a finite number, got {r.reward!r:.40}")
-    if r.advantage is not None and (isinstance(r.advantage, bool) or not isinstance(r.advantage, (int, float, np.floating))
-                                    or not math.isfinite(r.advantage)):
-        raise ResultError(f"result of {r.traj_id!r}: advantage must be a finite number or None, got {r.advantage!r:.40}")
+    reward = _finite(r.reward, where, "reward")
+    advantage = None if r.advantage is None else _finite(r.advantage, where, "advantage (or None)")
     for name in ("prompt_len", "response_len"):
         v = getattr(r, name)
         if not is_int(v) or not 0 <= v <= INT64_MAX:
-            raise ResultError(f"result of {r.traj_id!r}: {name} must be an int in [0, 2**63 - 1], got {v!r:.40}")
+            raise ResultError(f"{where}: {name} must be an int in [0, 2**63 - 1], got {_show(v)}")
     if not is_int(r.policy_version) or not INT64_MIN <= r.policy_version <= INT64_MAX:
-        raise ResultError(f"result of {r.traj_id!r}: policy_version must fit int64, got {r.policy_version!r:.40}")
+        raise ResultError(f"{where}: policy_version must fit int64, got {_show(r.policy_version)}")
     if not isinstance(r.finish_reason, str) or not _FINISH_RE.fullmatch(r.finish_reason):
-        raise ResultError(f"result of {r.traj_id!r}: finish_reason must be up to 64 characters of "
-                         f"[A-Za-z0-9_.:-], got {r.finish_reason!r:.80}")
+        raise ResultError(f"{where}: finish_reason must be up to 64 characters of [A-Za-z0-9_.:-], got "
+                          f"{r.finish_reason!r:.80}")
     if not isinstance(r.extra, Mapping):
-        raise ResultError(f"result of {r.traj_id!r}: extra must be a JSON object, got {type(r.extra).__name__}")
-    try:
-        text = json.dumps(dict(r.extra), allow_nan=False, sort_keys=True)
-    except (TypeError, ValueError) as e:  # NaN or infinity, a value JSON has no type for
-        raise ResultError(f"result of {r.traj_id!r}: extra must be a JSON object, got one that is not JSON: {e}") from e
-    if len(text) > MAX_EXTRA_BYTES:
-        raise ResultError(f"result of {r.traj_id!r}: extra is {len(text)} bytes of JSON, at most {MAX_EXTRA_BYTES}")
-    return Result(r.traj_id, float(r.reward), r.group_id, None if r.advantage is None else float(r.advantage),
-                  int(r.prompt_len), int(r.response_len), int(r.policy_version), r.finish_reason,
-                  json.loads(text))
+        raise ResultError(f"{where}: extra must be a JSON object, got {type(r.extra).__name__}")
+    if reading:
+        extra = dict(r.extra)
+    else:
+        _extra_lower_bound(r.extra, where)
+        try:
+            text = encode_extra(dict(r.extra))
+        except (TypeError, ValueError, RecursionError) as e:  # a Mapping subclass that misbehaves
+            raise ResultError(f"{where}: extra must be a JSON object, got one that is not JSON: {e}") from e
+        if len(text) > MAX_EXTRA_BYTES:
+            raise ResultError(f"{where}: extra is {len(text)} bytes of JSON, at most {MAX_EXTRA_BYTES} (FORMAT §3.2)")
+        extra = json.loads(text)
+    return Result(r.traj_id, reward, r.group_id, advantage, int(r.prompt_len), int(r.response_len),
+                  int(r.policy_version), r.finish_reason, extra)
 
 
-#: entry kinds (format version 2; a version-1 entry is always a segment entry)
-SEGMENT, RESULTS = "segment", "results"
+#: entry kinds (format version 2; a version-1 entry is always a segment entry): ``gc`` from version 3
+SEGMENT, RESULTS, GC = "segment", "results", "gc"
+#: the first format version that has each kind
+KIND_SINCE = {SEGMENT: 1, RESULTS: 2, GC: 3}
+#: most segments one gc entry names (FORMAT §6): a larger deletion is announced by several entries
+MAX_GC_SEGMENTS = 10_000
 
 
 @dataclass(frozen=True)
 class LogEntry:
     """One commit: a segment and the records (trajectory token ranges) it holds, or (``kind == "results"``,
-    format version 2) a batch of trajectory results and no records."""
+    format version 2) a batch of trajectory results and no records, or (``kind == "gc"``, format version 3) the
+    segments a gc run is about to delete (``segments``), which no later entry may reference (FORMAT §6)."""
 
     seq: int
     writer_id: str
@@ -169,8 +258,9 @@ class LogEntry:
     policy_version: np.ndarray  # [n] int64
     kind: str = SEGMENT
     results: tuple[Result, ...] = ()
-    batch: str = ""  # results entries: <writer_seq>-<random>, unique per writer
+    batch: str = ""  # results and gc entries: <writer_seq>-<random>, unique per writer
     format_version: int = FORMAT_VERSION
+    segments: tuple[str, ...] = ()  # gc entries: the segment paths ("data/<writer_id>/<segment_id>") to delete
 
     def __len__(self) -> int:
         return len(self.traj_ids)
@@ -178,8 +268,8 @@ class LogEntry:
     @property
     def entry_id(self) -> str:
         """What identifies the commit (a writer reads it back to recognise its own): the segment path, or
-        ``results/<writer_id>/<batch>``."""
-        return self.segment.path if self.segment is not None else f"results/{self.writer_id}/{self.batch}"
+        ``results/<writer_id>/<batch>`` / ``gc/<writer_id>/<batch>``."""
+        return self.segment.path if self.segment is not None else f"{self.kind}/{self.writer_id}/{self.batch}"
 
     def records(self) -> Iterator[Record]:
         """The entry's records, in order (Python ints)."""
@@ -216,6 +306,8 @@ def encode_entry(entry: LogEntry) -> bytes:
                   "writer_seq": entry.writer_seq, "created_unix": entry.created_unix}
     if entry.kind == RESULTS:
         meta.update(kind=RESULTS, batch=entry.batch, results=[r.to_json() for r in entry.results])
+    elif entry.kind == GC:
+        meta.update(kind=GC, batch=entry.batch, segments=list(entry.segments))
     else:
         meta.update(segment=entry.segment.path, rows=entry.segment.rows, chunk_rows=entry.segment.chunk_rows,
                     shard_bytes=entry.segment.shard_bytes, segment_nbytes=entry.segment_nbytes)
@@ -253,8 +345,8 @@ def decode_entry(data: bytes, seq: int, where: str) -> LogEntry:
         raise IntegrityError(f"log entry {where} lacks the tracestore.entry / tracestore.crc32c metadata")
     try:
         meta = json.loads(meta_raw)
-    except ValueError as e:
-        raise IntegrityError(f"log entry {where}: metadata is not JSON: {e}") from e
+    except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than the parser's stack
+        raise IntegrityError(f"log entry {where}: metadata is not JSON (or nested too deeply): {e}") from e
     check_version(meta.get("format_version") if isinstance(meta, dict) else None, f"log entry {where}")
     if table.schema.remove_metadata() != _SCHEMA:
         raise IntegrityError(f"log entry {where}: columns {table.schema.names} do not match log_entry_schema v1")
@@ -269,9 +361,9 @@ def decode_entry(data: bytes, seq: int, where: str) -> LogEntry:
         writer_id = check_id(meta["writer_id"], "writer id")
         version = meta["format_version"]
         kind = meta.get("kind", SEGMENT)
-        if kind not in (SEGMENT, RESULTS) or (version < 2 and "kind" in meta):
+        if kind not in KIND_SINCE or KIND_SINCE[kind] > version or (version < 2 and "kind" in meta):
             raise IntegrityError(f"log entry {where}: kind {kind!r} (format version {version}); allowed: "
-                                 f"{SEGMENT!r}, and {RESULTS!r} from format version 2")
+                                 f"{SEGMENT!r}, {RESULTS!r} from format version 2, {GC!r} from version 3")
         common = dict(seq=seq, writer_id=writer_id, writer_seq=int(meta["writer_seq"]),
                       created_unix=float(meta["created_unix"]), traj_ids=traj_ids,
                       token_start=ints[0].astype(np.int64), token_stop=ints[1].astype(np.int64),
@@ -282,12 +374,18 @@ def decode_entry(data: bytes, seq: int, where: str) -> LogEntry:
                 raise IntegrityError(f"log entry {where}: bad metadata: results is {type(meta['results']).__name__}, "
                                      f"not a list")
             entry = LogEntry(segment=None, segment_nbytes=0, batch=str(meta["batch"]),
-                             results=tuple(Result.from_json(r) for r in meta["results"]), **common)
+                             results=tuple(Result.from_json(r, reading=True) for r in meta["results"]), **common)
+        elif kind == GC:
+            paths = meta["segments"]
+            if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+                raise IntegrityError(f"log entry {where}: bad metadata: segments is not a list of strings")
+            entry = LogEntry(segment=None, segment_nbytes=0, batch=str(meta["batch"]), segments=tuple(paths),
+                             **common)
         else:
             segment = SegmentRef(path=str(meta["segment"]), writer_id=writer_id, rows=int(meta["rows"]),
                                  chunk_rows=int(meta["chunk_rows"]), shard_bytes=int(meta["shard_bytes"]))
             entry = LogEntry(segment=segment, segment_nbytes=int(meta.get("segment_nbytes", 0)), **common)
-    except (KeyError, TypeError, ValueError, InvalidIdError) as e:
+    except (KeyError, TypeError, ValueError, InvalidIdError, OverflowError) as e:
         raise IntegrityError(f"log entry {where}: bad metadata: {e}") from e
     _check_entry(entry, where)
     return entry
@@ -299,13 +397,17 @@ def _check_entry(entry: LogEntry, where: str) -> None:
             check_id(t)
         except InvalidIdError as e:
             raise IntegrityError(f"log entry {where}: {e}") from e
-    if entry.kind == RESULTS:
-        if len(entry) or not entry.results:
-            raise IntegrityError(f"log entry {where}: a results entry holds results and no records")
+    if entry.kind in (RESULTS, GC):
+        if len(entry) or (not entry.results if entry.kind == RESULTS else entry.results):
+            raise IntegrityError(f"log entry {where}: a {entry.kind} entry holds no records"
+                                 + (" and at least one result" if entry.kind == RESULTS else " and no results"))
         try:
-            check_id(entry.batch, "results batch id")
+            check_id(entry.batch, f"{entry.kind} batch id")
         except InvalidIdError as e:
             raise IntegrityError(f"log entry {where}: {e}") from e
+        if entry.kind == GC:
+            _check_gc_segments(entry.segments, where)
+            return
         trajs = [r.traj_id for r in entry.results]
         if len(set(trajs)) != len(trajs):
             raise IntegrityError(f"log entry {where}: a trajectory has two results in one entry")
@@ -325,6 +427,28 @@ def _check_entry(entry: LogEntry, where: str) -> None:
         entry.row_offset + n > seg.rows
     ).any():
         raise IntegrityError(f"log entry {where}: a record's token range or rows are out of bounds")
+
+
+def segment_path_ok(path: str) -> bool:
+    """Whether ``path`` is a segment path ``data/<writer_id>/<segment_id>`` with valid ids (FORMAT §2.1)."""
+    parts = path.split("/")
+    if len(parts) != 3 or parts[0] != "data":
+        return False
+    try:
+        check_id(parts[1], "writer id")
+        check_id(parts[2], "segment id")
+    except InvalidIdError:
+        return False
+    return True
+
+
+def _check_gc_segments(paths: tuple[str, ...], where: str) -> None:
+    if not paths or len(paths) > MAX_GC_SEGMENTS or len(set(paths)) != len(paths):
+        raise IntegrityError(f"log entry {where}: a gc entry names 1..{MAX_GC_SEGMENTS} distinct segments, got "
+                             f"{len(paths)} ({len(set(paths))} distinct)")
+    bad = [p for p in paths if not segment_path_ok(p)]
+    if bad:
+        raise IntegrityError(f"log entry {where}: gc entry segment {bad[0]!r:.120} is not data/<writer_id>/<segment_id>")
 
 
 # ---------------------------------------------------------------------- checkpoints
@@ -486,6 +610,6 @@ def same_entry(a: LogEntry, b: LogEntry) -> bool:
     """Field-by-field equality of two decoded entries (for checking checkpoints against the log)."""
     return (a.seq == b.seq and a.writer_id == b.writer_id and a.writer_seq == b.writer_seq and a.segment == b.segment
             and a.created_unix == b.created_unix and a.segment_nbytes == b.segment_nbytes
-            and a.traj_ids == b.traj_ids and a.kind == b.kind and a.batch == b.batch
+            and a.traj_ids == b.traj_ids and a.kind == b.kind and a.batch == b.batch and a.segments == b.segments
             and [r.to_json() for r in a.results] == [r.to_json() for r in b.results]
             and all(np.array_equal(getattr(a, n), getattr(b, n)) for n in _RECORD_INT_FIELDS))

@@ -221,18 +221,39 @@ class LocalBackend(Backend):
         finally:
             os.close(fd)
 
+    #: how often a write starts over when a directory or a temporary file it made vanished meanwhile (gc deletes
+    #: empty directories below data/ and old ``.partial`` files, whatever paused this write)
+    vanished_retries = 3
+
+    def _write_new_in(self, path: str, data: Data) -> None:
+        """:meth:`_write_new` in a directory that is made first (again, if it vanished since it was made)."""
+        directory = os.path.dirname(path)
+        for attempt in range(self.vanished_retries + 1):
+            self._mkdirs(directory)
+            try:
+                return self._write_new(path, data)
+            except FileNotFoundError:
+                self._dirs.discard(directory)  # removed by gc's pruning since it was made: make it again
+                if attempt == self.vanished_retries:
+                    raise
+
     def _write_partial(self, path: str, data: Data) -> str:
         directory, name = os.path.split(path)
-        self._mkdirs(directory)
         tmp = os.path.join(directory, f".{name}.{uuid.uuid4().hex}{PARTIAL_SUFFIX}")
-        self._write_new(tmp, data)
+        self._write_new_in(tmp, data)
         return tmp
 
     def put(self, key: str, data: Data) -> None:
         path = self._path(key)
         try:
-            tmp = self._write_partial(path, data)
-            os.replace(tmp, path)
+            for attempt in range(self.vanished_retries + 1):
+                tmp = self._write_partial(path, data)
+                try:
+                    os.replace(tmp, path)
+                    return
+                except FileNotFoundError:  # the temporary file was deleted (gc) before the rename: write it again
+                    if attempt == self.vanished_retries:
+                        raise
         except OSError as e:
             raise self._wrap_write(e, key) from e
 
@@ -243,11 +264,6 @@ class LocalBackend(Backend):
             for key, data in items.items():
                 self.put(key, data)
             return
-        for key in items:
-            try:
-                self._mkdirs(os.path.dirname(self._path(key)))
-            except OSError as e:
-                raise self._wrap_write(e, key) from e
         if self.put_threads > 1 and len(items) > 1:
             for f in [self._executor().submit(self._create, key, data) for key, data in items.items()]:
                 f.result()
@@ -257,33 +273,39 @@ class LocalBackend(Backend):
 
     def _create(self, key: str, data: Data) -> None:
         try:
-            self._write_new(self._path(key), data)
+            self._write_new_in(self._path(key), data)
         except OSError as e:
             raise self._wrap_write(e, key) from e
 
     def put_if_absent(self, key: str, data: Data) -> bool:
         path = self._path(key)
-        try:
-            tmp = self._write_partial(path, data)
-        except OSError as e:
-            raise self._wrap_write(e, key) from e
-        try:
-            os.link(tmp, path)
-            return True
-        except FileExistsError:
-            return False
-        except OSError as e:
-            if e.errno in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
-                raise BackendError(
-                    f"{self.url}: the filesystem does not support hard links, which the local backend needs "
-                    f"for atomic create-if-absent: {e}"
-                ) from e
-            raise self._wrap(e, key) from e
-        finally:
+        attempt = 0
+        while True:
             try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+                tmp = self._write_partial(path, data)
+            except OSError as e:
+                raise self._wrap_write(e, key) from e
+            try:
+                os.link(tmp, path)
+                return True
+            except FileExistsError:
+                return False
+            except FileNotFoundError as e:  # the temporary file was deleted (gc) before the link: write it again
+                attempt += 1
+                if attempt > self.vanished_retries:
+                    raise self._wrap_write(e, key) from e
+            except OSError as e:
+                if e.errno in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
+                    raise BackendError(
+                        f"{self.url}: the filesystem does not support hard links, which the local backend needs "
+                        f"for atomic create-if-absent: {e}"
+                    ) from e
+                raise self._wrap(e, key) from e
+            finally:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
 
     def exists(self, key: str) -> bool:
         # os.path.isfile would answer False for any error (EACCES, EIO): only ENOENT/ENOTDIR mean absent
