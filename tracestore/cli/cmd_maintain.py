@@ -119,7 +119,8 @@ def _cmd_compact(args: argparse.Namespace) -> int:
     from ..maintenance import compact
 
     store = open_store_arg(args)
-    log_end = compact(store)
+    with progress(args, "compact"):  # uncounted: a heartbeat line every 30 s without a terminal
+        log_end = compact(store)
     if args.json:
         json_out({"checkpoint_log_end": log_end})
     elif log_end is None:
@@ -135,7 +136,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
     store = open_store_arg(args)
     snapshot = load_json_arg(args.snapshot, "--snapshot") if args.snapshot else None
     try:
-        done = export_table(store, args.out, None if snapshot is None else json.dumps(snapshot), args.table)
+        with progress(args, "export"):  # uncounted: a heartbeat line every 30 s without a terminal
+            done = export_table(store, args.out, None if snapshot is None else json.dumps(snapshot), args.table)
     except OSError as e:
         raise UsageError(f"cannot write {args.out}: {e.strerror or e}") from e
     if args.json:
