@@ -51,6 +51,7 @@ def test_codes_equal_inside_the_margin_and_mismatches_outside_are_counted(margin
     assert st["within_margin_mismatch"] == 0
     # every mismatch is outside the margin, and the counts add up
     assert st["moved_mismatch"] == st["code_mismatch"] == st["unmarked_mismatch"] + st["marked_mismatch"]
+    assert st["code_mismatch"] <= st["value_mismatch"] <= st["code_mismatch"] + st["wrong_scale_values"]
     # independently of margin_stats: positions with the reconstructed scale, the codes compared up to +-0
     u_r = C.ladder_position(x.float() * _r(q.scales, g))
     u_t = C.ladder_position(xt.float() * _r(rec.scales_e4m3, g))
@@ -111,6 +112,21 @@ def test_a_value_exactly_at_the_margin_is_unmarked_and_one_just_inside_keeps_its
         assert rec.codes_u8[0, 1].item() == code
         st = C.margin_stats(enc, rec, _codes(q), x, xt, g, q.scales)
         assert (st["within_margin_mismatch"], st["moved_mismatch"]) == (0, outside)
+
+
+def test_a_block_with_the_rollouts_codes_but_another_scale_counts_as_value_mismatches():
+    """g = 1: the rollout's block (amax 6) has scale 1.0; the trainer's (amax 6.6) has 1.125 and, with its own
+    scale (nothing stored), the same codes 7 and 2 for 6.6 and 1.0: 0 code mismatches, 2 value mismatches (the
+    zeros dequantize to 0 either way)."""
+    x = torch.zeros(1, 16)
+    x[0, 0], x[0, 1] = 6.0, 1.0
+    xt = x.clone()
+    xt[0, 0] = 6.6
+    g = torch.tensor(1.0)
+    q = tracefp4.quantize(x, "nvfp4", global_scale=g, backend="reference")
+    enc = C.encode_margin_exceptions(x, g, q.scales, q.hints, 0.0, 0.0)
+    st = C.margin_stats(enc, C.reconstruct(enc, xt, g), _codes(q), x, xt, g, q.scales)
+    assert (st["code_mismatch"], st["scale_mismatch"], st["value_mismatch"]) == (0, 1, 2)
 
 
 # ---- the two ends of the margin ----------------------------------------------------------------------------
@@ -215,6 +231,23 @@ def test_pack_unpack_round_trip_with_the_byte_count_it_claims(margin, scale_marg
             bits = (C.row_bits(vm, values) + vm.sum(1) + C.row_bits(sm, blocks)
                     + (1 if payload == "lsb" else 8) * sm.sum(1))
             assert np.array_equal(per_row, (bits + 7) // 8)
+
+
+@pytest.mark.parametrize("payload,per_row", [("byte", 256 // 8 + 256 // 16), ("lsb", 256 // 8 + 256 // 128)])
+def test_todays_layout_is_margin_inf_with_every_position_marked(payload, per_row):
+    """m = m_s = inf picks the ``all`` coding: no position bits, every hint bit and every scale byte: today's
+    W/8 + W/16 bytes per row (with scale hints W/8 + W/128)."""
+    x, g, q = _rollout(t=8)
+    enc = C.encode_margin_exceptions(x, g, q.scales, q.hints, INF, INF, scale_payload=payload)
+    coding, totals = C.choose_coding(enc)
+    assert coding == C.SiteCoding("all", "all") and totals["values"]["all"] == 0
+    packed = C.pack_rows(enc, coding)
+    assert packed.nbytes == 8 * per_row and C.today_bytes_per_token([256]) == 48
+    assert C.unpack_rows(packed) == enc
+    partial = C.encode_margin_exceptions(x, g, q.scales, q.hints, 0.1, INF)
+    assert "all" not in C.choose_coding(partial)[1]["values"]
+    with pytest.raises(ConfigError, match="every position"):
+        C.pack_rows(partial, C.SiteCoding("all", "all"))
 
 
 def test_row_bits_and_bytes_of_a_known_row():

@@ -46,8 +46,8 @@ rollout's code up to the sign of zero (+0 and -0 count equal, as in the audit). 
 rounding is monotone), so ``u_t`` rounds as ``u_r`` does; a marked value's code is one of the two ladder values
 around ``u_t`` whenever ``Δ < 1/2``, and the hint bit picks it. Likewise every unmarked block whose trainer
 position satisfies ``|w_t - w_r| < m_s`` gets the rollout's scale byte, and so does every marked block (with
-scale hints: when ``|w_t - w_r| < 1/2``). Outside the margin a code may differ only
-where the trainer's value moved by at least the margin (or its block's scale differs); `margin_stats` counts both.
+scale hints: when ``|w_t - w_r| < 1/2``). Outside the margin a code may differ only where the trainer's value
+moved by at least the margin (or its block's scale differs); `margin_stats` counts both.
 ``m = 0, m_s = 0`` stores nothing and is round-to-nearest with own scales; ``m = m_s = inf`` stores everything and
 is today's hint-guided rounding, bit for bit.
 
@@ -56,11 +56,12 @@ padded with zeros to a whole byte::
 
     [value positions] [one hint bit per marked value] [block positions] [8 bits (or 1: scale hints) per marked block]
 
-with each position set coded as ``bitmap`` (n bits, bit i = position i marked), ``block-bitmap`` (n/16 bits, one
-per group of 16 positions holding a mark, then 16 mask bits per such group), ``gamma`` (Elias gamma of count + 1,
-then of each gap ``p_i - p_(i-1)``, ``p_(-1) = -1``) or ``rice<k>`` (gamma of count + 1, then Golomb-Rice with
-parameter 2^k of each ``p_i - p_(i-1) - 1``: q = x >> k ones, a zero, the k low bits). `choose_coding` picks the
-cheapest per site; `row_bits` counts a coding's bits without writing them.
+with each position set coded as ``all`` (no bits: every position is marked; today's layout is margin inf with
+``all`` / ``all`` and whole scale bytes), ``bitmap`` (n bits, bit i = position i marked), ``block-bitmap`` (n/16
+bits, one per group of 16 positions holding a mark, then 16 mask bits per such group), ``gamma`` (Elias gamma of
+count + 1, then of each gap ``p_i - p_(i-1)``, ``p_(-1) = -1``) or ``rice<k>`` (gamma of count + 1, then
+Golomb-Rice with parameter 2^k of each ``p_i - p_(i-1) - 1``: q = x >> k ones, a zero, the k low bits).
+`choose_coding` picks the cheapest per site; `row_bits` counts a coding's bits without writing them.
 
 NVFP4 only (block 16, E4M3 scales). Shapes: ``x`` [T, W] (bf16/fp16/fp32, W a multiple of 16), scales uint8
 [T, W/16], hints uint8 [T, W/8] (NUMERICS §2 layouts), global scale a positive finite float or a 1-element
@@ -98,6 +99,7 @@ __all__ = [
     "fake_quantize_compact",
     "margin_stats",
     "row_bits",
+    "candidate_bits",
     "choose_coding",
     "pack_rows",
     "unpack_rows",
@@ -109,7 +111,7 @@ BLOCK = NVFP4_BLOCK_SIZE
 #: what the store keeps of a marked block: its E4M3 byte, or only the byte's LSB (a scale hint)
 SCALE_PAYLOADS = ("byte", "lsb")
 #: the position codings of a set of marked positions (``rice<k>``: Golomb-Rice with parameter 2^k, k in 0..30)
-POSITION_CODINGS = ("bitmap", "block-bitmap", "gamma", "rice<k>")
+POSITION_CODINGS = ("all", "bitmap", "block-bitmap", "gamma", "rice<k>")
 #: positions per group of the ``block-bitmap`` coding
 GROUP = 16
 _RICE = re.compile(r"rice([0-9]|[12][0-9]|30)")
@@ -359,6 +361,7 @@ def margin_stats(enc: MarginExceptions, rec: Reconstruction, codes_rollout: torc
     """Counts of one site's reconstruction against the rollout (all int):
 
     values, blocks; marked_values, marked_blocks; code_mismatch (codes differ, +0 == -0); scale_mismatch;
+    value_mismatch (the dequantized values differ: the codes differ, or the block scales do and a code is not 0);
     unmarked_mismatch / marked_mismatch (code mismatches among unmarked / marked values); within_margin (values
     with ``Δ < min(m, 1/2)``, Δ measured with the reconstructed scale) and within_margin_mismatch (the exactness
     property says 0); moved_mismatch (mismatches with Δ >= the margin); wrong_scale_values (values in blocks
@@ -374,11 +377,13 @@ def margin_stats(enc: MarginExceptions, rec: Reconstruction, codes_rollout: torc
     mism = (c_t != c_r) & ~(((c_t & 7) == 0) & ((c_r & 7) == 0))
     within = delta < min(enc.margin, 0.5)
     wrong_scale = (rec.scales_e4m3 != scales_rollout).repeat_interleave(BLOCK, dim=1)
+    value_mism = mism | (wrong_scale & (((c_t & 7) != 0) | ((c_r & 7) != 0)))
     vm = enc.value_mask
     return {
         "values": int(vm.numel()), "blocks": int(enc.scale_mask.numel()),
         "marked_values": int(vm.sum()), "marked_blocks": int(enc.scale_mask.sum()),
         "code_mismatch": int(mism.sum()), "scale_mismatch": int((rec.scales_e4m3 != scales_rollout).sum()),
+        "value_mismatch": int(value_mism.sum()),
         "unmarked_mismatch": int((mism & ~vm).sum()), "marked_mismatch": int((mism & vm).sum()),
         "within_margin": int(within.sum()), "within_margin_mismatch": int((mism & within).sum()),
         "moved_mismatch": int((mism & ~within).sum()), "wrong_scale_values": int(wrong_scale.sum()),
@@ -391,7 +396,7 @@ def margin_stats(enc: MarginExceptions, rec: Reconstruction, codes_rollout: torc
 def _check_coding(coding: str, n: int) -> int | None:
     """The Rice parameter k of ``coding`` (None for the others); `ConfigError` for an unknown coding or a
     block-bitmap over a row length that is not a multiple of 16."""
-    if coding in ("bitmap", "gamma"):
+    if coding in ("all", "bitmap", "gamma"):
         return None
     if coding == "block-bitmap":
         if n % GROUP:
@@ -427,10 +432,15 @@ def _gaps(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def row_bits(mask: np.ndarray, coding: str) -> np.ndarray:
     """Bits (int64 [T]) that ``coding`` takes for the marked positions of each row of ``mask`` (bool [T, n]),
-    positions only (no hint bits or scale bytes, no padding). Raises `ConfigError` for an unknown coding."""
+    positions only (no hint bits or scale bytes, no padding). Raises `ConfigError` for an unknown coding, and for
+    ``all`` when a position is not marked."""
     mask = np.asarray(mask, dtype=bool)
     t_, n = mask.shape
     k = _check_coding(coding, n)
+    if coding == "all":
+        if not mask.all():
+            raise ConfigError(f"coding 'all' needs every position marked; {int((~mask).sum())} of {mask.size} are not")
+        return np.zeros(t_, dtype=np.int64)
     if coding == "bitmap":
         return np.full(t_, n, dtype=np.int64)
     if coding == "block-bitmap":
@@ -456,19 +466,23 @@ class SiteCoding:
         return {"values": self.values, "blocks": self.blocks}
 
 
-def _candidates(n: int, rice_max: int) -> list[str]:
-    out = ["bitmap", "gamma", *(f"rice{k}" for k in range(rice_max + 1))]
-    return out + (["block-bitmap"] if n % GROUP == 0 else [])
+def candidate_bits(mask: np.ndarray, rice_max: int = 8) -> dict[str, np.ndarray]:
+    """Position bits per row (int64 [T]) of ``mask`` (bool [T, n]) in every coding that can code it, in
+    preference order: ``all`` (only when every position is marked), bitmap, gamma, rice0..rice<rice_max>,
+    block-bitmap (when n is a multiple of 16)."""
+    mask = np.asarray(mask, dtype=bool)
+    names = ["all"] if mask.all() else []
+    names += ["bitmap", "gamma", *(f"rice{k}" for k in range(rice_max + 1))]
+    names += ["block-bitmap"] if mask.shape[1] % GROUP == 0 else []
+    return {c: row_bits(mask, c) for c in names}
 
 
 def choose_coding(enc: MarginExceptions, rice_max: int = 8) -> tuple[SiteCoding, dict[str, dict[str, int]]]:
     """The cheapest coding of each position set of ``enc`` (fewest bits over all its rows; ties: the earlier
-    of bitmap, gamma, rice0..rice<rice_max>, block-bitmap), and every candidate's total bits
-    ``{"values": {coding: bits}, "blocks": {...}}``."""
-    vm = enc.value_mask.cpu().numpy()
-    sm = enc.scale_mask.cpu().numpy()
-    totals = {"values": {c: int(row_bits(vm, c).sum()) for c in _candidates(vm.shape[1], rice_max)},
-              "blocks": {c: int(row_bits(sm, c).sum()) for c in _candidates(sm.shape[1], rice_max)}}
+    of all (only when every position is marked), bitmap, gamma, rice0..rice<rice_max>, block-bitmap), and every
+    candidate's total bits ``{"values": {coding: bits}, "blocks": {...}}``."""
+    totals = {key: {c: int(b.sum()) for c, b in candidate_bits(mask.cpu().numpy(), rice_max).items()}
+              for key, mask in (("values", enc.value_mask), ("blocks", enc.scale_mask))}
     pick = {k: min(v, key=v.get) for k, v in totals.items()}
     return SiteCoding(pick["values"], pick["blocks"]), totals
 
@@ -507,6 +521,9 @@ def _fields_of_positions(mask: np.ndarray, coding: str) -> list[tuple[np.ndarray
     ``order``; every length is in 1..63 (long unary runs are split, bitmaps go bit by bit)."""
     t_, n = mask.shape
     k = _check_coding(coding, n)
+    if coding == "all":
+        row_bits(mask, coding)  # every position marked, or ConfigError
+        return []
     if coding == "bitmap":
         return [_bit_fields(mask)]
     if coding == "block-bitmap":
@@ -630,6 +647,8 @@ class _Bits:
 
 def _read_positions(b: _Bits, coding: str, n: int) -> np.ndarray:
     k = _check_coding(coding, n)
+    if coding == "all":
+        return np.arange(n, dtype=np.int64)
     if coding == "bitmap":
         return np.flatnonzero(np.array([b.read(1) for _ in range(n)], dtype=bool))
     if coding == "block-bitmap":
