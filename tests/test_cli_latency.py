@@ -120,6 +120,8 @@ ERROR_CASES = [
     ("tracerl.cli", ["replay", "{store}", "--from", "{tmp}/no-checkpoints", "--log", "{tmp}/m.jsonl"],
      "CheckpointNotFoundError", ("numpy", "pyarrow", "zarr")),
     ("tracerl.cli", ["set-aside", "{tmp}/no-checkpoints"], "CheckpointNotFoundError", ("numpy", "pyarrow", "zarr")),
+    ("tracerl.cli", ["train", "{store}", "--checkpoints", "{tmp}/c", "--cursor", "v1:not-a-cursor"], "cursor",
+     ("numpy", "pyarrow", "zarr")),
     ("tracestore.cli", ["info", "{full}/notes.txt"], "LocationError", ("numpy", "pyarrow", "zarr")),
 ]
 

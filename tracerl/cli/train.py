@@ -10,6 +10,7 @@ import os
 from tracerl.cli.args import (
     add_process_arguments,
     end_distributed,
+    existing_store_options,
     float_above,
     init_distributed,
     int_at_least,
@@ -138,8 +139,11 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)  # before torch is imported: bad options answer at once
     if args.device.startswith("cuda") and not args.no_deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts (deterministic GEMMs)
-    opts, console = start_process(args)
     import tracestore as ts
+
+    if args.cursor is not None:  # a cursor of another store, malformed or past the log head: said before torch loads
+        ts.open_store(args.store, storage_options=existing_store_options(args, args.store)).stream(args.cursor)
+    opts, console = start_process(args)
     from tracerl.runlog import MetricsLog
     from tracerl.train import run_training, start_or_resume
 
