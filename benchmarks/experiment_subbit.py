@@ -380,8 +380,10 @@ class SiteData:
         return out
 
 
-def combine(per_site: dict[str, list[dict]]) -> list[dict]:
-    """Grid points summed over sites (same margins at every site)."""
+def combine(per_site: dict[str, list[dict]], keys=("margin", "scale_margin", "scale_payload"),
+            means=("scale_agreement", "marked_value_share"), sums=("within_margin_mismatch",)) -> list[dict]:
+    """Grid points summed over sites (the same ``keys``, e.g. margins, at every site): bytes and mismatch counts
+    summed, agreements from the sums, ``means`` averaged over sites, ``sums`` summed."""
     sites = list(per_site)
     out = []
     for i, p in enumerate(per_site[sites[0]]):
@@ -389,26 +391,10 @@ def combine(per_site: dict[str, list[dict]]) -> list[dict]:
         n = sum(r["values"] for r in rows)
         mism = sum(r["code_mismatches"] for r in rows)
         vmism = sum(r["value_mismatches"] for r in rows)
-        out.append({k: p[k] for k in ("margin", "scale_margin", "scale_payload")} | {
+        out.append({k: p[k] for k in keys} | {
             "bytes_per_token": sum(r["bytes_per_token"] for r in rows), "code_mismatches": mism, "values": n,
-            "value_mismatches": vmism, "code_agreement": 1 - mism / n, "value_agreement": 1 - vmism / n,
-            "scale_agreement": float(np.mean([r["scale_agreement"] for r in rows])),
-            "marked_value_share": float(np.mean([r["marked_value_share"] for r in rows])),
-            "within_margin_mismatch": sum(r["within_margin_mismatch"] for r in rows)})
-    return out
-
-
-def combine_syndromes(per_site: dict[str, list[dict]]) -> list[dict]:
-    sites = list(per_site)
-    out = []
-    for i, p in enumerate(per_site[sites[0]]):
-        rows = [per_site[s][i] for s in sites]
-        n = sum(r["values"] for r in rows)
-        out.append({"syndrome_bits": p["syndrome_bits"], "search": p["search"],
-                    "bytes_per_token": sum(r["bytes_per_token"] for r in rows),
-                    "code_agreement": 1 - sum(r["code_mismatches"] for r in rows) / n,
-                    "value_agreement": 1 - sum(r["value_mismatches"] for r in rows) / n,
-                    "value_mismatches": sum(r["value_mismatches"] for r in rows)})
+            "value_mismatches": vmism, "code_agreement": 1 - mism / n, "value_agreement": 1 - vmism / n}
+            | {k: float(np.mean([r[k] for r in rows])) for k in means} | {k: sum(r[k] for r in rows) for k in sums})
     return out
 
 
@@ -785,7 +771,7 @@ def main(argv=None) -> int:
                     "that matches the syndrome. Fixed-size rows; no exactness guarantee (it can miscorrect)",
             "passes": syn_passes,
             "offline": {("replay_routes" if rr else "no_replay"): {
-                "overall": combine_syndromes(syn_site[rr]), "per_site": syn_site[rr]} for rr in (False, True)}},
+                "overall": combine(syn_site[rr], keys=("syndrome_bits", "search"), means=(), sums=()), "per_site": syn_site[rr]} for rr in (False, True)}},
         "definitions": {
             "bytes_per_token": "mean over response tokens of each site's byte-aligned row (positions + hint bits + "
                                "block positions + scale bytes or bits) plus a uint32 offset per 64 rows, summed "

@@ -59,6 +59,16 @@ def _gc(where, **kw):
     return ts.collect_garbage(_open(where), now=time.time() + LATER, **kw)
 
 
+def _gc_held_at(place, method: str, *args, **kwargs):
+    """(gate, future): a gc run at the store's grace, from its own store object of ``place`` (the ``where``
+    fixture), stopped at ``Gate(method, ...)``."""
+    gs = _open(place)
+    gate = Gate(gs, method, *args, **kwargs)
+    gc = start(ts.collect_garbage, gs, now=time.time() + LATER)
+    assert gate.reached.wait(30)
+    return gate, gc
+
+
 def _check(where, trajs: dict[str, int]) -> None:
     """Everything committed is there and reads back right, verify is clean, and no entry names a missing object."""
     store = _open(where)
@@ -143,10 +153,7 @@ def test_gc_paused_after_listing(where):
     reads the log, which now references the segment: nothing deleted."""
     store = _create(where)
     w, wgate, flush = _written_then_held(store)
-    gs = _open(where)
-    ggate = Gate(gs, "list", where="after")
-    gc = start(ts.collect_garbage, gs, now=time.time() + LATER)
-    assert ggate.reached.wait(30)
+    ggate, gc = _gc_held_at(where, "list", where="after")
     wgate.open()
     flush.result()
     ggate.open()
@@ -164,10 +171,7 @@ def test_gc_paused_while_reading_the_log(where):
     with store.writer("first", commit_interval_s=0) as w0:
         w0.write("a", 0, **rows(store, "a", 0, 8))
     w, wgate, flush = _written_then_held(store)
-    gs = _open(where)
-    ggate = Gate(gs, "get_many", r"^log/", where="after")
-    gc = start(ts.collect_garbage, gs, now=time.time() + LATER)
-    assert ggate.reached.wait(30)
+    ggate, gc = _gc_held_at(where, "get_many", r"^log/", where="after")
     wgate.open()
     flush.result()
     ggate.open()
@@ -182,10 +186,7 @@ def test_gc_entry_put_delayed(where):
     is refused, gc reads the commit and leaves the segment out."""
     store = _create(where)
     w, wgate, flush = _written_then_held(store)
-    gs = _open(where)
-    ggate = Gate(gs, "put_if_absent", r"^log/")
-    gc = start(ts.collect_garbage, gs, now=time.time() + LATER)
-    assert ggate.reached.wait(30)
+    ggate, gc = _gc_held_at(where, "put_if_absent", r"^log/")
     wgate.open()
     flush.result()
     ggate.open()
@@ -202,10 +203,7 @@ def test_gc_paused_before_deleting(where):
     rows again under a new name and commits that; gc then deletes only what it named."""
     store = _create(where)
     w, wgate, flush = _written_then_held(store)
-    gs = _open(where)
-    ggate = Gate(gs, "delete_many", r"^data/")
-    gc = start(ts.collect_garbage, gs, now=time.time() + LATER)
-    assert ggate.reached.wait(30)
+    ggate, gc = _gc_held_at(where, "delete_many", r"^data/")
     wgate.open()
     flush.result()
     assert w.stats["rewritten"] == 1
