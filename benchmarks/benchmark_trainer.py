@@ -89,10 +89,10 @@ def _child(args) -> int:
 class _GpuSampler:
     """``nvidia-smi`` utilization samples (percent, every 100 ms) with their host times; nothing without it."""
 
-    def __init__(self):
+    def __init__(self, enabled: bool = True):
         self.samples: list[tuple[float, int]] = []
         self._proc = None
-        if shutil.which("nvidia-smi"):
+        if enabled and shutil.which("nvidia-smi"):
             self._proc = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
                                            "-lms", "100", "-i", "0"], stdout=subprocess.PIPE, text=True)
             threading.Thread(target=self._read, daemon=True).start()
@@ -232,9 +232,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.group_size}", flush=True)
     modes = [m for m in args.modes.split(",") if m]
     runs: dict[str, list[dict]] = {m: [] for m in modes}
-    sampler = _GpuSampler() if cuda else _GpuSampler.__new__(_GpuSampler)
-    if not cuda:
-        sampler.samples, sampler._proc = [], None
+    sampler = _GpuSampler(enabled=cuda)
     result = {"machine": _machine(args.device), "spec": spec, "device": args.device, "args": vars(args)}
     try:
         for i in range(args.runs):

@@ -141,14 +141,17 @@ def run(args: argparse.Namespace) -> int:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts (deterministic GEMMs)
     import tracestore as ts
 
+    store = None
     if args.cursor is not None:  # a cursor of another store, malformed or past the log head: said before torch loads
-        ts.open_store(args.store, storage_options=existing_store_options(args, args.store)).stream(args.cursor)
+        store = ts.open_store(args.store, storage_options=existing_store_options(args, args.store))
+        store.stream(args.cursor)
     opts, console = start_process(args)
     from tracerl.runlog import MetricsLog
     from tracerl.train import run_training, start_or_resume
 
     device = init_distributed(args.device)
-    store = ts.open_store(args.store, storage_options=opts)
+    if store is None:
+        store = ts.open_store(args.store, storage_options=opts)
     weights_url = None if args.no_publish else (args.weights or args.store)
     metrics = MetricsLog(args.metrics)
     trainer, follower = start_or_resume(store, cfg, checkpoints=args.checkpoints, weights_url=weights_url,

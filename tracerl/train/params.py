@@ -112,26 +112,20 @@ class PlainParams:
         computing with the same weights (a step's forwards and backwards: the copy engine and the SMs work at the
         same time); `step` waits for them before it writes the weights. The host must not read the returned
         tensors before that (a swap-in for a later forward is ordered after it on the device)."""
-        cuda = bool(self.params) and self.params[0].device.type == "cuda"
-        if background and cuda:
-            dev = self.params[0].device
+        if not self.params or self.params[0].device.type != "cuda":
+            return [reuse[i].copy_(p.detach()) if reuse is not None else p.detach().clone()
+                    for i, p in enumerate(self.params)]
+        dev = self.params[0].device
+        if background:
             if self._copy_stream is None:
                 self._copy_stream = torch.cuda.Stream(dev)
             self._copy_stream.wait_stream(torch.cuda.current_stream(dev))  # the weights as of now
-            with torch.cuda.stream(self._copy_stream):
-                out = [(reuse[i] if reuse is not None else torch.empty(p.shape, dtype=p.dtype, pin_memory=True))
-                       .copy_(p.detach(), non_blocking=True) for i, p in enumerate(self.params)]
+        with torch.cuda.stream(self._copy_stream) if background else contextlib.nullcontext():
+            out = [(reuse[i] if reuse is not None else torch.empty(p.shape, dtype=p.dtype, pin_memory=True))
+                   .copy_(p.detach(), non_blocking=background) for i, p in enumerate(self.params)]
+            if background:
                 self._snapshot_done = torch.cuda.Event()
                 self._snapshot_done.record(self._copy_stream)
-            return out
-        out = []
-        for i, p in enumerate(self.params):
-            if reuse is not None:
-                out.append(reuse[i].copy_(p.detach()))
-            elif p.device.type == "cuda":
-                out.append(torch.empty(p.shape, dtype=p.dtype, pin_memory=True).copy_(p.detach()))
-            else:
-                out.append(p.detach().clone())
         return out
 
     def _wait_snapshot(self) -> None:
