@@ -1,7 +1,8 @@
 """Versioned Arrow schemas of the tracestore format (``FORMAT.md`` in this directory is the normative spec).
 
 Version 2 adds trajectory results (``result``; results entries in the log, FORMAT §3.2); version 3 adds gc entries
-(FORMAT §6) and the structural rules of results, with the same schemas as version 2. Schemas:
+(FORMAT §6) and the structural rules of results; version 4 adds the per-site ``scale_encoding`` (FORMAT §2.2, §2.4);
+versions 3 and 4 have the same schemas as version 2. Schemas:
 
 * :func:`log_entry_schema` — the columns of a commit-log entry (one row per committed record).
 * :func:`record_schema` — the logical record ``(trajectory, token position, site) -> (hint bits, block scales)``
@@ -17,8 +18,10 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-FORMAT_VERSION = 3
-SUPPORTED_FORMAT_VERSIONS = (1, 2, 3)
+#: the newest version: what this code writes where a store needs it (new stores take the lowest version that holds
+#: their declaration, `tracestore.create_store`)
+FORMAT_VERSION = 4
+SUPPORTED_FORMAT_VERSIONS = (1, 2, 3, 4)
 
 
 _NULLABLE = "nullable"

@@ -197,7 +197,8 @@ def _check_names(given: object, declared, what: str, kind: str) -> Mapping:
 
 
 def _check_sites(store, hints, scales, T: int) -> dict:
-    """``hints`` / ``scales``: uint8 ``[T, hint_bytes]`` / ``[T, scale_bytes]`` for every declared site."""
+    """``hints`` / ``scales``: uint8 ``[T, hint_bytes]`` / ``[T, scale_bytes]`` for every declared site
+    (`Site.scale_bytes`: per the site's scale encoding)."""
     columns = {}
     for what, given, per_site in (("hints", hints, "hint_bytes"), ("scales", scales, "scale_bytes")):
         given = _check_names(given, store.sites, what, "site")
@@ -207,8 +208,10 @@ def _check_sites(store, hints, scales, T: int) -> dict:
             if not _is_u8(arr):
                 raise DTypeError(f"{what}[{name!r}] must be uint8, got {_dtype_name(arr)}")
             if _shape(arr) != want:
+                per = ("" if what == "hints" or site.scale_encoding == "bytes" else
+                       f", scale encoding lsb: ceil({site.blocks} blocks / 8) bytes of scale-byte LSBs")
                 raise ShapeError(f"{what}[{name!r}] must have shape {want} (T={T}, width {site.width}, "
-                                 f"block {site.block_size}), got {_shape(arr)}")
+                                 f"block {site.block_size}{per}), got {_shape(arr)}")
             columns[f"{what}.{name}"] = (arr, np.dtype(np.uint8))
     return columns
 

@@ -37,7 +37,8 @@ class TraceBatch:
     """Tokens ``[start, stop)`` of one trajectory.
 
     Shapes (``T = stop - start``; ``lo, hi`` the feature slice, the full width by default):
-        hints[site]: uint8 ``[T, (hi-lo)/8]``; scales[site]: uint8 ``[T, (hi-lo)/block_size]``;
+        hints[site]: uint8 ``[T, (hi-lo)/8]``; scales[site]: uint8 ``[T, (hi-lo)/block_size]`` (scale encoding
+        lsb: ``[T, ceil(hi/(8*block_size)) - lo/(8*block_size)]``, 8 blocks' scale LSBs per byte, FORMAT §2.4);
         token_ids: int32 ``[T]``; logprobs: float32 ``[T]``; experts[layer]: uint8 (uint16 if > 256 experts)
         ``[T, top_k]`` (views into one ``[T, L, top_k]`` array); policy_version: int64 ``[T]``;
         positions: int64 ``[T]``. numpy arrays, torch tensors or pyarrow arrays depending on ``fmt``.
@@ -229,11 +230,15 @@ def _check_features(store, sites: Sequence[str], features) -> tuple[int, int] | 
         raise ShapeError(f"features must be a (lo, hi) pair of ints, got {features!r}") from e
     for name in sites:
         site = store.sites[name]
-        align = int(np.lcm(8, site.block_size))
-        if not (0 <= lo < hi <= site.width) or lo % align or hi % align:
+        # a slice starts at a hint byte and a scale byte (scale encoding lsb: a byte holds 8 blocks' bits) and
+        # ends at one or at the row's end
+        align = int(np.lcm(8, site.scale_values_per_byte))
+        if not (0 <= lo < hi <= site.width) or lo % align or (hi % align and hi != site.width):
+            what = ("block size and 8 hint bits per byte" if site.scale_encoding == "bytes" else
+                    f"8 scale bits per byte of blocks of {site.block_size}: scale encoding {site.scale_encoding}")
             raise ShapeError(
                 f"features [{lo}, {hi}) invalid for site {name!r} (width {site.width}, block {site.block_size}): "
-                f"need 0 <= lo < hi <= {site.width}, both multiples of {align} (block size and 8 hint bits per byte)")
+                f"need 0 <= lo < hi <= {site.width}, both multiples of {align} ({what}; hi may be the width)")
     return lo, hi
 
 
@@ -258,15 +263,15 @@ def _allocate(store, sites: list[str], feats, trace_arrays: tuple[str, ...], T: 
     for name in sites:
         site = store.sites[name]
         lo, hi = feats if feats else (0, site.width)
-        nbytes += (hi - lo) // 8 + (hi - lo) // site.block_size
+        nbytes += (hi - lo) // 8 + -(-hi // site.scale_values_per_byte) - lo // site.scale_values_per_byte
     nbytes += sum(store.array_specs[n].row_nbytes for n in trace_arrays)
     alloc.reserve(T * nbytes + _ARENA_ALIGN * (2 * len(sites) + 4))
     outs: dict[str, tuple[np.ndarray, object, int, int]] = {}
     for name in sites:
         site = store.sites[name]
         lo, hi = feats if feats else (0, site.width)
-        for kind, per in (("hints", 8), ("scales", site.block_size)):
-            b0, b1 = lo // per, hi // per
+        for kind, per in (("hints", 8), ("scales", site.scale_values_per_byte)):
+            b0, b1 = lo // per, -(-hi // per)
             outs[f"{kind}.{name}"] = (*alloc.empty((T, b1 - b0), np.uint8), b0, b1)
     for name in trace_arrays:
         spec = store.array_specs[name]

@@ -159,7 +159,7 @@ def info(store) -> dict:
         "url": store.url,
         "format_version": store.format_version,
         "store_id": store.store_id,
-        "sites": [s.to_dict() for s in store.sites.values()],
+        "sites": [s.to_dict() for s in store.sites.values()],  # every key spelled out (scale_encoding too)
         "model": store.model,
         "moe_layers": list(store.moe_layers),
         "top_k": store.top_k,

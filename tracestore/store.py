@@ -17,7 +17,7 @@ from .format.keys import (
     DEFAULT_CHUNK_ROWS,
     DEFAULT_GC_GRACE_S,
     DEFAULT_SHARD_BYTES,
-    FORMAT_VERSION,
+    BASE_FORMAT_VERSION,
     MANIFEST_KEY,
     check_name,
     check_version,
@@ -32,6 +32,7 @@ from .format.manifest import (
     decode_manifest,
     experts_dtype,
     new_manifest,
+    required_version,
 )
 from .format.entries import LogEntry
 from .format.segment import ArraySpec
@@ -197,17 +198,20 @@ def create_store(url: str, sites: Sequence[Site], *, model: Mapping | None = Non
                  top_k: int = 0, num_experts: int = 0, storage_options: Mapping | None = None,
                  exist_ok: bool = False, chunk_rows: int = DEFAULT_CHUNK_ROWS, shard_bytes: int = DEFAULT_SHARD_BYTES,
                  feature_chunk: int = 0, gc_grace_s: float = DEFAULT_GC_GRACE_S,
-                 retry: RetryPolicy | None = None, format_version: int = FORMAT_VERSION) -> Store:
+                 retry: RetryPolicy | None = None, format_version: int | None = None) -> Store:
     """Create a store at ``url`` declaring its sites and model metadata.
 
     ``chunk_rows`` (target rows per inner Zarr chunk), ``shard_bytes`` (target bytes per shard object) and
     ``feature_chunk`` (values per chunk along the feature axis; 0 = a whole row, else chunks of that many values
     for sites whose width it divides — for tensor-parallel slicing) fix the layout of every segment.
+    ``format_version``: default the lowest version that holds the declaration (FORMAT §7): 3, or 4 when a site's
+    ``scale_encoding`` is not ``bytes``; an older one keeps the store readable by older readers.
 
     Raises:
         StoreExistsError: a store exists at ``url`` (and ``exist_ok`` is false, or it declares other sites).
         InvalidIdError / ShapeError / DeclarationError: bad declaration (all ValueErrors). OptionTypeError: ``model``
-        is not JSON. SchemaVersionError: an unsupported ``format_version``. BackendError: storage failure.
+        is not JSON. SchemaVersionError: an unsupported ``format_version``; DeclarationError: a site's scale encoding
+        that ``format_version`` does not have. BackendError: storage failure.
     """
     sites = list(sites)
     if not sites or not all(isinstance(s, Site) for s in sites):
@@ -227,6 +231,8 @@ def create_store(url: str, sites: Sequence[Site], *, model: Mapping | None = Non
     except (TypeError, ValueError) as e:
         raise OptionTypeError(f"model metadata must be a JSON-serialisable mapping, got {type(model).__name__} that is "
                               f"not: {e}") from e
+    if format_version is None:
+        format_version = required_version(sites, BASE_FORMAT_VERSION)
     check_version(format_version, "create_store(format_version=...)")
     manifest = new_manifest(sites, model, moe_layers, top_k, num_experts, chunk_rows, shard_bytes, feature_chunk,
                          check_gc_grace(gc_grace_s), format_version)

@@ -166,7 +166,9 @@ class Writer(Closing):
 
         Args:
             hints: ``{site: uint8 [T, width/8]}`` for every declared site (bit i = LSB of code i, LSB first).
-            scales: ``{site: uint8 [T, width/block_size]}`` for every declared site.
+            scales: ``{site: uint8 [T, site.scale_bytes]}`` for every declared site: the scale bytes ``[T,
+                width/block_size]``, or with the site's scale encoding ``lsb`` their LSBs ``[T, ceil(width/block_size/8)]``
+                (bit b of a row = LSB of block b's E4M3 byte, LSB first; FORMAT §2.4).
             token_ids: integer ``[T]`` (stored int32).
             logprobs: floating ``[T]`` (stored float32).
             experts: ``{moe_layer: integer [T, top_k]}`` for every declared MoE layer (required iff the store

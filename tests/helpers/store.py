@@ -171,8 +171,8 @@ def check_batch(store, batch, traj_id: str, start: int, stop: int, *, features=N
         site = store.sites[name]
         lo, hi = features or (0, site.width)
         np.testing.assert_array_equal(np.asarray(batch.hints[name]), want["hints"][name][:, lo // 8: hi // 8])
-        np.testing.assert_array_equal(np.asarray(batch.scales[name]),
-                                      want["scales"][name][:, lo // site.block_size: hi // site.block_size])
+        per = site.scale_values_per_byte  # block_size, or 8 blocks per byte with scale encoding lsb
+        np.testing.assert_array_equal(np.asarray(batch.scales[name]), want["scales"][name][:, lo // per: -(-hi // per)])
     np.testing.assert_array_equal(np.asarray(batch.token_ids), want["token_ids"].astype(np.int32))
     np.testing.assert_array_equal(np.asarray(batch.logprobs), want["logprobs"])
     for layer in store.moe_layers:

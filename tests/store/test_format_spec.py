@@ -233,3 +233,32 @@ def test_zarr_json_compared_as_json_values(tmp_path, how, ok):
         assert errors == []
     else:
         assert {n for n in touched if any(f"{n}/zarr.json differs" in e for e in errors)} == set(touched), errors
+
+
+def test_scale_encoding_table(tmp_path):
+    """§2.4's table: every encoding the code knows, its scale bytes per token and the formats that take it."""
+    from tracestore.format.keys import SCALE_ENCODINGS
+
+    spec = {r[0]: r for r in _table("### 2.4 Scale encodings", "| scale_encoding")}
+    assert list(spec) == list(SCALE_ENCODINGS)
+    per_token = {"W/B": lambda w, b: w // b, "ceil(W/B/8)": lambda w, b: -(-(w // b) // 8)}
+    for enc, (_, nbytes, _, formats) in spec.items():
+        allowed = {f.strip().split()[0].strip("`") for f in formats.split(",")}
+        for fmt in ("nvfp4", "mxfp4"):
+            for width in (32, 96, 2048):
+                if fmt in allowed:
+                    site = ts.Site("s", width, fp4_format=fmt, scale_encoding=enc)
+                    assert site.scale_bytes == per_token[nbytes](width, site.block_size), (enc, fmt, width)
+                else:
+                    with pytest.raises(ts.DeclarationError):
+                        ts.Site("s", width, fp4_format=fmt, scale_encoding=enc)
+    # the arrays of a store with both encodings are the ones §2.3 names
+    store = ts.create_store(str(tmp_path / "s"), [ts.Site("a", 64), ts.Site("b", 64, scale_encoding="lsb")])
+    with store.writer("w", commit_interval_s=0) as w:
+        w.write("t", 0, **rows(store, "t", 0, 3))
+    seg = tmp_path / "s" / store.read_entry(0).segment.path
+    spec_names = [r[0] for r in _table("### 2.3 Segments", "| array | shape")]
+    patterns = [re.escape(n).replace("<W>", r"\d+").replace("<B>", r"\d+") for n in spec_names]
+    names = sorted(p.name for p in seg.iterdir() if p.is_dir())
+    assert "scales.w64.b16.lsb" in names
+    assert all(any(re.fullmatch(p, n) for p in patterns) for n in names), names

@@ -18,13 +18,18 @@ def register(add) -> None:
             json="print the new store's info as JSON")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--site-table", metavar="FILE", help="JSON: a list of sites {name, width, [kind, fp4_format, "
-                     "block_size]} or an object with 'sites' (+ model, moe_layers, top_k, num_experts, layout)")
+                     "block_size, scale_encoding]} or an object with 'sites' (+ model, moe_layers, top_k, num_experts, layout)")
     src.add_argument("--sites", type=positive_int, metavar="N", help="N sites of --width values each")
     p.add_argument("--width", type=positive_int, default=2048, metavar="W",
                    help="values per site with --sites (default 2048)")
     p.add_argument("--fp4-format", choices=("nvfp4", "mxfp4"), default="nvfp4",
                    help="FP4 format of every site with --sites: nvfp4 (blocks of 16, E4M3 scales) or mxfp4 "
                         "(blocks of 32, E8M0 scales); default nvfp4")
+    p.add_argument("--scale-encoding", choices=("bytes", "lsb"), default=None,
+                   help="what a site stores of each block's scale: bytes (the E4M3/E8M0 byte; default) or lsb (its "
+                        "least significant bit, 8 blocks per byte: a scale hint, 1/8 of the scale bytes; nvfp4 only; "
+                        "the trainer works out the rest from its own activations; makes the store format version 4). "
+                        "With --site-table: for the sites that name none")
     p.add_argument("--site-name", default="layers.{i}.moe_in", metavar="PATTERN",
                    help="site name pattern with --sites; {i} is replaced by 0..N-1 (default layers.{i}.moe_in)")
     p.add_argument("--moe-layers", type=positive_int, metavar="L",
@@ -45,9 +50,10 @@ def register(add) -> None:
     p.set_defaults(func=_cmd_create)
 
 
-def _sites_from_table(table) -> tuple[list, dict]:
+def _sites_from_table(table, scale_encoding: str | None = None) -> tuple[list, dict]:
     """A site table: a JSON list of site objects, or an object with ``sites`` and optionally ``model``,
-    ``moe_layers``, ``top_k``, ``num_experts``, ``layout`` (a store manifest is accepted as is)."""
+    ``moe_layers``, ``top_k``, ``num_experts``, ``layout`` (a store manifest is accepted as is); ``scale_encoding``
+    for the sites that name none."""
     from ..store import Site
 
     extra: dict = {}
@@ -65,6 +71,8 @@ def _sites_from_table(table) -> tuple[list, dict]:
     if not isinstance(sites, list) or not sites:
         raise UsageError("site table: expected a non-empty list of sites (or an object with a 'sites' list)")
     try:
+        if scale_encoding is not None:
+            sites = [{"scale_encoding": scale_encoding, **s} if isinstance(s, dict) else s for s in sites]
         return [Site.from_dict(s) for s in sites], extra
     except (KeyError, TypeError, AttributeError) as e:
         raise UsageError(f"site table: each site needs 'name' and 'width' ({e!r})") from e
@@ -88,9 +96,9 @@ def _cmd_create(args: argparse.Namespace) -> int:
     from ..store import Site, create_store, open_store
 
     if args.site_table:
-        sites, extra = _sites_from_table(load_json_arg("@" + args.site_table, "--site-table"))
+        sites, extra = _sites_from_table(load_json_arg("@" + args.site_table, "--site-table"), args.scale_encoding)
     elif args.sites:
-        sites = [Site(name, args.width, fp4_format=args.fp4_format)
+        sites = [Site(name, args.width, fp4_format=args.fp4_format, scale_encoding=args.scale_encoding or "bytes")
                  for name in _names(args.site_name, args.sites, "--site-name")]
         extra = {}
     else:

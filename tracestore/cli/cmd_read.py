@@ -75,12 +75,14 @@ def _cmd_info(args: argparse.Namespace) -> int:
     sites = d["sites"]
     kinds: dict[tuple, list] = {}
     for s in sites:
-        kinds.setdefault((s["width"], s["fp4_format"], s["block_size"]), []).append(s["name"])
+        kinds.setdefault((s["width"], s["fp4_format"], s["block_size"], s["scale_encoding"]), []).append(s["name"])
     out(f"store        {d['url']}")
     out(f"format       tracestore v{d['format_version']}, store id {d['store_id']}")
-    for (w, f, b), names in kinds.items():
+    for (w, f, b, enc), names in kinds.items():
         shown = ", ".join(names[:3]) + (f", ... ({len(names)} sites)" if len(names) > 3 else "")
-        out(f"sites        {shown}: width {w} {f} (block {b})")
+        scales = (f"scales: bytes, {w // b} B/token" if enc == "bytes" else
+                  f"scales: lsb (scale hints), {-(-w // (8 * b))} B/token")
+        out(f"sites        {shown}: width {w} {f} (block {b}), {scales}")
     out(f"per token    {d['payload_bytes_per_token']:,} payload bytes (hints + scales), "
          f"{d['trace_bytes_per_token']:,} trace bytes")
     if d["moe_layers"]:

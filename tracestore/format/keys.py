@@ -43,6 +43,14 @@ _NAME_RE = re.compile(NAME_PATTERN)
 
 FP4_FORMATS = {"nvfp4": 16, "mxfp4": 32}
 SITE_KINDS = ("activation", "weight", "kv", "other")
+#: what a site's scale row holds per block (FORMAT §2.4): ``bytes``, the whole scale byte (versions 1-3: always);
+#: ``lsb``, only the byte's least significant bit, 8 blocks per byte LSB-first (a *scale hint*; nvfp4 only)
+SCALE_ENCODINGS = ("bytes", "lsb")
+DEFAULT_SCALE_ENCODING = "bytes"
+#: the format version that introduced the site key ``scale_encoding``
+SCALE_ENCODING_SINCE = 4
+#: the version of a new store whose declaration needs nothing newer (a version-3 reader reads it)
+BASE_FORMAT_VERSION = 3
 
 #: token positions, row numbers and policy versions are int64 wherever they are stored
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1

@@ -17,18 +17,21 @@ from ..errors import DeclarationError, IntegrityError, SchemaVersionError, Shape
 from .keys import (
     DEFAULT_CHUNK_ROWS,
     DEFAULT_GC_GRACE_S,
+    DEFAULT_SCALE_ENCODING,
     DEFAULT_SHARD_BYTES,
     FORMAT_NAME,
     FORMAT_VERSION,
     FP4_FORMATS,
+    SCALE_ENCODING_SINCE,
+    SCALE_ENCODINGS,
     SITE_KINDS,
     check_name,
     check_version,
 )
 from .segment import ArraySpec
 
-__all__ = ["Site", "check_manifest", "check_gc_grace", "new_manifest", "decode_manifest", "array_specs",
-           "experts_dtype", "declaration"]
+__all__ = ["Site", "required_version", "check_manifest", "check_gc_grace", "new_manifest", "decode_manifest",
+           "array_specs", "experts_dtype", "declaration"]
 
 
 @dataclass(frozen=True)
@@ -36,11 +39,15 @@ class Site:
     """A quantization site: ``width`` FP4 values per token, in blocks of ``block_size`` sharing one scale byte.
 
     Per token the store keeps ``hint_bytes = width // 8`` hint bytes (bit i = LSB of the E2M1 code of value
-    i, LSB-first) and ``scale_bytes = width // block_size`` scale bytes (E4M3 for nvfp4, E8M0 for mxfp4).
+    i, LSB-first) and ``scale_bytes`` scale bytes: with ``scale_encoding="bytes"`` (the default) the
+    ``width // block_size`` scale bytes themselves (E4M3 for nvfp4, E8M0 for mxfp4); with ``"lsb"`` (nvfp4 only,
+    format version 4) only each block's scale-byte LSB, 8 blocks per byte LSB-first: ``ceil(width / block_size / 8)``
+    bytes (FORMAT §2.4; the trainer works out the rest of each byte from its own activations).
 
     Raises:
         InvalidIdError: bad name. ShapeError: width not a positive multiple of 8 and of ``block_size``.
-        DeclarationError (a ValueError): unknown ``kind`` or ``fp4_format``.
+        DeclarationError (a ValueError): unknown ``kind``, ``fp4_format`` or ``scale_encoding``, or ``"lsb"`` on a
+        site that is not nvfp4 with block 16.
     """
 
     name: str
@@ -48,6 +55,7 @@ class Site:
     kind: str = "activation"
     fp4_format: str = "nvfp4"
     block_size: int | None = None
+    scale_encoding: str = DEFAULT_SCALE_ENCODING
 
     def __post_init__(self) -> None:
         check_name(self.name, "site name")
@@ -56,6 +64,9 @@ class Site:
                                    f"{sorted(FP4_FORMATS)}")
         if not isinstance(self.kind, str) or self.kind not in SITE_KINDS:
             raise DeclarationError(f"site {self.name!r}: kind {self.kind!r} is not one of {list(SITE_KINDS)}")
+        if not isinstance(self.scale_encoding, str) or self.scale_encoding not in SCALE_ENCODINGS:
+            raise DeclarationError(f"site {self.name!r}: scale_encoding {self.scale_encoding!r:.80} is not one of "
+                                   f"{list(SCALE_ENCODINGS)}")
         if self.block_size is None:
             object.__setattr__(self, "block_size", FP4_FORMATS[self.fp4_format])
         if not isinstance(self.width, (int, np.integer)) or isinstance(self.width, bool) or self.width <= 0:
@@ -69,56 +80,92 @@ class Site:
             raise ShapeError(
                 f"site {self.name!r}: width {self.width} must be a multiple of 8 and of block_size {self.block_size}"
             )
+        if self.scale_encoding == "lsb" and (self.fp4_format != "nvfp4" or self.block_size != FP4_FORMATS["nvfp4"]):
+            raise DeclarationError(
+                f"site {self.name!r}: scale_encoding 'lsb' (scale hints) is defined for nvfp4 sites with block "
+                f"{FP4_FORMATS['nvfp4']} (E4M3 scales); this site is {self.fp4_format} with block {self.block_size}: "
+                "use scale_encoding 'bytes'")
 
     @property
     def hint_bytes(self) -> int:
         return self.width // 8
 
     @property
-    def scale_bytes(self) -> int:
+    def blocks(self) -> int:
+        """Blocks (scales) per token: ``width // block_size``."""
         return self.width // self.block_size
+
+    @property
+    def scale_values_per_byte(self) -> int:
+        """Values whose scales one stored scale byte covers: ``block_size`` (bytes), ``8 * block_size`` (lsb)."""
+        return self.block_size * (8 if self.scale_encoding == "lsb" else 1)
+
+    @property
+    def scale_bytes(self) -> int:
+        """Stored scale bytes per token: ``blocks`` (bytes) or ``ceil(blocks / 8)`` (lsb)."""
+        return -(-self.width // self.scale_values_per_byte)
 
     @property
     def bytes_per_token(self) -> int:
         return self.hint_bytes + self.scale_bytes
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+    def to_dict(self, format_version: int = FORMAT_VERSION) -> dict:
+        """The site as a manifest object of ``format_version``: every key spelled out; ``scale_encoding`` only from
+        version 4 (a version 1-3 manifest has no such key, and this site must be ``bytes`` there).
+
+        Raises DeclarationError: a non-default scale encoding asked for in a version below 4."""
+        d = asdict(self)
+        if format_version < SCALE_ENCODING_SINCE:
+            if self.scale_encoding != DEFAULT_SCALE_ENCODING:
+                raise DeclarationError(f"site {self.name!r}: scale_encoding {self.scale_encoding!r} needs format "
+                                       f"version >= {SCALE_ENCODING_SINCE}; the store is version {format_version}")
+            del d["scale_encoding"]
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping) -> Site:
         """Raises DeclarationError (not a mapping, unknown keys, missing name/width) or as the constructor."""
         if not isinstance(d, Mapping):
             raise DeclarationError(f"a site must be a mapping with name and width, got {type(d).__name__} {d!r:.80}")
-        unknown = sorted(set(d) - {"name", "width", "kind", "fp4_format", "block_size"})
+        unknown = sorted(set(d) - {"name", "width", "kind", "fp4_format", "block_size", "scale_encoding"})
         if unknown or "name" not in d or "width" not in d:
             raise DeclarationError(f"site {d!r:.120}: needs 'name' and 'width' and may have 'kind', 'fp4_format', "
-                                   f"'block_size'" + (f"; unknown keys {unknown}" if unknown else ""))
+                                   f"'block_size', 'scale_encoding'" + (f"; unknown keys {unknown}" if unknown else ""))
         return cls(
             name=d["name"], width=d["width"], kind=d.get("kind", "activation"),
             fp4_format=d.get("fp4_format", "nvfp4"), block_size=d.get("block_size"),
+            scale_encoding=d.get("scale_encoding", DEFAULT_SCALE_ENCODING),
         )
+
+
+def required_version(sites: Sequence[Site], base: int) -> int:
+    """The lowest format version that holds ``sites``: ``base``, or 4 when a site's scale encoding is not bytes."""
+    if any(s.scale_encoding != DEFAULT_SCALE_ENCODING for s in sites):
+        return max(base, SCALE_ENCODING_SINCE)
+    return base
 
 
 def array_specs(sites: Sequence[Site], moe_layers: Sequence[str], top_k: int, num_experts: int,
                  feature_chunk: int) -> list[ArraySpec]:
-    """The arrays of every segment: sites of equal (width, block size) share one hints and one scales array
-    ``hints.w<width>.b<block>`` / ``scales.w<width>.b<block>`` ``[rows, n_sites, bytes]`` (declaration order
-    along axis 1), then ``token_ids`` ``[rows]`` int32, ``logprobs`` ``[rows]`` float32 and, with MoE layers,
-    ``experts`` ``[rows, L, top_k]`` uint8 (uint16 above 256 experts)."""
-    groups: dict[tuple[int, int], list[Site]] = {}
+    """The arrays of every segment: sites of equal (width, block size, scale encoding) share one hints and one
+    scales array ``hints.w<width>.b<block>`` / ``scales.w<width>.b<block>`` ``[rows, n_sites, bytes]`` (with
+    ``.lsb`` appended for scale encoding lsb; declaration order along axis 1), then ``token_ids`` ``[rows]`` int32,
+    ``logprobs`` ``[rows]`` float32 and, with MoE layers, ``experts`` ``[rows, L, top_k]`` uint8 (uint16 above
+    256 experts)."""
+    groups: dict[tuple[int, int, str], list[Site]] = {}
     for s in sites:
-        groups.setdefault((s.width, s.block_size), []).append(s)
+        groups.setdefault((s.width, s.block_size, s.scale_encoding), []).append(s)
     specs = []
-    for (width, block), members in groups.items():
-        fc = feature_chunk if (feature_chunk and width % feature_chunk == 0 and feature_chunk % block == 0
+    for (width, block, encoding), members in groups.items():
+        per_scale = members[0].scale_values_per_byte
+        fc = feature_chunk if (feature_chunk and width % feature_chunk == 0 and feature_chunk % per_scale == 0
                                and feature_chunk % 8 == 0) else 0
         names = tuple(m.name for m in members)
-        suffix = f"w{width}.b{block}"
+        suffix = f"w{width}.b{block}" + ("" if encoding == DEFAULT_SCALE_ENCODING else f".{encoding}")
         specs.append(ArraySpec(f"hints.{suffix}", np.dtype(np.uint8), (len(members), width // 8), names,
                                fc // 8 if fc else 0))
-        specs.append(ArraySpec(f"scales.{suffix}", np.dtype(np.uint8), (len(members), width // block), names,
-                               fc // block if fc else 0))
+        specs.append(ArraySpec(f"scales.{suffix}", np.dtype(np.uint8), (len(members), members[0].scale_bytes), names,
+                               fc // per_scale if fc else 0))
     specs.append(ArraySpec("token_ids", np.dtype("<i4"), ()))
     specs.append(ArraySpec("logprobs", np.dtype("<f4"), ()))
     if moe_layers:
@@ -138,7 +185,7 @@ def new_manifest(sites: Sequence[Site], model: Mapping | None, moe_layers: Seque
         "format_version": format_version,
         "store_id": uuid.uuid4().hex,
         "created_unix": time.time(),
-        "sites": [s.to_dict() for s in sites],
+        "sites": [s.to_dict(format_version) for s in sites],
         "model": dict(model or {}),
         "moe_layers": list(moe_layers),
         "top_k": int(top_k),
@@ -188,6 +235,11 @@ def check_manifest(m: object) -> None:
     if not isinstance(sites, list) or not sites:
         raise DeclarationError(f"sites must be a non-empty list, got {sites!r:.80}")
     names = [Site.from_dict(d).name for d in sites]
+    version = m["format_version"]
+    for d in sites:
+        if version < SCALE_ENCODING_SINCE and "scale_encoding" in d:
+            raise DeclarationError(f"site {d['name']!r}: key scale_encoding is a format-version-"
+                                   f"{SCALE_ENCODING_SINCE} key; this manifest declares version {version}")
     if len(set(names)) != len(names):
         raise DeclarationError(f"duplicate site names in {names}")
     if not isinstance(m.get("model", {}), Mapping):
@@ -241,4 +293,7 @@ def decode_manifest(raw: bytes, where: str) -> dict:
 
 
 def declaration(m: Mapping) -> tuple:
-    return (m["sites"], m.get("moe_layers", []), m.get("top_k", 0), m.get("num_experts", 0))
+    """What two manifests must share to be one store's declaration: the sites (compared as `Site` values, so a
+    default spelled out equals one left out), MoE layers, ``top_k``, ``num_experts``."""
+    return ([Site.from_dict(d) for d in m["sites"]], m.get("moe_layers", []), m.get("top_k", 0),
+            m.get("num_experts", 0))
