@@ -94,7 +94,8 @@ def _config(args, s: dict, mode: str, seed: int, run_dir: str) -> LoopConfig:
         record_codes=True, seed=seed, rollout_device=s["rollout_device"], trainer_device=s["trainer_device"],
         threads=args.threads, extra_train_args=tuple(s["extra_train"]) + (
             () if args.read_ahead_mb is None else ("--read-ahead-mb", str(args.read_ahead_mb))) + (
-            ("--time-phases",) if _time_phases(args) else ()) + (("--replay-routes",) if args.replay_routes else ()))
+            ("--time-phases",) if _time_phases(args) else ()) + (("--replay-routes",) if args.replay_routes else ()) + (
+            "--measure-stale-every", str(args.measure_stale_every)))
 
 
 def _time_phases(args) -> bool:
@@ -218,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
                         "with --device cuda)")
     p.add_argument("--lr", type=float, help="AdamW learning rate (default: CPU 1e-3, GPU 1e-5, smoke 1e-3)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
+    p.add_argument("--measure-stale-every", type=int, default=1, metavar="N",
+                   help="the trainer's --measure-stale-every (default here 1, not the trainer's 4: this benchmark "
+                        "reports the mismatch of every step, and the loop trains groups one version late)")
     p.add_argument("--replay-routes", action="store_true",
                    help="the trainer replays the rollout's routed experts (routing replay, R3) in every mode")
     p.add_argument("--replay-steps", type=int, default=10,

@@ -2,18 +2,19 @@
 QAT) side by side on the same store.
 
 The store is recorded once (a loop store, ``--steps`` batches of ``--groups`` x ``--group-size`` trajectories, all
-by policy version 0, so every step after the first trains on groups of an older version and, with the default
-``measure_stale``, measures their mismatch with that version's kept weights, as a trainer one version behind its
-rollout does). The default ``--steps 2`` with the trainer's default ``--max-staleness 1`` measures that steady
-state: step 2 trains version-0 groups at version 1 and keeps its weights in the buffers of the evicted version 0.
-More steps need ``--max-staleness`` >= steps - 1 (all groups are version 0), and then every step keeps one more
-version, allocating fresh pinned host memory for it (8.8 GB on the H200 model: seconds per step, in
-``keep_weights``), which a loop at the default staleness only does in its first two steps.
+by policy version 0, so every step after the first trains on groups of an older version, as a trainer one version
+behind its rollout does). The trainer keeps the weights of every ``measure_stale_every``-th version (default 4) and
+measures the mismatch of those versions' groups in one extra forward, so a loop has two kinds of steps: one in N
+with that forward, N - 1 without. The default ``--steps 3`` measures both: step 1 warms up, step 2 trains version-0
+groups at version 1 with the stale forward (version 0 is kept), step 3 the same without it (``--unmeasured-from
+3``: the kept weights are dropped before that step, as if version 0 had not been kept; ``--max-staleness 2`` lets
+step 3 still train version-0 groups; the snapshot buffers are the same two as at staleness 1). Reported per mode:
+both step times and their mean at the trainer's default N, ``(measured + (N - 1) * unmeasured) / N`` (a step that
+copies a kept version's weights, one in N, counts as one without: the copy runs on a side stream during the step).
 Each (mode, run) is a fresh process training ``--steps`` steps from scratch with the trainer's default settings
-(micro-batch tokens, read-ahead, measurement) and ``--time-phases``; no checkpoints, no publication. Per run: the
-median over steps 2.. of step seconds and tokens/s; reported: the median and spread (min..max) over ``--runs`` runs,
-the phase medians, peak allocated memory, and (CUDA) the GPU's utilization sampled by ``nvidia-smi`` every 100 ms
-while steps 2.. run. ``--profile`` adds one more ``fp4_hints`` process whose second step runs under torch.profiler:
+(micro-batch tokens, read-ahead, measurement) and ``--time-phases``; no checkpoints, no publication. Reported: the
+median and spread (min..max) over ``--runs`` runs, the phase medians, peak allocated memory, and (CUDA) the GPU's
+utilization sampled by ``nvidia-smi`` every 100 ms while steps 2.. run. ``--profile`` adds one more ``fp4_hints`` process whose second step runs under torch.profiler:
 its trace (Chrome JSON, gzipped) and its top operations by device and host time are saved beside ``--out``.
 
     python benchmarks/benchmark_trainer.py --device cuda                # the H200 model: fp4_hints and bf16, 3 runs
@@ -43,6 +44,10 @@ sys.path.insert(0, os.path.join(_REPO, "benchmarks"))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO, os.environ.get("PYTHONPATH", "")) if p)
 
 from benchmark_fsdp import CPU_SPEC, GPU_SPEC, SMOKE_SPEC, _store  # noqa: E402  the same model and store recipe
+from tracerl.config import TrainConfig  # noqa: E402  (no torch import)
+
+TRAIN_DEFAULTS = TrainConfig()
+ARGS_CUT = [0]  # rows[1:cut] of a run measure the stale groups, rows[cut:] do not (set from the arguments)
 
 MODES = ("fp4_hints", "bf16")
 
@@ -68,6 +73,10 @@ def _child(args) -> int:
                                         device=args.device)
     kw = dict(checkpoints=ck, weights_url=None, metrics=log, wait_timeout_s=120)
     if not args.profile_step:
+        if 0 < args.unmeasured_from <= args.steps:
+            run_training(trainer, follower, max_steps=args.unmeasured_from - 1, **kw)
+            # from here on as in a step whose groups' version was not kept (measure_stale_every): no stale forward
+            trainer._history.clear()
         run_training(trainer, follower, max_steps=args.steps, **kw)
         return 0
     run_training(trainer, follower, max_steps=args.profile_step - 1, **kw)
@@ -118,7 +127,7 @@ def _run(mode: str, url: str, workdir: Path, args, sampler: _GpuSampler, *, prof
     argv = [sys.executable, os.path.abspath(__file__), "--child", "--store", url, "--mode", mode, "--metrics",
             str(metrics), "--steps", str(args.steps), "--groups", str(args.groups), "--group-size",
             str(args.group_size), "--device", args.device, "--threads", str(args.threads),
-            "--max-staleness", str(args.max_staleness),
+            "--max-staleness", str(args.max_staleness), "--unmeasured-from", str(args.unmeasured_from),
             "--profile-step", str(profile_step)]
     if args.micro_batch_tokens:
         argv += ["--micro-batch-tokens", str(args.micro_batch_tokens)]
@@ -126,11 +135,13 @@ def _run(mode: str, url: str, workdir: Path, args, sampler: _GpuSampler, *, prof
     if p.returncode != 0:
         raise SystemExit(f"{mode}: training failed:\n{p.stderr[-3000:]}")
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    later = rows[1:] or rows
+    cut = args.unmeasured_from - 1 if 0 < args.unmeasured_from <= args.steps else len(rows)
+    measured, unmeasured = rows[1:cut] or rows[:1], rows[cut:]
     # steps 2..: from the end of step 1 to the end of the last step
     util = sampler.between(rows[0]["time_unix"], rows[-1]["time_unix"]) if len(rows) > 1 else []
-    return {"rows": rows, "step_s": statistics.median(r["step_s"] for r in later),
-            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in later),
+    return {"rows": rows, "step_s": statistics.median(r["step_s"] for r in measured),
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in measured),
+            "step_s_unmeasured": statistics.median(r["step_s"] for r in unmeasured) if unmeasured else None,
             "gpu_util_median": statistics.median(util) if util else None, "gpu_util_samples": len(util),
             "metrics": str(metrics)}
 
@@ -144,15 +155,19 @@ def _summary(runs: dict[str, list[dict]]) -> dict:
     for mode, reps in runs.items():
         if not reps:
             continue
-        later = [r for rep in reps for r in rep["rows"][1:] or rep["rows"]]
-        phases = dict.fromkeys(k for r in later for k in (r.get("phases_s") or {}))
+        cut = ARGS_CUT[0]
+        later = [r for rep in reps for r in rep["rows"][1:cut] or rep["rows"][:1]]  # the measured steps
+        rest = [r for rep in reps for r in rep["rows"][cut:]]
+        phases = dict.fromkeys(k for r in later + rest for k in (r.get("phases_s") or {}))
         utils = [rep["gpu_util_median"] for rep in reps if rep["gpu_util_median"] is not None]
         peak = [r["cuda_max_allocated_bytes"] for rep in reps for r in rep["rows"] if r.get("cuda_max_allocated_bytes")]
         out[mode] = {
-            "step_s": _spread([rep["step_s"] for rep in reps]),
+            "step_s": _spread([rep["step_s"] for rep in reps]),  # the steps with the stale forward
             "tokens_per_s": _spread([rep["tokens_per_s"] for rep in reps]),
             "gpu_util_median": _spread(utils) if utils else None,
             "phases_s_median": {k: statistics.median(r["phases_s"].get(k, 0.0) for r in later) for k in phases},
+            "phases_s_median_unmeasured": ({k: statistics.median(r["phases_s"].get(k, 0.0) for r in rest)
+                                            for k in phases} if rest else None),
             "tokens_per_step": statistics.median(r["tokens"] for r in later),
             "cuda_max_allocated_gib": max(peak) / 2**30 if peak else None,
             "code_agreement": [r["mismatch"]["code_agreement"] for r in reps[0]["rows"]],
@@ -160,8 +175,18 @@ def _summary(runs: dict[str, list[dict]]) -> dict:
             "digests_same_every_run": all([r["digest"] for r in rep["rows"]] == [r["digest"] for r in reps[0]["rows"]]
                                           for rep in reps),
         }
+        if all(rep["step_s_unmeasured"] is not None for rep in reps):
+            n = TRAIN_DEFAULTS.measure_stale_every
+            mean = [(rep["step_s"] + (n - 1) * rep["step_s_unmeasured"]) / n for rep in reps]
+            out[mode]["step_s_unmeasured"] = _spread([rep["step_s_unmeasured"] for rep in reps])
+            out[mode]["step_s_default_mean"] = _spread(mean)  # per run, then median and spread over runs
+            out[mode]["tokens_per_s_default_mean"] = _spread([out[mode]["tokens_per_step"] / m for m in mean])
+            out[mode]["measure_stale_every"] = n
     if "fp4_hints" in out and "bf16" in out:
-        out["fp4_hints_over_bf16_step"] = out["fp4_hints"]["step_s"]["median"] / out["bf16"]["step_s"]["median"]
+        for key in ("step_s", "step_s_unmeasured", "step_s_default_mean"):
+            if key in out["fp4_hints"] and key in out["bf16"]:
+                out[f"fp4_hints_over_bf16_{key}"] = out["fp4_hints"][key]["median"] / out["bf16"][key]["median"]
+        out["fp4_hints_over_bf16_step"] = out["fp4_hints_over_bf16_step_s"]
     return out
 
 
@@ -184,10 +209,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default=",".join(MODES), metavar="LIST",
                     help="comma-separated trainer modes (default: fp4_hints,bf16)")
     ap.add_argument("--runs", type=int, default=3, metavar="N", help="processes per mode (default 3)")
-    ap.add_argument("--steps", type=int, default=2, metavar="N",
-                    help="steps per run (default 2; step 1 warms up, steps 2.. are measured)")
-    ap.add_argument("--max-staleness", type=int, default=1, metavar="N",
-                    help="the trainer's max_staleness (default 1, its own default); must be >= steps - 1")
+    ap.add_argument("--steps", type=int, default=3, metavar="N",
+                    help="steps per run (default 3; step 1 warms up, steps 2.. are measured)")
+    ap.add_argument("--max-staleness", type=int, default=2, metavar="N",
+                    help="the trainer's max_staleness (default 2, so that step 3 still trains the version-0 groups); "
+                         "must be >= steps - 1")
+    ap.add_argument("--unmeasured-from", type=int, default=3, metavar="K",
+                    help="steps K.. run without the stale groups' measurement (default 3; 0: every step measures)")
     ap.add_argument("--device", default="cpu", metavar="DEVICE", help="cpu (default) or cuda (one GPU: the H200 model)")
     ap.add_argument("--groups", type=int, default=4, metavar="N", help="groups per step (default 4)")
     ap.add_argument("--group-size", type=int, default=8, metavar="N", help="trajectories per group (default 8)")
@@ -212,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.child:
         return _child(args)
+    ARGS_CUT[0] = args.unmeasured_from - 1 if 0 < args.unmeasured_from <= args.steps else args.steps
     if args.max_staleness < args.steps - 1:
         ap.error(f"--max-staleness {args.max_staleness} with --steps {args.steps}: every group is by version 0, "
                  f"so steps after {args.max_staleness + 1} would find none; use --max-staleness >= {args.steps - 1}")
@@ -267,6 +296,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fp4_hints / bf16 step time: {s['fp4_hints_over_bf16_step']:.3f}")
     for mode in modes:
         print(f"phases {mode}: " + ", ".join(f"{k} {v:.3f}" for k, v in s[mode]["phases_s_median"].items()))
+        if s[mode]["phases_s_median_unmeasured"]:
+            print(f"phases {mode} (no stale forward): "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in s[mode]["phases_s_median_unmeasured"].items()))
+    for mode in modes:
+        if "step_s_default_mean" in s[mode]:
+            m = s[mode]
+            print(f"{mode}: step with the stale forward {m['step_s']['median']:.3f} s, without "
+                  f"{m['step_s_unmeasured']['median']:.3f} s ({m['step_s_unmeasured']['min']:.3f}.."
+                  f"{m['step_s_unmeasured']['max']:.3f}); mean at measure_stale_every={m['measure_stale_every']}: "
+                  f"{m['step_s_default_mean']['median']:.3f} s = {m['tokens_per_s_default_mean']['median']:.0f} tok/s")
+    if "fp4_hints_over_bf16_step_s_default_mean" in s:
+        print(f"fp4_hints / bf16 at the default mean: {s['fp4_hints_over_bf16_step_s_default_mean']:.3f}")
     print(f"saved {out}")
     return 0
 

@@ -303,7 +303,8 @@ def test_stale_groups_are_measured_with_their_own_weights(store, tmp_path):
         loop.create(url)
         log = MetricsLog(d / "train.jsonl")
         st = ts.open_store(url)
-        trainer, follower = start_or_resume(st, loop.train_cfg(max_staleness=1, measure_stale=measure),
+        trainer, follower = start_or_resume(st, loop.train_cfg(max_staleness=1, measure_stale=measure,
+                                                               measure_stale_every=1),
                                             checkpoints=str(d / "ck"), weights_url=url, metrics=log)
         with RolloutWorker(st, loop.rollout_cfg(max_ahead=2, record_codes=True)) as worker:
             run_rollout(worker, metrics=MetricsLog(None), max_batches=2)  # v0, v0
@@ -319,6 +320,53 @@ def test_stale_groups_are_measured_with_their_own_weights(store, tmp_path):
         assert m["mismatch"]["tokens"] > 0 and m["mismatch"]["unmeasured_tokens"] == 0
         assert m["mismatch"]["code_values"] > 0
         assert n["mismatch"]["tokens"] == 0 and n["mismatch"]["unmeasured_tokens"] > 0
+
+
+def test_measure_stale_every_keeps_every_nth_version_and_counts_the_rest_unmeasured(store, tmp_path):
+    """measure_stale_every=2 with the rollout one version ahead: version 0's and 2's groups are measured with their
+    kept weights, version 1's are not (their tokens count as unmeasured); training is the same as measuring all."""
+    runs = {}
+    for every in (1, 2):
+        d = tmp_path / str(every)
+        url = str(d / "store")
+        loop.create(url)
+        log = MetricsLog(d / "train.jsonl")
+        st = ts.open_store(url)
+        trainer, follower = start_or_resume(st, loop.train_cfg(max_staleness=1, measure_stale_every=every),
+                                            checkpoints=str(d / "ck"), weights_url=url, metrics=log)
+        with RolloutWorker(st, loop.rollout_cfg(max_ahead=2)) as worker:
+            run_rollout(worker, metrics=MetricsLog(None), max_batches=2)  # v0, v0
+            for _ in range(4):
+                run_training(trainer, follower, checkpoints=str(d / "ck"), weights_url=url, metrics=log,
+                             max_steps=trainer.step_num + 1)
+                run_rollout(worker, metrics=MetricsLog(None), max_batches=1)
+        assert len(trainer._history) <= trainer._snapshot_pool() - 1
+        runs[every] = log.records()
+    all_, half = runs[1], runs[2]
+    assert [m["policy_versions"] for m in half] == [[0], [0], [1], [2]]
+    assert [m["digest"] for m in all_] == [m["digest"] for m in half]
+    measured = [m["mismatch"]["unmeasured_tokens"] == 0 and m["mismatch"]["tokens"] > 0 for m in half[1:]]
+    assert measured == [True, False, True]  # the groups of versions 0, 1, 2
+    assert all(m["mismatch"]["unmeasured_tokens"] == 0 for m in all_[1:])
+    assert half[2]["mismatch"]["unmeasured_tokens"] == half[2]["response_tokens"]
+
+
+def test_snapshot_into_buffers_copies_the_weights_and_swaps_them_back(store):
+    """A snapshot taken into `snapshot_buffers` holds the bf16 weights as of then; swapped in after the weights
+    changed, the model has those again, and the current ones after the block."""
+    trainer = GRPOTrainer(store, loop.train_cfg())
+    tr = trainer.trainable
+    bufs = tr.snapshot_buffers()
+    assert [(b.shape, b.dtype) for b in bufs] == [(p.shape, p.dtype) for p in tr.params]
+    kept = tr.snapshot(bufs)
+    assert all(k is b for k, b in zip(kept, bufs))
+    before = [p.detach().clone() for p in tr.params]
+    with torch.no_grad():
+        for p in tr.params:
+            p.add_(1.0)
+    with tr.swapped(kept):
+        assert all(torch.equal(p, b) for p, b in zip(tr.params, before))
+    assert all(torch.equal(p, b + 1.0) for p, b in zip(tr.params, before))
 
 
 def test_rollout_waits_loads_the_newest_version_and_stamps_it(store):

@@ -86,6 +86,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-measure-stale", action="store_true",
                    help="measure the mismatch on on-policy groups only (default: also on stale groups, with their "
                         "version's kept weights, one extra forward without gradient)")
+    p.add_argument("--measure-stale-every", type=pos, default=_D.measure_stale_every, metavar="N",
+                   help="keep every N-th policy version's weights, so that the stale groups of one version in N are "
+                        f"measured (default {_D.measure_stale_every}; 1: every stale group, at one extra forward "
+                        "per step)")
     p.add_argument("--checkpoint-every", type=nonneg, default=_D.checkpoint_every, metavar="N",
                    help="commit a checkpoint every N steps (default 1; a kill loses at most the steps since); 0: never, "
                         "not even step 0 (for throughput runs whose checkpoint does not fit; such a run cannot resume)")
@@ -114,7 +118,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         grad_clip=args.grad_clip, clip_low=args.clip_low, clip_high=args.clip_high, clip_ratio_c=args.clip_ratio_c,
         adv_scale=args.adv_scale, tis_cap=args.tis_cap, temperature=args.temperature, replay_routes=args.replay_routes,
         max_staleness=args.max_staleness, code_agreement=not args.no_code_agreement,
-        measure_stale=not args.no_measure_stale,
+        measure_stale=not args.no_measure_stale, measure_stale_every=args.measure_stale_every,
         checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
         keep_versions=args.keep_versions, read_ahead_bytes=args.read_ahead_mb << 20, time_phases=args.time_phases,
         seed=args.seed, deterministic=not args.no_deterministic)

@@ -17,7 +17,8 @@ the forward (`tracerl.train.source.read_ahead`, bounded memory).
 
 Mismatch per step, always between the rollout and a trainer forward with the *same* weights (the version that
 generated the trajectory: the trainer's own for on-policy groups; for stale groups, with ``measure_stale``, the
-kept weights of their version in one extra no-gradient forward): |logp_trainer - logp_rollout| statistics and k3
+kept weights of their version in one extra no-gradient forward; ``measure_stale_every``: the versions 0, N, 2N, ...
+are kept, the other stale groups' tokens counted as unmeasured): |logp_trainer - logp_rollout| statistics and k3
 (`tracerl.fidelity.dlogp_stats`), and, where the rollout recorded its codes (`tracerl.artifacts.codes`), the code
 agreement at hinted sites (`tracerl.fidelity.count_code_matches`). The extra forward changes nothing in training.
 """
@@ -99,11 +100,20 @@ class GRPOTrainer:
         self.last_metrics: dict | None = None
         self.metrics_path: str | None = None  # the live metrics log (kept in checkpoints, for replay)
         self._history: dict[int, list[torch.Tensor]] = {}  # version -> its weights (measure_stale)
-        self._spare: list[list[torch.Tensor]] = []  # an evicted version's buffers, for the next snapshot
+        self._spare: list[list[torch.Tensor]] = []  # evicted versions' buffers, for the next snapshots
+        if cfg.max_staleness and cfg.measure_stale and self.device.type == "cuda":
+            # every buffer a step may need (the kept versions and the copy of the current one), got now: pinned
+            # host memory takes seconds to allocate (8.8 GB on the H200 model), which the first steps paid before
+            self._spare = [self.trainable.snapshot_buffers() for _ in range(self._snapshot_pool())]
         self._publisher: concurrent.futures.ThreadPoolExecutor | None = None
         self._published: concurrent.futures.Future | None = None
         self._codes = RolloutCodes(store)
         self._stand_in_batch: PackedHints | None = None
+
+    def _snapshot_pool(self) -> int:
+        """How many weight snapshots exist at once at most: the kept versions no older than ``max_staleness``
+        (every ``measure_stale_every``-th), plus the one a step copies."""
+        return (self.cfg.max_staleness - 1) // self.cfg.measure_stale_every + 2
 
     # ---- state ------------------------------------------------------------------------------------------
     @property
@@ -250,7 +260,9 @@ class GRPOTrainer:
         source = RecordSource(self.store, by_id)
         acc = _StepAccumulator()
         kept = None
-        if cfg.max_staleness and cfg.measure_stale:  # this version's weights, copied in the background on a GPU
+        keeping = bool(cfg.max_staleness and cfg.measure_stale)
+        if keeping and self.version % cfg.measure_stale_every == 0:
+            # this version's weights, copied in the background on a GPU
             kept = self.trainable.snapshot(self._spare.pop() if self._spare else None, background=True)
         read_s = fwd_s = 0.0
         acc.read = list(dict.fromkeys(seg.traj_id for mb in mine for seg in mb.segments))
@@ -270,14 +282,15 @@ class GRPOTrainer:
         tick = self._phase_clock(acc)
         totals = self._reduce(acc)
         tick("reduce")
-        if kept is not None:
+        if keeping:
             # this version's weights (copied while the step computed), for measuring the mismatch of its groups that
-            # later steps train on; versions no later step may train on are evicted, one's buffers kept for reuse
+            # later steps train on; versions no later step may train on are evicted, their buffers kept for reuse
             # (pinned host memory is slow to get: seconds for the H200 model's 8.8 GB)
             evicted = [self._history.pop(v) for v in sorted(self._history)
                        if v < self.version + 1 - self.cfg.max_staleness]
-            self._spare = (self._spare + evicted)[:1]
-            self._history[self.version] = kept
+            self._spare = (self._spare + evicted)[:self._snapshot_pool()]
+            if kept is not None:
+                self._history[self.version] = kept
         tick("keep_weights")
         grad_norm = self.trainable.step(self.cfg.grad_clip)
         self.policy.runtime.weights_changed()
