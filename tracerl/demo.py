@@ -125,14 +125,15 @@ def _setup(cfg: DemoConfig, spec: TinyMoESpec) -> _Setup:
     return _Setup(spec, plan, runtime, engine, prompts, global_scales, [n for _, n, _ in moe_blocks(model)])
 
 
-def _create_store(url: str, cfg: DemoConfig, s: _Setup, rids: list[str]) -> ts.Store:
+def _create_store(url: str, cfg: DemoConfig, s: _Setup, rids: list[str], scale_encoding: str = "bytes") -> ts.Store:
     # What an audit (tracerl.audit) needs to rebuild the model, the FP4 sites and the rollout's decode: the
     # rollout's batches (request ids in batch order), decode path, device type and sampling temperature.
     rollout = {"engine": "tracerl.engine.RolloutEngine", "decode": s.engine.decode_path(torch.device(cfg.device)),
                "device": torch.device(cfg.device).type, "temperature": 1.0, "batches": [list(rids)]}
     meta = {**model_metadata(s.spec, cfg.seed), "fp4": cfg.fp4, "site_plan": s.plan.to_json(),
             "global_scales": s.global_scales, "rollout": rollout}
-    return ts.create_store(url, [ts.Site(n, w) for n, w in s.site_widths.items()], model=meta,
+    return ts.create_store(url, [ts.Site(n, w, scale_encoding=scale_encoding) for n, w in s.site_widths.items()],
+                           model=meta,
                            moe_layers=s.moe_layers, top_k=s.spec.top_k, num_experts=s.spec.num_experts,
                            storage_options=cfg.storage_options)
 
@@ -150,12 +151,15 @@ def _record(cfg: DemoConfig, s: _Setup, store: ts.Store, rids: list[str], on_ste
                                      on_step=lambda done, total: on_step(phase, done, total))
 
 
-def record_store(cfg: DemoConfig, on_step: StepFn | None = None) -> dict[str, Any]:
+def record_store(cfg: DemoConfig, on_step: StepFn | None = None, *, scale_encoding: str = "bytes") -> dict[str, Any]:
     """The demo's recording half only: build and calibrate the model, create the store at ``cfg.store`` and
     record the FP4 rollout into it (no floor run, no trainer; `tracerl.audit` recomputes the rest). Returns
-    ``{"store", "trajectories", "response_tokens", "decode_s", "seconds"}``.
+    ``{"store", "trajectories", "response_tokens", "decode_s", "seconds"}``. ``scale_encoding``: the hinted sites'
+    (FORMAT §2.4): ``bytes`` (today's layout) or ``lsb`` (scale hints; the recorder packs the LSBs).
 
-    Raises `ConfigError` as `run_demo` does, and when ``cfg.store`` is None."""
+    Raises `ConfigError` as `run_demo` does, when ``cfg.store`` is None, or for an unknown scale encoding."""
+    if scale_encoding not in ("bytes", "lsb"):
+        raise ConfigError(f"scale_encoding={scale_encoding!r}: must be 'bytes' or 'lsb'")
     if cfg.store is None:
         raise ConfigError("record_store needs cfg.store (the URL of the store to create)")
     t0 = time.perf_counter()
@@ -163,7 +167,7 @@ def record_store(cfg: DemoConfig, on_step: StepFn | None = None) -> dict[str, An
     torch.manual_seed(cfg.seed)
     s = _setup(cfg, spec)
     rids = [f"traj-{i:04d}" for i in range(cfg.trajectories)]
-    roll = _record(cfg, s, _create_store(cfg.store, cfg, s, rids), rids, on_step or (lambda *a: None))
+    roll = _record(cfg, s, _create_store(cfg.store, cfg, s, rids, scale_encoding), rids, on_step or (lambda *a: None))
     return {"store": cfg.store, "trajectories": len(rids), "response_tokens": int(sum(map(len, roll.logprobs))),
             "decode_s": roll.decode_s, "seconds": time.perf_counter() - t0}
 

@@ -34,7 +34,7 @@ SITE_KEYS = {"site", "layer", "kind", "hinted", "width", "code_agreement", "one_
 SLICE_KEYS = {"tokens", "mean_abs_dlogp", "floor_mean_abs_dlogp", "excess", "router_flip_rate", "code_agreement",
               "one_step_share", "multi_step_share", "scale_agreement"}
 STORE_KEYS = {"url", "trajectories", "audited_trajectories", "response_tokens", "hinted_sites", "fp4_sites",
-              "hint_bytes_per_token", "policy_versions", "model"}
+              "hint_bytes_per_token", "site_bytes", "policy_versions", "model"}
 INTEGRITY_KEYS = {"ok", "checked", "errors", "entries", "records", "segments", "chunks", "bytes",
                   "skipped_trajectories"}
 REPLAY_KEYS = {"decode_path", "recorded_decode_path", "reproduced", "hints_equal", "scales_equal", "routes_equal",

@@ -18,6 +18,7 @@ from tracerl.audit import plan as ap
 from tracerl.audit.replay import ReplayBatch
 from tracerl.audit.setup import Setup, StoredTrajectory
 from tracerl.hints import PackedHints
+from tracerl.hints.scalehints import pack_scale_lsb, reconstruct_scales
 from tracerl.policy import SitePlan, effective_codes
 from tracerl.train import QATTrainer
 from tracerl.util import to_device
@@ -101,9 +102,17 @@ class AuditMicroBatch:
         return self._get((site, what), lambda: to_device(torch.as_tensor(
             np.ascontiguousarray(getattr(self.packed, what)[site])), self.s.device))
 
+    def scale_hints(self, site: str) -> bool:
+        """Whether the store keeps scale hints at ``site`` (scale encoding lsb, FORMAT §2.4), not scale bytes."""
+        return site in self.packed.scales and self.s.train.scale_encodings.get(site) == "lsb"
+
     def reference_scales(self, site: str) -> torch.Tensor:
-        """The rollout's scales: as stored at the store's hinted sites, as replayed elsewhere."""
-        return self.stored(site, "scales") if site in self.packed.scales else self.replay_scales(site)
+        """The rollout's scales: as stored at the store's hinted sites (stored as bytes), as replayed elsewhere
+        (and at sites with scale hints, whose bytes the store does not hold; the replay reproduces them: checked
+        by `reproduction` through their LSBs)."""
+        if site in self.packed.scales and not self.scale_hints(site):
+            return self.stored(site, "scales")
+        return self.replay_scales(site)
 
     def forward_rows(self, key: tuple[str, str], thd: Callable[[], torch.Tensor]) -> torch.Tensor:
         """THD rows [T, C] -> the trainer's forward rows [nrows, C] (rows it does not cover: 0, scale 0 -> 0)."""
@@ -116,7 +125,8 @@ class AuditMicroBatch:
         out = np.zeros(4, np.int64)
         for site in self.packed.hints:
             h = tracefp4.hints_from_codes(self.replay_codes(site)) == self.stored(site, "hints")
-            sc = self.replay_scales(site) == self.stored(site, "scales")
+            rs = self.replay_scales(site)
+            sc = (pack_scale_lsb(rs) if self.scale_hints(site) else rs) == self.stored(site, "scales")
             out += np.array([int(h.sum()), h.numel(), int(sc.sum()), sc.numel()])
         return out
 
@@ -148,6 +158,8 @@ def substitute_hook(mb: AuditMicroBatch, spec: PassSpec, tally: am.CodeTally | N
                 hints = mb.forward_rows((site, "rh"), lambda: tracefp4.hints_from_codes(mb.replay_codes(site)))
             else:
                 scales = mb.forward_rows((site, "scales"), lambda: mb.stored(site, "scales"))
+                if mb.scale_hints(site):  # the bytes the trainer works out from its own x (today's rule after)
+                    scales = reconstruct_scales(x.detach(), g, scales)
                 hints = (mb.forward_rows((site, "hints"), lambda: mb.stored(site, "hints")) if act == "hints"
                          else None)
             y = tracefp4.fake_quantize(x, fmt="nvfp4", global_scale=g, scales=scales, hints=hints,

@@ -77,9 +77,18 @@ KIND_LABELS = {"linear": "attn", "moe_input": "moe-in", "moe_down": "moe-down"}
 METRICS = ("mean_abs", "mean_sq")
 
 
-def site_bytes_per_token(width: int) -> int:
-    """Stored bytes per token of one hinted NVFP4 site of ``width`` values: hint bits and E4M3 block scales."""
-    return width // HINTS_PER_BYTE + width // NVFP4_BLOCK_SIZE
+#: the scale encodings a planner unit can be stored with (FORMAT §2.4): E4M3 bytes, or scale hints (one LSB per block)
+SCALE_ENCODINGS = ("bytes", "lsb")
+
+
+def site_bytes_per_token(width: int, scale_encoding: str = "bytes") -> int:
+    """Stored bytes per token of one hinted NVFP4 site of ``width`` values: W/8 hint bytes plus the block scales,
+    W/16 E4M3 bytes (``scale_encoding="bytes"``) or ceil(W/128) bytes of scale hints (``"lsb"``). Raises
+    `ConfigError` for an unknown encoding."""
+    if scale_encoding not in SCALE_ENCODINGS:
+        raise ConfigError(f"unknown scale encoding {scale_encoding!r}; supported: {', '.join(SCALE_ENCODINGS)}")
+    blocks = width // NVFP4_BLOCK_SIZE
+    return width // HINTS_PER_BYTE + (blocks if scale_encoding == "bytes" else -(-blocks // 8))
 
 
 def layer_bands(num_layers: int, bands: int) -> list[tuple[int, int]]:
@@ -101,11 +110,14 @@ class SiteGroup:
     hinted: bool | None  # whether the store hints these sites (None: a planner unit, either)
     layers: tuple[int, int]  # inclusive layer band
     sites: tuple[str, ...]
-    bytes_per_token: int
+    bytes_per_token: int  # stored with scale bytes (today's layout)
+    #: stored with scale hints instead (scale encoding lsb, FORMAT §2.4); 0: not given
+    lsb_bytes_per_token: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "kind": self.kind, "hinted": self.hinted, "layers": list(self.layers),
-                "sites": list(self.sites), "bytes_per_token": self.bytes_per_token}
+                "sites": list(self.sites), "bytes_per_token": self.bytes_per_token,
+                "lsb_bytes_per_token": self.lsb_bytes_per_token}
 
 
 def _groups(plan: SitePlan, bands: int, split_hinted: bool, num_layers: int) -> list[SiteGroup]:
@@ -122,7 +134,8 @@ def _groups(plan: SitePlan, bands: int, split_hinted: bool, num_layers: int) -> 
                 band = f"L{lo}" if lo == hi else f"L{lo}-{hi}"
                 name = f"{label} {word} {band}".replace("  ", " ")
                 out.append(SiteGroup(name, kind, flag, (lo, hi), tuple(s.name for s in part),
-                                     sum(site_bytes_per_token(s.width) for s in part)))
+                                     sum(site_bytes_per_token(s.width) for s in part),
+                                     sum(site_bytes_per_token(s.width, "lsb") for s in part)))
     return out
 
 
@@ -196,11 +209,15 @@ def excess_ratio(excess: float | None, rne_excess: float | None) -> float | None
 
 
 def curve_point(k: int, units: Sequence[SiteGroup], mean_abs: float, floor: float, rne_excess: float) -> dict:
-    """One measured point of the coverage curve: ``units`` (k of them) hinted."""
+    """One measured point of the coverage curve: ``units`` (k of them) hinted (measured with the rollout's scale
+    bytes; ``bytes_per_token_by_encoding`` also prices the same sites stored with scale hints, whose excess the
+    audit of a store of that encoding measures at the store's coverage)."""
     sites = [s for u in units for s in u.sites]
     excess = mean_abs - floor
     return {"k": k, "units": [u.name for u in units], "sites": sites,
             "bytes_per_token": sum(u.bytes_per_token for u in units), "mean_abs_dlogp": mean_abs,
+            "bytes_per_token_by_encoding": {"bytes": sum(u.bytes_per_token for u in units),
+                                            "lsb": sum(u.lsb_bytes_per_token for u in units)},
             "excess": excess, "excess_vs_rne": excess_ratio(excess, rne_excess)}
 
 

@@ -38,7 +38,8 @@ Passes (names as in the JSON ``modes``, ``detail`` and ``attribution``):
 JSON (``run_audit``'s result, ``tracerl audit --json``; stable keys, ``audit_format`` 1):
 
 - ``store``: url, trajectories (in the store), audited_trajectories, response_tokens, hinted_sites, fp4_sites,
-  hint_bytes_per_token, policy_versions, model (the spec).
+  hint_bytes_per_token (with each site's scale encoding), site_bytes (per hinted site: scale_encoding, bytes_per_token;
+  FORMAT §2.4), policy_versions, model (the spec).
 - ``integrity``: ok, checked, errors (tracestore verify's messages: object named), entries, records, segments,
   chunks, bytes, skipped_trajectories (``[{traj_id, reason}]``).
 - ``replay``: decode_path, recorded_decode_path, reproduced (bool: every compared byte and log-prob equal),
@@ -305,12 +306,16 @@ class _Audit:
         replay["reproduced"] = bool(rep_lp) and all(
             replay[k] in (None, 1.0) for k in ("hints_equal", "scales_equal", "routes_equal", "logprobs_equal"))
         by = s.plan.by_name
+        enc = {h: self.store.sites[h].scale_encoding for h in s.plan.hinted}
         result = {
             "audit_format": AUDIT_FORMAT,
             "store": {"url": self.store.url, "trajectories": len(self.reader.traj_ids()),
                       "audited_trajectories": sum(t.data_ok for t in self.trajs), "response_tokens": n_resp,
                       "hinted_sites": list(s.plan.hinted), "fp4_sites": [x.name for x in s.plan.sites],
-                      "hint_bytes_per_token": sum(ap.site_bytes_per_token(by[h].width) for h in s.plan.hinted),
+                      "hint_bytes_per_token": sum(ap.site_bytes_per_token(by[h].width, enc[h]) for h in s.plan.hinted),
+                      # per hinted site: its scale encoding (FORMAT §2.4) and stored bytes per token
+                      "site_bytes": {h: {"scale_encoding": enc[h], "bytes_per_token":
+                                         ap.site_bytes_per_token(by[h].width, enc[h])} for h in s.plan.hinted},
                       "policy_versions": sorted({t.version for t in self.trajs}),
                       "model": dataclasses.asdict(s.spec)},
             "integrity": self.integrity,
@@ -331,7 +336,8 @@ class _Audit:
         s, cfg = self.s, self.cfg
         curve = self.curve()
         rne_excess = modes["fp4_rne_own_scales"]["excess_over_floor"]
-        store_bytes = sum(ap.site_bytes_per_token(s.plan.by_name[h].width) for h in s.plan.hinted)
+        store_bytes = sum(ap.site_bytes_per_token(s.plan.by_name[h].width, self.store.sites[h].scale_encoding)
+                          for h in s.plan.hinted)
         rr_excess = modes["fp4_hints_replay_routes"]["excess_over_floor"]
         rr_rne = modes["fp4_rne_replay_routes"]["excess_over_floor"]
         best = ap.best_under_budget(curve, REFERENCE_BUDGET)
@@ -385,6 +391,7 @@ def _integrity_only(audit: _Audit, t_start: float) -> dict[str, Any]:
             "store": {"url": audit.store.url, "trajectories": len(audit.reader.traj_ids()),
                       "audited_trajectories": 0, "response_tokens": 0, "hinted_sites": list(s.plan.hinted),
                       "fp4_sites": [x.name for x in s.plan.sites], "hint_bytes_per_token": None,
+                      "site_bytes": None,
                       "policy_versions": [], "model": dataclasses.asdict(s.spec)},
             "integrity": audit.integrity, "replay": None, "modes": {}, "audited_mode": AUDITED_MODE, "detail": {},
             "histogram": None, "attribution": None, "planner": None,

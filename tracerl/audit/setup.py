@@ -15,6 +15,7 @@ import tracestore as ts
 from tracerl.artifacts import weights as tw
 from tracerl.config import AuditConfig
 from tracerl.errors import ConfigError
+from tracerl.hints.scalehints import use_store_scale_encodings
 from tracerl.policy import (
     BUILDER,
     FP4Linear,
@@ -113,6 +114,7 @@ def load_setup(store: ts.Store, cfg: AuditConfig) -> Setup:
     model = build_model(spec, seed=int(meta["seed"]), device=device)
     train = install_fp4(model, plan, backend=cfg.backend)
     train.set_global_scales(meta["global_scales"])
+    use_store_scale_encodings(train, store)  # scale hints at the store's lsb sites (FORMAT §2.4)
     replay_plan = dataclasses.replace(plan, hinted=tuple(s.name for s in plan.sites if s.kind != "kv"))
     replay = FP4Runtime(replay_plan, meta["global_scales"], backend=cfg.backend)
     setup = Setup(model, spec, plan, train, replay, QATTrainer(model, train), device,

@@ -9,6 +9,9 @@ trainer.
 - `patch_model` (`tracerl.hints.patch`): installs hint-guided FP4 fake quantization at a site plan's sites and
   routing replay at the routers of a Hugging Face-style MoE model, taking the current micro-batch's tensors from
   the feed (``with patch.micro_batch(batch):``); removable, no change to the model's code.
+- Scale hints (`tracerl.hints.scalehints`): a store site of scale encoding ``lsb`` keeps one bit per block instead
+  of its E4M3 scale byte; `use_store_scale_encodings(runtime, store)` makes a trainer's runtime reconstruct the bytes
+  from its own activations (`patch_model` does it for a store source).
 - The packing and slicing they share (`tracerl.hints.packing`) and the record source that reads a trajectory's
   committed records without a log index (`tracerl.hints.source`).
 """
@@ -19,6 +22,8 @@ from tracerl.hints.feed import FeedBatch, HintFeed
 from tracerl.hints.packing import (MicroBatch, PackedHints, Segment, cp_shard, cp_zigzag_ranges, dp_shard,
                                    pack_micro_batches, read_packed, tp_feature_range)
 from tracerl.hints.patch import Patch, patch_model
+from tracerl.hints.scalehints import (fake_quantize_scale_hints, pack_scale_lsb, reconstruct_scales, unpack_scale_lsb,
+                                      use_store_scale_encodings)
 from tracerl.hints.source import RecordSource, packed_nbytes, read_ahead
 
 __all__ = [
@@ -27,5 +32,6 @@ __all__ = [
     "MicroBatch", "PackedHints", "Segment", "cp_shard", "cp_zigzag_ranges", "dp_shard", "pack_micro_batches",
     "read_packed", "tp_feature_range",
     "Patch", "patch_model",
+    "fake_quantize_scale_hints", "pack_scale_lsb", "reconstruct_scales", "unpack_scale_lsb", "use_store_scale_encodings",
     "RecordSource", "packed_nbytes", "read_ahead",
 ]

@@ -94,6 +94,8 @@ __all__ = [
     "boundary_distance",
     "scale_position",
     "scale_boundary_distance",
+    "block_scale_t",
+    "scale_hint_bytes",
     "encode_margin_exceptions",
     "reconstruct",
     "fake_quantize_compact",
@@ -194,12 +196,23 @@ def scale_boundary_distance(w: torch.Tensor) -> torch.Tensor:
     return 0.5 - (w - torch.round(w)).abs()
 
 
-def _block_t(x_f32: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """``clamp((amax_b / 6) / g, 2^-9, 448)`` per block: fp32 [T, W/16] of x_f32 [T, W] (NUMERICS §3)."""
+def block_scale_t(x_f32: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``clamp((amax_b / 6) / g, 2^-9, 448)`` per block: fp32 [T, W/16] of x_f32 [T, W] (NUMERICS §3; non-finite
+    values count as 0 in amax). ``e4m3_encode`` of it is the block's own scale byte."""
     t_, w = x_f32.shape
     a = x_f32.abs().reshape(t_, w // BLOCK, BLOCK)
     amax = torch.where(torch.isfinite(a), a, torch.zeros_like(a)).amax(dim=-1)
     return torch.clamp(ref.div_rn(ref.div_rn(amax, E2M1_MAX), g), min=E4M3_MIN_SCALE, max=E4M3_MAX)
+
+
+def scale_hint_bytes(t_f32: torch.Tensor, lsb: torch.Tensor) -> torch.Tensor:
+    """The E4M3 scale bytes (uint8, t's shape) that scale hints select: of the two E4M3 bytes ``b = min(floor(w),
+    125)`` and ``b + 1`` around the trainer's own position ``w = scale_position(t)``, the one whose LSB is ``lsb``
+    (0/1 integers, t's shape) — hint-guided rounding one level up. It is the rollout's byte whenever
+    ``|w_t - w_r| < 1/2`` (the two bytes around w_t are then the rollout's byte and a neighbour of the other LSB).
+    ``t_f32``: fp32 in [2^-9, 448] (`block_scale_t`), so w is in [1, 126] and the result in [1, 126]."""
+    low = torch.floor(scale_position(t_f32)).clamp(max=125).to(torch.int32)
+    return torch.where((low & 1) == (lsb.to(torch.int32) & 1), low, low + 1).to(torch.uint8)
 
 
 def _scaled(x_f32: torch.Tensor, scales_u8: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -276,7 +289,7 @@ def encode_margin_exceptions(x_hp: torch.Tensor, global_scale, scales_e4m3: torc
     _check_u8(hints_packed, "hints_packed", (t_, w // HINTS_PER_BYTE))
     g = _global_scale(global_scale, x_hp.device)
     x = x_hp.float()
-    t_r = _block_t(x, g)
+    t_r = block_scale_t(x, g)
     if math.isinf(ms):
         scale_mask = torch.ones(t_, w // BLOCK, dtype=torch.bool, device=x.device)
     else:
@@ -325,14 +338,13 @@ def reconstruct(enc: MarginExceptions, x_hp: torch.Tensor, global_scale) -> Reco
     g = _global_scale(global_scale, x_hp.device)
     x = x_hp.float()
     dev = x.device
-    t_t = _block_t(x, g)
+    t_t = block_scale_t(x, g)
     scales = ref.e4m3_encode(t_t)
     smask = enc.scale_mask.to(dev)
     stored = enc.scale_bytes.to(dev, torch.uint8)
     if enc.scale_payload == "lsb":
         # the neighbour of the trainer's own t whose LSB is the stored bit (hint-guided rounding of the scale)
-        low = torch.floor(scale_position(t_t[smask])).clamp(max=125).to(torch.int32)
-        stored = torch.where((low & 1) == stored.to(torch.int32), low, low + 1).to(torch.uint8)
+        stored = scale_hint_bytes(t_t[smask], stored)
     scales[smask] = stored
     v = _scaled(x, scales, g)
     rtn = ref.e2m1_rne_magnitude(v)

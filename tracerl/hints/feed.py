@@ -34,8 +34,7 @@ import torch
 import tracestore as ts
 from tracerl.artifacts.codes import RolloutCodes
 from tracerl.errors import ConfigError
-from tracerl.hints.packing import (MicroBatch, PackedHints, Segment, cp_shard, dp_shard, read_packed,
-                                   tp_feature_range)
+from tracerl.hints.packing import MicroBatch, PackedHints, Segment, cp_shard, dp_shard, read_packed, tp_feature_range
 from tracerl.hints.source import RecordSource, packed_nbytes
 from tracerl.util import to_device
 
@@ -57,7 +56,9 @@ class FeedBatch:
     logprobs: torch.Tensor  # float32 [T], the rollout's log-probs (NaN for prompt tokens)
     policy_versions: torch.Tensor  # int64 [T], the policy version that generated each token
     hints: dict[str, torch.Tensor]  # site -> uint8 [T, w/8] (w: this rank's features of the site)
-    scales: dict[str, torch.Tensor]  # site -> uint8 [T, w/16] (E4M3 block scales)
+    # site -> uint8 [T, w/16] (E4M3 block scales), or at a site of scale encoding lsb [T, ceil(w/128)] (scale hints:
+    # the trainer's forward reconstructs the bytes, `tracerl.hints.scalehints`)
+    scales: dict[str, torch.Tensor]
     global_scales: dict[str, torch.Tensor]  # site -> fp32 0-d: the g the rollout divided by
     experts: dict[str, torch.Tensor]  # MoE layer -> uint8 [T, top_k], the rollout's routed experts (ascending)
     rewards: torch.Tensor  # float32 [S], each segment's trajectory reward (NaN without a committed result)
@@ -66,6 +67,8 @@ class FeedBatch:
     #: with ``codes=True``: site -> uint8 [T, W/2], the rollout's recorded packed E2M1 codes (`tracerl.artifacts
     #: .codes`; whole rows, sites and trajectories that have them), the reference of code agreement
     codes: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    #: site -> the store's scale encoding ("bytes" | "lsb"): what ``scales`` rows hold
+    scale_encodings: dict[str, str] = dataclasses.field(default_factory=dict)
     loaded_unix: float = 0.0  # when its reading finished (lag measurements)
     read_s: float = 0.0  # seconds its reading took
 
@@ -151,8 +154,11 @@ class HintFeed:
                               f"{list(store.sites)[:6]})")
         self.device = torch.device(device)
         self.dp, self.cp, self.tp = _rank("dp", dp), _rank("cp", cp), _rank("tp", tp)
-        self.features = {s: (tp_feature_range(store.sites[s].width, *self.tp) if self.tp else
+        # a tensor-parallel slice starts at a scale byte: a block of 16, or 8 blocks at a scale-hint site
+        self.features = {s: (tp_feature_range(store.sites[s].width, *self.tp,
+                                              block=store.sites[s].scale_values_per_byte) if self.tp else
                              (0, store.sites[s].width)) for s in self.sites}
+        self.scale_encodings = {s: store.sites[s].scale_encoding for s in self.sites}
         self.read_ahead_bytes = int(read_ahead_bytes)
         scales = dict(global_scales if global_scales is not None else (store.model.get("global_scales") or {}))
         self.global_scales = {s: torch.tensor(float(scales[s]), dtype=torch.float32) for s in self.sites if s in scales}
@@ -260,7 +266,8 @@ class HintFeed:
             global_scales={s: to_device(g, dev) for s, g in self.global_scales.items()},
             experts={la: put(a) for la, a in packed.experts.items()},
             rewards=put(np.array([_reward(result(s.traj_id)) for s in packed.segments], dtype=np.float32)),
-            features=dict(self.features), host=packed, loaded_unix=loaded, read_s=secs,
+            features=dict(self.features), scale_encodings=dict(self.scale_encodings), host=packed,
+            loaded_unix=loaded, read_s=secs,
             codes={s: put(a) for s, a in codes.items()})
 
     def close(self) -> None:

@@ -140,7 +140,7 @@ class PackedHints:
     positions: np.ndarray  # int64 [T], position of each token in its trajectory
     logprobs: np.ndarray  # float32 [T], rollout log-probs (NaN for prompt tokens)
     hints: dict[str, np.ndarray]  # site -> uint8 [T, (hi-lo)/8]
-    scales: dict[str, np.ndarray]  # site -> uint8 [T, (hi-lo)/16]
+    scales: dict[str, np.ndarray]  # site -> uint8 [T, (hi-lo)/16] (scale encoding lsb: scale hints, 1 bit per block)
     experts: dict[str, np.ndarray]  # moe layer -> uint8 [T, top_k]
     features: tuple[int, int] | None
     policy_versions: np.ndarray | None = None  # int64 [T], when the source records them

@@ -20,7 +20,9 @@ every site against the model, and installs, all through PyTorch module hooks:
 
 The rollout's tensors of the current micro-batch reach the hooks through ``with patch.micro_batch(batch):`` around
 the forward and backward, ``batch`` a `tracerl.hints.FeedBatch` (or any object with ``hints``, ``scales`` and
-``experts`` dicts of tensors, row for row with the forward's tokens). Rows: the forward's tokens flattened must be the
+``experts`` dicts of tensors, row for row with the forward's tokens; a store site of scale encoding ``lsb`` hands out
+scale hints, from which the hooks reconstruct the rollout's scale bytes with the forward's own activations,
+`tracerl.hints.scalehints`). Rows: the forward's tokens flattened must be the
 batch's THD tokens in order (an input of shape [1, T] or [T]); a padded layout passes ``rows`` (each THD token's
 row in the flattened [B * L] input) and ``nrows``. Outside a ``micro_batch`` block the patched sites round to nearest
 with their own scales (a QAT forward without hints).
@@ -44,6 +46,7 @@ from torch import nn
 
 import tracestore as ts
 from tracerl.errors import PatchError
+from tracerl.hints.scalehints import scale_encodings as _encodings_of
 from tracerl.policy import FP4Runtime, SitePlan, check_mode, routed_experts
 
 __all__ = ["Patch", "patch_model"]
@@ -248,6 +251,12 @@ class Patch:
             return out
 
         hinted = set(self.runtime.plan.hinted)
+        given = getattr(batch, "scale_encodings", None) or {}
+        differ = {s: (e, self.runtime.scale_encodings.get(s, "bytes")) for s, e in given.items()
+                  if s in hinted and e != self.runtime.scale_encodings.get(s, "bytes")}
+        if differ:
+            raise PatchError(f"the batch's scale encodings differ from the patch's at {differ} (batch, patch): "
+                             "patch the model from the store the feed reads (patch_model(model, store))")
         provided = {s: (fit(batch.scales[s]), fit(batch.hints[s]) if mode == "fp4_hints" else None)
                     for s in hinted if s in batch.scales} if mode in ("fp4_rne_rollout_scales", "fp4_hints") else {}
         layers = {s.layer: s.module.rsplit(".", 1)[0] for s in self.runtime.plan.sites if s.kind == "moe_input"}
@@ -279,7 +288,8 @@ class Patch:
 
 
 def patch_model(model: nn.Module, source: Any, *, global_scales: Mapping[str, float] | None = None,
-                mode: str = "fp4_hints", routing_replay: bool = False, backend: str = "auto") -> Patch:
+                mode: str = "fp4_hints", routing_replay: bool = False, backend: str = "auto",
+                scale_encodings: Mapping[str, str] | None = None) -> Patch:
     """Install TRACE's hint-guided FP4 fake quantization in ``model`` (see the module docstring); returns the
     `Patch`.
 
@@ -290,6 +300,8 @@ def patch_model(model: nn.Module, source: Any, *, global_scales: Mapping[str, fl
         mode: what the sites do inside `Patch.micro_batch` (`tracerl.policy.MODES`; default ``fp4_hints``).
         routing_replay: replay the rollout's routed experts at every MoE layer's router.
         backend: the tracefp4 kernel backend (``auto``: Triton on CUDA).
+        scale_encodings: {site: "bytes" | "lsb"} of the scale rows the batches carry (default: a store source's
+            manifest, else bytes everywhere).
 
     Raises `PatchError` (nothing installed) for a site whose module the model lacks or whose width differs, a site
     kind it cannot patch (FP4 KV cache), experts without stacked weights, a missing global scale; `ConfigError`
@@ -298,6 +310,10 @@ def patch_model(model: nn.Module, source: Any, *, global_scales: Mapping[str, fl
     plan, scales = _plan_and_scales(source, global_scales)
     targets = _targets(model, plan, routing_replay)  # everything checked before anything changes
     runtime = FP4Runtime(plan, scales, backend=backend)
+    if scale_encodings is None and isinstance(source, ts.Store):
+        scale_encodings = _encodings_of(source)
+    if scale_encodings:
+        runtime.set_scale_encodings({s: e for s, e in _encodings_of(scale_encodings).items() if s in plan.hinted})
     runtime.set_mode("fp4_rne_own_scales")  # outside micro_batch: a QAT forward without hints
     return Patch(model, runtime, mode, targets)
 

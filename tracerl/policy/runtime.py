@@ -160,6 +160,9 @@ class FP4Runtime:
         self.cache_weights = True
         # Device copies of the (host) global scales: {(site, device): (host tensor, its version, device copy)}.
         self._gdev: dict[tuple[str, torch.device], tuple[torch.Tensor, int, torch.Tensor]] = {}
+        #: {hinted site: "lsb"} for sites whose provided scale rows are scale hints (`set_scale_encodings`);
+        #: every other site's provided rows are E4M3 bytes
+        self.scale_encodings: dict[str, str] = {}
 
     mode = _call_state_property("mode")
     capture = _call_state_property("capture")
@@ -184,6 +187,22 @@ class FP4Runtime:
             raise ConfigError(f"global scales missing for FP4 sites {missing[:4]}{'...' if len(missing) > 4 else ''}")
         # float -> fp32 is exact for values that came from an fp32 (JSON keeps doubles exactly).
         self.global_scales = {k: torch.tensor(float(v), dtype=torch.float32) for k, v in scales.items()}
+
+    def set_scale_encodings(self, encodings: Mapping[str, str]) -> None:
+        """What the provided scale rows of each hinted site are (the store's scale encoding, FORMAT §2.4):
+        ``"bytes"`` (the default), E4M3 bytes [N, W/16]; ``"lsb"``, scale hints [N, ceil(W/128)] from which
+        `quant` reconstructs the rollout's bytes with this forward's own activations
+        (`tracerl.hints.scalehints.reconstruct_scales`) before today's hint-guided rounding.
+        `tracerl.hints.use_store_scale_encodings(runtime, store)` sets them from a store.
+
+        Raises `ConfigError` (nothing changes) for a site the plan does not hint or an unknown encoding."""
+        bad = {s: e for s, e in encodings.items() if e not in ("bytes", "lsb")}
+        foreign = sorted(set(encodings) - self._hinted)
+        if bad or foreign:
+            raise ConfigError(f"scale encodings: {f'unknown {bad} (supported: bytes, lsb)' if bad else ''}"
+                              f"{'; ' if bad and foreign else ''}"
+                              f"{f'sites {foreign[:4]} are not hinted by the plan' if foreign else ''}")
+        self.scale_encodings = {s: e for s, e in encodings.items() if e != "bytes"}
 
     def global_scales_json(self) -> dict[str, float]:
         return {k: float(v) for k, v in self.global_scales.items()}
@@ -257,12 +276,19 @@ class FP4Runtime:
                 raise HintMismatchError(f"mode {self.mode} needs the rollout's scales for hinted site {site}")
             scale_e4m3, hints = self.provided[site]
             n, w = x.shape
-            if scale_e4m3.shape != (n, w // BLOCK) or (hints is not None and hints.shape != (n, w // HINTS_PER_BYTE)):
+            lsb = self.scale_encodings.get(site) == "lsb"
+            nscale = -(-w // (8 * BLOCK)) if lsb else w // BLOCK
+            if scale_e4m3.shape != (n, nscale) or (hints is not None and hints.shape != (n, w // HINTS_PER_BYTE)):
                 raise HintMismatchError(
-                    f"site {site}: activation [{n}, {w}] needs scales [{n}, {w // BLOCK}] and hints "
-                    f"[{n}, {w // HINTS_PER_BYTE}], got {tuple(scale_e4m3.shape)} and "
+                    f"site {site}: activation [{n}, {w}] needs {'scale hints' if lsb else 'scales'} [{n}, {nscale}] "
+                    f"and hints [{n}, {w // HINTS_PER_BYTE}], got {tuple(scale_e4m3.shape)} and "
                     f"{None if hints is None else tuple(hints.shape)}"
                 )
+            if lsb:
+                # imported here: tracerl.hints imports tracerl.policy at its import time
+                from tracerl.hints.scalehints import reconstruct_scales
+
+                scale_e4m3 = reconstruct_scales(x.detach(), g, scale_e4m3)  # uint8 [N, W/16], the rollout's bytes
             y = tracefp4.fake_quantize(
                 x,
                 fmt="nvfp4",

@@ -24,6 +24,13 @@ NVFP4 block produces (the smallest block scale is 2^-9); missing expert ids are 
 
 The sink is anything with tracestore's ``Writer.write`` signature (`TraceSink`); `MemorySink` keeps pieces in
 memory and serves reads with the same slicing as the store's reader.
+
+**Scale encodings.** A site whose store declares scale encoding ``lsb`` (FORMAT §2.4) keeps only each block's
+scale-byte LSB: `record_sites` still takes the quantizer's E4M3 bytes [N, W/16] and packs them on their device
+(`tracerl.hints.scalehints.pack_scale_lsb`, no host sync) into [N, ceil(W/128)], which is what is staged, copied to
+the host and written. The encodings come from ``scale_encodings=`` or, by default, from the sink (a tracestore
+``Writer``'s store, or a `MemorySink`'s own). Unfilled rows of such a site carry LSB 0 (there is no "no data"
+byte: the trainer computes its own scale at such a row, a token whose activations no scored token reads).
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import torch
 
 from tracefp4.constants import HINTS_PER_BYTE, NVFP4_BLOCK_SIZE
 from tracerl.errors import RecorderError
+from tracerl.hints.scalehints import SCALE_ENCODINGS, pack_scale_lsb, scale_lsb_bytes
 
 NO_EXPERT = 255
 
@@ -69,12 +77,33 @@ class TracePiece:
     positions: np.ndarray
 
 
-class MemorySink:
-    """In-memory `TraceSink` with a reader: ``read(traj_id, start, stop, sites=, features=)``."""
+def _check_encodings(encodings: Mapping[str, str], site_widths: Mapping[str, int]) -> dict[str, str]:
+    bad = {s: e for s, e in encodings.items() if e not in SCALE_ENCODINGS or s not in site_widths}
+    if bad:
+        raise RecorderError(f"scale encodings {bad}: each must be one of {list(SCALE_ENCODINGS)} for a recorded site "
+                            f"({sorted(site_widths)[:4]}...)")
+    return {s: encodings.get(s, "bytes") for s in site_widths}
 
-    def __init__(self, site_widths: Mapping[str, int], block_size: int = NVFP4_BLOCK_SIZE):
+
+def sink_scale_encodings(sink: Any, site_widths: Mapping[str, int]) -> dict[str, str]:
+    """{site: scale encoding} that ``sink`` stores: a tracestore ``Writer``'s store sites, a `MemorySink`'s
+    ``scale_encodings``, else ``bytes`` everywhere."""
+    store = getattr(sink, "store", None)
+    if store is not None and isinstance(getattr(store, "sites", None), Mapping):
+        return _check_encodings({s: store.sites[s].scale_encoding for s in site_widths if s in store.sites},
+                                site_widths)
+    return _check_encodings(getattr(sink, "scale_encodings", None) or {}, site_widths)
+
+
+class MemorySink:
+    """In-memory `TraceSink` with a reader: ``read(traj_id, start, stop, sites=, features=)``; ``scale_encodings``:
+    {site: "bytes" | "lsb"} (default bytes), the scale rows it expects as a store of that declaration does."""
+
+    def __init__(self, site_widths: Mapping[str, int], block_size: int = NVFP4_BLOCK_SIZE, *,
+                 scale_encodings: Mapping[str, str] | None = None):
         self.site_widths = dict(site_widths)
         self.block_size = block_size
+        self.scale_encodings = _check_encodings(scale_encodings or {}, self.site_widths)
         self._pieces: dict[str, list[tuple[int, TracePiece]]] = {}
 
     def write(self, traj_id, token_start, *, hints, scales, token_ids, logprobs, experts=None, policy_version=0):
@@ -117,11 +146,14 @@ class MemorySink:
             if features is None:
                 return arr
             lo, hi = features
-            return arr[:, lo // per : hi // per]
+            return arr[:, lo // per : -(-hi // per)]
+
+        def per_scale(s: str) -> int:  # values one stored scale byte covers
+            return self.block_size * (HINTS_PER_BYTE if self.scale_encodings[s] == "lsb" else 1)
 
         return TracePiece(
             hints={s: feat(cat(lambda p, s=s: p.hints[s]), HINTS_PER_BYTE) for s in sites},
-            scales={s: feat(cat(lambda p, s=s: p.scales[s]), self.block_size) for s in sites},
+            scales={s: feat(cat(lambda p, s=s: p.scales[s]), per_scale(s)) for s in sites},
             token_ids=cat(lambda p: p.token_ids),
             logprobs=cat(lambda p: p.logprobs),
             experts={k: cat(lambda p, k=k: p.experts[k]) for k in pieces[0][1].experts},
@@ -149,7 +181,11 @@ class RolloutRecorder:
     moe_layers, top_k: routed-expert records (uint8 [T, top_k] per layer name); ``()`` for none.
     flush_tokens: a request's complete leading rows are written once at least this many are buffered.
     drain_every: steps between device-to-host drains of the staged payloads.
-    block_size: the FP4 block (16 for NVFP4); a site's scale row has width / block_size bytes.
+    block_size: the FP4 block (16 for NVFP4); a site's scale row has width / block_size bytes, or with scale
+        encoding lsb ceil(width / block_size / 8).
+    scale_encodings: {site: "bytes" | "lsb"} (module docstring); default: the sink's (`sink_scale_encodings`).
+
+    Raises `RecorderError` for bad sizes or an unknown scale encoding.
     """
 
     def __init__(
@@ -162,6 +198,7 @@ class RolloutRecorder:
         flush_tokens: int = 2048,
         drain_every: int = 32,
         block_size: int = NVFP4_BLOCK_SIZE,
+        scale_encodings: Mapping[str, str] | None = None,
     ):
         if flush_tokens < 1 or drain_every < 1:
             raise RecorderError(f"flush_tokens={flush_tokens} and drain_every={drain_every} must be >= 1")
@@ -172,6 +209,8 @@ class RolloutRecorder:
         self.flush_tokens = flush_tokens
         self.drain_every = drain_every
         self.block_size = block_size
+        self.scale_encodings = (sink_scale_encodings(sink, self.site_widths) if scale_encodings is None else
+                                _check_encodings(scale_encodings, self.site_widths))
         self._cap = 2 * flush_tokens
         self._slots: dict[str, int] = {}
         self._slot_rid: dict[int, str] = {}
@@ -189,7 +228,8 @@ class RolloutRecorder:
         self.tokens_written = 0
         self.bytes_written = 0
         for s, w in self.site_widths.items():
-            self._add_field(("site", s), [(w // HINTS_PER_BYTE, np.uint8, 0), (w // block_size, np.uint8, 0)])
+            nscale = scale_lsb_bytes(w // block_size) if self.scale_encodings[s] == "lsb" else w // block_size
+            self._add_field(("site", s), [(w // HINTS_PER_BYTE, np.uint8, 0), (nscale, np.uint8, 0)])
         for layer in self.moe_layers:
             self._add_field(("experts", layer), [(top_k, np.uint8, NO_EXPERT)])
         self._add_field("tokens", [((), np.int64, -1), ((), np.float32, np.nan)])
@@ -259,9 +299,18 @@ class RolloutRecorder:
         self._staged.append((key, slots, pos, tuple(torch.as_tensor(p).detach() for p in payload)))
 
     def record_sites(self, request_ids, positions, site: str, hints, scales) -> None:
-        """Hint bits uint8 [N, width/8] and block scales uint8 [N, width/block] of ``site`` for N tokens."""
+        """Hint bits uint8 [N, width/8] and block scales uint8 [N, width/block] (the quantizer's E4M3 bytes) of
+        ``site`` for N tokens; at a site of scale encoding lsb the scales are packed to their LSBs here, on their
+        device. Raises `RecorderError` for an unknown site or scales of another width."""
         if site not in self.site_widths:
             raise RecorderError(f"site {site!r} is not recorded; recorded sites: {sorted(self.site_widths)[:4]}...")
+        if self.scale_encodings[site] == "lsb":
+            scales = torch.as_tensor(scales)
+            blocks = self.site_widths[site] // self.block_size
+            if scales.dim() != 2 or scales.shape[1] != blocks:
+                raise RecorderError(f"site {site!r}: scales {tuple(scales.shape)}; expected the E4M3 bytes [N, "
+                                    f"{blocks}] (the recorder packs their LSBs: the store keeps scale hints)")
+            scales = pack_scale_lsb(scales.view(torch.uint8) if scales.element_size() == 1 else scales)
         self._stage(("site", site), request_ids, positions, hints, scales)
 
     def record_experts(self, request_ids, positions, layer: str, expert_ids) -> None:

@@ -102,6 +102,9 @@ class RecordingSession:
                                     f"{sorted(sites)[:4]}... (a record carries every site the store declares)")
         self.layer_sites = {moe_input_layer(s): s for s in sites}
         self.widths = {s.name: s.width for s in store.sites.values()}
+        #: sites whose store keeps scale hints (scale encoding lsb, FORMAT §2.4): their captured E4M3 bytes are
+        #: packed to LSBs when a request is written
+        self.lsb_sites = {s.name for s in store.sites.values() if s.scale_encoding == "lsb"}
         self.moe_layers = {}
         for name in store.moe_layers:
             m = MOE_LAYER.fullmatch(name)
@@ -187,6 +190,10 @@ class RecordingSession:
             w = self.widths[site]
             hints[site] = np.concatenate([fr.rows.hints[site], np.zeros((1, w // 8), np.uint8)])
             scales[site] = np.concatenate([fr.rows.scales[site], np.zeros((1, w // 16), np.uint8)])
+            if site in self.lsb_sites:
+                # bit b of a row = LSB of block b's byte, LSB first, zero-padded: `tracerl.hints.pack_scale_lsb`
+                # on the host (tested equal), without importing torch here
+                scales[site] = np.packbits(scales[site] & 1, axis=1, bitorder="little")
         experts = self._experts(fr, fed)
         spans = self._spans(fr, p, g)
         pieces = []
