@@ -130,7 +130,7 @@ def test_runtime_with_scale_hints_is_todays_forward_for_the_rollouts_activations
     q = tracefp4.quantize(x, "nvfp4", global_scale=g)
     with rt.using(mode="fp4_hints", provided={site: (q.scales, q.hints)}):
         want = rt.quant(site, x)
-    rt.set_scale_encodings({site: "lsb"})
+    use_store_scale_encodings(rt, {site: "lsb"})
     with rt.using(mode="fp4_hints", provided={site: (pack_scale_lsb(q.scales), q.hints)}):
         got = rt.quant(site, x)
         with pytest.raises(HintMismatchError, match=r"needs scale hints \[33, 1\] .*got \(33, 4\)"):
@@ -144,7 +144,9 @@ def test_set_scale_encodings_checks_before_changing_anything():
     with pytest.raises(ConfigError, match="unknown .*supported: bytes, lsb"):
         rt.set_scale_encodings({moe_input_site(0): "bits"})
     with pytest.raises(ConfigError, match="not hinted by the plan"):
-        rt.set_scale_encodings({"model.layers.0.nothing": "lsb"})
+        rt.set_scale_encodings({"model.layers.0.nothing": "lsb"}, decoder=reconstruct_scales)
+    with pytest.raises(ConfigError, match="need decoder="):
+        rt.set_scale_encodings({moe_input_site(0): "lsb"})
     assert rt.scale_encodings == {}
 
 

@@ -47,6 +47,7 @@ from torch import nn
 import tracestore as ts
 from tracerl.errors import PatchError
 from tracerl.hints.scalehints import scale_encodings as _encodings_of
+from tracerl.hints.scalehints import use_store_scale_encodings
 from tracerl.policy import FP4Runtime, SitePlan, check_mode, routed_experts
 
 __all__ = ["Patch", "patch_model"]
@@ -313,7 +314,7 @@ def patch_model(model: nn.Module, source: Any, *, global_scales: Mapping[str, fl
     if scale_encodings is None and isinstance(source, ts.Store):
         scale_encodings = _encodings_of(source)
     if scale_encodings:
-        runtime.set_scale_encodings({s: e for s, e in _encodings_of(scale_encodings).items() if s in plan.hinted})
+        use_store_scale_encodings(runtime, scale_encodings)
     runtime.set_mode("fp4_rne_own_scales")  # outside micro_batch: a QAT forward without hints
     return Patch(model, runtime, mode, targets)
 

@@ -141,7 +141,7 @@ def use_store_scale_encodings(runtime: Any, source: Any) -> dict[str, str]:
     enc = scale_encodings(source)
     hinted = set(runtime.plan.hinted)
     chosen = {s: e for s, e in enc.items() if s in hinted}
-    runtime.set_scale_encodings(chosen)
+    runtime.set_scale_encodings(chosen, decoder=reconstruct_scales)
     lsb = sorted(s for s, e in chosen.items() if e == "lsb")
     if lsb:
         log.info("tracerl.hints: %d hinted sites carry scale hints (scale bytes reconstructed): %s", len(lsb),

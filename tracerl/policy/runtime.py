@@ -163,6 +163,9 @@ class FP4Runtime:
         #: {hinted site: "lsb"} for sites whose provided scale rows are scale hints (`set_scale_encodings`);
         #: every other site's provided rows are E4M3 bytes
         self.scale_encodings: dict[str, str] = {}
+        #: (x [N, W], g, scale hints [N, ceil(W/128)]) -> E4M3 bytes [N, W/16]; given by tracerl.hints (policy
+        #: imports nothing of hints: `tracerl.hints.use_store_scale_encodings` passes `reconstruct_scales`)
+        self._scale_decoder: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     mode = _call_state_property("mode")
     capture = _call_state_property("capture")
@@ -188,21 +191,27 @@ class FP4Runtime:
         # float -> fp32 is exact for values that came from an fp32 (JSON keeps doubles exactly).
         self.global_scales = {k: torch.tensor(float(v), dtype=torch.float32) for k, v in scales.items()}
 
-    def set_scale_encodings(self, encodings: Mapping[str, str]) -> None:
+    def set_scale_encodings(self, encodings: Mapping[str, str], decoder: Callable | None = None) -> None:
         """What the provided scale rows of each hinted site are (the store's scale encoding, FORMAT §2.4):
         ``"bytes"`` (the default), E4M3 bytes [N, W/16]; ``"lsb"``, scale hints [N, ceil(W/128)] from which
         `quant` reconstructs the rollout's bytes with this forward's own activations
         (`tracerl.hints.scalehints.reconstruct_scales`) before today's hint-guided rounding.
-        `tracerl.hints.use_store_scale_encodings(runtime, store)` sets them from a store.
+        `tracerl.hints.use_store_scale_encodings(runtime, store)` sets them from a store (and passes ``decoder``,
+        `tracerl.hints.reconstruct_scales`).
 
-        Raises `ConfigError` (nothing changes) for a site the plan does not hint or an unknown encoding."""
+        Raises `ConfigError` (nothing changes) for a site the plan does not hint, an unknown encoding, or an lsb
+        site without a ``decoder``."""
         bad = {s: e for s, e in encodings.items() if e not in ("bytes", "lsb")}
         foreign = sorted(set(encodings) - self._hinted)
         if bad or foreign:
             raise ConfigError(f"scale encodings: {f'unknown {bad} (supported: bytes, lsb)' if bad else ''}"
                               f"{'; ' if bad and foreign else ''}"
                               f"{f'sites {foreign[:4]} are not hinted by the plan' if foreign else ''}")
+        if any(e == "lsb" for e in encodings.values()) and decoder is None:
+            raise ConfigError("scale encodings: lsb sites need decoder=tracerl.hints.reconstruct_scales (or call "
+                              "tracerl.hints.use_store_scale_encodings(runtime, store))")
         self.scale_encodings = {s: e for s, e in encodings.items() if e != "bytes"}
+        self._scale_decoder = decoder
 
     def global_scales_json(self) -> dict[str, float]:
         return {k: float(v) for k, v in self.global_scales.items()}
@@ -285,10 +294,7 @@ class FP4Runtime:
                     f"{None if hints is None else tuple(hints.shape)}"
                 )
             if lsb:
-                # imported here: tracerl.hints imports tracerl.policy at its import time
-                from tracerl.hints.scalehints import reconstruct_scales
-
-                scale_e4m3 = reconstruct_scales(x.detach(), g, scale_e4m3)  # uint8 [N, W/16], the rollout's bytes
+                scale_e4m3 = self._scale_decoder(x.detach(), g, scale_e4m3)  # uint8 [N, W/16], the rollout's bytes
             y = tracefp4.fake_quantize(
                 x,
                 fmt="nvfp4",
