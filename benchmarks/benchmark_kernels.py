@@ -56,6 +56,20 @@ OPS = ["copy", "quantize", "quantize_no_hints", "quantize_fake", "capture_unfuse
 SWEEP = [(128, 4, 0), (64, 2, 0), (128, 4, 32), (64, 2, 32), (128, 4, 8), (64, 2, 8), (256, 8, 32), (128, 4, 32, 40)]
 SWEEP_BWD = [(256, 4), (128, 4), (512, 8)]
 SMOKE_SWEEP = [(8, 1, 0), (8, 1, 2)]
+#: the row layout (one thread per 16 input bytes; given-scale and round-to-nearest fake quantization and
+#: dequantization only): ("rows", rows per program, num_warps, programs per SM)
+SWEEP_ROWS = [("rows", 128, 4, 0), ("rows", 256, 8, 0), ("rows", 512, 4, 0), ("rows", 1024, 8, 0),
+              ("rows", 256, 4, 32), ("rows", 512, 8, 32), ("rows", 1024, 8, 8)]
+SMOKE_SWEEP_ROWS = [("rows", 16, 1, 0), ("rows", 32, 1, 2)]
+ROWS_OPS = ("fake_quant", "fake_quant_rtn", "dequantize", "quantize", "quantize_no_hints", "quantize_fake")
+ROWS_NO_FP32 = ("quantize", "quantize_no_hints", "quantize_fake")  # a row of 4 fp32 values is half a code word
+
+
+def takes_rows(op: str, dtype_name: str) -> bool:
+    """Whether `op` on `dtype_name` input has the row layout."""
+    return op in ROWS_OPS and not (op in ROWS_NO_FP32 and dtype_name == "fp32")
+#: the row-layout config the exactness suite checks besides each kernel's default
+ROWS_CHECK = ("rows", 512, 8, 32)
 #: kernel -> the CONFIG key whose default it runs
 CONFIG_KEY = {"quantize": "quantize", "quantize_no_hints": "quantize", "quantize_fake": "quantize_fake",
               "fake_quant": "fake_quant", "fake_quant_rtn": "fake_quant_rtn", "dequantize": "dequantize",
@@ -162,6 +176,25 @@ def exactness(x, fmt: str, g, tk) -> dict:
                                                 ref.fake_quantize_blocks_ref(xn, fmt, g, sr, None))
     out["dequantize"] = mismatches(tk.dequantize_blocks_triton(cr, sr, fmt, g, x.dtype),
                                    ref.dequantize_blocks_ref(tracefp4.unpack_codes(cr), sr, fmt, g, x.dtype))
+    rc = ROWS_CHECK if x.is_cuda else SMOKE_SWEEP_ROWS[1]
+    if x.dtype != torch.float32:
+        for rule in rules:
+            sfx = "" if rule == "floor" else "_rceil"
+            cr2, sr2, hr2 = ref.quantize_blocks_ref(xb, fmt, g, rule)
+            ct, st, ht = tk.quantize_blocks_triton(xb, fmt, g, rule, config=rc)
+            out[f"quantize_rows{sfx}"] = mismatches(ct, cr2) + mismatches(st, sr2) + mismatches(ht, hr2)
+            yt, ct2, st2, ht2 = tk.quantize_fake_blocks_triton(xb, fmt, g, rule, config=rc)
+            out[f"quantize_fake_rows{sfx}"] = (mismatches(yt, ref.fake_quantize_blocks_ref(xb, fmt, g, None, None, rule))
+                                               + mismatches(ct2, cr2) + mismatches(st2, sr2) + mismatches(ht2, hr2))
+    out["fake_quant_rtn_rows"] = mismatches(tk.fake_quantize_blocks_triton(xb, fmt, g, None, None, config=rc)[0],
+                                            ref.fake_quantize_blocks_ref(xb, fmt, g, None, None))
+    out["fake_quant_hinted_rows"] = mismatches(tk.fake_quantize_blocks_triton(xn, fmt, g, sr, hr, config=rc)[0],
+                                               ref.fake_quantize_blocks_ref(xn, fmt, g, sr, hb))
+    out["fake_quant_given_scales_rows"] = mismatches(
+        tk.fake_quantize_blocks_triton(xn, fmt, g, sr, None, config=rc)[0],
+        ref.fake_quantize_blocks_ref(xn, fmt, g, sr, None))
+    out["dequantize_rows"] = mismatches(tk.dequantize_blocks_triton(cr, sr, fmt, g, x.dtype, config=rc),
+                                        ref.dequantize_blocks_ref(tracefp4.unpack_codes(cr), sr, fmt, g, x.dtype))
     grad = torch.randn(xn.shape, device=x.device).to(x.dtype)
     out["fake_quant_bwd"] = mismatches(tk.fake_quantize_bwd_blocks_triton(grad, xn, fmt, g, sr),
                                        ref.fake_quantize_bwd_blocks_ref(grad, xn, fmt, g, sr))
@@ -222,6 +255,8 @@ def op_bytes(n: int, e: int, b: int) -> dict:
 
 
 def cfg_name(c) -> str:
+    if c[0] == "rows":
+        return f"rows{c[1]}_w{c[2]}_" + (f"persist{c[3]}" if c[3] else "grid")
     if len(c) == 2:
         return f"BN{c[0]}_w{c[1]}"
     name = f"BN{c[0]}_w{c[1]}_" + (f"persist{c[2]}" if c[2] else "grid")
@@ -289,7 +324,8 @@ def run_case(hidden, dtype_name, fmt, args, device, cuda, sweep, tk, log) -> dic
                               **summarize(time_runs(lambda: fn(None), runs, iters, warm, cuda), nbytes[op])}
         if sweep and op != "capture_unfused":
             res["sweep"][op] = {}
-            for c in (sweep["bwd"] if kind == "bwd" else sweep["fwd"]):
+            for c in (sweep["bwd"] if kind == "bwd" else sweep["fwd"] + (sweep["rows"] if takes_rows(op, dtype_name)
+                                                                               else [])):
                 res["sweep"][op][cfg_name(c)] = summarize(time_runs(lambda: fn(c), runs, iters, warm, cuda),
                                                           nbytes[op])
     del ops, x
@@ -318,7 +354,9 @@ def _compile_worker(job) -> str:
 
     x = make_x(64, 256, DTYPES[dtype_name], "cuda", seed=1)
     g = torch.tensor(0.01, device="cuda") if fmt == "nvfp4" else None
-    for fn, kind in make_ops(x, fmt, g, tk).values():
+    for op, (fn, kind) in make_ops(x, fmt, g, tk).items():
+        if fwd_cfg is not None and fwd_cfg[0] == "rows" and not takes_rows(op, dtype_name):
+            continue
         fn(bwd_cfg if kind == "bwd" else fwd_cfg)
     if with_exactness:
         exactness(x, fmt, g, tk)
@@ -333,7 +371,7 @@ def precompile(cases, sweep, workers: int, log) -> None:
 
     jobs = []
     for dtype_name, fmt in cases:
-        fwd = [None] + (sweep["fwd"] if sweep else [])
+        fwd = [None] + (sweep["fwd"] + sweep["rows"] if sweep else [])
         bwd = [None] + (sweep["bwd"] if sweep else [])
         jobs += [(dtype_name, fmt, fwd[i], bwd[min(i, len(bwd) - 1)], i == 0) for i in range(len(fwd))]
     if not jobs:
@@ -372,7 +410,8 @@ def main() -> None:
 
     sweep = None
     if args.sweep:
-        sweep = {"fwd": SMOKE_SWEEP if args.smoke else SWEEP, "bwd": [(8, 1)] if args.smoke else SWEEP_BWD}
+        sweep = {"fwd": SMOKE_SWEEP if args.smoke else SWEEP, "bwd": [(8, 1)] if args.smoke else SWEEP_BWD,
+                 "rows": SMOKE_SWEEP_ROWS if args.smoke else SWEEP_ROWS}
     meta = {
         "gpu": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
         "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),

@@ -25,6 +25,15 @@ looping over tiles of BN blocks and loading the next tile before it computes the
 warp keeps 16 * P bytes per thread in flight while it computes (the kernels are latency- and issue-bound, not
 bound by DRAM bytes: see benchmarks/results/kernels-h200-analysis.log).
 
+The row layout (a config ``("rows", rows per program, num_warps, programs per SM)``; quantization of bf16 / fp16,
+fake quantization and dequantization): one thread per *piece* (a row of 16 input bytes), so that a warp's loads and
+stores are 512 contiguous bytes instead of 32 threads' pieces at a stride of 16 * P bytes. A block of P rows takes
+its amax with a max across its P neighbouring threads (`_group_max`: warp shuffles) and reads a given scale byte P
+times (L1); a row's codes are one word (bf16 / fp16) or half of one (fp32), its hints one byte or half of one. Where
+a thread held 64 or more bytes of a block (MXFP4; NVFP4 fp32) the block layout reached 22-78% of copy bandwidth on
+an H200 and the row layout 91-101% (kernels-h200-rows*.json); the defaults per case (CONFIG_CASES) are what measured
+fastest. Every per-value operation is the same helper in both layouts, so their bits are the same.
+
 Per-value arithmetic (the reasons are instruction counts: quantize executed 24.3 instructions per value before, 17.7
 now, ncu on an H200):
 - Round to nearest on the E2M1 ladder with ties to the even code, in three floating-point operations: for
@@ -94,20 +103,28 @@ CONFIG: dict[str, tuple] = {
     "fake_quant_bwd": (256, 4),
 }
 #: (kernel, input dtype, fmt) -> config, where the H200 sweep found a config clearly (> 3 points of copy
-#: bandwidth) better than CONFIG's for that input
+#: bandwidth) better than CONFIG's for that input (a ("rows", ...) config where the row layout was; a launch the
+#: row layout cannot do, a stack of matrices with one global scale each, takes CONFIG's block layout)
 CONFIG_CASES: dict[tuple[str, str, str], tuple] = {
     **{("quantize", "fp16", f): (64, 2, 0) for f in ("nvfp4", "mxfp4")},
     **{("quantize", "fp32", f): (128, 4, 0) for f in ("nvfp4", "mxfp4")},
     ("quantize", "bf16", "mxfp4"): (128, 4, 32),
     **{("quantize_fake", d, f): (64, 2, 0) for d in ("bf16", "fp16", "fp32") for f in ("nvfp4", "mxfp4")
-       if (d, f) != ("bf16", "nvfp4")},
-    **{("fake_quant_rtn", d, "mxfp4"): (64, 2, 0) for d in ("bf16", "fp16")},
-    ("fake_quant_rtn", "fp32", "nvfp4"): (64, 2, 0),
-    ("dequantize", "bf16", "nvfp4"): (64, 2, 8),
-    **{("fake_quant", d, "mxfp4"): (64, 2, 8) for d in ("bf16", "fp16")},
+       if (d, f) not in (("bf16", "nvfp4"), ("bf16", "mxfp4"), ("fp16", "mxfp4"))},
     ("fake_quant", "fp16", "nvfp4"): (128, 4, 0),
-    ("fake_quant", "fp32", "nvfp4"): (64, 2, 8),
-    ("fake_quant", "fp32", "mxfp4"): (128, 4, 0),
+    # the row layout (one thread per 16 input bytes), from the H200 sweeps of kernels-h200-rows*.json: every
+    # dequantization, every MXFP4 and fp32 fake quantization, MXFP4 bf16 / fp16 quantize_fake
+    **{("dequantize", d, f): ("rows", 512, 4, 0) for d in ("bf16", "fp16") for f in ("nvfp4", "mxfp4")},
+    **{("dequantize", "fp32", f): ("rows", 1024, 8, 0) for f in ("nvfp4", "mxfp4")},
+    ("fake_quant", "bf16", "mxfp4"): ("rows", 1024, 8, 0),
+    ("fake_quant", "fp16", "mxfp4"): ("rows", 512, 4, 0),
+    ("fake_quant", "fp32", "nvfp4"): ("rows", 512, 4, 0),
+    ("fake_quant", "fp32", "mxfp4"): ("rows", 128, 4, 0),
+    **{("fake_quant_rtn", d, "mxfp4"): ("rows", 512, 4, 0) for d in ("bf16", "fp16")},
+    ("fake_quant_rtn", "fp32", "nvfp4"): ("rows", 1024, 8, 0),
+    ("fake_quant_rtn", "fp32", "mxfp4"): ("rows", 128, 4, 0),
+    ("quantize_fake", "bf16", "mxfp4"): ("rows", 512, 4, 0),
+    ("quantize_fake", "fp16", "mxfp4"): ("rows", 128, 4, 0),
 }
 _DTYPE_NAME = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
@@ -154,7 +171,9 @@ def _piece_offsets(blk, p: tl.constexpr, P: tl.constexpr, K: tl.constexpr):
 def _load_pieces(ptr, blk, bmask, P: tl.constexpr, K: tl.constexpr):
     """The P pieces [BN, K] of BN blocks, as a tuple (loaded together: P 16-byte loads per thread)."""
     m = bmask[:, None]
-    if P == 2:
+    if P == 1:
+        return (tl.load(ptr + _piece_offsets(blk, 0, P, K), mask=m, other=0),)
+    elif P == 2:
         return (tl.load(ptr + _piece_offsets(blk, 0, P, K), mask=m, other=0),
                 tl.load(ptr + _piece_offsets(blk, 1, P, K), mask=m, other=0))
     elif P == 4:
@@ -237,20 +256,32 @@ def _div6(a):
 
 
 @triton.jit
-def _block_amax_q(xs, P: tl.constexpr, KIND: tl.constexpr, IS_NV: tl.constexpr, GPU: tl.constexpr):
+def _group_max(v, RB: tl.constexpr):
+    """[BR] -> [BR]: the max over each group of RB consecutive entries, at every entry of the group (RB = 1: v;
+    the row layout's block amax, a reduction across the RB neighbouring threads of a block)."""
+    if RB == 1:
+        return v
+    else:
+        m = tl.max(tl.reshape(v, (v.shape[0] // RB, RB)), axis=1)
+        return tl.reshape(tl.broadcast_to(m[:, None], (v.shape[0] // RB, RB)), (v.shape[0],))
+
+
+@triton.jit
+def _block_amax_q(xs, P: tl.constexpr, KIND: tl.constexpr, IS_NV: tl.constexpr, GPU: tl.constexpr,
+                  RB: tl.constexpr = 1):
     """(amax, RN(amax / 6) for NVFP4 (else amax)) of each block of a tile. On GPU, a tile with no +-Inf and no
     block amax in (0, 2^-125) (the common case, decided once per tile: a uniform branch) takes the fast path:
     the plain NaN-ignoring max and `_div6`; otherwise the finite max and a correctly rounded division."""
     if GPU:
-        amax = _pieces_absmax(xs, P, KIND)
+        amax = _group_max(_pieces_absmax(xs, P, KIND), RB)
         slow = (amax == float("inf")) | ((amax > 0.0) & (amax < 2.350988701644575e-38))  # 2^-125
         if tl.max(slow.to(tl.int32), axis=0) != 0:
-            amax = _pieces_amax(xs, P, KIND, GPU)
+            amax = _group_max(_pieces_amax(xs, P, KIND, GPU), RB)
             q = tl.math.div_rn(amax, 6.0)
         else:
             q = _div6(amax)
     else:
-        amax = _pieces_amax(xs, P, KIND, GPU)
+        amax = _group_max(_pieces_amax(xs, P, KIND, GPU), RB)
         q = tl.math.div_rn(amax, 6.0)
     return amax, q
 
@@ -307,9 +338,10 @@ def _mx_exponent(amax, RCEIL: tl.constexpr):
 
 @triton.jit
 def _own_scale(xs, g, inv_g, P: tl.constexpr, KIND: tl.constexpr, IS_NV: tl.constexpr, RCEIL: tl.constexpr,
-               GPU: tl.constexpr):
-    """(scale byte int32, s, r) of each block of a tile from its values: v = x * r."""
-    amax, q = _block_amax_q(xs, P, KIND, IS_NV, GPU)
+               GPU: tl.constexpr, RB: tl.constexpr = 1):
+    """(scale byte int32, s, r) of each block of a tile from its values: v = x * r (row layout, RB > 1: of each
+    row, from the amax of its block's RB rows)."""
+    amax, q = _block_amax_q(xs, P, KIND, IS_NV, GPU, RB)
     if IS_NV:
         sbyte, s, r = _nv_own_scale(q, g, inv_g)
     else:
@@ -493,13 +525,18 @@ def _bf16_sign_nibbles(word, raw):
 def _store_codes(codes_ptr, hints_ptr, blk, bmask, words, G: tl.constexpr, EMIT_HINTS: tl.constexpr):
     """Store the G code words of each block (codes_ptr: int64 view, G/2 per block) and its hint bytes
     (hints_ptr: int16 (G = 2) or int32 (G = 4) view, one per block)."""
-    w01 = words[0].to(tl.uint32, bitcast=True).to(tl.int64) | (words[1].to(tl.int64) << 32)
-    if G == 2:
+    if G == 1:  # the row layout: one word (codes_ptr: int32 view) and one hint byte (uint8) per row
+        tl.store(codes_ptr + blk, words[0], mask=bmask)
+        if EMIT_HINTS:
+            tl.store(hints_ptr + blk, _gather_hint_bits(words[0]).to(tl.uint8), mask=bmask)
+    elif G == 2:
+        w01 = words[0].to(tl.uint32, bitcast=True).to(tl.int64) | (words[1].to(tl.int64) << 32)
         tl.store(codes_ptr + blk, w01, mask=bmask)
         if EMIT_HINTS:
             h = _gather_hint_bits(words[0]) | (_gather_hint_bits(words[1]) << 8)
             tl.store(hints_ptr + blk, h.to(tl.int16), mask=bmask)
     else:
+        w01 = words[0].to(tl.uint32, bitcast=True).to(tl.int64) | (words[1].to(tl.int64) << 32)
         w23 = words[2].to(tl.uint32, bitcast=True).to(tl.int64) | (words[3].to(tl.int64) << 32)
         tl.store(codes_ptr + 2 * blk, w01, mask=bmask)
         tl.store(codes_ptr + 2 * blk + 1, w23, mask=bmask)
@@ -571,11 +608,16 @@ def _store_piece(out_ptr, blk, bmask, p: tl.constexpr, P: tl.constexpr, K: tl.co
 @triton.jit
 def _quantize_tile(xs, blk, bmask, codes_ptr, scales_ptr, hints_ptr, fq_ptr, g, inv_g,
                    P: tl.constexpr, K: tl.constexpr, KIND: tl.constexpr, IS_NV: tl.constexpr,
-                   RCEIL: tl.constexpr, EMIT_HINTS: tl.constexpr, FAKE: tl.constexpr, GPU: tl.constexpr):
+                   RCEIL: tl.constexpr, EMIT_HINTS: tl.constexpr, FAKE: tl.constexpr, GPU: tl.constexpr,
+                   RB: tl.constexpr):
     """Quantize one tile of BN blocks (pieces xs); with FAKE also store the round-to-nearest fake-quantized
-    values (fq_ptr, the input's layout)."""
-    sbyte, s, r = _own_scale(xs, g, inv_g, P, KIND, IS_NV, RCEIL, GPU)
-    tl.store(scales_ptr + blk, sbyte.to(tl.uint8), mask=bmask)
+    values (fq_ptr, the input's layout). RB > 1: the row layout (P = 1: blk are rows, RB rows per block; bf16 and
+    fp16 only, whose row is one code word)."""
+    sbyte, s, r = _own_scale(xs, g, inv_g, P, KIND, IS_NV, RCEIL, GPU, RB)
+    if RB == 1:
+        tl.store(scales_ptr + blk, sbyte.to(tl.uint8), mask=bmask)
+    else:
+        tl.store(scales_ptr + blk // RB, sbyte.to(tl.uint8), mask=bmask & (blk % RB == 0))
     r2 = r[:, None]
     s2 = s[:, None]
     # KIND 2 (fp32): a piece holds 4 values (half a code word); else 8 (one word)
@@ -608,7 +650,9 @@ def _quantize_tile(xs, blk, bmask, codes_ptr, scales_ptr, hints_ptr, fq_ptr, g, 
             w2 = w2 | wp
         else:
             w3 = w3 | wp
-    if P == 2 or (KIND == 2 and P == 4):
+    if P == 1:
+        _store_codes(codes_ptr, hints_ptr, blk, bmask, (w0,), 1, EMIT_HINTS)
+    elif P == 2 or (KIND == 2 and P == 4):
         _store_codes(codes_ptr, hints_ptr, blk, bmask, (w0, w1), 2, EMIT_HINTS)
     else:
         _store_codes(codes_ptr, hints_ptr, blk, bmask, (w0, w1, w2, w3), 4, EMIT_HINTS)
@@ -687,15 +731,16 @@ def _quantize_kernel(
     x_ptr, codes_ptr, scales_ptr, hints_ptr, fq_ptr, g_ptr, NB, n_iter,
     P: tl.constexpr, K: tl.constexpr, KIND: tl.constexpr, BN: tl.constexpr, IS_NV: tl.constexpr,
     RCEIL: tl.constexpr, EMIT_HINTS: tl.constexpr, FAKE: tl.constexpr, BIG: tl.constexpr,
-    PERSIST: tl.constexpr, GPU: tl.constexpr,
+    PERSIST: tl.constexpr, GPU: tl.constexpr, RB: tl.constexpr,
 ):
+    # RB > 1: the row layout (NB rows of one 16-byte piece each, P = 1, RB rows per block)
     g, inv_g = _global(g_ptr, IS_NV)
     start, blk, bmask, xs = _first_tile(x_ptr, NB, BN, P, K, BIG)
     for _ in range(n_iter if PERSIST else 1):
         if PERSIST:
             start, nblk, nmask, nxs = _next_tile(x_ptr, start, NB, BN, P, K)
         _quantize_tile(xs, blk, bmask, codes_ptr, scales_ptr, hints_ptr, fq_ptr, g, inv_g,
-                       P, K, KIND, IS_NV, RCEIL, EMIT_HINTS, FAKE, GPU)
+                       P, K, KIND, IS_NV, RCEIL, EMIT_HINTS, FAKE, GPU, RB)
         if PERSIST:
             xs, blk, bmask = nxs, nblk, nmask
 
@@ -747,10 +792,6 @@ def _dequantize_tile(words, sbyte, blk, bmask, out_ptr, g, G: tl.constexpr,
         w02, w13 = tl.split(tl.reshape(words, (words.shape[0], 2, 2)))
         w0, w2 = tl.split(w02)
         w1, w3 = tl.split(w13)
-    if KIND == 0:
-        jj = tl.arange(0, K)[None, :]  # pair index within the piece (bf16: K words = K pairs)
-    else:
-        jj = tl.arange(0, K // 2)[None, :]
     for p in tl.static_range(P):
         gi = p if KIND != 2 else p // 2
         if gi == 0:
@@ -761,26 +802,39 @@ def _dequantize_tile(words, sbyte, blk, bmask, out_ptr, g, G: tl.constexpr,
             word = w2[:, None]
         else:
             word = w3[:, None]
-        # nibble of value 2j of the piece: (p % 2) * 4 + 2j for fp32 pieces (half words), 2j otherwise
-        nib = ((p % 2) * 4 if KIND == 2 else 0) + 2 * jj
-        ce = word >> (4 * nib)
-        co = word >> (4 * nib + 4)
-        # E2M1[c & 7] = float(bits (c & 7) << 22) * 2^126; then * |s|, * g
-        me = ((ce & 7) << 22).to(tl.float32, bitcast=True) * 2.0**126
-        mo = ((co & 7) << 22).to(tl.float32, bitcast=True) * 2.0**126
-        if IS_NV:
-            ye = (me * s2) * g
-            yo = (mo * s2) * g
-        else:
-            ye = me * s2
-            yo = mo * s2
-        se = (ce & 8) << 28  # the code's sign bit at bit 31
-        so = (co & 8) << 28
-        if KIND == 0:
-            raw = (se >> 16) & 32768 | so  # the sign bits where a bf16 word of x has them
-        else:
-            raw = tl.zeros((ye.shape[0], K), dtype=tl.int32)  # only its shape is used
-        _store_piece(out_ptr, blk, bmask, p, P, K, _out_piece(ye, yo, raw, se, so, flip, KIND, GPU))
+        # fp32 pieces are half words: piece p starts at nibble (p % 2) * 4
+        val = _dequantize_piece(word, (p % 2) * 4 if KIND == 2 else 0, s2, g, flip, K, KIND, IS_NV, GPU)
+        _store_piece(out_ptr, blk, bmask, p, P, K, val)
+
+
+@triton.jit
+def _dequantize_piece(word, NIB0: tl.constexpr, s2, g, flip, K: tl.constexpr, KIND: tl.constexpr,
+                      IS_NV: tl.constexpr, GPU: tl.constexpr):
+    """One output piece (the store layout of an input piece, [BN, K]) from the code word [BN, 1] whose nibbles
+    NIB0, NIB0 + 1, ... are its values' codes, |s| [BN, 1], g, flip [BN, 1] (or 0)."""
+    if KIND == 0:
+        jj = tl.arange(0, K)[None, :]  # pair index within the piece (bf16: K words = K pairs)
+    else:
+        jj = tl.arange(0, K // 2)[None, :]
+    nib = NIB0 + 2 * jj  # nibble of value 2j of the piece
+    ce = word >> (4 * nib)
+    co = word >> (4 * nib + 4)
+    # E2M1[c & 7] = float(bits (c & 7) << 22) * 2^126; then * |s|, * g
+    me = ((ce & 7) << 22).to(tl.float32, bitcast=True) * 2.0**126
+    mo = ((co & 7) << 22).to(tl.float32, bitcast=True) * 2.0**126
+    if IS_NV:
+        ye = (me * s2) * g
+        yo = (mo * s2) * g
+    else:
+        ye = me * s2
+        yo = mo * s2
+    se = (ce & 8) << 28  # the code's sign bit at bit 31
+    so = (co & 8) << 28
+    if KIND == 0:
+        raw = (se >> 16) & 32768 | so  # the sign bits where a bf16 word of x has them
+    else:
+        raw = tl.zeros((ye.shape[0], K), dtype=tl.int32)  # only its shape is used
+    return _out_piece(ye, yo, raw, se, so, flip, KIND, GPU)
 
 
 @triton.jit(do_not_specialize=["NB", "n_iter"])
@@ -813,6 +867,92 @@ def _dequantize_kernel(
             bmask = nmask
     else:
         _dequantize_tile(words, sbyte, blk, bmask, out_ptr, g, G, P, K, KIND, IS_NV, GPU)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the row layout of the given-scale kernels (hint-guided / given-scale fake quantization, dequantization): one
+# thread per piece of 16 input bytes (a "row" of K elements), not per block, so that a warp's loads and stores of
+# x / y are 512 contiguous bytes. These kernels need no value of another piece (the scale is given), so nothing
+# crosses threads; a block of RB rows reads its scale byte RB times (from L1). Each row's hint bits are one byte
+# (bf16 / fp16: 8 values) or half of one (fp32: 4 values), its codes one int32 word or half of one.
+# ---------------------------------------------------------------------------------------------------------
+@triton.jit
+def _row_hints(hints_ptr, rows, rmask, KIND: tl.constexpr):
+    """The hint bits of each row [BR] at bits 0.. (int32; hints_ptr: the uint8 hint bytes)."""
+    if KIND == 2:
+        return tl.load(hints_ptr + rows // 2, mask=rmask, other=0).to(tl.int32) >> ((rows % 2) * 4).to(tl.int32)
+    else:
+        return tl.load(hints_ptr + rows, mask=rmask, other=0).to(tl.int32)
+
+
+@triton.jit
+def _row_codes(codes_ptr, scales_ptr, rows, rmask, KIND: tl.constexpr, RB: tl.constexpr):
+    """(code word of each row [BR] with its first value's code at nibble 0, scale byte [BR] int32)."""
+    if KIND == 2:
+        word = tl.load(codes_ptr + rows // 2, mask=rmask, other=0) >> ((rows % 2) * 16).to(tl.int32)
+    else:
+        word = tl.load(codes_ptr + rows, mask=rmask, other=0)
+    return word, tl.load(scales_ptr + rows // RB, mask=rmask, other=0).to(tl.int32)
+
+
+@triton.jit(do_not_specialize=["NR", "n_iter"])
+def _fake_quant_rows_kernel(
+    x_ptr, out_ptr, scales_ptr, hints_ptr, g_ptr, scales_out_ptr, NR, n_iter,
+    K: tl.constexpr, KIND: tl.constexpr, RB: tl.constexpr, BR: tl.constexpr, IS_NV: tl.constexpr,
+    RCEIL: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_HINTS: tl.constexpr, STORE_SCALES: tl.constexpr,
+    BIG: tl.constexpr, PERSIST: tl.constexpr, GPU: tl.constexpr,
+):
+    # NR rows of K elements, RB rows per block; tiles of BR rows (one per thread, BR a multiple of RB); scale
+    # bytes [NR / RB] given (HAS_SCALES) or the block's own (from the amax over its RB rows: threads)
+    g, inv_g = _global(g_ptr, IS_NV)
+    start, rows, rmask, xs = _first_tile(x_ptr, NR, BR, 1, K, BIG)
+    for _ in range(n_iter if PERSIST else 1):
+        if PERSIST:
+            start, nrows, nmask, nxs = _next_tile(x_ptr, start, NR, BR, 1, K)
+        if HAS_SCALES:
+            s, r, flip = _given_scale(tl.load(scales_ptr + rows // RB, mask=rmask, other=0).to(tl.int32), inv_g,
+                                      IS_NV)
+        else:  # own scales (round to nearest): the block amax over its RB rows (threads)
+            sbyte, s, r = _own_scale(xs, g, inv_g, 1, KIND, IS_NV, RCEIL, GPU, RB)
+            flip = tl.zeros_like(sbyte)
+            if STORE_SCALES:
+                tl.store(scales_out_ptr + rows // RB, sbyte.to(tl.uint8), mask=rmask & (rows % RB == 0))
+        if HAS_HINTS:
+            hb = _row_hints(hints_ptr, rows, rmask, KIND)
+        else:
+            hb = 0
+        _fake_quant_pieces(xs, rows, rmask, out_ptr, s[:, None], r[:, None], g, flip[:, None], hb, 1, K, KIND,
+                           IS_NV, HAS_HINTS, GPU)
+        if PERSIST:
+            xs, rows, rmask = nxs, nrows, nmask
+
+
+@triton.jit(do_not_specialize=["NR", "n_iter"])
+def _dequantize_rows_kernel(
+    codes_ptr, scales_ptr, g_ptr, out_ptr, NR, n_iter,
+    K: tl.constexpr, KIND: tl.constexpr, RB: tl.constexpr, BR: tl.constexpr, IS_NV: tl.constexpr,
+    BIG: tl.constexpr, PERSIST: tl.constexpr, GPU: tl.constexpr,
+):
+    if IS_NV:
+        g = tl.load(g_ptr)
+    else:
+        g = 1.0
+    if BIG:
+        start = tl.program_id(0).to(tl.int64) * BR
+    else:
+        start = tl.program_id(0) * BR
+    rows, rmask = _blocks(start, NR, BR)
+    word, sbyte = _row_codes(codes_ptr, scales_ptr, rows, rmask, KIND, RB)
+    for _ in range(n_iter if PERSIST else 1):
+        if PERSIST:
+            start += tl.num_programs(0) * BR
+            nrows, nmask = _blocks(start, NR, BR)
+            nword, nsbyte = _row_codes(codes_ptr, scales_ptr, nrows, nmask, KIND, RB)
+        s, _, flip = _given_scale(sbyte, 1.0, IS_NV)
+        val = _dequantize_piece(word[:, None], 0, s[:, None], g, flip[:, None], K, KIND, IS_NV, GPU)
+        _store_piece(out_ptr, rows, rmask, 0, 1, K, val)
+        if PERSIST:
+            word, sbyte, rows, rmask = nword, nsbyte, nrows, nmask
 
 
 @triton.jit
@@ -939,10 +1079,22 @@ def _per_block_view(t: torch.Tensor, nbytes_per_block: int) -> torch.Tensor:
     return t.view({2: torch.int16, 4: torch.int32}[nbytes_per_block])
 
 
+def _is_rows(cfg: tuple | None) -> bool:
+    """Whether a config asks for the row layout: ("rows", rows per program, num_warps, programs per SM)."""
+    return bool(cfg) and cfg[0] == "rows"
+
+
 def _fwd_cfg(config: tuple | None, key: str, dtype: torch.dtype, fmt: str) -> tuple[int, int, int, dict]:
     """(BN, num_warps, programs per SM, extra launch options) of a forward kernel. config: (BN, num_warps,
-    programs per SM) or with a 4th element, a register cap per thread (0: none); None: `default_config`."""
+    programs per SM) or with a 4th element, a register cap per thread (0: none); ("rows", rows per program,
+    num_warps, programs per SM): the row layout (given-scale fake quantization and dequantization only, checked
+    by the caller); None: `default_config`."""
     cfg = config or default_config(key, dtype, fmt)
+    if _is_rows(cfg):
+        if len(cfg) != 4 or not all(isinstance(v, int) and v >= 0 for v in cfg[1:]) or cfg[1] < 1 or cfg[2] < 1:
+            raise LaunchConfigError(f"a row-layout config is ('rows', rows per program, num_warps, programs per SM); "
+                                    f"got {cfg}")
+        return cfg[1], cfg[2], cfg[3], {}
     if len(cfg) not in (3, 4):
         raise LaunchConfigError(f"a forward config is (blocks per program, num_warps, programs per SM[, max registers]); "
                          f"got {cfg}")
@@ -962,16 +1114,25 @@ def _launch_quantize(xb, fmt, g, scale_rule, emit_hints, fake, config, key, scal
         hints = torch.empty((nb, b // 8), dtype=torch.uint8, device=dev) if hints_out is None else hints_out
     out = torch.empty_like(xb) if fake else None
     if nb:
-        bn, warps, per_sm, opts = _fwd_cfg(config, key, xb.dtype, fmt)
+        cfg = config or default_config(key, xb.dtype, fmt)
+        bn, warps, per_sm, opts = _fwd_cfg(cfg, key, xb.dtype, fmt)
         xv, p, k, kind = _layout(xb)
-        consts = dict(P=p, K=k, KIND=kind, BN=bn, IS_NV=fmt == "nvfp4", RCEIL=scale_rule == "rceil",
-                      EMIT_HINTS=emit_hints, FAKE=fake, BIG=_big(xb), GPU=not _interpreting())
+        rows = _is_rows(cfg)
+        if rows and (kind == 2 or bn % p):
+            raise LaunchConfigError(f"the row layout of {key} takes bf16 / fp16 input and rows per program divisible "
+                                    f"by the {p} rows of a block; got {xb.dtype} and {cfg}")
+        rb = p if rows else 1
+        consts = dict(P=1 if rows else p, K=k, KIND=kind, BN=bn, IS_NV=fmt == "nvfp4", RCEIL=scale_rule == "rceil",
+                      EMIT_HINTS=emit_hints, FAKE=fake, BIG=_big(xb), GPU=not _interpreting(), RB=rb)
         rkey = ("quantize", *consts.values(), warps, *opts.values())
-        progs, n_iter, persist = _grid(nb, bn, per_sm, dev, rkey)
-        hints_arg = _per_block_view(hints, b // 8) if emit_hints else scales
+        progs, n_iter, persist = _grid(nb * rb, bn, per_sm, dev, rkey)
+        if rows:
+            codes_arg, hints_arg = codes.view(torch.int32), hints.view(-1) if emit_hints else scales
+        else:
+            codes_arg, hints_arg = codes.view(torch.int64), _per_block_view(hints, b // 8) if emit_hints else scales
         fq_arg = (out.view(torch.int32) if kind == 0 else out) if fake else scales
         compiled = _quantize_kernel[(progs,)](
-            xv, codes.view(torch.int64), scales, hints_arg, fq_arg, _g_arg(g, fmt, dev, scales), nb,
+            xv, codes_arg, scales, hints_arg, fq_arg, _g_arg(g, fmt, dev, scales), nb * rb,
             _loop_count(n_iter), PERSIST=persist, num_warps=warps, **consts, **opts,
         )
         _note_residency(rkey, compiled, warps)
@@ -1031,7 +1192,15 @@ def fake_quantize_blocks_triton(
     scales_out = torch.empty((nb,), dtype=torch.uint8, device=dev) if store_scales else None
     if nb:
         key = "fake_quant" if has_scales else "fake_quant_rtn"
-        bn, warps, per_sm, opts = _fwd_cfg(config, key, xb.dtype, fmt)
+        cfg = config or default_config(key, xb.dtype, fmt)
+        if _is_rows(cfg) and g_blocks:
+            if config is not None:
+                raise LaunchConfigError(f"the row layout {config} takes one global scale; got {g.numel()}")
+            cfg = CONFIG[key]  # the block layout for what the default row layout cannot do
+        if _is_rows(cfg):
+            _launch_fake_quant_rows(xb, out, fmt, g, scales_u8, hints_packed, cfg, scale_rule, scales_out)
+            return out, (scales_u8 if has_scales else scales_out)
+        bn, warps, per_sm, opts = _fwd_cfg(cfg, key, xb.dtype, fmt)
         xv, p, k, kind = _layout(xb)
         consts = dict(P=p, K=k, KIND=kind, BN=bn, IS_NV=fmt == "nvfp4", RCEIL=scale_rule == "rceil",
                       HAS_SCALES=has_scales, HAS_HINTS=hints_packed is not None, STORE_SCALES=store_scales,
@@ -1067,7 +1236,11 @@ def dequantize_blocks_triton(
     dev = codes_packed.device
     out = torch.empty((nb, b), dtype=dtype, device=dev)
     if nb:
-        bn, warps, per_sm, opts = _fwd_cfg(config, "dequantize", dtype, fmt)
+        cfg = config or default_config("dequantize", dtype, fmt)
+        if _is_rows(cfg):
+            _launch_dequantize_rows(codes_packed, scales_u8.contiguous(), out, fmt, g, cfg)
+            return out
+        bn, warps, per_sm, opts = _fwd_cfg(cfg, "dequantize", dtype, fmt)
         ov, p, k, kind = _layout(out)
         consts = dict(G=b // 8, P=p, K=k, KIND=kind, BN=bn, IS_NV=fmt == "nvfp4", BIG=_big(out),
                       GPU=not _interpreting())
@@ -1080,6 +1253,47 @@ def dequantize_blocks_triton(
         )
         _note_residency(rkey, compiled, warps)
     return out
+
+
+def _launch_fake_quant_rows(xb, out, fmt, g, scales_u8, hints_packed, cfg, scale_rule, scales_out) -> None:
+    """Fake quantization of xb [NB, B] into out in the row layout (one thread per 16 input bytes): given scale
+    bytes scales_u8 [NB], or own scales (None; stored into scales_out [NB] unless it is None)."""
+    nb, b = xb.shape
+    dev = xb.device
+    br, warps, per_sm, _ = _fwd_cfg(cfg, "fake_quant", xb.dtype, fmt)
+    xv, p, k, kind = _layout(xb)
+    if br % p:
+        raise LaunchConfigError(f"the row layout needs rows per program divisible by the {p} rows of a block; "
+                                f"got {cfg}")
+    consts = dict(K=k, KIND=kind, RB=p, BR=br, IS_NV=fmt == "nvfp4", RCEIL=scale_rule == "rceil",
+                  HAS_SCALES=scales_u8 is not None, HAS_HINTS=hints_packed is not None,
+                  STORE_SCALES=scales_out is not None, BIG=_big(xb), GPU=not _interpreting())
+    rkey = ("fake_quant_rows", *consts.values(), warps)
+    progs, n_iter, persist = _grid(nb * p, br, per_sm, dev, rkey)
+    dummy = torch.empty((1,), dtype=torch.uint8, device=dev)
+    compiled = _fake_quant_rows_kernel[(progs,)](
+        xv, out.view(torch.int32) if kind == 0 else out, dummy if scales_u8 is None else scales_u8.contiguous(),
+        dummy if hints_packed is None else hints_packed.contiguous().reshape(nb * (b // 8)),
+        _g_arg(g, fmt, dev, dummy), dummy if scales_out is None else scales_out, nb * p, _loop_count(n_iter),
+        PERSIST=persist, num_warps=warps, **consts,
+    )
+    _note_residency(rkey, compiled, warps)
+
+
+def _launch_dequantize_rows(codes_packed, scales_u8, out, fmt, g, cfg) -> None:
+    """Dequantization of codes [NB, B/2] into out [NB, B] in the row layout (one thread per 16 output bytes)."""
+    nb = out.shape[0]
+    dev = out.device
+    br, warps, per_sm, _ = _fwd_cfg(cfg, "dequantize", out.dtype, fmt)
+    ov, p, k, kind = _layout(out)
+    consts = dict(K=k, KIND=kind, RB=p, BR=br, IS_NV=fmt == "nvfp4", BIG=_big(out), GPU=not _interpreting())
+    rkey = ("dequantize_rows", *consts.values(), warps)
+    progs, n_iter, persist = _grid(nb * p, br, per_sm, dev, rkey)
+    compiled = _dequantize_rows_kernel[(progs,)](
+        codes_packed.view(torch.int32), scales_u8, _g_arg(g, fmt, dev, scales_u8), ov, nb * p, _loop_count(n_iter),
+        PERSIST=persist, num_warps=warps, **consts,
+    )
+    _note_residency(rkey, compiled, warps)
 
 
 def _bwd_cfg(config: tuple | None) -> tuple[int, int]:

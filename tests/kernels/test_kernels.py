@@ -549,6 +549,59 @@ def test_triton_launch_variants_match_reference(cfg, dtype, fmt):
 
 @pytest.mark.skipif(not HAS_TRITON, reason="no triton")
 @pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cfg", [("rows", 16, 1, 0), ("rows", 8, 1, 3), ("rows", 32, 1, 32)])
+def test_triton_row_layout_matches_reference(cfg, dtype, fmt):
+    # the row layout (one thread per 16 input bytes; a block's amax across its rows' threads): one program per
+    # tile and the persistent loop with a ragged last tile; quantize takes it for bf16 / fp16 only
+    from tracefp4 import triton_kernels as tk
+    from tracefp4.errors import LaunchConfigError
+
+    b = BLOCK[fmt]
+    x, g = _ties_x(fmt)
+    xb = x.to(dtype).reshape(-1, b)
+    want = ref.quantize_blocks_ref(xb, fmt, g)
+    if dtype == torch.float32:
+        with pytest.raises(LaunchConfigError, match="bf16 / fp16"):
+            tk.quantize_blocks_triton(xb, fmt, g, config=cfg)
+    else:
+        for emit in (True, False):
+            got = tk.quantize_blocks_triton(xb, fmt, g, emit_hints=emit, config=cfg)
+            for a, w in zip(got, want if emit else want[:2]):
+                assert_bits_equal(a, w)
+        y, codes, scales, hints = tk.quantize_fake_blocks_triton(xb, fmt, g, config=cfg)
+        assert_bits_equal(y, ref.fake_quantize_blocks_ref(xb, fmt, g))
+        for a, w in zip((codes, scales, hints), want):
+            assert_bits_equal(a, w)
+    xn = _noisy(x, 0.02, seed=22).to(dtype).reshape(-1, b)
+    for scales, hints in ((want[1], want[2]), (want[1], None), (None, None)):
+        yr = ref.fake_quantize_blocks_ref(xn, fmt, g, scales, None if hints is None else tracefp4.unpack_hints(hints))
+        yt, st = tk.fake_quantize_blocks_triton(xn, fmt, g, scales, hints, return_scales=True, config=cfg)
+        assert_bits_equal(yt, yr)
+        if scales is None:
+            assert_bits_equal(st, ref.quantize_blocks_ref(xn, fmt, g)[1])
+    d = tk.dequantize_blocks_triton(want[0], want[1], fmt, g, dtype, config=cfg)
+    assert_bits_equal(d, ref.dequantize_blocks_ref(tracefp4.unpack_codes(want[0]), want[1], fmt, g, dtype))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="no triton")
+def test_triton_row_layout_refuses_what_it_cannot_do():
+    from tracefp4 import triton_kernels as tk
+    from tracefp4.errors import LaunchConfigError
+
+    x, g = _ties_x("nvfp4")
+    xb = x.reshape(-1, 16)
+    with pytest.raises(LaunchConfigError, match="rows per program, num_warps"):
+        tk.fake_quantize_blocks_triton(xb, "nvfp4", g, None, None, config=("rows", 16, 1))
+    with pytest.raises(LaunchConfigError, match="divisible"):
+        tk.quantize_blocks_triton(xb, "nvfp4", g, config=("rows", 1, 1, 0))  # 2 rows per bf16 block
+    stack = torch.tensor([1.0, 2.0])  # one global scale per matrix: the block layout only
+    with pytest.raises(LaunchConfigError, match="one global scale"):
+        tk.fake_quantize_blocks_triton(xb[:12], "nvfp4", stack, None, None, config=("rows", 16, 1, 0))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="no triton")
+@pytest.mark.parametrize("fmt", FMTS)
 def test_triton_backward_kernel_ragged_matches_reference(fmt):
     # the backward kernel's config is (BN, num_warps); anything else is refused
     from tracefp4 import triton_kernels as tk
