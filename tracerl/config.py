@@ -362,6 +362,8 @@ class LoopConfig:
         default_factory=lambda: {"name": "target-set", "alphabet": 8, "prompt_len": 3, "response_len": 8})
     spec: dict[str, Any] = dataclasses.field(default_factory=dict)  # TinyMoESpec overrides (vocab: the task's)
     hint_layers: str = "latter-half"
+    #: the store's scale encoding at every site: bytes (E4M3 bytes) or lsb (scale hints, format 4: 0.71x bytes)
+    scale_encoding: str = "bytes"
     fp4: str = "experts"
     mode: str = "fp4_hints"
     groups_per_step: int = 16
@@ -392,6 +394,8 @@ class LoopConfig:
         RolloutConfig(group_size=self.group_size, max_ahead=self.max_ahead, seed=self.seed).check()
         if self.fp4 not in FP4_PLACEMENTS:
             raise ConfigError(f"fp4={self.fp4!r}; supported: {', '.join(FP4_PLACEMENTS)}")
+        if self.scale_encoding not in ("bytes", "lsb"):
+            raise ConfigError(f"scale_encoding={self.scale_encoding!r}; supported: bytes, lsb")
 
 
 @dataclasses.dataclass

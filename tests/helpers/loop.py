@@ -20,13 +20,13 @@ SPEC = dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=
 G = 4  # group size of the tests
 
 
-def create(url: str, storage_options=None, hint_layers: str = "all"):
+def create(url: str, storage_options=None, hint_layers: str = "all", scale_encoding: str = "bytes"):
     """A loop store for the tiny model and task (every layer's MoE input hinted)."""
     from tracerl.loop import create_loop_store
 
     task = make_task(**TASK)
     return create_loop_store(url, TinyMoESpec(**SPEC, vocab_size=task.vocab_size), task, hint_layers=hint_layers,
-                             calibration_prompts=16, storage_options=storage_options)
+                             calibration_prompts=16, storage_options=storage_options, scale_encoding=scale_encoding)
 
 
 def train_cfg(**kw) -> TrainConfig:

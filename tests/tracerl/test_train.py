@@ -293,6 +293,26 @@ def test_restart_repairs_what_a_kill_left_between_side_effects(store, tmp_path):
     assert [(m["step"], m["digest"]) for m in log.records()] == [(m["step"], m["digest"]) for m in redo]
 
 
+def test_trainer_on_a_scale_hint_store_rebuilds_the_rollouts_scales(tmp_path):
+    """The same rollout recorded with scale bytes and with scale hints (lsb, format 4): the trainer on the lsb store
+    rebuilds every scale byte from its own activations, so at step 1 (the rollout's own weights) its loss, its
+    update and its code agreement equal the bytes store's."""
+    runs = {}
+    for enc in ("bytes", "lsb"):
+        d = tmp_path / enc
+        st = loop.create(str(d / "store"), scale_encoding=enc)
+        assert {s.scale_encoding for s in st.sites.values()} == {enc} and st.format_version == (4 if enc == "lsb" else 3)
+        log = MetricsLog(d / "train.jsonl")
+        trainer, follower = start_or_resume(st, loop.train_cfg(), checkpoints=str(d / "ck"), weights_url=st.url,
+                                            metrics=log)
+        _gen(st, 1, record_codes=True)
+        run_training(trainer, follower, checkpoints=str(d / "ck"), weights_url=st.url, metrics=log, max_steps=1)
+        runs[enc] = log.records()[0]
+    a, b = runs["bytes"], runs["lsb"]
+    assert a["mismatch"]["code_values"] > 0 and a["mismatch"]["code_agreement"] == b["mismatch"]["code_agreement"]
+    assert (a["loss"], a["digest"]) == (b["loss"], b["digest"])
+
+
 def test_stale_groups_are_measured_with_their_own_weights(store, tmp_path):
     """With the rollout one version ahead, every step trains groups of the previous version; their mismatch is
     measured with that version's kept weights (the extra forward changes nothing in training)."""

@@ -60,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_size_arguments(p, vocab=False)
     p.add_argument("--hint-layers", default=_D.hint_layers, metavar="LAYERS",
                    help="layers whose MoE input gets hints: latter-half (default), all, none, or e.g. 0,3")
+    p.add_argument("--scale-encoding", default=_D.scale_encoding, choices=("bytes", "lsb"),
+                   help="how the store keeps block scales: bytes (default; E4M3 bytes) or lsb (scale hints: one bit "
+                        "per block, the trainer rebuilds the byte from its own amax; a format-4 store)")
     p.add_argument("--fp4", default=_D.fp4, choices=FP4_PLACEMENTS, help="FP4 placement (default experts)")
     p.add_argument("--mode", default=_D.mode, choices=QAT_MODES, help=f"trainer QAT mode (default {_D.mode})")
     p.add_argument("--groups-per-step", type=pos, default=_D.groups_per_step, metavar="P",
@@ -99,6 +102,7 @@ def config_from_args(args: argparse.Namespace) -> LoopConfig:
         run_dir=run_dir, store=args.store, steps=args.steps, rollouts=args.rollouts,
         task={"name": args.task, "alphabet": args.alphabet, "prompt_len": args.prompt_len,
               "response_len": args.response_len}, spec=spec, hint_layers=args.hint_layers, fp4=args.fp4,
+        scale_encoding=args.scale_encoding,
         mode=args.mode, groups_per_step=args.groups_per_step, group_size=args.group_size, lr=args.lr,
         max_staleness=args.max_staleness, max_ahead=args.max_ahead, tis_cap=args.tis_cap,
         micro_batch_tokens=args.micro_batch_tokens, record_codes=not args.no_record_codes, seed=args.seed,

@@ -185,7 +185,8 @@ def run_loop(cfg: LoopConfig, *, on_update: Callable[[LoopProcesses], None] | No
     spec = TinyMoESpec(**{"vocab_size": task.vocab_size, **cfg.spec})
     t0 = time.time()
     create_loop_store(url, spec, task, seed=cfg.seed, fp4=cfg.fp4, hint_layers=cfg.hint_layers,
-                      storage_options=cfg.storage_options, device=cfg.rollout_device)
+                      storage_options=cfg.storage_options, device=cfg.rollout_device,
+                      scale_encoding=cfg.scale_encoding)
     procs = LoopProcesses(cfg, url)
     procs.start()
     stopped = False

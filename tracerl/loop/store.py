@@ -29,7 +29,7 @@ __all__ = ["create_loop_store"]
 def create_loop_store(url: str, spec: TinyMoESpec, task: Task, *, seed: int = 0, fp4: str = "experts",
                       hint_layers: str = "latter-half", hint_sites: str = "moe-input", calibration_prompts: int = 64,
                       storage_options: Mapping | None = None, backend: str = "auto",
-                      device: str | torch.device = "cpu") -> ts.Store:
+                      device: str | torch.device = "cpu", scale_encoding: str = "bytes") -> ts.Store:
     """Create the store of a loop at ``url``; returns it open.
 
     The model vocabulary must hold the task's ids (``spec.vocab_size >= task.vocab_size``). Global scales come
@@ -52,6 +52,7 @@ def create_loop_store(url: str, spec: TinyMoESpec, task: Task, *, seed: int = 0,
     del model, runtime
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()  # the rollout and trainer processes need this GPU's memory
-    return ts.create_store(url, [ts.Site(n, w) for n, w in site_widths(plan).items()], model=meta,
+    sites = [ts.Site(n, w, scale_encoding=scale_encoding) for n, w in site_widths(plan).items()]
+    return ts.create_store(url, sites, model=meta,
                            moe_layers=layers, top_k=spec.top_k, num_experts=spec.num_experts,
                            storage_options=storage_options)

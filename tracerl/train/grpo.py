@@ -46,7 +46,15 @@ from tracerl.artifacts.codes import RolloutCodes
 from tracerl.config import TrainConfig
 from tracerl.errors import CheckpointCorruptError, ConfigError, FollowError
 from tracerl.hints import (
-    MicroBatch, PackedHints, RecordSource, Segment, dp_shard, pack_micro_batches, packed_nbytes, read_ahead,
+    MicroBatch,
+    PackedHints,
+    RecordSource,
+    Segment,
+    dp_shard,
+    pack_micro_batches,
+    packed_nbytes,
+    read_ahead,
+    use_store_scale_encodings,
 )
 from tracerl.policy import NO_SITE, Policy, build_policy
 from tracerl.runlog import json_ready
@@ -87,6 +95,7 @@ class GRPOTrainer:
             set_deterministic(self.device)
         torch.manual_seed(cfg.seed)
         self.policy: Policy = build_policy(store.model, self.device, backend=backend)
+        use_store_scale_encodings(self.policy.runtime, store)  # lsb sites: scale bytes rebuilt from own amax
         self.qat = QATTrainer(self.policy.model, self.policy.runtime)
         self.sites = [s for s in self.policy.hinted_sites if s != NO_SITE]  # hinted sites: codes, QAT
         self.read_sites = list(store.sites)  # what a micro-batch reads (a hint-free store: its placeholder)
@@ -440,15 +449,15 @@ class GRPOTrainer:
         """Two tokens of one sequence with zero hints and scales at every read site (and experts 0..k-1, for
         routing replay): a forward that exercises every parameter and carries no response token."""
         if self._stand_in_batch is None:
-            widths = {name: site.width for name, site in self.store.sites.items()}
+            sites = self.store.sites
             layers = self.policy.moe_layers
             top_k = self.policy.spec.top_k
             self._stand_in_batch = PackedHints(
                 segments=(Segment("stand-in", 0, 2),), cu_seqlens=np.array([0, 2], dtype=np.int64),
                 token_ids=np.zeros(2, dtype=np.int64), positions=np.arange(2, dtype=np.int64),
                 logprobs=np.full(2, np.nan, dtype=np.float32),
-                hints={s: np.zeros((2, w // 8), dtype=np.uint8) for s, w in widths.items()},
-                scales={s: np.zeros((2, w // 16), dtype=np.uint8) for s, w in widths.items()},
+                hints={s: np.zeros((2, site.hint_bytes), dtype=np.uint8) for s, site in sites.items()},
+                scales={s: np.zeros((2, site.scale_bytes), dtype=np.uint8) for s, site in sites.items()},
                 experts={la: np.tile(np.arange(top_k, dtype=np.uint8), (2, 1)) for la in layers}, features=None)
         return self._stand_in_batch
 
