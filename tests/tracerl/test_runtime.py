@@ -123,3 +123,22 @@ def test_call_state_is_per_thread(tiny):
     t2.start()
     t2.join(10)
     assert later == {"mode": "bf16"} and rt.mode == "bf16"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_effective_codes_are_the_codes_of_a_fake_quantized_tensor(dtype):
+    """effective_codes(fake_quantize(x), scales, g) == quantize(x)'s codes (ties included: values at every
+    midpoint; ±0 count as one code), and a scale byte 0 gives code 0."""
+    from tracerl.policy import effective_codes
+
+    torch.manual_seed(3)
+    x = (torch.randn(64, 64) * 4).to(dtype)
+    x[0, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -5.0, 6.0, 7.0, 0.0, 4.0, -3.0, 1.0, 0.5])
+    g = torch.tensor(1.0)
+    q = tracefp4.quantize(x, "nvfp4", global_scale=g, backend="reference")
+    y = tracefp4.fake_quantize(x, "nvfp4", global_scale=g, backend="reference")
+    got = effective_codes(y, q.scales, g)
+    want = tracefp4.unpack_codes(q.codes).reshape(got.shape)
+    zero = (want & 7) == 0
+    assert torch.equal(got[~zero], want[~zero]) and bool((got[zero] == 0).all())
+    assert bool((effective_codes(y, torch.zeros_like(q.scales), g) == 0).all())

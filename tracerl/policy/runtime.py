@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tracefp4
-from tracefp4.constants import E2M1_MAGNITUDES, HINTS_PER_BYTE
+from tracefp4.constants import E2M1_MIDPOINTS, HINTS_PER_BYTE
 from tracerl.config import QAT_MODES
 from tracerl.errors import ConfigError, HintMismatchError
 from tracerl.policy.experts import grouped_gemm_supported, grouped_gemm_sync_free, routed_experts
@@ -73,24 +73,30 @@ def effective_codes(y: torch.Tensor, scale_e4m3: torch.Tensor, global_scale: tor
     y = sign * E[code] * s * g (rounded to y's dtype); |y| / (s*g) lands within 2^-8 relative of a ladder value
     and adjacent ladder values are >= 4/3 apart, so the nearest ladder value is the code. Blocks with scale
     byte 0 and zeros give code 0 (±0 are not told apart: both dequantize to 0).
+
+    The nearest ladder value is found by the midpoints (`torch.bucketize`, a tie to the lower code), not by an
+    [N, W, 8] tensor of distances: the same codes as the distances' argmin (a midpoint's two distances are exact,
+    Sterbenz) for every magnitude below 2^24, and 0 for NaN and Inf as it gave; above 2^24 the fp32 distances all
+    rounded to one value and the argmin said 0 where the saturated code 7 is right (a fake-quantized value is at
+    most 6 s g: only foreign inputs get there).
     """
     s = scale_e4m3.view(torch.float8_e4m3fn).float().repeat_interleave(BLOCK, dim=-1) * global_scale.float()
     mag = torch.where(s > 0, y.float().abs() / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(s))
-    ladder = _ladder(y.device)
-    idx = (mag.unsqueeze(-1) - ladder).abs().argmin(dim=-1).to(torch.uint8)
+    idx = torch.bucketize(mag, _midpoints(y.device)).to(torch.uint8)
+    idx = torch.where(torch.isfinite(mag), idx, torch.zeros_like(idx))
     sign = ((y < 0) & (idx > 0)).to(torch.uint8) << 3
     return idx | sign
 
 
-_LADDERS: dict[torch.device, torch.Tensor] = {}
+_MIDPOINTS: dict[torch.device, torch.Tensor] = {}
 
 
-def _ladder(device: torch.device) -> torch.Tensor:
-    """tracefp4's E2M1 magnitudes (codes 0..7) as an fp32 tensor on ``device``, built once per device:
+def _midpoints(device: torch.device) -> torch.Tensor:
+    """tracefp4's 7 midpoints between the E2M1 magnitudes as an fp32 tensor on ``device``, built once per device:
     ``torch.tensor(..., device=cuda)`` is a blocking host-to-device copy (a host sync) on every call."""
-    t = _LADDERS.get(device)
+    t = _MIDPOINTS.get(device)
     if t is None:
-        t = _LADDERS[device] = torch.tensor(E2M1_MAGNITUDES).to(device)
+        t = _MIDPOINTS[device] = torch.tensor(E2M1_MIDPOINTS).to(device)
     return t
 
 
