@@ -12,6 +12,9 @@ pass, attribution, planner). The numbers of an audit are deterministic; its time
 runs with min..max. The JSON (``--out``) holds per coverage the store's recording, every run's time and phase
 breakdown, and the last run's result (modes, attribution, planner, replay, integrity); ``--html-dir`` keeps each
 coverage's HTML report and its plots as PNG files. Each coverage is saved as soon as it finishes.
+``--scale-encodings bytes,lsb`` records each coverage once per store scale encoding (FORMAT §2.4; the same seed, so
+the same rollout) and audits each: today's layout and scale hints side by side (keys ``<coverage>`` and
+``<coverage>/lsb``).
 """
 
 from __future__ import annotations
@@ -90,6 +93,9 @@ def main(argv=None) -> int:
                    help="h200 (GPU, default), cpu-demo (the tracerl demo store on the CPU) or smoke (tiny, CPU)")
     p.add_argument("--smoke", action="store_true", help="same as --config smoke")
     p.add_argument("--coverage", default="default,all-sites", help="comma-separated: default, all-sites")
+    p.add_argument("--scale-encodings", default="bytes", metavar="LIST",
+                   help="comma-separated store scale encodings to record and audit each coverage with: bytes "
+                        "(default), lsb (scale hints), or both")
     p.add_argument("--reps", type=int, default=3, help="audits per store (median time reported; default 3)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
@@ -103,6 +109,9 @@ def main(argv=None) -> int:
     bad = [c for c in coverages if c not in COVERAGES]
     if bad or args.reps < 1:
         p.error(f"coverage {bad} unknown (choose from {', '.join(COVERAGES)}) or reps {args.reps} < 1")
+    encodings = args.scale_encodings.split(",")
+    if not encodings or any(e not in ("bytes", "lsb") for e in encodings):
+        p.error(f"--scale-encodings {args.scale_encodings!r}: a comma-separated list of bytes, lsb")
     if args.threads:
         torch.set_num_threads(args.threads)
     if name == "h200" and not torch.cuda.is_available():
@@ -128,10 +137,12 @@ def main(argv=None) -> int:
             json.dump(out, f, indent=1, default=float)
 
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
-        for cov in coverages:
-            store = os.path.join(tmp, f"store-{cov}")
+        for cov_base, enc in [(c, e) for c in coverages for e in encodings]:
+            cov = cov_base if enc == "bytes" else f"{cov_base}/{enc}"
+            store = os.path.join(tmp, f"store-{cov_base}-{enc}")
             say(f"{cov}: recording the FP4 rollout into {store}")
-            rec = record_store(demo_config(name, cov, store, args.seed))
+            rec = {**record_store(demo_config(name, cov_base, store, args.seed), scale_encoding=enc),
+                   "scale_encoding": enc}
             say(f"{cov}: recorded {rec['trajectories']} trajectories, {rec['response_tokens']} response tokens in "
                 f"{rec['seconds']:.1f}s (decode {rec['decode_s']:.1f}s)")
             runs, result = [], None
@@ -162,7 +173,7 @@ def main(argv=None) -> int:
                                      and best["excess_vs_rne"] <= GOAL_RATIO)
             if args.html_dir:
                 os.makedirs(args.html_dir, exist_ok=True)
-                entry["html"] = os.path.join(args.html_dir, f"audit-{name}-{cov}.html")
+                entry["html"] = os.path.join(args.html_dir, f"audit-{name}-{cov.replace('/', '-')}.html")
                 entry["pngs"] = save_html(result, entry["html"])
             out["coverages"][cov] = entry
             save()
