@@ -103,8 +103,7 @@ CONFIG: dict[str, tuple] = {
     "fake_quant_bwd": (256, 4),
 }
 #: (kernel, input dtype, fmt) -> config, where the H200 sweep found a config clearly (> 3 points of copy
-#: bandwidth) better than CONFIG's for that input (a ("rows", ...) config where the row layout was; a launch the
-#: row layout cannot do, a stack of matrices with one global scale each, takes CONFIG's block layout)
+#: bandwidth) better than CONFIG's for that input (a ("rows", ...) config where the row layout was)
 CONFIG_CASES: dict[tuple[str, str, str], tuple] = {
     **{("quantize", "fp16", f): (64, 2, 0) for f in ("nvfp4", "mxfp4")},
     **{("quantize", "fp32", f): (128, 4, 0) for f in ("nvfp4", "mxfp4")},
@@ -680,20 +679,29 @@ def _fake_quant_pieces(xs, blk, bmask, out_ptr, s2, r2, g, flip, hb, P: tl.const
 def _fake_quant_tile(xs, blk, bmask, out_ptr, scales_ptr, hints_ptr, scales_out_ptr, g, inv_g,
                      P: tl.constexpr, K: tl.constexpr, KIND: tl.constexpr, IS_NV: tl.constexpr,
                      RCEIL: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_HINTS: tl.constexpr,
-                     STORE_SCALES: tl.constexpr, GPU: tl.constexpr, G_PER: tl.constexpr):
-    """One tile of fake quantization; g, inv_g: fp32 scalars, or [BN] vectors (one per block) with G_PER."""
+                     STORE_SCALES: tl.constexpr, GPU: tl.constexpr, G_PER: tl.constexpr, RB: tl.constexpr):
+    """One tile of fake quantization; g, inv_g: fp32 scalars, or [BN] vectors (one per block, or row) with G_PER.
+    RB > 1: the row layout (P = 1: blk are rows, RB rows per block; hints_ptr the uint8 hint bytes)."""
     if HAS_SCALES:
-        s, r, flip = _given_scale(tl.load(scales_ptr + blk, mask=bmask, other=0).to(tl.int32), inv_g, IS_NV)
+        sidx = blk if RB == 1 else blk // RB  # the row layout: a block's RB rows read its byte RB times (L1)
+        s, r, flip = _given_scale(tl.load(scales_ptr + sidx, mask=bmask, other=0).to(tl.int32), inv_g, IS_NV)
         flip = flip[:, None]
-    else:
-        sbyte, s, r = _own_scale(xs, g, inv_g, P, KIND, IS_NV, RCEIL, GPU)  # s > 0
+    else:  # the row layout: the block amax over its RB rows (threads)
+        sbyte, s, r = _own_scale(xs, g, inv_g, P, KIND, IS_NV, RCEIL, GPU, RB)  # s > 0
         flip = 0
         if STORE_SCALES:
-            tl.store(scales_out_ptr + blk, sbyte.to(tl.uint8), mask=bmask)
-    if HAS_HINTS:
-        hb = tl.load(hints_ptr + blk, mask=bmask, other=0).to(tl.int32)  # [BN]: the block's hint bits
-    else:
+            if RB == 1:
+                tl.store(scales_out_ptr + blk, sbyte.to(tl.uint8), mask=bmask)
+            else:
+                tl.store(scales_out_ptr + blk // RB, sbyte.to(tl.uint8), mask=bmask & (blk % RB == 0))
+    if not HAS_HINTS:
         hb = 0
+    elif RB == 1:
+        hb = tl.load(hints_ptr + blk, mask=bmask, other=0).to(tl.int32)  # [BN]: the block's hint bits
+    elif KIND == 2:  # a row of 4 fp32 values: half a hint byte
+        hb = tl.load(hints_ptr + blk // 2, mask=bmask, other=0).to(tl.int32) >> ((blk % 2) * 4).to(tl.int32)
+    else:
+        hb = tl.load(hints_ptr + blk, mask=bmask, other=0).to(tl.int32)  # one hint byte per row
     if G_PER:
         gp = g[:, None]
     else:
@@ -750,10 +758,10 @@ def _fake_quant_kernel(
     x_ptr, out_ptr, scales_ptr, hints_ptr, g_ptr, scales_out_ptr, NB, n_iter, G_BLOCKS,
     P: tl.constexpr, K: tl.constexpr, KIND: tl.constexpr, BN: tl.constexpr, IS_NV: tl.constexpr,
     RCEIL: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_HINTS: tl.constexpr, STORE_SCALES: tl.constexpr,
-    BIG: tl.constexpr, PERSIST: tl.constexpr, GPU: tl.constexpr, G_PER: tl.constexpr,
+    BIG: tl.constexpr, PERSIST: tl.constexpr, GPU: tl.constexpr, G_PER: tl.constexpr, RB: tl.constexpr,
 ):
     # G_PER: one global scale per G_BLOCKS consecutive blocks (a stack of matrices, each with its own g: block i
-    # takes g_ptr[i // G_BLOCKS]); else one g for the launch.
+    # takes g_ptr[i // G_BLOCKS]); else one g for the launch. RB > 1: the row layout (NB rows, RB per block).
     if not G_PER:
         g, inv_g = _global(g_ptr, IS_NV)
     start, blk, bmask, xs = _first_tile(x_ptr, NB, BN, P, K, BIG)
@@ -761,50 +769,64 @@ def _fake_quant_kernel(
         if PERSIST:
             start, nblk, nmask, nxs = _next_tile(x_ptr, start, NB, BN, P, K)
         if G_PER:
-            g = tl.load(g_ptr + blk // G_BLOCKS, mask=bmask, other=1.0)  # [BN]
+            g = tl.load(g_ptr + (blk if RB == 1 else blk // RB) // G_BLOCKS, mask=bmask, other=1.0)  # [BN]
             inv_g = tl.math.div_rn(1.0, g)
         _fake_quant_tile(xs, blk, bmask, out_ptr, scales_ptr, hints_ptr, scales_out_ptr, g, inv_g,
-                         P, K, KIND, IS_NV, RCEIL, HAS_SCALES, HAS_HINTS, STORE_SCALES, GPU, G_PER)
+                         P, K, KIND, IS_NV, RCEIL, HAS_SCALES, HAS_HINTS, STORE_SCALES, GPU, G_PER, RB)
         if PERSIST:
             xs, blk, bmask = nxs, nblk, nmask
 
 
 @triton.jit
-def _load_codes(codes_ptr, scales_ptr, blk, bmask, G: tl.constexpr):
-    """(code words [BN, G] int32 (one vector load per block), scale bytes [BN] int32) of a tile."""
-    words = tl.load(codes_ptr + blk[:, None] * G + tl.arange(0, G)[None, :], mask=bmask[:, None], other=0)
-    return words, tl.load(scales_ptr + blk, mask=bmask, other=0).to(tl.int32)
+def _load_codes(codes_ptr, scales_ptr, blk, bmask, G: tl.constexpr, KIND: tl.constexpr, RB: tl.constexpr):
+    """(code words [BN, G] int32 (one vector load per block), scale bytes [BN] int32) of a tile; the row layout
+    (RB > 1, blk are rows): each row's word [BN] with its first value's code at nibble 0 (an fp32 row of 4 values is
+    half a word) and its block's scale byte."""
+    if RB == 1:
+        words = tl.load(codes_ptr + blk[:, None] * G + tl.arange(0, G)[None, :], mask=bmask[:, None], other=0)
+        return words, tl.load(scales_ptr + blk, mask=bmask, other=0).to(tl.int32)
+    elif KIND == 2:
+        word = tl.load(codes_ptr + blk // 2, mask=bmask, other=0) >> ((blk % 2) * 16).to(tl.int32)
+        return word, tl.load(scales_ptr + blk // RB, mask=bmask, other=0).to(tl.int32)
+    else:
+        word = tl.load(codes_ptr + blk, mask=bmask, other=0)
+        return word, tl.load(scales_ptr + blk // RB, mask=bmask, other=0).to(tl.int32)
 
 
 @triton.jit
 def _dequantize_tile(words, sbyte, blk, bmask, out_ptr, g, G: tl.constexpr,
                      P: tl.constexpr, K: tl.constexpr, KIND: tl.constexpr, IS_NV: tl.constexpr,
-                     GPU: tl.constexpr):
-    """words [BN, G] (8 codes each), scale bytes [BN] -> out in the input-piece layout."""
+                     GPU: tl.constexpr, RB: tl.constexpr):
+    """words [BN, G] (8 codes each), scale bytes [BN] -> out in the input-piece layout (the row layout, RB > 1:
+    one word per row [BN] -> one piece per row)."""
     s, _, flip = _given_scale(sbyte, 1.0, IS_NV)  # r is not needed (the compiler drops its division)
     s2 = s[:, None]
     flip = flip[:, None]
-    if G == 2:
-        w0, w1 = tl.split(words)
-        w2 = w0
-        w3 = w1
+    if RB > 1:
+        _store_piece(out_ptr, blk, bmask, 0, 1, K, _dequantize_piece(words[:, None], 0, s2, g, flip, K, KIND, IS_NV,
+                                                                        GPU))
     else:
-        w02, w13 = tl.split(tl.reshape(words, (words.shape[0], 2, 2)))
-        w0, w2 = tl.split(w02)
-        w1, w3 = tl.split(w13)
-    for p in tl.static_range(P):
-        gi = p if KIND != 2 else p // 2
-        if gi == 0:
-            word = w0[:, None]
-        elif gi == 1:
-            word = w1[:, None]
-        elif gi == 2:
-            word = w2[:, None]
+        if G == 2:
+            w0, w1 = tl.split(words)
+            w2 = w0
+            w3 = w1
         else:
-            word = w3[:, None]
-        # fp32 pieces are half words: piece p starts at nibble (p % 2) * 4
-        val = _dequantize_piece(word, (p % 2) * 4 if KIND == 2 else 0, s2, g, flip, K, KIND, IS_NV, GPU)
-        _store_piece(out_ptr, blk, bmask, p, P, K, val)
+            w02, w13 = tl.split(tl.reshape(words, (words.shape[0], 2, 2)))
+            w0, w2 = tl.split(w02)
+            w1, w3 = tl.split(w13)
+        for p in tl.static_range(P):
+            gi = p if KIND != 2 else p // 2
+            if gi == 0:
+                word = w0[:, None]
+            elif gi == 1:
+                word = w1[:, None]
+            elif gi == 2:
+                word = w2[:, None]
+            else:
+                word = w3[:, None]
+            # fp32 pieces are half words: piece p starts at nibble (p % 2) * 4
+            val = _dequantize_piece(word, (p % 2) * 4 if KIND == 2 else 0, s2, g, flip, K, KIND, IS_NV, GPU)
+            _store_piece(out_ptr, blk, bmask, p, P, K, val)
 
 
 @triton.jit
@@ -841,8 +863,9 @@ def _dequantize_piece(word, NIB0: tl.constexpr, s2, g, flip, K: tl.constexpr, KI
 def _dequantize_kernel(
     codes_ptr, scales_ptr, g_ptr, out_ptr, NB, n_iter,
     G: tl.constexpr, P: tl.constexpr, K: tl.constexpr, KIND: tl.constexpr, BN: tl.constexpr,
-    IS_NV: tl.constexpr, BIG: tl.constexpr, PERSIST: tl.constexpr, GPU: tl.constexpr,
+    IS_NV: tl.constexpr, BIG: tl.constexpr, PERSIST: tl.constexpr, GPU: tl.constexpr, RB: tl.constexpr,
 ):
+    # RB > 1: the row layout (NB rows of one 16-byte output piece each, RB rows per block)
     if IS_NV:
         g = tl.load(g_ptr)
     else:
@@ -853,106 +876,20 @@ def _dequantize_kernel(
     else:
         start = pid * BN
     blk, bmask = _blocks(start, NB, BN)
-    words, sbyte = _load_codes(codes_ptr, scales_ptr, blk, bmask, G)
+    words, sbyte = _load_codes(codes_ptr, scales_ptr, blk, bmask, G, KIND, RB)
     if PERSIST:
         step = tl.num_programs(0) * BN
         for _ in range(n_iter):
             start += step
             nblk, nmask = _blocks(start, NB, BN)
-            nwords, nsbyte = _load_codes(codes_ptr, scales_ptr, nblk, nmask, G)
-            _dequantize_tile(words, sbyte, blk, bmask, out_ptr, g, G, P, K, KIND, IS_NV, GPU)
+            nwords, nsbyte = _load_codes(codes_ptr, scales_ptr, nblk, nmask, G, KIND, RB)
+            _dequantize_tile(words, sbyte, blk, bmask, out_ptr, g, G, P, K, KIND, IS_NV, GPU, RB)
             words = nwords
             sbyte = nsbyte
             blk = nblk
             bmask = nmask
     else:
-        _dequantize_tile(words, sbyte, blk, bmask, out_ptr, g, G, P, K, KIND, IS_NV, GPU)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# the row layout of the given-scale kernels (hint-guided / given-scale fake quantization, dequantization): one
-# thread per piece of 16 input bytes (a "row" of K elements), not per block, so that a warp's loads and stores of
-# x / y are 512 contiguous bytes. These kernels need no value of another piece (the scale is given), so nothing
-# crosses threads; a block of RB rows reads its scale byte RB times (from L1). Each row's hint bits are one byte
-# (bf16 / fp16: 8 values) or half of one (fp32: 4 values), its codes one int32 word or half of one.
-# ---------------------------------------------------------------------------------------------------------
-@triton.jit
-def _row_hints(hints_ptr, rows, rmask, KIND: tl.constexpr):
-    """The hint bits of each row [BR] at bits 0.. (int32; hints_ptr: the uint8 hint bytes)."""
-    if KIND == 2:
-        return tl.load(hints_ptr + rows // 2, mask=rmask, other=0).to(tl.int32) >> ((rows % 2) * 4).to(tl.int32)
-    else:
-        return tl.load(hints_ptr + rows, mask=rmask, other=0).to(tl.int32)
-
-
-@triton.jit
-def _row_codes(codes_ptr, scales_ptr, rows, rmask, KIND: tl.constexpr, RB: tl.constexpr):
-    """(code word of each row [BR] with its first value's code at nibble 0, scale byte [BR] int32)."""
-    if KIND == 2:
-        word = tl.load(codes_ptr + rows // 2, mask=rmask, other=0) >> ((rows % 2) * 16).to(tl.int32)
-    else:
-        word = tl.load(codes_ptr + rows, mask=rmask, other=0)
-    return word, tl.load(scales_ptr + rows // RB, mask=rmask, other=0).to(tl.int32)
-
-
-@triton.jit(do_not_specialize=["NR", "n_iter"])
-def _fake_quant_rows_kernel(
-    x_ptr, out_ptr, scales_ptr, hints_ptr, g_ptr, scales_out_ptr, NR, n_iter,
-    K: tl.constexpr, KIND: tl.constexpr, RB: tl.constexpr, BR: tl.constexpr, IS_NV: tl.constexpr,
-    RCEIL: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_HINTS: tl.constexpr, STORE_SCALES: tl.constexpr,
-    BIG: tl.constexpr, PERSIST: tl.constexpr, GPU: tl.constexpr,
-):
-    # NR rows of K elements, RB rows per block; tiles of BR rows (one per thread, BR a multiple of RB); scale
-    # bytes [NR / RB] given (HAS_SCALES) or the block's own (from the amax over its RB rows: threads)
-    g, inv_g = _global(g_ptr, IS_NV)
-    start, rows, rmask, xs = _first_tile(x_ptr, NR, BR, 1, K, BIG)
-    for _ in range(n_iter if PERSIST else 1):
-        if PERSIST:
-            start, nrows, nmask, nxs = _next_tile(x_ptr, start, NR, BR, 1, K)
-        if HAS_SCALES:
-            s, r, flip = _given_scale(tl.load(scales_ptr + rows // RB, mask=rmask, other=0).to(tl.int32), inv_g,
-                                      IS_NV)
-        else:  # own scales (round to nearest): the block amax over its RB rows (threads)
-            sbyte, s, r = _own_scale(xs, g, inv_g, 1, KIND, IS_NV, RCEIL, GPU, RB)
-            flip = tl.zeros_like(sbyte)
-            if STORE_SCALES:
-                tl.store(scales_out_ptr + rows // RB, sbyte.to(tl.uint8), mask=rmask & (rows % RB == 0))
-        if HAS_HINTS:
-            hb = _row_hints(hints_ptr, rows, rmask, KIND)
-        else:
-            hb = 0
-        _fake_quant_pieces(xs, rows, rmask, out_ptr, s[:, None], r[:, None], g, flip[:, None], hb, 1, K, KIND,
-                           IS_NV, HAS_HINTS, GPU)
-        if PERSIST:
-            xs, rows, rmask = nxs, nrows, nmask
-
-
-@triton.jit(do_not_specialize=["NR", "n_iter"])
-def _dequantize_rows_kernel(
-    codes_ptr, scales_ptr, g_ptr, out_ptr, NR, n_iter,
-    K: tl.constexpr, KIND: tl.constexpr, RB: tl.constexpr, BR: tl.constexpr, IS_NV: tl.constexpr,
-    BIG: tl.constexpr, PERSIST: tl.constexpr, GPU: tl.constexpr,
-):
-    if IS_NV:
-        g = tl.load(g_ptr)
-    else:
-        g = 1.0
-    if BIG:
-        start = tl.program_id(0).to(tl.int64) * BR
-    else:
-        start = tl.program_id(0) * BR
-    rows, rmask = _blocks(start, NR, BR)
-    word, sbyte = _row_codes(codes_ptr, scales_ptr, rows, rmask, KIND, RB)
-    for _ in range(n_iter if PERSIST else 1):
-        if PERSIST:
-            start += tl.num_programs(0) * BR
-            nrows, nmask = _blocks(start, NR, BR)
-            nword, nsbyte = _row_codes(codes_ptr, scales_ptr, nrows, nmask, KIND, RB)
-        s, _, flip = _given_scale(sbyte, 1.0, IS_NV)
-        val = _dequantize_piece(word[:, None], 0, s[:, None], g, flip[:, None], K, KIND, IS_NV, GPU)
-        _store_piece(out_ptr, rows, rmask, 0, 1, K, val)
-        if PERSIST:
-            word, sbyte, rows, rmask = nword, nsbyte, nrows, nmask
+        _dequantize_tile(words, sbyte, blk, bmask, out_ptr, g, G, P, K, KIND, IS_NV, GPU, RB)
 
 
 @triton.jit
@@ -1087,8 +1024,8 @@ def _is_rows(cfg: tuple | None) -> bool:
 def _fwd_cfg(config: tuple | None, key: str, dtype: torch.dtype, fmt: str) -> tuple[int, int, int, dict]:
     """(BN, num_warps, programs per SM, extra launch options) of a forward kernel. config: (BN, num_warps,
     programs per SM) or with a 4th element, a register cap per thread (0: none); ("rows", rows per program,
-    num_warps, programs per SM): the row layout (given-scale fake quantization and dequantization only, checked
-    by the caller); None: `default_config`."""
+    num_warps, programs per SM): the row layout (every forward kernel but fp32 quantization, checked by the
+    caller); None: `default_config`."""
     cfg = config or default_config(key, dtype, fmt)
     if _is_rows(cfg):
         if len(cfg) != 4 or not all(isinstance(v, int) and v >= 0 for v in cfg[1:]) or cfg[1] < 1 or cfg[2] < 1:
@@ -1193,31 +1130,31 @@ def fake_quantize_blocks_triton(
     if nb:
         key = "fake_quant" if has_scales else "fake_quant_rtn"
         cfg = config or default_config(key, xb.dtype, fmt)
-        if _is_rows(cfg) and g_blocks:
-            if config is not None:
-                raise LaunchConfigError(f"the row layout {config} takes one global scale; got {g.numel()}")
-            cfg = CONFIG[key]  # the block layout for what the default row layout cannot do
-        if _is_rows(cfg):
-            _launch_fake_quant_rows(xb, out, fmt, g, scales_u8, hints_packed, cfg, scale_rule, scales_out)
-            return out, (scales_u8 if has_scales else scales_out)
         bn, warps, per_sm, opts = _fwd_cfg(cfg, key, xb.dtype, fmt)
         xv, p, k, kind = _layout(xb)
-        consts = dict(P=p, K=k, KIND=kind, BN=bn, IS_NV=fmt == "nvfp4", RCEIL=scale_rule == "rceil",
+        rows = _is_rows(cfg)
+        if rows and bn % p:
+            raise LaunchConfigError(f"the row layout needs rows per program divisible by the {p} rows of a block; "
+                                    f"got {cfg}")
+        rb = p if rows else 1
+        consts = dict(P=1 if rows else p, K=k, KIND=kind, BN=bn, IS_NV=fmt == "nvfp4", RCEIL=scale_rule == "rceil",
                       HAS_SCALES=has_scales, HAS_HINTS=hints_packed is not None, STORE_SCALES=store_scales,
-                      BIG=_big(xb), GPU=not _interpreting(), G_PER=g_blocks > 0)
+                      BIG=_big(xb), GPU=not _interpreting(), G_PER=g_blocks > 0, RB=rb)
         rkey = ("fake_quant", *consts.values(), warps, *opts.values())
-        progs, n_iter, persist = _grid(nb, bn, per_sm, dev, rkey)
+        progs, n_iter, persist = _grid(nb * rb, bn, per_sm, dev, rkey)
         dummy = torch.empty((1,), dtype=torch.int32, device=dev)
         hints_arg = dummy
-        if hints_packed is not None:
-            hints_arg = _per_block_view(hints_packed.contiguous().reshape(nb, b // 8), b // 8)
+        if hints_packed is not None:  # the row layout reads a byte per row (or half of one: fp32)
+            hints_arg = hints_packed.contiguous().reshape(nb * (b // 8))
+            if not rows:
+                hints_arg = _per_block_view(hints_arg.view(nb, b // 8), b // 8)
         compiled = _fake_quant_kernel[(progs,)](
             xv, out.view(torch.int32) if kind == 0 else out,
             scales_u8.contiguous() if has_scales else dummy,
             hints_arg,
             _g_arg(g, fmt, dev, dummy),
             scales_out if store_scales else dummy,
-            nb, _loop_count(n_iter), max(g_blocks, 1), PERSIST=persist, num_warps=warps, **consts, **opts,
+            nb * rb, _loop_count(n_iter), max(g_blocks, 1), PERSIST=persist, num_warps=warps, **consts, **opts,
         )
         _note_residency(rkey, compiled, warps)
     return out, (scales_u8 if has_scales else scales_out)
@@ -1237,63 +1174,20 @@ def dequantize_blocks_triton(
     out = torch.empty((nb, b), dtype=dtype, device=dev)
     if nb:
         cfg = config or default_config("dequantize", dtype, fmt)
-        if _is_rows(cfg):
-            _launch_dequantize_rows(codes_packed, scales_u8.contiguous(), out, fmt, g, cfg)
-            return out
         bn, warps, per_sm, opts = _fwd_cfg(cfg, "dequantize", dtype, fmt)
         ov, p, k, kind = _layout(out)
-        consts = dict(G=b // 8, P=p, K=k, KIND=kind, BN=bn, IS_NV=fmt == "nvfp4", BIG=_big(out),
-                      GPU=not _interpreting())
+        rb = p if _is_rows(cfg) else 1
+        consts = dict(G=b // 8, P=1 if rb > 1 else p, K=k, KIND=kind, BN=bn, IS_NV=fmt == "nvfp4", BIG=_big(out),
+                      GPU=not _interpreting(), RB=rb)
         rkey = ("dequantize", *consts.values(), warps, *opts.values())
-        progs, n_iter, persist = _grid(nb, bn, per_sm, dev, rkey)
+        progs, n_iter, persist = _grid(nb * rb, bn, per_sm, dev, rkey)
         scales_u8 = scales_u8.contiguous()
         compiled = _dequantize_kernel[(progs,)](
-            codes_packed.view(torch.int32), scales_u8, _g_arg(g, fmt, dev, scales_u8), ov, nb,
+            codes_packed.view(torch.int32), scales_u8, _g_arg(g, fmt, dev, scales_u8), ov, nb * rb,
             _loop_count(n_iter), PERSIST=persist, num_warps=warps, **consts, **opts,
         )
         _note_residency(rkey, compiled, warps)
     return out
-
-
-def _launch_fake_quant_rows(xb, out, fmt, g, scales_u8, hints_packed, cfg, scale_rule, scales_out) -> None:
-    """Fake quantization of xb [NB, B] into out in the row layout (one thread per 16 input bytes): given scale
-    bytes scales_u8 [NB], or own scales (None; stored into scales_out [NB] unless it is None)."""
-    nb, b = xb.shape
-    dev = xb.device
-    br, warps, per_sm, _ = _fwd_cfg(cfg, "fake_quant", xb.dtype, fmt)
-    xv, p, k, kind = _layout(xb)
-    if br % p:
-        raise LaunchConfigError(f"the row layout needs rows per program divisible by the {p} rows of a block; "
-                                f"got {cfg}")
-    consts = dict(K=k, KIND=kind, RB=p, BR=br, IS_NV=fmt == "nvfp4", RCEIL=scale_rule == "rceil",
-                  HAS_SCALES=scales_u8 is not None, HAS_HINTS=hints_packed is not None,
-                  STORE_SCALES=scales_out is not None, BIG=_big(xb), GPU=not _interpreting())
-    rkey = ("fake_quant_rows", *consts.values(), warps)
-    progs, n_iter, persist = _grid(nb * p, br, per_sm, dev, rkey)
-    dummy = torch.empty((1,), dtype=torch.uint8, device=dev)
-    compiled = _fake_quant_rows_kernel[(progs,)](
-        xv, out.view(torch.int32) if kind == 0 else out, dummy if scales_u8 is None else scales_u8.contiguous(),
-        dummy if hints_packed is None else hints_packed.contiguous().reshape(nb * (b // 8)),
-        _g_arg(g, fmt, dev, dummy), dummy if scales_out is None else scales_out, nb * p, _loop_count(n_iter),
-        PERSIST=persist, num_warps=warps, **consts,
-    )
-    _note_residency(rkey, compiled, warps)
-
-
-def _launch_dequantize_rows(codes_packed, scales_u8, out, fmt, g, cfg) -> None:
-    """Dequantization of codes [NB, B/2] into out [NB, B] in the row layout (one thread per 16 output bytes)."""
-    nb = out.shape[0]
-    dev = out.device
-    br, warps, per_sm, _ = _fwd_cfg(cfg, "dequantize", out.dtype, fmt)
-    ov, p, k, kind = _layout(out)
-    consts = dict(K=k, KIND=kind, RB=p, BR=br, IS_NV=fmt == "nvfp4", BIG=_big(out), GPU=not _interpreting())
-    rkey = ("dequantize_rows", *consts.values(), warps)
-    progs, n_iter, persist = _grid(nb * p, br, per_sm, dev, rkey)
-    compiled = _dequantize_rows_kernel[(progs,)](
-        codes_packed.view(torch.int32), scales_u8, _g_arg(g, fmt, dev, scales_u8), ov, nb * p, _loop_count(n_iter),
-        PERSIST=persist, num_warps=warps, **consts,
-    )
-    _note_residency(rkey, compiled, warps)
 
 
 def _bwd_cfg(config: tuple | None) -> tuple[int, int]:

@@ -585,7 +585,7 @@ def test_triton_row_layout_matches_reference(cfg, dtype, fmt):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="no triton")
-def test_triton_row_layout_refuses_what_it_cannot_do():
+def test_triton_row_layout_refuses_bad_configs_and_takes_a_global_scale_per_matrix():
     from tracefp4 import triton_kernels as tk
     from tracefp4.errors import LaunchConfigError
 
@@ -595,9 +595,11 @@ def test_triton_row_layout_refuses_what_it_cannot_do():
         tk.fake_quantize_blocks_triton(xb, "nvfp4", g, None, None, config=("rows", 16, 1))
     with pytest.raises(LaunchConfigError, match="divisible"):
         tk.quantize_blocks_triton(xb, "nvfp4", g, config=("rows", 1, 1, 0))  # 2 rows per bf16 block
-    stack = torch.tensor([1.0, 2.0])  # one global scale per matrix: the block layout only
-    with pytest.raises(LaunchConfigError, match="one global scale"):
-        tk.fake_quantize_blocks_triton(xb[:12], "nvfp4", stack, None, None, config=("rows", 16, 1, 0))
+    stack = torch.tensor([1.0, 0.25])  # one global scale per matrix (6 blocks each): as in the block layout
+    for scales in (None, ref.quantize_blocks_ref(xb[:12], "nvfp4", torch.tensor(1.0))[1]):
+        want, _ = tk.fake_quantize_blocks_triton(xb[:12], "nvfp4", stack, scales, None, config=(8, 1, 0))
+        got, _ = tk.fake_quantize_blocks_triton(xb[:12], "nvfp4", stack, scales, None, config=("rows", 16, 1, 0))
+        assert_bits_equal(got, want)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="no triton")
