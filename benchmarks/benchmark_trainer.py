@@ -47,7 +47,6 @@ from benchmark_fsdp import CPU_SPEC, GPU_SPEC, SMOKE_SPEC, _store  # noqa: E402 
 from tracerl.config import TrainConfig  # noqa: E402  (no torch import)
 
 TRAIN_DEFAULTS = TrainConfig()
-ARGS_CUT = [0]  # rows[1:cut] of a run measure the stale groups, rows[cut:] do not (set from the arguments)
 
 MODES = ("fp4_hints", "bf16")
 
@@ -142,6 +141,7 @@ def _run(mode: str, url: str, workdir: Path, args, sampler: _GpuSampler, *, prof
     return {"rows": rows, "step_s": statistics.median(r["step_s"] for r in measured),
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in measured),
             "step_s_unmeasured": statistics.median(r["step_s"] for r in unmeasured) if unmeasured else None,
+            "cut": cut,  # rows[1:cut] measured the stale groups, rows[cut:] did not
             "gpu_util_median": statistics.median(util) if util else None, "gpu_util_samples": len(util),
             "metrics": str(metrics)}
 
@@ -155,9 +155,8 @@ def _summary(runs: dict[str, list[dict]]) -> dict:
     for mode, reps in runs.items():
         if not reps:
             continue
-        cut = ARGS_CUT[0]
-        later = [r for rep in reps for r in rep["rows"][1:cut] or rep["rows"][:1]]  # the measured steps
-        rest = [r for rep in reps for r in rep["rows"][cut:]]
+        later = [r for rep in reps for r in rep["rows"][1:rep["cut"]] or rep["rows"][:1]]  # the measured steps
+        rest = [r for rep in reps for r in rep["rows"][rep["cut"]:]]
         phases = dict.fromkeys(k for r in later + rest for k in (r.get("phases_s") or {}))
         utils = [rep["gpu_util_median"] for rep in reps if rep["gpu_util_median"] is not None]
         peak = [r["cuda_max_allocated_bytes"] for rep in reps for r in rep["rows"] if r.get("cuda_max_allocated_bytes")]
@@ -240,7 +239,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.child:
         return _child(args)
-    ARGS_CUT[0] = args.unmeasured_from - 1 if 0 < args.unmeasured_from <= args.steps else args.steps
     if args.max_staleness < args.steps - 1:
         ap.error(f"--max-staleness {args.max_staleness} with --steps {args.steps}: every group is by version 0, "
                  f"so steps after {args.max_staleness + 1} would find none; use --max-staleness >= {args.steps - 1}")

@@ -137,6 +137,16 @@ class Point:
         return {"margin": self.margin, "scale_margin": self.scale_margin, "scale_payload": self.payload}
 
 
+def _recompute_with(s, amb, hook, replay_routes: bool) -> tuple[np.ndarray, float]:
+    """(trainer - rollout log-probs of ``amb``'s response tokens (float64), seconds) of one round-to-nearest
+    recompute with ``hook`` substituting each hinted site's output."""
+    t0 = time.perf_counter()
+    with s.train.using(substitute=hook):
+        out = s.trainer.recompute(amb.packed, "fp4_rne_own_scales", observe=False, replay_routes=replay_routes)
+    sel = amb.response
+    return out.logprobs[sel].astype(np.float64) - np.asarray(amb.packed.logprobs)[sel], time.perf_counter() - t0
+
+
 def compact_pass(s, mbs, point: Point, replay_routes: bool, collect: dict | None = None) -> dict:
     """One trainer recompute of every micro-batch with margin exceptions at every hinted site; ``collect`` gets
     the trainer's activations of the response rows per site."""
@@ -174,12 +184,9 @@ def compact_pass(s, mbs, point: Point, replay_routes: bool, collect: dict | None
                 collect.setdefault(site, []).append(x_thd[resp].detach().float().clone())
             return y
 
-        t0 = time.perf_counter()
-        with s.train.using(substitute=hook):
-            out = s.trainer.recompute(amb.packed, "fp4_rne_own_scales", observe=False, replay_routes=replay_routes)
-        secs += time.perf_counter() - t0
-        sel = amb.response
-        dl.append(out.logprobs[sel].astype(np.float64) - np.asarray(amb.packed.logprobs)[sel])
+        dlogp, took = _recompute_with(s, amb, hook, replay_routes)
+        dl.append(dlogp)
+        secs += took
     d = np.concatenate(dl)
     rows = sum(int(a.response.sum()) for a, _ in mbs)
     per_site = {site: {**_agreement(c), "bytes_per_token": nbytes[site] / rows + INDEX_BYTES_PER_ROW,
@@ -224,12 +231,9 @@ def syndrome_pass(s, mbs, r: int, replay_routes: bool, search: int = 8) -> dict:
             width[site] = c_t.shape[1]
             return y
 
-        t0 = time.perf_counter()
-        with s.train.using(substitute=hook):
-            out = s.trainer.recompute(amb.packed, "fp4_rne_own_scales", observe=False, replay_routes=replay_routes)
-        secs += time.perf_counter() - t0
-        sel = amb.response
-        dl.append(out.logprobs[sel].astype(np.float64) - np.asarray(amb.packed.logprobs)[sel])
+        dlogp, took = _recompute_with(s, amb, hook, replay_routes)
+        dl.append(dlogp)
+        secs += took
     d = np.concatenate(dl)
     return {"name": f"syndrome r={r}", "syndrome_bits": r, "search": search, "replay_routes": replay_routes,
             "mean_abs_dlogp": float(np.mean(np.abs(d))), "tokens": int(d.size), "seconds": secs,
