@@ -303,12 +303,13 @@ class TrainConfig:
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> TrainConfig:
-        """The config of ``to_json``'s output; unknown keys raise `ConfigError`."""
+        """The config of ``to_json``'s output; unknown keys raise `ConfigError`. A config written before
+        ``measure_stale_every`` existed measured every stale group: it keeps doing so (1), not the new default."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(obj) - names)
         if unknown:
             raise ConfigError(f"train config: unknown keys {unknown}")
-        cfg = cls(**{**obj, "betas": tuple(obj.get("betas", cls.betas))})
+        cfg = cls(**{"measure_stale_every": 1, **obj, "betas": tuple(obj.get("betas", cls.betas))})
         cfg.check()
         return cfg
 

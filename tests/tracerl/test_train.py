@@ -371,6 +371,15 @@ def test_measure_stale_every_keeps_every_nth_version_and_counts_the_rest_unmeasu
     assert half[2]["mismatch"]["unmeasured_tokens"] == half[2]["response_tokens"]
 
 
+def test_a_config_from_before_measure_stale_every_keeps_measuring_every_stale_group():
+    from tracerl.config import TrainConfig
+
+    old = TrainConfig().to_json()
+    del old["measure_stale_every"]  # a checkpoint written before the field existed
+    assert TrainConfig.from_json(old).measure_stale_every == 1
+    assert TrainConfig.from_json(TrainConfig().to_json()).measure_stale_every == TrainConfig().measure_stale_every == 4
+
+
 def test_snapshot_into_buffers_copies_the_weights_and_swaps_them_back(store):
     """A snapshot taken into `snapshot_buffers` holds the bf16 weights as of then; swapped in after the weights
     changed, the model has those again, and the current ones after the block."""
