@@ -46,7 +46,10 @@ GPU_SPEC = dict(hidden_size=2048, num_layers=40, num_heads=16, num_kv_heads=4, h
 SMOKE_SPEC = dict(hidden_size=64, num_layers=4, num_heads=2, num_kv_heads=1, head_dim=32, num_experts=8, top_k=2,
                   moe_intermediate_size=32, vocab_size=256)
 COVERAGES = {"default": dict(hint_layers="latter-half", hint_sites="moe-input"),
-             "all-sites": dict(hint_layers="all", hint_sites="all-fp4")}
+             "all-sites": dict(hint_layers="all", hint_sites="all-fp4"),
+             # the planner's first units (moe-in L0-9, L10-19, ...) cut at 28 layers: 28 x 272 = 7,616 B/token with
+             # scale hints (--scale-encodings lsb), the most sites of width 2,048 under the 7,680 B/token goal
+             "moe-in-L0-27": dict(hint_layers=",".join(map(str, range(28))), hint_sites="moe-input")}
 #: the planner's goal: at <= 7,680 B/token, an excess at most 1/3 of round-to-nearest's
 GOAL_BYTES, GOAL_RATIO = 7680, 1 / 3
 
@@ -92,7 +95,8 @@ def main(argv=None) -> int:
     p.add_argument("--config", choices=("h200", "cpu-demo", "smoke"), default="h200",
                    help="h200 (GPU, default), cpu-demo (the tracerl demo store on the CPU) or smoke (tiny, CPU)")
     p.add_argument("--smoke", action="store_true", help="same as --config smoke")
-    p.add_argument("--coverage", default="default,all-sites", help="comma-separated: default, all-sites")
+    p.add_argument("--coverage", default="default,all-sites", help=f"comma-separated: {', '.join(COVERAGES)} (moe-in-L0-27 needs the "
+                        "H200 model's 40 layers)")
     p.add_argument("--scale-encodings", default="bytes", metavar="LIST",
                    help="comma-separated store scale encodings to record and audit each coverage with: bytes "
                         "(default), lsb (scale hints), or both")

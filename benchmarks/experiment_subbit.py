@@ -72,6 +72,24 @@ from tracerl.runlog import json_ready, machine_info
 
 INF = math.inf
 RESULTS = Path(__file__).resolve().parent / "results"
+#: the H200 model of benchmark_audit / benchmark_tracerl_h200 (hidden 2048, 40 layers, 32 experts, top 4)
+H200_SPEC = dict(hidden_size=2048, num_layers=40, num_heads=16, num_kv_heads=4, head_dim=128, num_experts=32,
+                 top_k=4, moe_intermediate_size=512, vocab_size=32768, max_position_embeddings=16384)
+TINY_SPEC = dict(hidden_size=64, num_layers=4, num_heads=2, num_kv_heads=1, head_dim=32, num_experts=8, top_k=2,
+                 moe_intermediate_size=32, vocab_size=256)
+#: per --config: the recording (DemoConfig keywords), device, (trajectories, tokens) for (full, --smoke), the
+#: grid's row sample (None: every row) and the result's name (None: a temporary directory)
+CONFIGS = {
+    "demo": dict(demo={}, device="cpu", trajectories=(16, 4), tokens=(256, 64), grid_rows=None,
+                 name="subbit-cpu-demo", label="the CPU demo store"),
+    # decode="static": the replay keeps the rollout's activations through a Python hook, which a CUDA graph's
+    # replay would not call; recording the same path makes the replay the rollout bit for bit
+    "h200": dict(demo=dict(prompt_tokens=(64, 64), device="cuda", decode="static", micro_batch_tokens=8192,
+                           flush_tokens=1024, spec=H200_SPEC), device="cuda", trajectories=(8, 2),
+                 tokens=(1024, 256), grid_rows=1024, name="subbit-h200", label="the H200 model (GPU)"),
+    "tiny": dict(demo=dict(spec=TINY_SPEC), device="cpu", trajectories=(2, 2), tokens=(48, 48), grid_rows=24,
+                 name=None, label="a tiny model (CPU)"),
+}
 INDEX_BYTES_PER_ROW = 4 / 64  # a uint32 byte offset per 64 rows per site (the rows are variable-length)
 BUDGET_FRACTIONS = (1 / 8, 1 / 5, 1 / 3, 1 / 2)
 T0 = time.perf_counter()
@@ -90,23 +108,28 @@ class RolloutCapture:
     def __init__(self, chunk, widths: dict[str, int]):
         self.plens = [t.prompt_len for t in chunk]
         self.pmax = max(self.plens)
-        length = self.pmax + max(len(t.response) for t in chunk)
-        self.x = {s: torch.zeros(len(chunk), length, w) for s, w in widths.items()}  # fp32 [B, L, W]
+        self.length = self.pmax + max(len(t.response) for t in chunk)
+        self.widths = widths
+        self.x: dict[str, torch.Tensor] = {}  # fp32 [B, L, W] per site, on the activations' device
         self.calls = dict.fromkeys(widths, 0)
 
     def __call__(self, site: str, x: torch.Tensor):
-        if site not in self.x:
+        if site not in self.widths:
             return None
         j = self.calls[site]
         self.calls[site] += 1
+        if site not in self.x:
+            self.x[site] = torch.zeros(len(self.plens), self.length, self.widths[site], device=x.device)
         buf = self.x[site]
         xf = x.detach().float()
         if j == 0:
             for b, n in enumerate(self.plens):
                 buf[b, :n] = xf[b * self.pmax + self.pmax - n: (b + 1) * self.pmax]
-        else:
-            for b, n in enumerate(self.plens):
-                buf[b, n + j - 1] = xf[b]
+        else:  # one indexed copy per step (row b at position P_b + j - 1)
+            if not hasattr(self, "_rows"):
+                self._rows = torch.arange(len(self.plens), device=x.device)
+                self._cols = torch.as_tensor(self.plens, device=x.device) - 1
+            buf[self._rows, self._cols + j] = xf
         return None
 
 
@@ -147,9 +170,11 @@ def _recompute_with(s, amb, hook, replay_routes: bool) -> tuple[np.ndarray, floa
     return out.logprobs[sel].astype(np.float64) - np.asarray(amb.packed.logprobs)[sel], time.perf_counter() - t0
 
 
-def compact_pass(s, mbs, point: Point, replay_routes: bool, collect: dict | None = None) -> dict:
+def compact_pass(s, mbs, point: Point, replay_routes: bool, collect: dict | None = None,
+                 count_bytes: bool = True) -> dict:
     """One trainer recompute of every micro-batch with margin exceptions at every hinted site; ``collect`` gets
-    the trainer's activations of the response rows per site."""
+    the trainer's activations of the response rows per site. ``count_bytes=False``: no position coding here (the
+    bytes depend on the rollout only; `main` takes them from the grid's row sample at the same point)."""
     hinted = list(s.plan.hinted)
     counts = {site: {} for site in hinted}
     nbytes = {site: 0.0 for site in hinted}
@@ -177,9 +202,10 @@ def compact_pass(s, mbs, point: Point, replay_routes: bool, collect: dict | None
             st = C.margin_stats(sub, rec_r, r.codes[resp], r.x[resp], x_thd[resp].float(), g, r.scales[resp])
             for k, v in st.items():
                 counts[site][k] = counts[site].get(k, 0) + v
-            coding, _ = C.choose_coding(sub)
-            codings[site] = coding.to_json()
-            nbytes[site] += float(C.packed_row_bytes(sub, coding).sum())
+            if count_bytes:
+                coding, _ = C.choose_coding(sub)
+                codings[site] = coding.to_json()
+                nbytes[site] += float(C.packed_row_bytes(sub, coding).sum())
             if collect is not None:
                 collect.setdefault(site, []).append(x_thd[resp].detach().float().clone())
             return y
@@ -242,11 +268,26 @@ def syndrome_pass(s, mbs, r: int, replay_routes: bool, search: int = 8) -> dict:
             "scale_agreement": 1 - smism / (n // 16), "code_mismatches": mism, "value_mismatches": vmism}
 
 
+def _bytes_from_grid(pr: dict, grid: dict) -> None:
+    """Fill a pass's bytes per token (overall and per site) from the offline grid's point with its margins: the
+    bytes depend on the rollout only (the same for both trainers), the grid counts them on its row sample."""
+    key = (pr["point"]["margin"], pr["point"]["scale_margin"], pr["point"]["scale_payload"])
+
+    def at(points):
+        return next(q for q in points if (q["margin"], q["scale_margin"], q["scale_payload"]) == key)
+
+    pr["bytes_per_token"] = at(grid["overall"])["bytes_per_token"]
+    for site, row in pr["per_site"].items():
+        q = at(grid["per_site"][site])
+        row["bytes_per_token"], row["coding"] = q["bytes_per_token"], q["coding"]
+    pr["bytes_source"] = "offline grid's row sample"
+
+
 def _rows(enc: C.MarginExceptions, idx: torch.Tensor) -> C.MarginExceptions:
     """``enc`` restricted to the rows ``idx`` (its stored bits and bytes with them)."""
-    bits = torch.zeros(enc.value_mask.shape, dtype=torch.uint8)
+    bits = torch.zeros(enc.value_mask.shape, dtype=torch.uint8, device=enc.value_mask.device)
     bits[enc.value_mask] = enc.hint_bits
-    sb = torch.zeros(enc.scale_mask.shape, dtype=torch.uint8)
+    sb = torch.zeros(enc.scale_mask.shape, dtype=torch.uint8, device=enc.scale_mask.device)
     sb[enc.scale_mask] = enc.scale_bytes
     vm, sm = enc.value_mask[idx], enc.scale_mask[idx]
     return dataclasses.replace(enc, value_mask=vm, hint_bits=bits[idx][vm], scale_mask=sm, scale_bytes=sb[idx][sm])
@@ -282,11 +323,18 @@ def _signed(c):
 
 class SiteData:
     """Response rows of one hinted site over the whole store: rollout and trainer activations, the stored hints and
-    scales, the replayed codes; the quantities every grid point shares."""
+    scales, the replayed codes; the quantities every grid point shares.
 
-    def __init__(self, x_r, x_t, g, scales, hints, codes, rice_max):
+    ``sample``: row indices (int64, sorted) where position bits and the entropy floor are counted (numpy, the slow
+    part; bytes per token are a mean over rows and depend on the rollout only), or None for every row; agreement
+    is always counted over every row. ``bits_cache``: a dict shared by the SiteData of one site's rollout (the
+    value masks, hence the bits, do not depend on the trainer's activations)."""
+
+    def __init__(self, x_r, x_t, g, scales, hints, codes, rice_max, sample=None, bits_cache=None):
         self.g, self.scales, self.codes, self.rice_max = g, scales, codes, rice_max
         self.rows, self.width = x_r.shape
+        self.sample = sample
+        self.bits_rows = self.rows if sample is None else int(sample.numel())
         v_r = x_r * _r(scales, g)
         self.u_r = C.ladder_position(v_r)
         self.bits = tracefp4.unpack_hints(hints).to(torch.uint8)
@@ -302,7 +350,16 @@ class SiteData:
         self.lsb_scales = torch.where((low & 1) == (scales & 1).to(torch.int32), low, low + 1).to(torch.uint8)
         self.sign = ref.input_signbit(x_t).to(torch.uint8) << 3
         self.w_t, self.w_r = C.scale_position(t_t), C.scale_position(t_r)
-        self._vbits: dict[float, tuple[np.ndarray, str, dict]] = {}
+        self._vbits: dict[float, tuple[np.ndarray, str, dict]] = {} if bits_cache is None else bits_cache
+
+    def sampled(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``'s rows where bits are counted."""
+        return t if self.sample is None else t.index_select(0, self.sample)
+
+    def release(self) -> None:
+        """Drop the per-value tensors (the bits cache stays): a site's data is large on the H200 model."""
+        for k in [k for k, v in vars(self).items() if isinstance(v, torch.Tensor)]:
+            delattr(self, k)
 
     def value_mask(self, m):
         return torch.ones_like(self.d_r, dtype=torch.bool) if math.isinf(m) else (self.d_r < m) | self.disagree
@@ -313,7 +370,7 @@ class SiteData:
     def value_bits(self, m):
         """(bits per row of positions + hint bits, chosen coding, every coding's total bits) at margin m."""
         if m not in self._vbits:
-            mask = self.value_mask(m).numpy()
+            mask = self.sampled(self.value_mask(m)).cpu().numpy()
             totals = C.candidate_bits(mask, self.rice_max)
             best = min(totals, key=lambda c: int(totals[c].sum()))
             self._vbits[m] = (totals[best] + mask.sum(1), best, {c: int(v.sum()) for c, v in totals.items()})
@@ -342,7 +399,7 @@ class SiteData:
         codes_r = _signed(self.codes)
         for ms in scale_margins:
             smask = self.scale_mask(ms)
-            sm_np = smask.numpy()
+            sm_np = self.sampled(smask).cpu().numpy()
             stotals = C.candidate_bits(sm_np, self.rice_max)
             sbest = min(stotals, key=lambda c: int(stotals[c].sum()))
             for payload in payloads:
@@ -366,7 +423,7 @@ class SiteData:
                     mism = torch.where(vmask, mism_hg, mism_rtn)
                     vmism = torch.where(vmask, vmism_hg, vmism_rtn)
                     vbits, vbest, _ = self.value_bits(m)
-                    nbytes = float(((vbits + sbits + 7) // 8).sum()) / self.rows + INDEX_BYTES_PER_ROW
+                    nbytes = float(((vbits + sbits + 7) // 8).sum()) / self.bits_rows + INDEX_BYTES_PER_ROW
                     within = delta < min(m, 0.5)
                     n_unmarked = int((~vmask).sum())
                     out.append({"margin": m, "scale_margin": ms, "scale_payload": payload,
@@ -429,15 +486,15 @@ def per_site_allocation(per_site: dict[str, list[dict]], lambdas) -> list[dict]:
 
 
 # ---- exploratory: block syndromes decoded with the trainer's reliabilities (not in the library) --------------
-def syndrome_columns(r: int) -> torch.Tensor:
+def syndrome_columns(r: int, device=None) -> torch.Tensor:
     """The r-bit parity-check column of each of a block's 16 values (distinct and non-zero as far as r allows)."""
-    return torch.tensor([j % (2**r - 1) + 1 for j in range(16)], dtype=torch.int64)
+    return torch.tensor([j % (2**r - 1) + 1 for j in range(16)], dtype=torch.int64, device=device)
 
 
 def syndromes(bits: torch.Tensor, r: int) -> torch.Tensor:
     """r-bit syndrome (int64 [N, W/16]) of each block of hint bits (uint8 [N, W]): XOR of the columns of its ones."""
     b = bits.to(torch.int64).reshape(bits.shape[0], -1, 16)
-    out = torch.zeros(b.shape[:2], dtype=torch.int64)
+    out = torch.zeros(b.shape[:2], dtype=torch.int64, device=bits.device)
     for j, c in enumerate(syndrome_columns(r).tolist()):
         out ^= b[..., j] * c
     return out
@@ -456,10 +513,11 @@ def syndrome_decode(bits_t: torch.Tensor, rho: torch.Tensor, s_r: torch.Tensor, 
         return out.reshape(n, w)
     rb = rho.reshape(-1, 16)[bad].double()
     order = torch.argsort(rb, dim=1)[:, :search]  # [B', L]
-    cols = syndrome_columns(r)[order]
+    cols = syndrome_columns(r, rho.device)[order]
     cost_l = torch.gather(rb, 1, order)
-    subsets = (torch.arange(1 << search)[:, None] >> torch.arange(search)[None, :]) & 1  # [2^L, L]
-    syn = torch.zeros(bad.numel(), 1 << search, dtype=torch.int64)
+    ar = torch.arange(1 << search, device=rho.device)
+    subsets = (ar[:, None] >> torch.arange(search, device=rho.device)[None, :]) & 1  # [2^L, L]
+    syn = torch.zeros(bad.numel(), 1 << search, dtype=torch.int64, device=rho.device)
     for l in range(search):  # XOR of the chosen columns, one bit-plane of the subsets at a time
         syn ^= cols[:, l: l + 1] * subsets[:, l][None, :]
     cost = cost_l @ subsets.T.double()  # [B', 2^L]: sum of the chosen reliabilities
@@ -494,7 +552,7 @@ _EDGES = np.concatenate([[0.0], 2.0 ** np.arange(-14, 0), [0.5, 1.0, 2.0, np.inf
 
 def _offset_bins(pos: torch.Tensor, lo: int, hi: int) -> np.ndarray:
     """Bin of each position: (nearest boundary k + 1/2, k in [lo, hi]; signed offset on log-spaced edges)."""
-    p = np.nan_to_num(np.abs(pos.numpy()), nan=1e9, posinf=1e9)
+    p = np.nan_to_num(np.abs(pos.cpu().numpy()), nan=1e9, posinf=1e9)
     k = np.clip(np.floor(p), lo, hi)
     off = p - (k + 0.5)
     mag = np.searchsorted(_EDGES, np.abs(off), side="right")  # 1 .. len(_EDGES)
@@ -522,15 +580,17 @@ def entropy(y: np.ndarray, bins: np.ndarray) -> dict[str, float]:
 def entropy_floor(d: SiteData) -> dict:
     """Per-value entropy of the rollout's code given the trainer's value (with the rollout's scale), per-block
     entropy of the rollout's scale byte given the trainer's own scale position; bytes per token of the floor."""
-    v_t = d.x_t * _r(d.scales, d.g)
+    x_t, scales, codes, sign, bits, own, w_t = (d.sampled(t) for t in (d.x_t, d.scales, d.codes, d.sign, d.bits,
+                                                                        d.own_scales, d.w_t))
+    v_t = x_t * _r(scales, d.g)
     u_t = C.ladder_position(v_t)
-    rtn = _signed(ref.e2m1_rne_magnitude(v_t).to(torch.uint8) | d.sign)
-    y_code = (_signed(d.codes) - rtn).numpy()
+    rtn = _signed(ref.e2m1_rne_magnitude(v_t).to(torch.uint8) | sign)
+    y_code = (_signed(codes) - rtn).cpu().numpy()
     bins_v = _offset_bins(u_t.abs().clamp(max=1e9), 0, 6)
     hv = entropy(y_code, bins_v)
-    hh = entropy(d.bits.numpy().astype(np.int64), bins_v)
-    y_s = d.scales.to(torch.int64).numpy() - d.own_scales.to(torch.int64).numpy()
-    hs = entropy(y_s, _offset_bins(d.w_t, 1, 125))
+    hh = entropy(bits.cpu().numpy().astype(np.int64), bins_v)
+    y_s = scales.to(torch.int64).cpu().numpy() - own.to(torch.int64).cpu().numpy()
+    hs = entropy(y_s, _offset_bins(w_t, 1, 125))
     w = d.width
     return {"code_bits_per_value": hv, "hint_bits_per_value": hh, "scale_bits_per_block": hs,
             "bytes_per_token": (w * hv["miller_madow"] + w / 16 * hs["miller_madow"]) / 8,
@@ -540,11 +600,21 @@ def entropy_floor(d: SiteData) -> dict:
 # ---- the run ----------------------------------------------------------------------------------------------
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--smoke", action="store_true", help="4 x 64 tokens, a small grid, output to a temp dir")
-    p.add_argument("--trajectories", type=int, default=None)
-    p.add_argument("--tokens", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--config", choices=tuple(CONFIGS), default="demo",
+                   help="demo: the tracerl demo store on the CPU (default); h200: the H200 model (hidden 2048, 40 "
+                        "layers, GPU; 8 x 1,024 tokens, decoded without CUDA graphs so the rollout's activations can "
+                        "be kept); tiny: a 4-layer model on the CPU with the H200 configuration's row sampling (a "
+                        "check of that code path)")
+    p.add_argument("--smoke", action="store_true", help="fewer tokens and a small grid, output to a temp dir")
+    p.add_argument("--trajectories", type=int, default=None, help="trajectories to record (default per config)")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="tokens per trajectory, prompt included (default per config)")
+    p.add_argument("--grid-rows", type=int, default=None,
+                   help="response rows (a seeded random sample) where the offline grid counts position bits and "
+                        "the entropy floor; agreement is counted over every row (default: all rows for demo, 1024 "
+                        "for h200, 24 for tiny)")
+    p.add_argument("--seed", type=int, default=0, help="the recording's seed (and the row sample's)")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument("--hint-layers", default="latter-half",
                    help="the demo's hinted layers (latter-half: today's default; all: every MoE input, the 'more sites "
                         "for the same bytes' question); output name gets -all-layers for 'all'")
@@ -555,12 +625,18 @@ def main(argv=None) -> int:
         plot(json.loads(Path(args.replot).read_text()), Path(args.replot).with_suffix(".png"))
         return 0
     torch.set_num_threads(args.threads)
-    traj = args.trajectories or (4 if args.smoke else 16)
-    tokens = args.tokens or (64 if args.smoke else 256)
-    out_json = Path(args.out) if args.out else (Path(tempfile.mkdtemp()) / "subbit-smoke.json" if args.smoke
-                                               else RESULTS / ("subbit-cpu-demo.json" if args.hint_layers ==
-                                                               "latter-half" else
-                                                               f"subbit-cpu-demo-{args.hint_layers}-layers.json"))
+    conf = CONFIGS[args.config]
+    if conf["device"] == "cuda" and not torch.cuda.is_available():
+        p.error(f"--config {args.config} needs a CUDA device; use --config demo or tiny on the CPU")
+    traj = args.trajectories or conf["trajectories"][args.smoke]
+    tokens = args.tokens or conf["tokens"][args.smoke]
+    grid_rows = args.grid_rows if args.grid_rows is not None else conf["grid_rows"]
+    if grid_rows is not None and grid_rows < 1:
+        p.error(f"--grid-rows {grid_rows}: must be >= 1")
+    layers = "" if args.hint_layers == "latter-half" else f"-{args.hint_layers}-layers"
+    out_json = Path(args.out) if args.out else (Path(tempfile.mkdtemp()) / "subbit-smoke.json"
+                                               if args.smoke or conf["name"] is None
+                                               else RESULTS / f"{conf['name']}{layers}.json")
     margins = ([0.0, 0.02, 0.05, 0.1, 0.25, INF] if args.smoke else
                [0.0, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, INF])
     scale_margins = [0.0, 0.1, 0.3, INF] if args.smoke else [0.0, 0.05, 0.1, 0.2, 0.3, 0.5, INF]
@@ -575,11 +651,11 @@ def main(argv=None) -> int:
         url = f"{tmp}/store"
         t0 = time.perf_counter()
         rec = record_store(DemoConfig(trajectories=traj, tokens=tokens, seed=args.seed, store=url,
-                                      hint_layers=args.hint_layers))
+                                      hint_layers=args.hint_layers, **conf["demo"]))
         timing["record_s"] = time.perf_counter() - t0
         say(f"recorded {rec['trajectories']} trajectories, {rec['response_tokens']} response tokens")
         store = ts.open_store(url)
-        cfg = AuditConfig(store=url, device="cpu", verify=False)
+        cfg = AuditConfig(store=url, device=conf["device"], verify=False)
         s = load_setup(store, cfg)
         reader = store.reader()
         trajs, _ = read_trajectories(reader, cfg, False, s.plan.hinted)
@@ -599,7 +675,7 @@ def main(argv=None) -> int:
                                       {"replay decode (FP4, tokens forced)": 1,
                                        "floor decode (bf16, tokens forced)": 1}, "off")
             for site in hinted:  # the captured activations quantize to the replayed codes
-                g = s.replay.global_scales[site]
+                g = s.replay.global_scale_on(site, s.device)
                 for b, t in enumerate(chunk):
                     n = t.num_tokens
                     q = tracefp4.quantize(cap.x[site][b, :n], "nvfp4", global_scale=g, backend="reference")
@@ -647,7 +723,7 @@ def main(argv=None) -> int:
         passes, x_train = [], {}
         for rr in (False, True):
             collect: dict = {}
-            passes.append(compact_pass(s, mbs, Point(INF, INF), rr, collect))
+            passes.append(compact_pass(s, mbs, Point(INF, INF), rr, collect, count_bytes=grid_rows is None))
             x_train[rr] = {site: torch.cat(v) for site, v in collect.items()}
         say("margin inf passes done")
 
@@ -655,19 +731,32 @@ def main(argv=None) -> int:
         resp = [(amb, roll) for amb, roll in mbs]
         grid, sites_data, floors, syn_site = {}, {}, {}, {}
         t1 = time.perf_counter()
+        n_resp = sum(int(a.resp_dev.numel()) for a, _ in resp)
+        sample = None
+        if grid_rows is not None and grid_rows < n_resp:
+            gen = torch.Generator().manual_seed(args.seed)
+            sample = torch.randperm(n_resp, generator=gen)[:grid_rows].sort().values.to(s.device)
+        caches: dict[str, dict] = {}
         for rr in (False, True):
             per_site = {}
             for site in hinted:
                 cat = {k: torch.cat([getattr(r[site], k)[a.resp_dev] for a, r in resp]) for k in
                        ("x", "scales", "hints", "codes")}
-                g = s.train.global_scales[site]
-                d = SiteData(cat["x"], x_train[rr][site], g, cat["scales"], cat["hints"], cat["codes"], rice_max=8)
+                g = s.train.global_scale_on(site, s.device)
+                d = SiteData(cat["x"], x_train[rr][site], g, cat["scales"], cat["hints"], cat["codes"], rice_max=8,
+                             sample=sample, bits_cache=caches.setdefault(site, {}))
                 per_site[site] = d.evaluate(margins, scale_margins, payloads)
                 syn_site.setdefault(rr, {})[site] = d.evaluate_syndromes(syndrome_rs, search=8)
                 floors.setdefault(rr, {})[site] = entropy_floor(d)
+                d.release()
                 sites_data[(rr, site)] = d
+                del cat
+            say(f"grid ({'with' if rr else 'without'} routing replay) done")
             grid[rr] = {"per_site": per_site, "overall": combine(per_site)}
         timing["grid_s"] = time.perf_counter() - t1
+        if grid_rows is not None:  # the margin = inf passes above did not count bytes either
+            for pr in passes:
+                _bytes_from_grid(pr, grid[False])
         say(f"grid: {len(grid[False]['overall'])} points x 2 in {timing['grid_s']:.1f}s")
 
         # the offline evaluator agrees with the library's margin_stats where the trainer is the same (margin inf)
@@ -691,7 +780,9 @@ def main(argv=None) -> int:
         fixed = [Point(0.0, 0.0), Point(0.0, INF), Point(INF, INF, "lsb")]
         for rr in (False, True):
             for pt in fixed + picks:
-                passes.append(compact_pass(s, mbs, pt, rr))
+                passes.append(compact_pass(s, mbs, pt, rr, count_bytes=grid_rows is None))
+                if grid_rows is not None:
+                    _bytes_from_grid(passes[-1], grid[False])
                 say(f"pass {pt.name} rr={rr}: {passes[-1]['bytes_per_token']:.1f} B/token, agreement "
                     f"{passes[-1]['code_agreement']:.5f}, excess {passes[-1]['mean_abs_dlogp'] - floor_mean:.3e}")
         syn_passes = []
@@ -727,7 +818,7 @@ def main(argv=None) -> int:
                 r = roll[site]
                 n = min(256, int(amb.resp_dev.numel()))
                 rows = amb.resp_dev[:n]
-                enc = C.encode_margin_exceptions(r.x[rows], s.train.global_scales[site], r.scales[rows],
+                enc = C.encode_margin_exceptions(r.x[rows], s.train.global_scale_on(site, s.device), r.scales[rows],
                                                  r.hints[rows], pt.margin, pt.scale_margin, scale_payload=pt.payload)
                 coding, _ = C.choose_coding(enc)
                 packed = C.pack_rows(enc, coding)
@@ -750,8 +841,9 @@ def main(argv=None) -> int:
                    for rr in (False, True)}
     timing["seconds"] = time.perf_counter() - T0
     result = {
-        "experiment": "subbit-cpu-demo", "issue": 23,
+        "experiment": conf["name"] or f"subbit-{args.config}", "issue": 23, "setup": args.config,
         "store": {"trajectories": traj, "tokens_per_trajectory": tokens, "response_tokens": rec["response_tokens"],
+                  "grid_rows": n_resp if sample is None else int(sample.numel()), "rows": n_resp,
                   "hint_layers": args.hint_layers,
                   "hinted_sites": hinted, "widths": widths, "today_bytes_per_token": today},
         "checks": checks,
@@ -908,7 +1000,9 @@ def plot(r: dict, path: Path) -> None:
     a.set_xscale("log")
     a.set_yscale("log")
     a.set_xlim(3, 1.35 * today)
-    a.set_xlabel(f"bytes per token ({len(r['store']['hinted_sites'])} hinted sites of width 256)")
+    widths = sorted(set(r["store"]["widths"].values()))
+    a.set_xlabel(f"bytes per token ({len(r['store']['hinted_sites'])} hinted sites of width "
+                 f"{'/'.join(map(str, widths))})")
     a.set_ylabel("value mismatch rate (code or scale differs)")
     a.legend(fontsize=6, loc="lower left")
     a.set_title("offline grid (lines, dots) and real recompute passes (x)", fontsize=9)
@@ -937,8 +1031,9 @@ def plot(r: dict, path: Path) -> None:
     b.set_ylabel("excess mean |dlogp| over the floor (< 0: below it)")
     b.legend(fontsize=6, loc="upper right")
     b.set_title("excess of real recompute passes", fontsize=9)
-    fig.suptitle(f"Margin exceptions on the CPU demo store, hinted layers: {r['store']['hint_layers']} "
-                 "(issue 23, stage 1)", fontsize=10)
+    label = CONFIGS.get(r.get("setup", "demo"), CONFIGS["demo"])["label"]
+    fig.suptitle(f"Margin exceptions on {label}, hinted layers: {r['store']['hint_layers']}, "
+                 f"{r['store']['response_tokens']} response tokens (issue 23)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
