@@ -175,6 +175,9 @@ def main(argv=None) -> int:
             best = result["planner"]["budget"]["best"]
             entry["goal_met"] = bool(best is not None and best["excess_vs_rne"] is not None
                                      and best["excess_vs_rne"] <= GOAL_RATIO)
+            lsb = result["planner"]["budget"]["best_by_encoding"]["lsb"]
+            entry["goal_met_with_scale_hints"] = bool(lsb is not None and lsb["excess_vs_rne"] is not None
+                                                      and lsb["excess_vs_rne"] <= GOAL_RATIO)
             if args.html_dir:
                 os.makedirs(args.html_dir, exist_ok=True)
                 entry["html"] = os.path.join(args.html_dir, f"audit-{name}-{cov.replace('/', '-')}.html")
@@ -215,6 +218,10 @@ def print_coverage(cov: str, e: dict) -> None:
         print(f"best at <= {p['budget']['bytes_per_token']} B/token: k={best['k']}, {best['bytes_per_token']} B/token, "
               f"{best['excess_vs_rne']:.2f}x RNE's excess (goal <= {GOAL_RATIO:.2f}x: "
               f"{'met' if e['goal_met'] else 'missed'})")
+    lsb = p["budget"].get("best_by_encoding", {}).get("lsb")
+    if lsb is not None:
+        print(f"  with scale hints: k={lsb['k']}, {lsb['bytes_per_token_by_encoding']['lsb']} B/token, "
+              f"{lsb['excess_vs_rne']:.2f}x RNE's excess (measured with scale bytes)")
 
 
 if __name__ == "__main__":

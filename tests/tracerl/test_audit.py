@@ -238,6 +238,9 @@ def test_planner_curve_is_measured(audited):
             assert c["mean_abs_dlogp"] == pytest.approx(modes["fp4_hints"]["mean_abs_dlogp"], rel=1e-12)
     best = p["budget"]["best"]
     assert best["bytes_per_token"] <= p["budget"]["bytes_per_token"] == 7680
+    assert p["budget"]["best_by_encoding"]["bytes"] == best
+    lsb = p["budget"]["best_by_encoding"]["lsb"]
+    assert lsb["bytes_per_token_by_encoding"]["lsb"] <= 7680 and lsb["excess"] <= best["excess"]
 
 
 def test_target_excess_site_table_round_trips(audited, tmp_path):

@@ -76,6 +76,13 @@ def test_rank_and_choose():
     assert plan_for_target(curve, 1.0)["k"] == 1 and plan_for_target(curve, 0.55)["k"] == 2
     assert plan_for_target(curve, 5)["k"] == 0 and plan_for_target(curve, 0.1) is None
     assert best_under_budget(curve, 300)["k"] == 2 and best_under_budget(curve, 100)["k"] == 1
+    # priced with scale hints, a point over the budget in bytes fits under it
+    priced = [dict(c, bytes_per_token_by_encoding={"bytes": c["bytes_per_token"], "lsb": c["bytes_per_token"] * 2 // 3})
+              for c in curve]
+    assert best_under_budget(priced, 150)["k"] == 1 and best_under_budget(priced, 150, "lsb")["k"] == 2
+    assert best_under_budget(priced, 10, "lsb")["k"] == 0
+    with pytest.raises(ConfigError, match="'margin'"):
+        best_under_budget(priced, 150, "margin")
 
 
 def test_hint_sites_from_table():

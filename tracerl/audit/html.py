@@ -225,6 +225,11 @@ def _sections(result: Mapping[str, Any], plt) -> list[str]:
         note = (f"best measured at <= {p['budget']['bytes_per_token']:,} B/token: k={best['k']}, "
                 f"{best['bytes_per_token']:,} B/token, excess {fmt(best['excess'])} "
                 f"({fmt(best['excess_vs_rne'], 'x')} round-to-nearest's). " if best else "")
+        lsb = p["budget"].get("best_by_encoding", {}).get("lsb")
+        if lsb is not None and (best is None or lsb["k"] != best["k"]):
+            note += (f"With scale hints (one LSB per block instead of the E4M3 byte): k={lsb['k']}, "
+                     f"{ap.point_bytes(lsb, 'lsb'):,} B/token, excess {fmt(lsb['excess'])} "
+                     f"({fmt(lsb['excess_vs_rne'], 'x')} round-to-nearest's, measured with the scale bytes). ")
         sc = p["store_coverage"]
         rr = sc["with_routing_replay"]
         note += (f"The store's coverage ({sc['bytes_per_token']:,} B/token) leaves {fmt(sc['excess_vs_rne'], 'x')} "

@@ -266,10 +266,21 @@ def plan_for_target(curve: Sequence[Mapping], target_excess: float) -> Mapping |
     return min(ok, key=lambda p: (p["bytes_per_token"], p["excess"])) if ok else None
 
 
-def best_under_budget(curve: Sequence[Mapping], bytes_per_token: int) -> Mapping | None:
-    """The measured point with the lowest excess among those of at most ``bytes_per_token``."""
-    ok = [p for p in curve if p["bytes_per_token"] <= bytes_per_token]
-    return min(ok, key=lambda p: (p["excess"], p["bytes_per_token"])) if ok else None
+def point_bytes(point: Mapping, encoding: str = "bytes") -> int:
+    """A curve point's bytes per token with its sites stored in scale ``encoding`` (`SCALE_ENCODINGS`; a point
+    without a per-encoding price is priced as ``bytes``). Raises `ConfigError` for an unknown encoding."""
+    if encoding not in SCALE_ENCODINGS:
+        raise ConfigError(f"scale encoding {encoding!r}: must be one of {', '.join(SCALE_ENCODINGS)}")
+    return point.get("bytes_per_token_by_encoding", {}).get(encoding, point["bytes_per_token"])
+
+
+def best_under_budget(curve: Sequence[Mapping], bytes_per_token: int, encoding: str = "bytes") -> Mapping | None:
+    """The measured point with the lowest excess among those of at most ``bytes_per_token`` when its sites are
+    stored in scale ``encoding`` (``lsb``: scale hints, 1/8 of the scale bytes; the excess is the one measured
+    with the rollout's scale bytes, which scale hints reproduce where the trainer's block scale is within half an
+    E4M3 step of the rollout's). Raises `ConfigError` for an unknown encoding."""
+    ok = [p for p in curve if point_bytes(p, encoding) <= bytes_per_token]
+    return min(ok, key=lambda p: (p["excess"], point_bytes(p, encoding))) if ok else None
 
 
 def site_table(sites: Sequence[str], plan: SitePlan, store_model: Mapping[str, Any], *, moe_layers: Sequence[str],

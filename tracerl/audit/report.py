@@ -138,6 +138,10 @@ def planner_table(result: Mapping[str, Any]):
         caption += (f"Best measured at <= {p['budget']['bytes_per_token']:,} B/token: k={best['k']}, "
                     f"{best['bytes_per_token']:,} B/token, excess {fmt(best['excess'])} "
                     f"({fmt(best['excess_vs_rne'], 'x')} RNE's). ")
+    lsb = p["budget"].get("best_by_encoding", {}).get("lsb")
+    if lsb is not None and (best is None or lsb["k"] != best["k"]):
+        caption += (f"With scale hints (lsb): k={lsb['k']}, {ap.point_bytes(lsb, 'lsb'):,} B/token, excess "
+                    f"{fmt(lsb['excess'])} ({fmt(lsb['excess_vs_rne'], 'x')} RNE's, measured with scale bytes). ")
     t = p.get("target")
     if t is not None:
         caption += (f"Target excess {t['target_excess']:g}: " +
