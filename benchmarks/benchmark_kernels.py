@@ -16,6 +16,7 @@ Bytes counted (n values, E bytes per input value, B block size):
   quantize_fake    : read nE, write nE (y) + n/2 + n/8 + n/B          (the rollout's capture, one pass)
   capture_unfused  : quantize + fake_quant_rtn, two kernels            (what the rollout ran before)
   fake_quant       : read nE + n/B + n/8, write nE                    (hint-guided, the trainer)
+  fake_quant_lsb   : read nE + n/128 + n/8, write nE + n/16           (NVFP4, scale hints: bytes rebuilt in the pass)
   fake_quant_rtn   : read nE, write nE                                (round to nearest, own scales)
   dequantize       : read n/2 + n/B, write nE
   fake_quant_bwd   : read 2nE + n/B, write nE                         (ste="clip"; "identity" moves no bytes)
@@ -49,8 +50,9 @@ from tracefp4 import reference as ref  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 BLOCK = {"nvfp4": 16, "mxfp4": 32}
-OPS = ["copy", "quantize", "quantize_no_hints", "quantize_fake", "capture_unfused", "fake_quant", "fake_quant_rtn",
-       "dequantize", "fake_quant_bwd"]
+OPS = ["copy", "quantize", "quantize_no_hints", "quantize_fake", "capture_unfused", "fake_quant", "fake_quant_lsb",
+       "fake_quant_rtn", "dequantize", "fake_quant_bwd"]
+NVFP4_ONLY = ("fake_quant_lsb",)
 #: the configuration sweep of the forward kernels: (blocks per program, num_warps, programs per SM; 0 = one
 #: program per tile, 32 = as many as fit[, register cap]); the backward kernel: (blocks per program, num_warps)
 SWEEP = [(128, 4, 0), (64, 2, 0), (128, 4, 32), (64, 2, 32), (128, 4, 8), (64, 2, 8), (256, 8, 32), (128, 4, 32, 40)]
@@ -61,7 +63,7 @@ SMOKE_SWEEP = [(8, 1, 0), (8, 1, 2)]
 SWEEP_ROWS = [("rows", 128, 4, 0), ("rows", 256, 8, 0), ("rows", 512, 4, 0), ("rows", 1024, 8, 0),
               ("rows", 256, 4, 32), ("rows", 512, 8, 32), ("rows", 1024, 8, 8)]
 SMOKE_SWEEP_ROWS = [("rows", 16, 1, 0), ("rows", 32, 1, 2)]
-ROWS_OPS = ("fake_quant", "fake_quant_rtn", "dequantize", "quantize", "quantize_no_hints", "quantize_fake")
+ROWS_OPS = ("fake_quant", "fake_quant_lsb", "fake_quant_rtn", "dequantize", "quantize", "quantize_no_hints", "quantize_fake")
 ROWS_NO_FP32 = ("quantize", "quantize_no_hints", "quantize_fake")  # a row of 4 fp32 values is half a code word
 
 
@@ -72,7 +74,7 @@ def takes_rows(op: str, dtype_name: str) -> bool:
 ROWS_CHECK = ("rows", 512, 8, 32)
 #: kernel -> the CONFIG key whose default it runs
 CONFIG_KEY = {"quantize": "quantize", "quantize_no_hints": "quantize", "quantize_fake": "quantize_fake",
-              "fake_quant": "fake_quant", "fake_quant_rtn": "fake_quant_rtn", "dequantize": "dequantize",
+              "fake_quant": "fake_quant", "fake_quant_lsb": "fake_quant", "fake_quant_rtn": "fake_quant_rtn", "dequantize": "dequantize",
               "fake_quant_bwd": "fake_quant_bwd"}
 
 
@@ -195,6 +197,15 @@ def exactness(x, fmt: str, g, tk) -> dict:
         ref.fake_quantize_blocks_ref(xn, fmt, g, sr, None))
     out["dequantize_rows"] = mismatches(tk.dequantize_blocks_triton(cr, sr, fmt, g, x.dtype, config=rc),
                                         ref.dequantize_blocks_ref(tracefp4.unpack_codes(cr), sr, fmt, g, x.dtype))
+    if fmt == "nvfp4":  # scale hints (random LSBs: both neighbours of each block's t), both layouts
+        nbr = x.shape[-1] // b
+        lsb = torch.randint(0, 256, (x.shape[0], -(-nbr // 8)), dtype=torch.uint8, device=x.device)
+        sl = ref.nvfp4_lsb_scales_ref(xn.float(), g, tracefp4.unpack_hints(lsb)[:, :nbr].reshape(-1))
+        want = ref.fake_quantize_blocks_ref(xn, fmt, g, sl, hb)
+        for name, c in (("fake_quant_lsb", None), ("fake_quant_lsb_rows", rc)):
+            yl, sl_t = tk.fake_quantize_blocks_triton(xn, fmt, g, None, hr, scale_lsb=lsb, lsb_blocks_per_row=nbr,
+                                                      config=c)
+            out[name] = mismatches(yl, want) + mismatches(sl_t, sl)
     grad = torch.randn(xn.shape, device=x.device).to(x.dtype)
     out["fake_quant_bwd"] = mismatches(tk.fake_quantize_bwd_blocks_triton(grad, xn, fmt, g, sr),
                                        ref.fake_quantize_bwd_blocks_ref(grad, xn, fmt, g, sr))
@@ -250,6 +261,7 @@ def op_bytes(n: int, e: int, b: int) -> dict:
     return {
         "copy": 2 * n * e, "quantize": q, "quantize_no_hints": n * e + n // 2 + n // b,
         "quantize_fake": q + n * e, "capture_unfused": q + 2 * n * e, "fake_quant": 2 * n * e + n // b + n // 8,
+        "fake_quant_lsb": 2 * n * e + n // 128 + n // 8 + n // 16,
         "fake_quant_rtn": 2 * n * e, "dequantize": n // 2 + n // b + n * e, "fake_quant_bwd": 3 * n * e + n // b,
     }
 
@@ -275,7 +287,13 @@ def make_ops(x, fmt: str, g, tk) -> dict:
         tk.quantize_blocks_triton(xb, fmt, g, config=c)
         tk.fake_quantize_blocks_triton(xb, fmt, g, None, None, config=c)
 
-    return {
+    nvfp4 = {}
+    if fmt == "nvfp4":  # scale hints: one LSB per block (the rollout's), the bytes rebuilt from xn in the pass
+        nbr = x.shape[-1] // b
+        lsb = tracefp4.pack_hints((scales.view(-1, nbr) & 1))
+        nvfp4["fake_quant_lsb"] = (lambda c: tk.fake_quantize_blocks_triton(
+            xn, fmt, g, None, hints, scale_lsb=lsb, lsb_blocks_per_row=nbr, config=c), "fwd")
+    return nvfp4 | {
         "quantize": (lambda c: tk.quantize_blocks_triton(xb, fmt, g, config=c), "fwd"),
         "quantize_no_hints": (lambda c: tk.quantize_blocks_triton(xb, fmt, g, emit_hints=False, config=c), "fwd"),
         "quantize_fake": (lambda c: tk.quantize_fake_blocks_triton(xb, fmt, g, config=c), "fwd"),
@@ -338,6 +356,9 @@ def run_case(hidden, dtype_name, fmt, args, device, cuda, sweep, tk, log) -> dic
                            "fraction_of_copy": round(d[best]["gbps_median"] / copy_gbps, 3)}
     dq, dn = res["default"]["quantize"]["ms_median"], res["default"]["quantize_no_hints"]["ms_median"]
     res["hint_cost_pct_default"] = round(100 * (dq / dn - 1), 2)
+    if "fake_quant_lsb" in res["default"]:  # the trainer's decode of scale hints, fused, over given scale bytes
+        res["scale_hint_decode_cost_pct_default"] = round(
+            100 * (res["default"]["fake_quant_lsb"]["ms_median"] / res["default"]["fake_quant"]["ms_median"] - 1), 2)
     res["capture_fused_vs_unfused_time"] = round(res["default"]["quantize_fake"]["ms_median"]
                                                  / res["default"]["capture_unfused"]["ms_median"], 3)
     if cuda:
@@ -443,7 +464,8 @@ def main() -> None:
     summary = {
         "all_bit_exact": all(r["bit_exact"] for r in results),
         "worst_fraction_of_copy_default": {
-            op: min(r["fraction_of_copy_default"][op] for r in results) for op in OPS if op != "copy"},
+            op: min(r["fraction_of_copy_default"][op] for r in results if op in r["fraction_of_copy_default"])
+            for op in OPS if op != "copy"},
         "worst_hint_cost_pct_default": max(r["hint_cost_pct_default"] for r in results),
     }
     out = {**meta, "summary": summary, "results": results}
@@ -455,7 +477,12 @@ def main() -> None:
         log(f"{r['dtype']} {r['fmt']} h{r['hidden']}: copy {r['default']['copy']['gbps_median']} GB/s, "
             f"hint cost {r['hint_cost_pct_default']}%, fused capture {r['capture_fused_vs_unfused_time']}x the "
             f"unfused time, bit-exact {r['bit_exact']}")
+        if "scale_hint_decode_cost_pct_default" in r:
+            log(f"   (scale hints decoded in the pass: {r['scale_hint_decode_cost_pct_default']:+.2f}% of the time of "
+                f"fake_quant with the bytes given)")
         for op in OPS[1:]:
+            if op not in r["default"]:
+                continue
             d = r["default"][op]
             best = r["best"].get(op)
             extra = f"   best {best['config']} {100 * best['fraction_of_copy']:.1f}%" if best else ""

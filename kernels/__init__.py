@@ -7,6 +7,7 @@ Public API (see `tracefp4.api` and NUMERICS.md for formulas and byte layouts)::
     y = tracefp4.dequantize(q, dtype=torch.bfloat16)
     y = tracefp4.fake_quantize(x, fmt="nvfp4", global_scale=g, scales=s, hints=h)  # hint-guided, STE backward
     y, q = tracefp4.quantize_fake(x, fmt="nvfp4", global_scale=g)   # the rollout's capture: RTN y + q, one pass
+    y, s = tracefp4.fake_quantize_lsb(x, g, scale_lsb, hints=h)      # scale hints: bytes from x + stored LSBs
     tracefp4.pack_hints / unpack_hints / pack_codes / unpack_codes / hints_from_codes
 
 `tracefp4.reference` is the pure-torch definition (no Triton needed); `tracefp4.triton_kernels` is imported
@@ -20,7 +21,8 @@ from typing import Any
 # (format constants, for code that must not load torch, such as a command line checking its arguments) loads
 # nothing heavy.
 _EXPORTS = {
-    "api": ("QuantizedFP4", "quantize", "dequantize", "fake_quantize", "fake_quantize_matrices", "quantize_fake",
+    "api": ("QuantizedFP4", "quantize", "dequantize", "fake_quantize", "fake_quantize_lsb", "fake_quantize_matrices",
+            "quantize_fake",
             "compute_global_scale",
             "resolve_backend"),
     "packing": ("pack_codes", "unpack_codes", "pack_hints", "unpack_hints", "hints_from_codes"),

@@ -337,6 +337,77 @@ def fake_quantize(
     return _FakeQuantizeFn.apply(x.contiguous(), g, scales, hints, fmt, be, scale_rule, ste)
 
 
+class _FakeQuantizeLsbFn(torch.autograd.Function):
+    """Forward: NVFP4 fake quantization with scale hints (the scale bytes from x's own block amax and the stored
+    LSBs), hint-guided or round to nearest. Backward: straight-through, as `fake_quantize`."""
+
+    @staticmethod
+    def forward(ctx, x, g, lsb_u8, hints_u8, backend, ste):
+        block = BLOCK_SIZES["nvfp4"]
+        rows, w = x.reshape(-1, x.shape[-1]).shape
+        nbr = w // block
+        xb = x.reshape(-1, block)  # [NB, 16]
+        if backend == "triton":
+            hb = None if hints_u8 is None else hints_u8.reshape(-1, block // HINTS_PER_BYTE)
+            out, sb = _triton().fake_quantize_blocks_triton(xb, "nvfp4", g, None, hb, scale_lsb=lsb_u8.reshape(rows, -1),
+                                                            lsb_blocks_per_row=nbr)
+        else:
+            bits = unpack_hints(lsb_u8.reshape(rows, -1))[:, :nbr].reshape(-1)  # [NB]
+            sb = ref.nvfp4_lsb_scales_ref(xb.float(), g, bits)
+            hb = None if hints_u8 is None else unpack_hints(hints_u8.reshape(-1, block // HINTS_PER_BYTE))
+            out = ref.fake_quantize_blocks_ref(xb, "nvfp4", g, sb, hb)
+        ctx.ste, ctx.fmt, ctx.backend = ste, "nvfp4", backend
+        if ste == "clip":
+            ctx.save_for_backward(x, g, sb)
+        scales = sb.reshape(*x.shape[:-1], nbr)
+        ctx.mark_non_differentiable(scales)
+        return out.reshape(x.shape), scales
+
+    @staticmethod
+    def backward(ctx, grad_out, _gs):
+        return _ste_backward(ctx, grad_out), None, None, None, None, None
+
+
+def fake_quantize_lsb(
+    x: torch.Tensor,
+    global_scale: torch.Tensor | float,
+    scale_lsb: torch.Tensor,
+    hints: torch.Tensor | None = None,
+    backend: str = "auto",
+    *,
+    ste: str = "identity",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 fake quantization of x [..., D] with *scale hints* instead of scale bytes (NUMERICS §11): each
+    block's E4M3 byte is the one of the two around x's own ``t = clamp((amax / 6) / g, 2^-9, 448)`` whose LSB
+    ``scale_lsb`` stores; then hint-guided rounding with ``hints`` (uint8 [..., D/8]), or round to nearest
+    (None), exactly as `fake_quantize` with those bytes. One pass over x on the Triton backend.
+
+    ``global_scale``: the rollout's fp32 g (positive finite number or one-element tensor); ``scale_lsb``: uint8
+    [..., ceil(D/16/8)], bit b (LSB first) of a row is block b's LSB. Returns ``(y, scales)``: y [..., D] in
+    x.dtype (differentiable, straight-through backward, ``ste`` as in `fake_quantize`) and the E4M3 bytes used,
+    uint8 [..., D/16] (in [1, 126]).
+
+    Raises `DTypeError` (x not bf16/fp16/fp32, aux tensors not 1-byte), `ShapeError` (D not a multiple of 16,
+    aux shapes), `FormatError` (bad global scale or ste)."""
+    block = _check_x(x, "nvfp4")
+    if ste not in STE_MODES:
+        raise FormatError(f"ste must be one of {STE_MODES}; got {ste!r}")
+    if global_scale is None:
+        raise FormatError("scale hints need the rollout's global_scale; got None")
+    g = _global_scale(global_scale, "nvfp4", x.device, x)
+    nbr = x.shape[-1] // block
+    lsb = _as_u8(scale_lsb, "scale_lsb")
+    want = (*x.shape[:-1], -(-nbr // HINTS_PER_BYTE))
+    if tuple(lsb.shape) != want:
+        raise ShapeError(f"scale_lsb must have shape {want} (ceil({nbr} blocks / 8) bytes per row) for x of shape "
+                         f"{tuple(x.shape)}; got {tuple(lsb.shape)}")
+    lsb = lsb.to(x.device)
+    if hints is not None:
+        hints = _check_aux(hints, "hints", x.shape, HINTS_PER_BYTE).to(x.device)
+    be = resolve_backend(backend, x.device)
+    return _FakeQuantizeLsbFn.apply(x.contiguous(), g, lsb.contiguous(), hints, be, ste)
+
+
 class _QuantizeFakeFn(torch.autograd.Function):
     """Forward: `quantize` and round-to-nearest `fake_quantize` of x in one pass (Triton) or from one set of
     scales (reference). Backward of the fake-quantized output: straight-through, as `fake_quantize`."""

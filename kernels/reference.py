@@ -71,6 +71,8 @@ __all__ = [
     "e2m1_value",
     "input_signbit",
     "quantize_blocks_ref",
+    "nvfp4_lsb_scales_ref",
+    "e4m3_floor_byte",
     "dequantize_blocks_ref",
     "fake_quantize_blocks_ref",
     "fake_quantize_bwd_blocks_ref",
@@ -212,6 +214,27 @@ def nvfp4_scales_ref(xb_f32: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     t = div_rn(div_rn(amax, E2M1_MAX), g)
     t = torch.clamp(t, min=E4M3_MIN_SCALE, max=E4M3_MAX)
     return e4m3_encode(t)
+
+
+def e4m3_floor_byte(t: torch.Tensor) -> torch.Tensor:
+    """The E4M3 byte (int32) of the largest E4M3 value <= t, for fp32 t in [2^-9, 448]: ``floor(w(t))`` of the
+    byte position w (the byte where t is an E4M3 value, linear between neighbours). Exact integer arithmetic on
+    t's bits: ``((exponent - 120) << 3) | top 3 mantissa bits`` from 2^-6 up, ``floor(512 t)`` below."""
+    bits = t.view(torch.int32)
+    normal = (((bits >> 23) - 120) << 3) | ((bits >> 20) & 7)
+    sub = (t * 512.0).to(torch.int32)  # exact: t * 2^9 in [1, 8), truncated
+    return torch.where(t >= E4M3_MIN_NORMAL, normal, sub)
+
+
+def nvfp4_lsb_scales_ref(xb_f32: torch.Tensor, g: torch.Tensor, lsb: torch.Tensor) -> torch.Tensor:
+    """Scale hints: E4M3 block-scale bytes [NB] (uint8) of fp32 blocks [NB, 16] from each block's own
+    ``t = clamp((amax_b / 6) / g, 2^-9, 448)`` and a stored bit ``lsb`` [NB] (0/1 integers, the LSB of the
+    rollout's byte): of the two bytes ``b = min(floor(w(t)), 125)`` and ``b + 1`` around t, the one whose LSB is
+    ``lsb`` (NUMERICS §11). Bytes are in [1, 126]."""
+    amax = _finite_abs(xb_f32).amax(dim=-1)  # [NB]
+    t = torch.clamp(div_rn(div_rn(amax, E2M1_MAX), g), min=E4M3_MIN_SCALE, max=E4M3_MAX)
+    b = torch.clamp(e4m3_floor_byte(t), max=125)
+    return torch.where((b & 1) == (lsb.to(torch.int32) & 1), b, b + 1).to(torch.uint8)
 
 
 def mxfp4_exponents_ref(xb_f32: torch.Tensor, scale_rule: str = "floor") -> torch.Tensor:

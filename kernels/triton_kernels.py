@@ -314,6 +314,20 @@ def _nv_own_scale(q, g, inv_g):
 
 
 @triton.jit
+def _lsb_scale_byte(q, g, lsb):
+    """Scale hints (NVFP4): the E4M3 byte (int32, in [1, 126]) of each block from q = RN(amax / 6) and the stored
+    bit ``lsb`` (int32 0/1): t = clamp(q / g, 2^-9, 448); of b = min(floor(w(t)), 125) and b + 1, the one whose LSB
+    is ``lsb``. floor(w(t)) on t's bits: ((exponent - 120) << 3) | top 3 mantissa bits from 2^-6 up, floor(512 t)
+    below (`reference.e4m3_floor_byte`)."""
+    t = tl.maximum(tl.minimum(tl.math.div_rn(q, g), 448.0), 0.001953125)
+    bits = t.to(tl.int32, bitcast=True)
+    normal = (((bits >> 23) - 120) << 3) | ((bits >> 20) & 7)
+    sub = (t * 512.0).to(tl.int32)  # exact, truncated: t * 2^9 in [1, 8)
+    b = tl.minimum(tl.where(t >= 0.015625, normal, sub), 125)
+    return tl.where((b & 1) == lsb, b, b + 1)
+
+
+@triton.jit
 def _pow2(n):
     """Exact fp32 2^n for int32 n in [-127, 127]."""
     bits = tl.where(n >= -126, (n + 127) << 23, 4194304)
@@ -676,16 +690,34 @@ def _fake_quant_pieces(xs, blk, bmask, out_ptr, s2, r2, g, flip, hb, P: tl.const
 
 
 @triton.jit
-def _fake_quant_tile(xs, blk, bmask, out_ptr, scales_ptr, hints_ptr, scales_out_ptr, g, inv_g,
+def _fake_quant_tile(xs, blk, bmask, out_ptr, scales_ptr, hints_ptr, scales_out_ptr, g, inv_g, LSB_NBR,
                      P: tl.constexpr, K: tl.constexpr, KIND: tl.constexpr, IS_NV: tl.constexpr,
                      RCEIL: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_HINTS: tl.constexpr,
-                     STORE_SCALES: tl.constexpr, GPU: tl.constexpr, G_PER: tl.constexpr, RB: tl.constexpr):
+                     STORE_SCALES: tl.constexpr, GPU: tl.constexpr, G_PER: tl.constexpr, RB: tl.constexpr,
+                     SCALE_LSB: tl.constexpr):
     """One tile of fake quantization; g, inv_g: fp32 scalars, or [BN] vectors (one per block, or row) with G_PER.
-    RB > 1: the row layout (P = 1: blk are rows, RB rows per block; hints_ptr the uint8 hint bytes)."""
+    RB > 1: the row layout (P = 1: blk are rows, RB rows per block; hints_ptr the uint8 hint bytes). SCALE_LSB
+    (NVFP4): scales_ptr holds scale hints, rows of ceil(LSB_NBR / 8) bytes (LSB_NBR blocks per row); each block's
+    byte comes from its own amax and its bit (`_lsb_scale_byte`)."""
     if HAS_SCALES:
         sidx = blk if RB == 1 else blk // RB  # the row layout: a block's RB rows read its byte RB times (L1)
         s, r, flip = _given_scale(tl.load(scales_ptr + sidx, mask=bmask, other=0).to(tl.int32), inv_g, IS_NV)
         flip = flip[:, None]
+    elif SCALE_LSB:
+        bi = blk if RB == 1 else blk // RB
+        row = bi // LSB_NBR
+        j = bi - row * LSB_NBR
+        byte = tl.load(scales_ptr + row * ((LSB_NBR + 7) // 8) + j // 8, mask=bmask, other=0).to(tl.int32)
+        _, q = _block_amax_q(xs, P, KIND, IS_NV, GPU, RB)
+        sbyte = _lsb_scale_byte(q, g, (byte >> (j % 8)) & 1)
+        s = _e4m3_decode(sbyte)
+        r = tl.math.div_rn(inv_g, s)
+        flip = 0
+        if STORE_SCALES:
+            if RB == 1:
+                tl.store(scales_out_ptr + blk, sbyte.to(tl.uint8), mask=bmask)
+            else:
+                tl.store(scales_out_ptr + blk // RB, sbyte.to(tl.uint8), mask=bmask & (blk % RB == 0))
     else:  # the row layout: the block amax over its RB rows (threads)
         sbyte, s, r = _own_scale(xs, g, inv_g, P, KIND, IS_NV, RCEIL, GPU, RB)  # s > 0
         flip = 0
@@ -755,10 +787,11 @@ def _quantize_kernel(
 
 @triton.jit(do_not_specialize=["NB", "n_iter"])
 def _fake_quant_kernel(
-    x_ptr, out_ptr, scales_ptr, hints_ptr, g_ptr, scales_out_ptr, NB, n_iter, G_BLOCKS,
+    x_ptr, out_ptr, scales_ptr, hints_ptr, g_ptr, scales_out_ptr, NB, n_iter, G_BLOCKS, LSB_NBR,
     P: tl.constexpr, K: tl.constexpr, KIND: tl.constexpr, BN: tl.constexpr, IS_NV: tl.constexpr,
     RCEIL: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_HINTS: tl.constexpr, STORE_SCALES: tl.constexpr,
     BIG: tl.constexpr, PERSIST: tl.constexpr, GPU: tl.constexpr, G_PER: tl.constexpr, RB: tl.constexpr,
+    SCALE_LSB: tl.constexpr = False,
 ):
     # G_PER: one global scale per G_BLOCKS consecutive blocks (a stack of matrices, each with its own g: block i
     # takes g_ptr[i // G_BLOCKS]); else one g for the launch. RB > 1: the row layout (NB rows, RB per block).
@@ -771,8 +804,8 @@ def _fake_quant_kernel(
         if G_PER:
             g = tl.load(g_ptr + (blk if RB == 1 else blk // RB) // G_BLOCKS, mask=bmask, other=1.0)  # [BN]
             inv_g = tl.math.div_rn(1.0, g)
-        _fake_quant_tile(xs, blk, bmask, out_ptr, scales_ptr, hints_ptr, scales_out_ptr, g, inv_g,
-                         P, K, KIND, IS_NV, RCEIL, HAS_SCALES, HAS_HINTS, STORE_SCALES, GPU, G_PER, RB)
+        _fake_quant_tile(xs, blk, bmask, out_ptr, scales_ptr, hints_ptr, scales_out_ptr, g, inv_g, LSB_NBR,
+                         P, K, KIND, IS_NV, RCEIL, HAS_SCALES, HAS_HINTS, STORE_SCALES, GPU, G_PER, RB, SCALE_LSB)
         if PERSIST:
             xs, blk, bmask = nxs, nblk, nmask
 
@@ -1107,11 +1140,15 @@ def quantize_fake_blocks_triton(
 def fake_quantize_blocks_triton(
     xb: torch.Tensor, fmt: str, g: torch.Tensor | None, scales_u8: torch.Tensor | None,
     hints_packed: torch.Tensor | None, scale_rule: str = "floor", return_scales: bool = False,
-    config: tuple | None = None,
+    config: tuple | None = None, scale_lsb: torch.Tensor | None = None, lsb_blocks_per_row: int = 0,
 ):
     """Triton twin of `reference.fake_quantize_blocks_ref` with packed hints [NB, B/8].
     Returns (out [NB, B], scale bytes [NB] used, or None when own scales were not asked for). config: as for
     `quantize_blocks_triton`, or None for `default_config` of "fake_quant" (scales given) / "fake_quant_rtn".
+
+    ``scale_lsb`` (NVFP4, with ``scales_u8=None``): scale hints, uint8 [R, ceil(lsb_blocks_per_row / 8)] for the
+    NB = R * lsb_blocks_per_row blocks (`reference.nvfp4_lsb_scales_ref` per block); the scale bytes it gives are
+    returned (always). Takes the configuration of "fake_quant" (as with given scales).
 
     NVFP4 ``g``: a 0-d (or one-element) fp32 tensor, or a 1-D fp32 tensor of M > 1 global scales, one per NB / M
     consecutive blocks (M must divide NB: a stack of M matrices of NB / M blocks each)."""
@@ -1125,10 +1162,16 @@ def fake_quantize_blocks_triton(
         g_blocks = nb // g.numel()
     out = torch.empty_like(xb)
     has_scales = scales_u8 is not None
-    store_scales = (not has_scales) and return_scales
+    lsb = scale_lsb is not None
+    if lsb and (has_scales or fmt != "nvfp4" or lsb_blocks_per_row < 1 or nb % lsb_blocks_per_row
+                or scale_lsb.numel() != nb // lsb_blocks_per_row * -(-lsb_blocks_per_row // 8)):
+        raise ShapeError(f"scale hints need nvfp4, no scale bytes and {nb} blocks in rows of {lsb_blocks_per_row} "
+                         f"(ceil(blocks / 8) bytes each); got {fmt}, scales {'given' if has_scales else 'None'}, "
+                         f"{scale_lsb.numel()} hint bytes")
+    store_scales = (not has_scales) and (return_scales or lsb)
     scales_out = torch.empty((nb,), dtype=torch.uint8, device=dev) if store_scales else None
     if nb:
-        key = "fake_quant" if has_scales else "fake_quant_rtn"
+        key = "fake_quant" if has_scales or lsb else "fake_quant_rtn"
         cfg = config or default_config(key, xb.dtype, fmt)
         bn, warps, per_sm, opts = _fwd_cfg(cfg, key, xb.dtype, fmt)
         xv, p, k, kind = _layout(xb)
@@ -1139,7 +1182,7 @@ def fake_quantize_blocks_triton(
         rb = p if rows else 1
         consts = dict(P=1 if rows else p, K=k, KIND=kind, BN=bn, IS_NV=fmt == "nvfp4", RCEIL=scale_rule == "rceil",
                       HAS_SCALES=has_scales, HAS_HINTS=hints_packed is not None, STORE_SCALES=store_scales,
-                      BIG=_big(xb), GPU=not _interpreting(), G_PER=g_blocks > 0, RB=rb)
+                      BIG=_big(xb), GPU=not _interpreting(), G_PER=g_blocks > 0, RB=rb, SCALE_LSB=lsb)
         rkey = ("fake_quant", *consts.values(), warps, *opts.values())
         progs, n_iter, persist = _grid(nb * rb, bn, per_sm, dev, rkey)
         dummy = torch.empty((1,), dtype=torch.int32, device=dev)
@@ -1150,11 +1193,12 @@ def fake_quantize_blocks_triton(
                 hints_arg = _per_block_view(hints_arg.view(nb, b // 8), b // 8)
         compiled = _fake_quant_kernel[(progs,)](
             xv, out.view(torch.int32) if kind == 0 else out,
-            scales_u8.contiguous() if has_scales else dummy,
+            scales_u8.contiguous() if has_scales else (scale_lsb.contiguous().reshape(-1) if lsb else dummy),
             hints_arg,
             _g_arg(g, fmt, dev, dummy),
             scales_out if store_scales else dummy,
-            nb * rb, _loop_count(n_iter), max(g_blocks, 1), PERSIST=persist, num_warps=warps, **consts, **opts,
+            nb * rb, _loop_count(n_iter), max(g_blocks, 1), max(lsb_blocks_per_row, 1), PERSIST=persist,
+            num_warps=warps, **consts, **opts,
         )
         _note_residency(rkey, compiled, warps)
     return out, (scales_u8 if has_scales else scales_out)

@@ -145,9 +145,38 @@ def test_set_scale_encodings_checks_before_changing_anything():
         rt.set_scale_encodings({moe_input_site(0): "bits"})
     with pytest.raises(ConfigError, match="not hinted by the plan"):
         rt.set_scale_encodings({"model.layers.0.nothing": "lsb"}, decoder=reconstruct_scales)
-    with pytest.raises(ConfigError, match="need decoder="):
-        rt.set_scale_encodings({moe_input_site(0): "lsb"})
     assert rt.scale_encodings == {}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_fused_kernel_is_this_rule(dtype):
+    """`tracefp4.fake_quantize_lsb` (what the runtime runs; its reference backend, which tests/kernels holds the
+    Triton kernel to bit for bit) picks `reconstruct_scales`' bytes and gives `fake_quantize_scale_hints`' output
+    bit for bit, for the trainer's own (perturbed) activations; the runtime's fused path equals its two-pass
+    decoder path."""
+    backend = "reference"
+    x_r = _x(40, 256, seed=4).to(dtype)
+    g = tracefp4.compute_global_scale(x_r)
+    q = tracefp4.quantize(x_r, "nvfp4", global_scale=g)
+    x_t = (x_r.float() * (1 + 0.02 * torch.randn(x_r.shape, generator=torch.Generator().manual_seed(1)))).to(dtype)
+    lsb = pack_scale_lsb(q.scales)
+    y, s = tracefp4.fake_quantize_lsb(x_t, g, lsb, hints=q.hints, backend=backend)
+    assert torch.equal(s, reconstruct_scales(x_t, g, lsb))
+    want = fake_quantize_scale_hints(x_t, g, lsb, q.hints, backend="reference")
+    assert torch.equal(torch.isnan(y), torch.isnan(want))
+    assert torch.equal(_bits(y.nan_to_num(0.0)), _bits(want.nan_to_num(0.0)))
+    rt = _runtime()
+    site = moe_input_site(1)
+    x = _x(33, 64)
+    gs = rt.global_scales[site]
+    qs = tracefp4.quantize(x, "nvfp4", global_scale=gs)
+    xt = (x.float() * 1.03).to(x.dtype)
+    out = {}
+    for decoder in (None, reconstruct_scales):
+        rt.set_scale_encodings({site: "lsb"}, decoder=decoder)
+        with rt.using(mode="fp4_hints", provided={site: (pack_scale_lsb(qs.scales), qs.hints)}):
+            out[decoder] = rt.quant(site, xt)
+    assert torch.equal(_bits(out[None]), _bits(out[reconstruct_scales]))
 
 
 # ------------------------------------------------------------------------------------------------ recorder, feed

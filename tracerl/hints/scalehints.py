@@ -14,7 +14,9 @@ rollout's x (then ``w_t = w_r`` and the rollout's byte is the nearest of the two
 ``tracefp4.fake_quantize(x', scales=, hints=)`` runs on the reconstructed bytes (`fake_quantize_scale_hints`), so
 wherever the reconstructed byte is the rollout's, the forward is today's bit for bit.
 
-Pure torch (runs where x is, GPU included; no host sync). `use_store_scale_encodings` tells a trainer's
+Pure torch (runs where x is, GPU included; no host sync): the definition. The trainer's forward runs the same rule
+fused into its fake quantization, `tracefp4.fake_quantize_lsb` (Triton: one pass over x; tests check it equals
+`reconstruct_scales` + `tracefp4.fake_quantize` bit for bit). `use_store_scale_encodings` tells a trainer's
 `tracerl.policy.FP4Runtime` which sites of a store carry scale hints; its hinted quantization then reconstructs the
 bytes itself (`FP4Runtime.set_scale_encodings`).
 """
@@ -115,6 +117,7 @@ def fake_quantize_scale_hints(x_hp: torch.Tensor, global_scale, scale_lsb: torch
     scales = reconstruct_scales(x_hp, global_scale, scale_lsb)
     g = _global_scale(global_scale, x_hp.device)
     return tracefp4.fake_quantize(x_hp, "nvfp4", global_scale=g, scales=scales, hints=hints_packed, backend=backend)
+    # (tracefp4.fake_quantize_lsb computes the same in one pass; this two-step form is the readable definition)
 
 
 def scale_encodings(source: Any) -> dict[str, str]:
@@ -141,7 +144,7 @@ def use_store_scale_encodings(runtime: Any, source: Any) -> dict[str, str]:
     enc = scale_encodings(source)
     hinted = set(runtime.plan.hinted)
     chosen = {s: e for s, e in enc.items() if s in hinted}
-    runtime.set_scale_encodings(chosen, decoder=reconstruct_scales)
+    runtime.set_scale_encodings(chosen)  # the fused tracefp4.fake_quantize_lsb: this module's rule in one pass
     lsb = sorted(s for s, e in chosen.items() if e == "lsb")
     if lsb:
         log.info("tracerl.hints: %d hinted sites carry scale hints (scale bytes reconstructed): %s", len(lsb),

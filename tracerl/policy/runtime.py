@@ -169,8 +169,8 @@ class FP4Runtime:
         #: {hinted site: "lsb"} for sites whose provided scale rows are scale hints (`set_scale_encodings`);
         #: every other site's provided rows are E4M3 bytes
         self.scale_encodings: dict[str, str] = {}
-        #: (x [N, W], g, scale hints [N, ceil(W/128)]) -> E4M3 bytes [N, W/16]; given by tracerl.hints (policy
-        #: imports nothing of hints: `tracerl.hints.use_store_scale_encodings` passes `reconstruct_scales`)
+        #: (x [N, W], g, scale hints [N, ceil(W/128)]) -> E4M3 bytes [N, W/16] before `fake_quantize`, or None for
+        #: the fused `tracefp4.fake_quantize_lsb` (the default: one pass over x)
         self._scale_decoder: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     mode = _call_state_property("mode")
@@ -200,22 +200,19 @@ class FP4Runtime:
     def set_scale_encodings(self, encodings: Mapping[str, str], decoder: Callable | None = None) -> None:
         """What the provided scale rows of each hinted site are (the store's scale encoding, FORMAT §2.4):
         ``"bytes"`` (the default), E4M3 bytes [N, W/16]; ``"lsb"``, scale hints [N, ceil(W/128)] from which
-        `quant` reconstructs the rollout's bytes with this forward's own activations
-        (`tracerl.hints.scalehints.reconstruct_scales`) before today's hint-guided rounding.
-        `tracerl.hints.use_store_scale_encodings(runtime, store)` sets them from a store (and passes ``decoder``,
-        `tracerl.hints.reconstruct_scales`).
+        `quant` reconstructs the rollout's bytes with this forward's own activations in the same pass as its
+        hint-guided rounding (`tracefp4.fake_quantize_lsb`; the rule of `tracerl.hints.reconstruct_scales`).
+        ``decoder``: instead, a function (x, g, scale hints) -> E4M3 bytes run first, then today's
+        `tracefp4.fake_quantize` (two passes: a reference path). `tracerl.hints.use_store_scale_encodings(runtime,
+        store)` sets them from a store.
 
-        Raises `ConfigError` (nothing changes) for a site the plan does not hint, an unknown encoding, or an lsb
-        site without a ``decoder``."""
+        Raises `ConfigError` (nothing changes) for a site the plan does not hint or an unknown encoding."""
         bad = {s: e for s, e in encodings.items() if e not in ("bytes", "lsb")}
         foreign = sorted(set(encodings) - self._hinted)
         if bad or foreign:
             raise ConfigError(f"scale encodings: {f'unknown {bad} (supported: bytes, lsb)' if bad else ''}"
                               f"{'; ' if bad and foreign else ''}"
                               f"{f'sites {foreign[:4]} are not hinted by the plan' if foreign else ''}")
-        if any(e == "lsb" for e in encodings.values()) and decoder is None:
-            raise ConfigError("scale encodings: lsb sites need decoder=tracerl.hints.reconstruct_scales (or call "
-                              "tracerl.hints.use_store_scale_encodings(runtime, store))")
         self.scale_encodings = {s: e for s, e in encodings.items() if e != "bytes"}
         self._scale_decoder = decoder
 
@@ -299,16 +296,14 @@ class FP4Runtime:
                     f"and hints [{n}, {w // HINTS_PER_BYTE}], got {tuple(scale_e4m3.shape)} and "
                     f"{None if hints is None else tuple(hints.shape)}"
                 )
-            if lsb:
-                scale_e4m3 = self._scale_decoder(x.detach(), g, scale_e4m3)  # uint8 [N, W/16], the rollout's bytes
-            y = tracefp4.fake_quantize(
-                x,
-                fmt="nvfp4",
-                global_scale=g,
-                scales=scale_e4m3,
-                hints=hints if self.mode == "fp4_hints" else None,
-                backend=self.backend,
-            )
+            use = hints if self.mode == "fp4_hints" else None
+            if lsb and self._scale_decoder is None:  # the bytes and the rounding in one pass over x
+                y, scale_e4m3 = tracefp4.fake_quantize_lsb(x, g, scale_e4m3, hints=use, backend=self.backend)
+            else:
+                if lsb:
+                    scale_e4m3 = self._scale_decoder(x.detach(), g, scale_e4m3)  # uint8 [N, W/16]
+                y = tracefp4.fake_quantize(x, fmt="nvfp4", global_scale=g, scales=scale_e4m3, hints=use,
+                                           backend=self.backend)
             if self.observe is not None:
                 self.observe(site, effective_codes(y.detach(), scale_e4m3, g), scale_e4m3)
             return y
