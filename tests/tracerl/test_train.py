@@ -260,6 +260,59 @@ def test_param_digest_sees_one_bit():
     assert param_digest(a) != param_digest(b)
 
 
+def test_param_digest_is_its_formula_with_or_without_the_weight_table(monkeypatch):
+    """The digest's position weights from the per-device table (a slice) equal the formula computed per tensor,
+    at any first position (FSDP2 shards), and past the table's size; so digests recorded before the table was
+    introduced still compare equal."""
+    import hashlib
+    import json
+
+    from tracerl.train import determinism as det
+
+    def formula(tensors):  # the definition, written out
+        sums = []
+        for t in tensors:
+            bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+            x = t.contiguous().reshape(-1).view(bits).to(torch.int64)
+            pos = torch.arange(x.numel(), dtype=torch.int64)
+            sums.append((x * (pos * 2654435761 % det._DIGEST_MOD * 2 + 1)).sum())
+        host = torch.stack(sums).numpy().tobytes()
+        return hashlib.sha256(host + json.dumps([list(t.shape) for t in tensors]).encode()).hexdigest()[:32]
+
+    g = torch.Generator().manual_seed(0)
+    ts_ = [torch.randn(37, 11, generator=g), torch.randn(5000, generator=g).to(torch.bfloat16),
+           torch.randn(3, 4, generator=g), torch.tensor([-0.0, float("nan"), float("inf")])]
+    monkeypatch.setattr(det, "_WEIGHTS", {})
+    assert param_digest(ts_) == formula(ts_)  # the table grows while digesting
+    assert param_digest(ts_) == formula(ts_)  # and is sliced the second time
+    monkeypatch.setattr(det, "_WEIGHT_CACHE_MAX", 100)  # most tensors past the table: computed
+    assert param_digest(ts_) == formula(ts_)
+    for first, n in ((0, 7), (93, 7), (95, 10), (1000, 3)):
+        want = torch.arange(first, first + n, dtype=torch.int64) * 2654435761 % det._DIGEST_MOD * 2 + 1
+        assert torch.equal(det.position_weights(first, n, torch.device("cpu")), want)
+
+
+def test_fp32_accumulation_and_bf16_rounding_are_per_tensor_bit_for_bit():
+    """`Params.accumulate` / `step` use multi-tensor ops: the same bits as a cast and an add, and a copy, per
+    tensor (signed zeros, NaN and Inf included)."""
+    g = torch.Generator().manual_seed(1)
+    masters = [torch.randn(64, generator=g) * 1e3 for _ in range(4)]
+    grads = [torch.randn(64, generator=g).to(torch.bfloat16) for _ in range(4)]
+    grads[0][:3] = torch.tensor([-0.0, float("nan"), float("inf")])
+    masters[1][:2] = torch.tensor([3.4e38, -0.0])
+    a, b = [m.clone() for m in masters], [m.clone() for m in masters]
+    torch._foreach_add_(a, grads)
+    for m, gr in zip(b, grads):
+        m.add_(gr.to(torch.float32))
+    assert all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a, b))
+    p1 = [torch.empty(64, dtype=torch.bfloat16) for _ in masters]
+    p2 = [torch.empty(64, dtype=torch.bfloat16) for _ in masters]
+    torch._foreach_copy_(p1, masters)
+    for p, m in zip(p2, masters):
+        p.copy_(m)
+    assert all(torch.equal(x.view(torch.int16), y.view(torch.int16)) for x, y in zip(p1, p2))
+
+
 def test_restart_repairs_what_a_kill_left_between_side_effects(store, tmp_path):
     """Per step: checkpoint -> metrics line -> publication. A kill after the checkpoint leaves the line or the
     version missing (restart adds them); with checkpoints every 2 steps, a kill after an unsaved step leaves a

@@ -69,12 +69,35 @@ def param_digest(tensors: Iterable[torch.Tensor]) -> str:
     return hashlib.sha256(host + shapes).hexdigest()[:32]
 
 
+#: position weights w(0 .. n-1) per device, kept up to `_WEIGHT_CACHE_MAX` positions (int64: 8 bytes each, 1 GiB)
+_WEIGHTS: dict[torch.device, torch.Tensor] = {}
+_WEIGHT_CACHE_MAX = 1 << 27
+
+
+def position_weights(first: int, n: int, device: torch.device) -> torch.Tensor:
+    """w(p) = (p * 2654435761 mod (2^61 - 1)) * 2 + 1 for p in [first, first + n) (int64 [n], odd). Positions
+    below `_WEIGHT_CACHE_MAX` come from a per-device table grown to the largest tensor digested (a slice: no
+    launches), the others are computed."""
+    end = first + n
+    if end > _WEIGHT_CACHE_MAX:
+        pos = torch.arange(first, end, device=device, dtype=torch.int64)
+        return pos * 2654435761 % _DIGEST_MOD * 2 + 1
+    table = _WEIGHTS.get(device)
+    if table is None or table.numel() < end:
+        size = min(_WEIGHT_CACHE_MAX, max(end, 2 * (0 if table is None else table.numel())))
+        pos = torch.arange(size, device=device, dtype=torch.int64)
+        table = pos * 2654435761 % _DIGEST_MOD * 2 + 1
+        if table.is_cuda:  # once per growth: later digests may run on another stream or thread
+            torch.cuda.current_stream(table.device).synchronize()
+        _WEIGHTS[device] = table
+    return table[first:end]
+
+
 def _bit_sum(flat: torch.Tensor, first: int) -> torch.Tensor:
-    """sum over i of bits(flat[i]) * w(first + i) in wrapping int64, w(p) = (p * 2654435761 mod (2^61 - 1)) * 2 + 1."""
+    """sum over i of bits(flat[i]) * w(first + i) in wrapping int64, w = `position_weights`."""
     bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
     x = flat.contiguous().view(bits).to(torch.int64)
-    pos = torch.arange(first, first + x.numel(), device=x.device, dtype=torch.int64)
-    return (x * (pos * 2654435761 % _DIGEST_MOD * 2 + 1)).sum()
+    return (x * position_weights(first, x.numel(), x.device)).sum()
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:

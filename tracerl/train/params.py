@@ -69,12 +69,16 @@ class PlainParams:
     def accumulate(self) -> None:
         """Add the micro-batch's bf16 gradients to the fp32 masters' (the sum over micro-batches is then fp32,
         not a bf16 running sum) and clear them."""
+        into, grads = [], []
         for p, m in zip(self.params, self.master):
             if m.grad is None:
                 m.grad = torch.zeros_like(m)
             if p.grad is not None:
-                m.grad.add_(p.grad.detach().to(m.dtype))
+                into.append(m.grad)
+                grads.append(p.grad.detach())
                 p.grad = None
+        if into:  # one multi-tensor op instead of a cast and an add per parameter (bf16 -> fp32 is exact)
+            torch._foreach_add_(into, grads)
 
     def step(self, grad_clip: float) -> float:
         """Clip the fp32 gradients, AdamW, round the masters into the bf16 parameters; the norm before clipping.
@@ -88,9 +92,8 @@ class PlainParams:
         self.grad_bytes = _nbytes(m.grad for m in self.master)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for p, m in zip(self.params, self.master):
-                p.copy_(m)
+        with torch.no_grad():  # round every master into its bf16 parameter (one multi-tensor copy)
+            torch._foreach_copy_(self.params, self.master)
         return norm
 
     def digest(self) -> str:
