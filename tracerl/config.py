@@ -158,6 +158,7 @@ class DemoConfig:
     replay_routes: bool = False  # trainer uses the rollout's routed experts (the floor: the floor run's)
     spec: dict[str, Any] = dataclasses.field(default_factory=dict)  # TinyMoESpec overrides
     storage_options: dict | None = None  # of ``store`` (S3 endpoint, credentials)
+    scale_encoding: str = "bytes"  # the store's hinted sites (FORMAT §2.4): bytes | lsb (scale hints)
 
     @property
     def min_tokens(self) -> int:
@@ -183,6 +184,8 @@ class DemoConfig:
                               ("decode", DECODE_PATHS)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name}={getattr(self, name)!r}; supported: {', '.join(allowed)}")
+        if self.scale_encoding not in ("bytes", "lsb"):
+            raise ConfigError(f"scale_encoding={self.scale_encoding!r}; supported: bytes, lsb")
         spec = self.model_spec()
         parse_layers(self.hint_layers, spec.num_layers)
         if self.store is not None:

@@ -38,7 +38,7 @@ from tracefp4.constants import HINTS_PER_BYTE
 from tracerl import fidelity
 from tracerl.config import DemoConfig
 from tracerl.errors import ConfigError
-from tracerl.hints import pack_micro_batches, read_packed
+from tracerl.hints import pack_micro_batches, read_packed, use_store_scale_encodings
 from tracerl.policy import (
     BLOCK,
     MODES,
@@ -151,13 +151,15 @@ def _record(cfg: DemoConfig, s: _Setup, store: ts.Store, rids: list[str], on_ste
                                      on_step=lambda done, total: on_step(phase, done, total))
 
 
-def record_store(cfg: DemoConfig, on_step: StepFn | None = None, *, scale_encoding: str = "bytes") -> dict[str, Any]:
+def record_store(cfg: DemoConfig, on_step: StepFn | None = None, *, scale_encoding: str | None = None) -> dict[str, Any]:
     """The demo's recording half only: build and calibrate the model, create the store at ``cfg.store`` and
     record the FP4 rollout into it (no floor run, no trainer; `tracerl.audit` recomputes the rest). Returns
     ``{"store", "trajectories", "response_tokens", "decode_s", "seconds"}``. ``scale_encoding``: the hinted sites'
-    (FORMAT §2.4): ``bytes`` (today's layout) or ``lsb`` (scale hints; the recorder packs the LSBs).
+    (FORMAT §2.4): ``bytes`` (today's layout) or ``lsb`` (scale hints; the recorder packs the LSBs); None takes
+    ``cfg.scale_encoding``.
 
     Raises `ConfigError` as `run_demo` does, when ``cfg.store`` is None, or for an unknown scale encoding."""
+    scale_encoding = cfg.scale_encoding if scale_encoding is None else scale_encoding
     if scale_encoding not in ("bytes", "lsb"):
         raise ConfigError(f"scale_encoding={scale_encoding!r}: must be 'bytes' or 'lsb'")
     if cfg.store is None:
@@ -233,7 +235,10 @@ def _run_info(cfg: DemoConfig, s: _Setup, roll: RolloutResult, recomputes: dict[
             "decode_steps": roll.decode_steps,
             "decode_path": roll.decode_path,
             "decode_prepare_s": roll.prepare_s,
-            "hint_bytes_per_token": sum(x.width // HINTS_PER_BYTE + x.width // BLOCK for x in s.hinted),
+            "hint_bytes_per_token": sum(x.width // HINTS_PER_BYTE + (x.width // BLOCK if cfg.scale_encoding == "bytes"
+                                                                     else -(-x.width // (8 * BLOCK)))
+                                        for x in s.hinted),
+            "scale_encoding": cfg.scale_encoding,
             "store_url": cfg.store,
         },
         "trainer_seconds": {m: sum(r.seconds for r in rs) for m, rs in recomputes.items()},
@@ -268,9 +273,11 @@ def run_demo(cfg: DemoConfig, progress: Callable[[str], None] | None = None, *,
     step("build and calibrate the model", 1, 1)
     rids = [f"traj-{i:04d}" for i in range(cfg.trajectories)]
     with _store_url(cfg.store) as url:
-        roll, floor = _rollouts(cfg, s, _create_store(url, cfg, s, rids), rids, step)
+        roll, floor = _rollouts(cfg, s, _create_store(url, cfg, s, rids, cfg.scale_encoding), rids, step)
         # the trainer reads the store back through a fresh handle, as THD micro-batches
-        reader = ts.open_store(url).reader()
+        stored = ts.open_store(url)
+        use_store_scale_encodings(s.runtime, stored)  # lsb sites: the trainer rebuilds the bytes itself
+        reader = stored.reader()
         mbs = pack_micro_batches({i.traj_id: i.num_tokens for i in reader.trajectories()}, cfg.micro_batch_tokens)
         packed = [read_packed(reader, mb, s.site_names, read_kwargs={"fmt": "numpy"}) for mb in mbs]
         recomputes, tallies = _recompute(cfg, s, packed, roll, floor, rids, step)
@@ -285,6 +292,7 @@ class _CodeTally:
     against the rollout's codes (which `RolloutEngine` kept with ``keep_codes``), over response tokens."""
 
     def __init__(self, roll: RolloutResult, rids: list[str], sites: list[str]):
+        # scale agreement against the rollout's own bytes (kept with its codes): the store may keep only LSBs
         self.roll, self.sites = roll, sites
         self.index = {r: i for i, r in enumerate(rids)}
         self.counts = {s: [0, 0] for s in sites}  # matching codes, codes
@@ -302,7 +310,9 @@ class _CodeTally:
             c[1] += total
             self.mismatch += n_bad
             self.one_step += one
-            eq = r.scales[s][response] == p.scales[s][response]
+            per_scl = self.roll.scales[s]
+            rsp = np.concatenate([per_scl[self.index[g.traj_id]][g.start : g.stop] for g in p.segments])[response]
+            eq = r.scales[s][response] == rsp
             self.scale_eq += int(eq.sum())
             self.scale_n += eq.size
 

@@ -63,3 +63,28 @@ def test_demo_routing_replay_and_decode_paths(capsys, tmp_path):
         assert "device" in capsys.readouterr().err and not url.exists()
     assert main([*common, "--tokens", "16", "--store", str(url)]) == 2  # prompts take up to 16 tokens
     assert "no room for a response" in capsys.readouterr().err and not url.exists()
+
+
+def test_demo_with_scale_hints_stores_fewer_bytes_and_keeps_the_fidelity(tmp_path, capsys):
+    """--scale-encoding lsb: the store keeps one LSB per block (format 4), the trainer rebuilds the rollout's bytes
+    from its own activations; its scale agreement (against the bytes the rollout used, kept with its codes) and code
+    agreement stay those of the same rollout stored with bytes, at fewer bytes per token."""
+    common = ["demo", "--json", "--trajectories", "2", "--tokens", "24", "--threads", "2", "--hidden", "64",
+              "--layers", "4", "--experts", "4", "--vocab", "128"]
+    out = {}
+    for enc in ("bytes", "lsb"):
+        url = str(tmp_path / enc)
+        assert main([*common, "--store", url, "--scale-encoding", enc]) == 0
+        out[enc] = json.loads(capsys.readouterr().out)
+        store = ts.open_store(url)
+        assert {site.scale_encoding for site in store.sites.values()} == {enc}
+        assert store.format_version == (4 if enc == "lsb" else 3)
+    b, lsb = out["bytes"], out["lsb"]
+    assert lsb["rollout"]["hint_bytes_per_token"] < b["rollout"]["hint_bytes_per_token"]
+    assert lsb["rollout"]["scale_encoding"] == "lsb" and lsb["config"]["scale_encoding"] == "lsb"
+    for mode in ("fp4_hints", "fp4_rne_rollout_scales"):
+        assert lsb["modes"][mode]["scale_agreement"] >= 0.99
+        assert abs(lsb["modes"][mode]["code_agreement"] - b["modes"][mode]["code_agreement"]) <= 0.01
+    assert b["modes"]["fp4_rne_rollout_scales"]["scale_agreement"] == 1.0  # bytes: the rollout's, as stored
+    with pytest.raises(SystemExit):
+        main([*common, "--scale-encoding", "bits"])

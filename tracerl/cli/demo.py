@@ -63,6 +63,9 @@ def add_arguments(d: argparse.ArgumentParser) -> None:
     d.add_argument("--replay-routes", action="store_true",
                    help="routing replay: the trainer's MoE layers use the rollout's routed experts from the store "
                         "(router flips then count how often the trainer's router would have chosen otherwise)")
+    d.add_argument("--scale-encoding", default=_DEFAULTS.scale_encoding, choices=("bytes", "lsb"),
+                   help="the store's hinted sites: bytes (E4M3 scale bytes, default) or lsb (scale hints: one bit per "
+                        "block; the trainer rebuilds the bytes from its own activations; FORMAT §2.4)")
     d.add_argument("--threads", type=nonneg, default=0, metavar="N",
                    help="torch CPU threads (default 0: torch's choice)")
     add_storage_arguments(d)
@@ -75,6 +78,7 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
         model=args.model, trajectories=args.trajectories, tokens=args.tokens, hint_layers=args.hint_layers,
         hint_sites=args.hint_sites, fp4=args.fp4, kv_fp4=args.kv_fp4, seed=args.seed, store=args.store,
         backward=args.backward, decode=args.decode, device=args.device, replay_routes=args.replay_routes,
+        scale_encoding=args.scale_encoding,
         spec={field: getattr(args, opt) for opt, field in SPEC_OPTIONS.items() if getattr(args, opt) is not None},
         storage_options=storage_options(args, args.store) if args.store else None,
     )

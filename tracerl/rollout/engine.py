@@ -53,6 +53,8 @@ class RolloutResult:
     decode_steps: int
     decode_path: str = "hf"  # see `RolloutEngine.decode_path`
     prepare_s: float = 0.0  # tracing / CUDA-graph capture of the decode step (not in decode_s)
+    scales: dict[str, list[np.ndarray]] = dataclasses.field(default_factory=dict)  # site -> uint8 [P_b + fed, W/16]
+    # (keep_codes: the E4M3 bytes the rollout's quantizer used, also when its store keeps only their LSBs)
 
 
 @dataclasses.dataclass
@@ -98,7 +100,8 @@ class RolloutEngine:
     ----------
     recorder: where hint bits, scales, routed experts, tokens and log-probs go (None: nothing is recorded).
     record_experts: also record routed expert ids (uint8 [T, top_k] per MoE layer).
-    keep_codes: keep the hinted sites' packed codes (uint8 [T, W/2]) in the result (metrics).
+    keep_codes: keep the hinted sites' packed codes (uint8 [T, W/2]) and scale bytes (uint8 [T, W/16]) in the
+      result (metrics).
     feed_last: feed the last sampled token through one more forward so it has hints and routes too.
     attn_implementation: attention of the ``hf`` path (None keeps the model's).
     collect_routes: keep routed experts in the result even without a recorder.
@@ -138,6 +141,7 @@ class RolloutEngine:
         self._cache_kw = cache_kwarg(model)
         self._rows: tuple[list[str], np.ndarray, torch.Tensor] | None = None
         self._codes: dict[str, list] = {}
+        self._scales: dict[str, list] = {}
         self._experts: dict[int, list] = {}
 
     # Callbacks from the runtime: rows of the current forward -> (request ids, positions).
@@ -155,6 +159,7 @@ class RolloutEngine:
             self.recorder.record_sites(rids, pos, site, hints, scales)
         if self.keep_codes:
             self._codes.setdefault(site, []).append((rids, pos, codes))
+            self._scales.setdefault(site, []).append((rids, pos, scales))
 
     def _deliver_route(self, rids, pos, layer: int, ids: torch.Tensor) -> None:
         name = moe_layer_name(layer)
@@ -239,7 +244,7 @@ class RolloutEngine:
         sample = _Sampler(forced, torch.Generator(device=device).manual_seed(seed), temperature)
         capture = self.recorder is not None or self.keep_codes
         attn = {} if self.attn_implementation is None else {"_attn_implementation": self.attn_implementation}
-        self._codes, self._experts = {}, {}
+        self._codes, self._scales, self._experts = {}, {}, {}
         self._begin_records(b, prompts, policy_version)
         with swapped(self.model.config, **attn), swapped(self, _rows=None), self.runtime.using(
             mode=mode,
@@ -350,9 +355,10 @@ class RolloutEngine:
         bsz = len(b.rids)
         expert_parts = list(self._experts.items())
         code_parts = list(self._codes.items())
+        scale_parts = list(self._scales.items())
         dev = [torch.stack(toks, dim=1) if toks else torch.zeros(bsz, 0, dtype=torch.long),
                torch.stack(lps, dim=1) if lps else torch.zeros(bsz, 0)]
-        for _, parts in expert_parts + code_parts:
+        for _, parts in expert_parts + code_parts + scale_parts:
             dev.extend(val for _, _, val in parts)
         host = iter(to_host(dev))
         gen_toks, gen_lps = next(host), next(host)  # (B, G) each
@@ -367,6 +373,7 @@ class RolloutEngine:
             logprobs=[gen_lps[i].astype(np.float32) for i in range(bsz)],
             experts={la: assemble(parts) for la, parts in expert_parts},
             codes={s: assemble(parts) for s, parts in code_parts},
+            scales={s: assemble(parts) for s, parts in scale_parts},
             decode_steps=b.n_fed,
             decode_path=b.path,
             **seconds,
