@@ -292,6 +292,30 @@ def test_param_digest_is_its_formula_with_or_without_the_weight_table(monkeypatc
         assert torch.equal(det.position_weights(first, n, torch.device("cpu")), want)
 
 
+def test_the_digest_is_computed_once_per_state_of_the_weights(monkeypatch):
+    """`PlainParams.digest` caches by the masters' version counters: a second call computes nothing, and an
+    optimizer step or any in-place write to a master gives the new weights' digest."""
+    from types import SimpleNamespace
+
+    from tracerl.train import params as tp
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)).to(torch.bfloat16)
+    pp = tp.PlainParams(model, SimpleNamespace(lr=1e-2, weight_decay=0.0, betas=(0.9, 0.95)), torch.device("cpu"))
+    calls = []
+    real = tp.param_digest
+    monkeypatch.setattr(tp, "param_digest", lambda ts_: calls.append(1) or real(ts_))
+    first = pp.digest()
+    assert pp.digest() == first and len(calls) == 1
+    model(torch.randn(5, 4, dtype=torch.bfloat16)).float().sum().backward()
+    pp.accumulate()
+    pp.step(1.0)
+    after = pp.digest()
+    assert after != first and after == real(pp.master) and len(calls) == 2
+    with torch.no_grad():
+        pp.master[0].view(-1)[0] += 1
+    assert pp.digest() == real(pp.master) != after and len(calls) == 3
+
+
 def test_fp32_accumulation_and_bf16_rounding_are_per_tensor_bit_for_bit():
     """`Params.accumulate` / `step` use multi-tensor ops: the same bits as a cast and an add, and a copy, per
     tensor (signed zeros, NaN and Inf included)."""

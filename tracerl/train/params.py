@@ -64,6 +64,7 @@ class PlainParams:
         self.grad_bytes = 0
         self._copy_stream = None  # a CUDA side stream for snapshots taken while the step computes
         self._snapshot_done = None  # the CUDA event of the last such snapshot
+        self._digest: tuple[tuple[int, ...], str] | None = None  # (the masters' version counters, their digest)
 
     # ---- a step --------------------------------------------------------------------------------------
     def accumulate(self) -> None:
@@ -91,14 +92,20 @@ class PlainParams:
         norm = float(torch.nn.utils.clip_grad_norm_(self.master, grad_clip))
         self.grad_bytes = _nbytes(m.grad for m in self.master)
         self.opt.step()
+        self._digest = None  # also where a fused optimizer kernel would not bump the version counters
         self.opt.zero_grad(set_to_none=True)
         with torch.no_grad():  # round every master into its bf16 parameter (one multi-tensor copy)
             torch._foreach_copy_(self.params, self.master)
         return norm
 
     def digest(self) -> str:
-        """`param_digest` of the fp32 weights (the bf16 model is their rounding)."""
-        return param_digest(self.master)
+        """`param_digest` of the fp32 weights (the bf16 model is their rounding). Computed once per state of the
+        weights: a step asks for it for its metrics line, its checkpoint and its publication, and any in-place
+        change of a master (the optimizer, a load) bumps its version counter, which the cached digest is keyed on."""
+        key = tuple(m._version for m in self.master)
+        if self._digest is None or self._digest[0] != key:
+            self._digest = (key, param_digest(self.master))
+        return self._digest[1]
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this process holds of the trained state: parameters (the bf16 model and the fp32 masters),
@@ -177,6 +184,7 @@ class PlainParams:
             for name, m, p in zip(self.names, self.master, self.params):
                 m.copy_(sd["model"][name])
                 p.copy_(m)
+        self._digest = None
         _load_optim(self.opt, self.names, self.master, sd.get("optim") or {})
 
     def load_unsharded(self, master: list[torch.Tensor], opt_sd: dict) -> None:
@@ -186,6 +194,7 @@ class PlainParams:
             for m, p, v in zip(self.master, self.params, master):
                 m.copy_(v)
                 p.copy_(m)
+        self._digest = None
         self.opt.load_state_dict(opt_sd)
 
 
