@@ -142,3 +142,38 @@ def test_effective_codes_are_the_codes_of_a_fake_quantized_tensor(dtype):
     zero = (want & 7) == 0
     assert torch.equal(got[~zero], want[~zero]) and bool((got[zero] == 0).all())
     assert bool((effective_codes(y, torch.zeros_like(q.scales), g) == 0).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_effective_codes_equal_the_nearest_ladder_value_of_the_magnitude(dtype):
+    """The signed-bucket form equals the definition written per value (|y| / (s g) to the nearest E2M1 magnitude,
+    a tie to the lower one; the sign where the code is not 0; 0 for non-finite ratios and for a zero, negative or
+    NaN scale byte) on fake-quantized values, arbitrary values, exact ladder values and midpoints, specials."""
+    from tracefp4.constants import E2M1_MIDPOINTS
+    from tracerl.policy import effective_codes
+
+    def definition(y, scales, g):
+        s = scales.view(torch.float8_e4m3fn).float().repeat_interleave(16, dim=-1) * g.float()
+        mag = torch.where(s > 0, y.float().abs() / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(s))
+        idx = torch.bucketize(mag, torch.tensor(E2M1_MIDPOINTS)).to(torch.uint8)
+        idx = torch.where(torch.isfinite(mag), idx, torch.zeros_like(idx))
+        return idx | (((y < 0) & (idx > 0)).to(torch.uint8) << 3)
+
+    gen = torch.Generator().manual_seed(5)
+    for trial in range(6):
+        x = (torch.randn(32, 128, generator=gen) * torch.exp(3 * torch.randn(32, 1, generator=gen))).to(dtype)
+        idx = torch.randint(0, x.numel(), (100,), generator=gen)
+        x.view(-1)[idx] = torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf")] * 20).to(dtype)
+        g = tracefp4.compute_global_scale(x)
+        q = tracefp4.quantize(x, "nvfp4", global_scale=g, backend="reference")
+        scales = q.scales.clone()
+        if trial % 2:  # zero, NaN and negative scale bytes
+            pick = torch.randint(0, scales.numel(), (40,), generator=gen)
+            scales.view(-1)[pick] = torch.tensor([0, 0x7F, 0x80, 0xFF, 0x85] * 8, dtype=torch.uint8)
+        s = scales.view(torch.float8_e4m3fn).float().repeat_interleave(16, dim=-1) * g
+        ladder = torch.tensor([0, .25, .5, .75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 1e30])
+        on_ladder = ladder[torch.randint(0, len(ladder), x.shape, generator=gen)] * s
+        on_ladder = torch.where(torch.rand(x.shape, generator=gen) < 0.5, -on_ladder, on_ladder).to(dtype)
+        y = tracefp4.fake_quantize(x, "nvfp4", global_scale=g, scales=q.scales, hints=q.hints, backend="reference")
+        for t in (y, x, on_ladder):
+            assert torch.equal(effective_codes(t, scales, g), definition(t, scales, g))
