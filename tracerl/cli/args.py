@@ -111,6 +111,9 @@ def end_distributed() -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        # every rank past its last collective before any tears the group down (a rank leaving while another still
+        # communicated is the suspect of a rare abort at exit, "terminate called without an active exception")
+        dist.barrier()
         dist.destroy_process_group()
 
 
