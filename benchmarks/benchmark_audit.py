@@ -102,6 +102,9 @@ def main(argv=None) -> int:
                         "(default), lsb (scale hints), or both")
     p.add_argument("--reps", type=int, default=3, help="audits per store (median time reported; default 3)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's choice)")
+    p.add_argument("--bands", type=int, default=AuditConfig.bands, metavar="N",
+                   help=f"layer bands of the attribution groups and planner units (default {AuditConfig.bands}: "
+                        "10-layer units on the H200 model; 10 gives 4-layer units, twice the planner passes)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", default=None, help="where the stores go (default: a temporary directory)")
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/audit-<config>.json; "
@@ -113,6 +116,8 @@ def main(argv=None) -> int:
     bad = [c for c in coverages if c not in COVERAGES]
     if bad or args.reps < 1:
         p.error(f"coverage {bad} unknown (choose from {', '.join(COVERAGES)}) or reps {args.reps} < 1")
+    if args.bands < 1:
+        p.error(f"--bands {args.bands}: must be >= 1")
     encodings = args.scale_encodings.split(",")
     if not encodings or any(e not in ("bytes", "lsb") for e in encodings):
         p.error(f"--scale-encodings {args.scale_encodings!r}: a comma-separated list of bytes, lsb")
@@ -124,7 +129,7 @@ def main(argv=None) -> int:
                else os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     out_path = args.out or os.path.join(results, f"audit-{name}.json")
     device = torch.device("cuda" if name == "h200" else "cpu")
-    out = {"benchmark": "audit", "config": name, "reps": args.reps,
+    out = {"benchmark": "audit", "config": name, "reps": args.reps, "bands": args.bands,
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                        "python": platform.python_version(), "torch": torch.__version__,
@@ -152,7 +157,7 @@ def main(argv=None) -> int:
             runs, result = [], None
             for rep in range(args.reps):
                 load_before = os.getloadavg()[0]
-                result = run_audit(AuditConfig(store=store))
+                result = run_audit(AuditConfig(store=store, bands=args.bands))
                 # the 1-minute load average around the run: other jobs on a shared machine stretch the time
                 runs.append({**result["timing"], "loadavg_1min": [load_before, os.getloadavg()[0]]})
                 t = runs[-1]
