@@ -344,15 +344,15 @@ class _FakeQuantizeLsbFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, g, lsb_u8, hints_u8, backend, ste):
         block = BLOCK_SIZES["nvfp4"]
-        rows, w = x.reshape(-1, x.shape[-1]).shape
-        nbr = w // block
+        nbr = x.shape[-1] // block
+        lsb_rows = lsb_u8.reshape(-1, lsb_u8.shape[-1])  # [rows, ceil(nbr / 8)] (explicit width: rows may be 0)
         xb = x.reshape(-1, block)  # [NB, 16]
         if backend == "triton":
             hb = None if hints_u8 is None else hints_u8.reshape(-1, block // HINTS_PER_BYTE)
-            out, sb = _triton().fake_quantize_blocks_triton(xb, "nvfp4", g, None, hb, scale_lsb=lsb_u8.reshape(rows, -1),
+            out, sb = _triton().fake_quantize_blocks_triton(xb, "nvfp4", g, None, hb, scale_lsb=lsb_rows,
                                                             lsb_blocks_per_row=nbr)
         else:
-            bits = unpack_hints(lsb_u8.reshape(rows, -1))[:, :nbr].reshape(-1)  # [NB]
+            bits = unpack_hints(lsb_rows)[:, :nbr].reshape(-1)  # [NB]
             sb = ref.nvfp4_lsb_scales_ref(xb.float(), g, bits)
             hb = None if hints_u8 is None else unpack_hints(hints_u8.reshape(-1, block // HINTS_PER_BYTE))
             out = ref.fake_quantize_blocks_ref(xb, "nvfp4", g, sb, hb)

@@ -208,12 +208,15 @@ def e2m1_value(mag: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------
 # block scales
 # ---------------------------------------------------------------------------------------------------------
+def _nvfp4_block_t(xb_f32: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """clamp((amax_b / 6) / g, 2^-9, 448) [NB] of fp32 blocks [NB, 16]: the value a block's scale byte encodes."""
+    amax = _finite_abs(xb_f32).amax(dim=-1)  # [NB]
+    return torch.clamp(div_rn(div_rn(amax, E2M1_MAX), g), min=E4M3_MIN_SCALE, max=E4M3_MAX)
+
+
 def nvfp4_scales_ref(xb_f32: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """E4M3 block-scale bytes [NB] of fp32 blocks [NB, 16]: e4m3_rne(clamp((amax_b / 6) / g, 2^-9, 448))."""
-    amax = _finite_abs(xb_f32).amax(dim=-1)  # [NB]
-    t = div_rn(div_rn(amax, E2M1_MAX), g)
-    t = torch.clamp(t, min=E4M3_MIN_SCALE, max=E4M3_MAX)
-    return e4m3_encode(t)
+    return e4m3_encode(_nvfp4_block_t(xb_f32, g))
 
 
 def e4m3_floor_byte(t: torch.Tensor) -> torch.Tensor:
@@ -231,9 +234,7 @@ def nvfp4_lsb_scales_ref(xb_f32: torch.Tensor, g: torch.Tensor, lsb: torch.Tenso
     ``t = clamp((amax_b / 6) / g, 2^-9, 448)`` and a stored bit ``lsb`` [NB] (0/1 integers, the LSB of the
     rollout's byte): of the two bytes ``b = min(floor(w(t)), 125)`` and ``b + 1`` around t, the one whose LSB is
     ``lsb`` (NUMERICS §11). Bytes are in [1, 126]."""
-    amax = _finite_abs(xb_f32).amax(dim=-1)  # [NB]
-    t = torch.clamp(div_rn(div_rn(amax, E2M1_MAX), g), min=E4M3_MIN_SCALE, max=E4M3_MAX)
-    b = torch.clamp(e4m3_floor_byte(t), max=125)
+    b = torch.clamp(e4m3_floor_byte(_nvfp4_block_t(xb_f32, g)), max=125)
     return torch.where((b & 1) == (lsb.to(torch.int32) & 1), b, b + 1).to(torch.uint8)
 
 

@@ -703,23 +703,18 @@ def _fake_quant_tile(xs, blk, bmask, out_ptr, scales_ptr, hints_ptr, scales_out_
         sidx = blk if RB == 1 else blk // RB  # the row layout: a block's RB rows read its byte RB times (L1)
         s, r, flip = _given_scale(tl.load(scales_ptr + sidx, mask=bmask, other=0).to(tl.int32), inv_g, IS_NV)
         flip = flip[:, None]
-    elif SCALE_LSB:
-        bi = blk if RB == 1 else blk // RB
-        row = bi // LSB_NBR
-        j = bi - row * LSB_NBR
-        byte = tl.load(scales_ptr + row * ((LSB_NBR + 7) // 8) + j // 8, mask=bmask, other=0).to(tl.int32)
-        _, q = _block_amax_q(xs, P, KIND, IS_NV, GPU, RB)
-        sbyte = _lsb_scale_byte(q, g, (byte >> (j % 8)) & 1)
-        s = _e4m3_decode(sbyte)
-        r = tl.math.div_rn(inv_g, s)
-        flip = 0
-        if STORE_SCALES:
-            if RB == 1:
-                tl.store(scales_out_ptr + blk, sbyte.to(tl.uint8), mask=bmask)
-            else:
-                tl.store(scales_out_ptr + blk // RB, sbyte.to(tl.uint8), mask=bmask & (blk % RB == 0))
     else:  # the row layout: the block amax over its RB rows (threads)
-        sbyte, s, r = _own_scale(xs, g, inv_g, P, KIND, IS_NV, RCEIL, GPU, RB)  # s > 0
+        if SCALE_LSB:
+            bi = blk if RB == 1 else blk // RB
+            row = bi // LSB_NBR
+            j = bi - row * LSB_NBR
+            byte = tl.load(scales_ptr + row * ((LSB_NBR + 7) // 8) + j // 8, mask=bmask, other=0).to(tl.int32)
+            _, q = _block_amax_q(xs, P, KIND, IS_NV, GPU, RB)
+            sbyte = _lsb_scale_byte(q, g, (byte >> (j % 8)) & 1)
+            s = _e4m3_decode(sbyte)
+            r = tl.math.div_rn(inv_g, s)
+        else:
+            sbyte, s, r = _own_scale(xs, g, inv_g, P, KIND, IS_NV, RCEIL, GPU, RB)  # s > 0
         flip = 0
         if STORE_SCALES:
             if RB == 1:
