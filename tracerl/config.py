@@ -30,6 +30,9 @@ FP4_PLACEMENTS = ("none", "experts", "experts+attention")
 HINT_SITE_KINDS = ("moe-input", "all-fp4")
 #: rollout decode paths of `tracerl.rollout.engine.RolloutEngine`
 DECODE_PATHS = ("auto", "hf", "static", "graph")
+#: how a store keeps a hinted site's block scales (tracestore FORMAT §2.4, the same list tracestore checks manifests
+#: against): E4M3 bytes, or scale hints (one LSB per block)
+SCALE_ENCODINGS = ("bytes", "lsb")
 #: ``tracerl audit --concurrent-decode``: the replay and floor decodes side by side (auto: CUDA-graph decodes)
 CONCURRENT_DECODE = ("auto", "on", "off")
 
@@ -184,8 +187,8 @@ class DemoConfig:
                               ("decode", DECODE_PATHS)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name}={getattr(self, name)!r}; supported: {', '.join(allowed)}")
-        if self.scale_encoding not in ("bytes", "lsb"):
-            raise ConfigError(f"scale_encoding={self.scale_encoding!r}; supported: bytes, lsb")
+        if self.scale_encoding not in SCALE_ENCODINGS:
+            raise ConfigError(f"scale_encoding={self.scale_encoding!r}; supported: {', '.join(SCALE_ENCODINGS)}")
         spec = self.model_spec()
         parse_layers(self.hint_layers, spec.num_layers)
         if self.store is not None:
@@ -398,8 +401,8 @@ class LoopConfig:
         RolloutConfig(group_size=self.group_size, max_ahead=self.max_ahead, seed=self.seed).check()
         if self.fp4 not in FP4_PLACEMENTS:
             raise ConfigError(f"fp4={self.fp4!r}; supported: {', '.join(FP4_PLACEMENTS)}")
-        if self.scale_encoding not in ("bytes", "lsb"):
-            raise ConfigError(f"scale_encoding={self.scale_encoding!r}; supported: bytes, lsb")
+        if self.scale_encoding not in SCALE_ENCODINGS:
+            raise ConfigError(f"scale_encoding={self.scale_encoding!r}; supported: {', '.join(SCALE_ENCODINGS)}")
 
 
 @dataclasses.dataclass

@@ -36,9 +36,10 @@ import tracefp4
 import tracestore as ts
 from tracefp4.constants import HINTS_PER_BYTE
 from tracerl import fidelity
-from tracerl.config import DemoConfig
+from tracerl.config import SCALE_ENCODINGS, DemoConfig
 from tracerl.errors import ConfigError
 from tracerl.hints import pack_micro_batches, read_packed, use_store_scale_encodings
+from tracerl.hints.scalehints import scale_bytes_per_token
 from tracerl.policy import (
     BLOCK,
     MODES,
@@ -160,8 +161,8 @@ def record_store(cfg: DemoConfig, on_step: StepFn | None = None, *, scale_encodi
 
     Raises `ConfigError` as `run_demo` does, when ``cfg.store`` is None, or for an unknown scale encoding."""
     scale_encoding = cfg.scale_encoding if scale_encoding is None else scale_encoding
-    if scale_encoding not in ("bytes", "lsb"):
-        raise ConfigError(f"scale_encoding={scale_encoding!r}: must be 'bytes' or 'lsb'")
+    if scale_encoding not in SCALE_ENCODINGS:
+        raise ConfigError(f"scale_encoding={scale_encoding!r}: must be one of {', '.join(SCALE_ENCODINGS)}")
     if cfg.store is None:
         raise ConfigError("record_store needs cfg.store (the URL of the store to create)")
     t0 = time.perf_counter()
@@ -235,8 +236,7 @@ def _run_info(cfg: DemoConfig, s: _Setup, roll: RolloutResult, recomputes: dict[
             "decode_steps": roll.decode_steps,
             "decode_path": roll.decode_path,
             "decode_prepare_s": roll.prepare_s,
-            "hint_bytes_per_token": sum(x.width // HINTS_PER_BYTE + (x.width // BLOCK if cfg.scale_encoding == "bytes"
-                                                                     else -(-x.width // (8 * BLOCK)))
+            "hint_bytes_per_token": sum(x.width // HINTS_PER_BYTE + scale_bytes_per_token(x.width, cfg.scale_encoding)
                                         for x in s.hinted),
             "scale_encoding": cfg.scale_encoding,
             "store_url": cfg.store,

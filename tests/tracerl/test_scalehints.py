@@ -144,7 +144,7 @@ def test_set_scale_encodings_checks_before_changing_anything():
     with pytest.raises(ConfigError, match="unknown .*supported: bytes, lsb"):
         rt.set_scale_encodings({moe_input_site(0): "bits"})
     with pytest.raises(ConfigError, match="not hinted by the plan"):
-        rt.set_scale_encodings({"model.layers.0.nothing": "lsb"}, decoder=reconstruct_scales)
+        rt.set_scale_encodings({"model.layers.0.nothing": "lsb"})
     assert rt.scale_encodings == {}
 
 
@@ -152,8 +152,7 @@ def test_set_scale_encodings_checks_before_changing_anything():
 def test_the_fused_kernel_is_this_rule(dtype):
     """`tracefp4.fake_quantize_lsb` (what the runtime runs; its reference backend, which tests/kernels holds the
     Triton kernel to bit for bit) picks `reconstruct_scales`' bytes and gives `fake_quantize_scale_hints`' output
-    bit for bit, for the trainer's own (perturbed) activations; the runtime's fused path equals its two-pass
-    decoder path."""
+    bit for bit, for the trainer's own (perturbed) activations, and so does the runtime's forward at an lsb site."""
     backend = "reference"
     x_r = _x(40, 256, seed=4).to(dtype)
     g = tracefp4.compute_global_scale(x_r)
@@ -171,12 +170,11 @@ def test_the_fused_kernel_is_this_rule(dtype):
     gs = rt.global_scales[site]
     qs = tracefp4.quantize(x, "nvfp4", global_scale=gs)
     xt = (x.float() * 1.03).to(x.dtype)
-    out = {}
-    for decoder in (None, reconstruct_scales):
-        rt.set_scale_encodings({site: "lsb"}, decoder=decoder)
-        with rt.using(mode="fp4_hints", provided={site: (pack_scale_lsb(qs.scales), qs.hints)}):
-            out[decoder] = rt.quant(site, xt)
-    assert torch.equal(_bits(out[None]), _bits(out[reconstruct_scales]))
+    rt.set_scale_encodings({site: "lsb"})
+    lsb_s = pack_scale_lsb(qs.scales)
+    with rt.using(mode="fp4_hints", provided={site: (lsb_s, qs.hints)}):
+        got = rt.quant(site, xt)
+    assert torch.equal(_bits(got), _bits(fake_quantize_scale_hints(xt, gs, lsb_s, qs.hints, backend="reference")))
 
 
 # ------------------------------------------------------------------------------------------------ recorder, feed

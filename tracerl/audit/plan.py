@@ -66,8 +66,10 @@ from typing import Any
 
 import numpy as np
 
-from tracefp4.constants import HINTS_PER_BYTE, NVFP4_BLOCK_SIZE
+from tracefp4.constants import HINTS_PER_BYTE
+from tracerl.config import SCALE_ENCODINGS
 from tracerl.errors import ConfigError
+from tracerl.hints.scalehints import scale_bytes_per_token
 from tracerl.policy import SitePlan
 
 #: ``|total - floor - sum(parts)| <= ADDITIVITY_TOLERANCE * total`` in mean |dlogp| (see the module docstring)
@@ -77,18 +79,13 @@ KIND_LABELS = {"linear": "attn", "moe_input": "moe-in", "moe_down": "moe-down"}
 METRICS = ("mean_abs", "mean_sq")
 
 
-#: the scale encodings a planner unit can be stored with (FORMAT §2.4): E4M3 bytes, or scale hints (one LSB per block)
-SCALE_ENCODINGS = ("bytes", "lsb")
 
 
 def site_bytes_per_token(width: int, scale_encoding: str = "bytes") -> int:
     """Stored bytes per token of one hinted NVFP4 site of ``width`` values: W/8 hint bytes plus the block scales,
     W/16 E4M3 bytes (``scale_encoding="bytes"``) or ceil(W/128) bytes of scale hints (``"lsb"``). Raises
     `ConfigError` for an unknown encoding."""
-    if scale_encoding not in SCALE_ENCODINGS:
-        raise ConfigError(f"unknown scale encoding {scale_encoding!r}; supported: {', '.join(SCALE_ENCODINGS)}")
-    blocks = width // NVFP4_BLOCK_SIZE
-    return width // HINTS_PER_BYTE + (blocks if scale_encoding == "bytes" else -(-blocks // 8))
+    return width // HINTS_PER_BYTE + scale_bytes_per_token(width, scale_encoding)
 
 
 def layer_bands(num_layers: int, bands: int) -> list[tuple[int, int]]:

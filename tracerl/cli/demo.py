@@ -9,7 +9,7 @@ import sys
 
 from tracerl.cli.args import add_model_size_arguments, add_storage_arguments, int_at_least, storage_options
 from tracerl.cli.progress import StepBars
-from tracerl.config import DECODE_PATHS, FP4_PLACEMENTS, HINT_SITE_KINDS, MODEL_FAMILIES, DemoConfig
+from tracerl.config import DECODE_PATHS, FP4_PLACEMENTS, HINT_SITE_KINDS, MODEL_FAMILIES, SCALE_ENCODINGS, DemoConfig
 
 HELP = "FP4 rollout -> hints in a store -> trainer recompute in every mode -> fidelity table"
 DESCRIPTION = (
@@ -63,7 +63,7 @@ def add_arguments(d: argparse.ArgumentParser) -> None:
     d.add_argument("--replay-routes", action="store_true",
                    help="routing replay: the trainer's MoE layers use the rollout's routed experts from the store "
                         "(router flips then count how often the trainer's router would have chosen otherwise)")
-    d.add_argument("--scale-encoding", default=_DEFAULTS.scale_encoding, choices=("bytes", "lsb"),
+    d.add_argument("--scale-encoding", default=_DEFAULTS.scale_encoding, choices=SCALE_ENCODINGS,
                    help="the store's hinted sites: bytes (E4M3 scale bytes, default) or lsb (scale hints: one bit per "
                         "block; the trainer rebuilds the bytes from its own activations; FORMAT §2.4)")
     d.add_argument("--threads", type=nonneg, default=0, metavar="N",

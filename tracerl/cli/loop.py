@@ -17,7 +17,15 @@ from tracerl.cli.args import (
     stop_on_signals,
     storage_options,
 )
-from tracerl.config import FP4_PLACEMENTS, QAT_MODES, LoopConfig, TinyMoESpec, check_store_exists, parse_layers
+from tracerl.config import (
+    FP4_PLACEMENTS,
+    QAT_MODES,
+    SCALE_ENCODINGS,
+    LoopConfig,
+    TinyMoESpec,
+    check_store_exists,
+    parse_layers,
+)
 from tracerl.errors import ConfigError
 from tracestore.cliargs import EXIT_INTERRUPTED, check_local_store
 from tracestore.errors import StoreNotFoundError
@@ -60,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_size_arguments(p, vocab=False)
     p.add_argument("--hint-layers", default=_D.hint_layers, metavar="LAYERS",
                    help="layers whose MoE input gets hints: latter-half (default), all, none, or e.g. 0,3")
-    p.add_argument("--scale-encoding", default=_D.scale_encoding, choices=("bytes", "lsb"),
+    p.add_argument("--scale-encoding", default=_D.scale_encoding, choices=SCALE_ENCODINGS,
                    help="how the store keeps block scales: bytes (default; E4M3 bytes) or lsb (scale hints: one bit "
                         "per block, the trainer rebuilds the byte from its own amax; a format-4 store)")
     p.add_argument("--fp4", default=_D.fp4, choices=FP4_PLACEMENTS, help="FP4 placement (default experts)")

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 import tracefp4
 from tracefp4.constants import HINTS_PER_BYTE, NVFP4_BLOCK_SIZE
+from tracerl.config import SCALE_ENCODINGS
 from tracerl.errors import ConfigError
 from tracerl.hints.compact import _check_u8, _check_x, _global_scale, block_scale_t, scale_hint_bytes
 
@@ -40,8 +41,6 @@ __all__ = ["SCALE_ENCODINGS", "scale_lsb_bytes", "pack_scale_lsb", "unpack_scale
 
 log = logging.getLogger(__name__)
 
-#: the store's scale encodings (FORMAT §2.4; `tracestore` checks manifests against the same list)
-SCALE_ENCODINGS = ("bytes", "lsb")
 BLOCK = NVFP4_BLOCK_SIZE
 
 

@@ -33,7 +33,7 @@ from torch import nn
 
 import tracefp4
 from tracefp4.constants import E2M1_MIDPOINTS, HINTS_PER_BYTE
-from tracerl.config import QAT_MODES
+from tracerl.config import QAT_MODES, SCALE_ENCODINGS
 from tracerl.errors import ConfigError, HintMismatchError
 from tracerl.policy.experts import grouped_gemm_supported, grouped_gemm_sync_free, routed_experts
 from tracerl.policy.models import moe_blocks
@@ -175,9 +175,6 @@ class FP4Runtime:
         #: {hinted site: "lsb"} for sites whose provided scale rows are scale hints (`set_scale_encodings`);
         #: every other site's provided rows are E4M3 bytes
         self.scale_encodings: dict[str, str] = {}
-        #: (x [N, W], g, scale hints [N, ceil(W/128)]) -> E4M3 bytes [N, W/16] before `fake_quantize`, or None for
-        #: the fused `tracefp4.fake_quantize_lsb` (the default: one pass over x)
-        self._scale_decoder: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     mode = _call_state_property("mode")
     capture = _call_state_property("capture")
@@ -203,24 +200,21 @@ class FP4Runtime:
         # float -> fp32 is exact for values that came from an fp32 (JSON keeps doubles exactly).
         self.global_scales = {k: torch.tensor(float(v), dtype=torch.float32) for k, v in scales.items()}
 
-    def set_scale_encodings(self, encodings: Mapping[str, str], decoder: Callable | None = None) -> None:
+    def set_scale_encodings(self, encodings: Mapping[str, str]) -> None:
         """What the provided scale rows of each hinted site are (the store's scale encoding, FORMAT §2.4):
         ``"bytes"`` (the default), E4M3 bytes [N, W/16]; ``"lsb"``, scale hints [N, ceil(W/128)] from which
         `quant` reconstructs the rollout's bytes with this forward's own activations in the same pass as its
         hint-guided rounding (`tracefp4.fake_quantize_lsb`; the rule of `tracerl.hints.reconstruct_scales`).
-        ``decoder``: instead, a function (x, g, scale hints) -> E4M3 bytes run first, then today's
-        `tracefp4.fake_quantize` (two passes: a reference path). `tracerl.hints.use_store_scale_encodings(runtime,
-        store)` sets them from a store.
+        `tracerl.hints.use_store_scale_encodings(runtime, store)` sets them from a store.
 
         Raises `ConfigError` (nothing changes) for a site the plan does not hint or an unknown encoding."""
-        bad = {s: e for s, e in encodings.items() if e not in ("bytes", "lsb")}
+        bad = {s: e for s, e in encodings.items() if e not in SCALE_ENCODINGS}
         foreign = sorted(set(encodings) - self._hinted)
         if bad or foreign:
             raise ConfigError(f"scale encodings: {f'unknown {bad} (supported: bytes, lsb)' if bad else ''}"
                               f"{'; ' if bad and foreign else ''}"
                               f"{f'sites {foreign[:4]} are not hinted by the plan' if foreign else ''}")
         self.scale_encodings = {s: e for s, e in encodings.items() if e != "bytes"}
-        self._scale_decoder = decoder
 
     def global_scales_json(self) -> dict[str, float]:
         return {k: float(v) for k, v in self.global_scales.items()}
@@ -303,11 +297,9 @@ class FP4Runtime:
                     f"{None if hints is None else tuple(hints.shape)}"
                 )
             use = hints if self.mode == "fp4_hints" else None
-            if lsb and self._scale_decoder is None:  # the bytes and the rounding in one pass over x
+            if lsb:  # the rollout's bytes rebuilt and the rounding in one pass over x
                 y, scale_e4m3 = tracefp4.fake_quantize_lsb(x, g, scale_e4m3, hints=use, backend=self.backend)
             else:
-                if lsb:
-                    scale_e4m3 = self._scale_decoder(x.detach(), g, scale_e4m3)  # uint8 [N, W/16]
                 y = tracefp4.fake_quantize(x, fmt="nvfp4", global_scale=g, scales=scale_e4m3, hints=use,
                                            backend=self.backend)
             if self.observe is not None:
