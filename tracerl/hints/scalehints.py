@@ -112,11 +112,11 @@ def fake_quantize_scale_hints(x_hp: torch.Tensor, global_scale, scale_lsb: torch
     """Hint-guided NVFP4 fake quantization [T, W] (x's dtype, straight-through backward) at a site stored with scale
     hints: `reconstruct_scales`, then today's ``tracefp4.fake_quantize(x, scales=, hints=)`` (``hints_packed``
     uint8 [T, W/8], or None for round-to-nearest with the reconstructed scales). Raises as `reconstruct_scales` and
-    `tracefp4.fake_quantize` do."""
+    `tracefp4.fake_quantize` do. (`tracefp4.fake_quantize_lsb` computes the same in one pass, as the trainer's
+    forward does; this two-step form is the readable definition the tests hold it to.)"""
     scales = reconstruct_scales(x_hp, global_scale, scale_lsb)
     g = _global_scale(global_scale, x_hp.device)
     return tracefp4.fake_quantize(x_hp, "nvfp4", global_scale=g, scales=scales, hints=hints_packed, backend=backend)
-    # (tracefp4.fake_quantize_lsb computes the same in one pass; this two-step form is the readable definition)
 
 
 def scale_encodings(source: Any) -> dict[str, str]:

@@ -184,7 +184,6 @@ class PlainParams:
             for name, m, p in zip(self.names, self.master, self.params):
                 m.copy_(sd["model"][name])
                 p.copy_(m)
-        self._digest = None
         _load_optim(self.opt, self.names, self.master, sd.get("optim") or {})
 
     def load_unsharded(self, master: list[torch.Tensor], opt_sd: dict) -> None:
@@ -194,7 +193,6 @@ class PlainParams:
             for m, p, v in zip(self.master, self.params, master):
                 m.copy_(v)
                 p.copy_(m)
-        self._digest = None
         self.opt.load_state_dict(opt_sd)
 
 
