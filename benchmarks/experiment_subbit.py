@@ -59,6 +59,7 @@ import torch
 
 import tracefp4
 import tracestore as ts
+from benchmark_audit import GPU_SPEC, SMOKE_SPEC  # noqa: E402  (this directory is on sys.path: run as a script)
 from tracefp4 import reference as ref
 from tracerl.audit import metrics as am
 from tracerl.audit.passes import AuditMicroBatch, PassState, mode_passes, run_pass
@@ -72,11 +73,8 @@ from tracerl.runlog import json_ready, machine_info
 
 INF = math.inf
 RESULTS = Path(__file__).resolve().parent / "results"
-#: the H200 model of benchmark_audit / benchmark_tracerl_h200 (hidden 2048, 40 layers, 32 experts, top 4)
-H200_SPEC = dict(hidden_size=2048, num_layers=40, num_heads=16, num_kv_heads=4, head_dim=128, num_experts=32,
-                 top_k=4, moe_intermediate_size=512, vocab_size=32768, max_position_embeddings=16384)
-TINY_SPEC = dict(hidden_size=64, num_layers=4, num_heads=2, num_kv_heads=1, head_dim=32, num_experts=8, top_k=2,
-                 moe_intermediate_size=32, vocab_size=256)
+#: the H200 model (hidden 2048, 40 layers, 32 experts, top 4) and the tiny one of benchmark_audit
+H200_SPEC, TINY_SPEC = GPU_SPEC, SMOKE_SPEC
 #: per --config: the recording (DemoConfig keywords), device, (trajectories, tokens) for (full, --smoke), the
 #: grid's row sample (None: every row) and the result's name (None: a temporary directory)
 CONFIGS = {
