@@ -91,6 +91,22 @@ def _child(args) -> int:
     ka = prof.key_averages()
     Path(base + "-top.txt").write_text(ka.table(sort_by=dev, row_limit=60) + "\n\n"
                                        + ka.table(sort_by="cpu_time_total", row_limit=40))
+    if args.profile_step < args.steps:  # the next step under cProfile: which Python functions hold the host
+        import cProfile
+        import io
+        import pstats
+
+        prof_py = cProfile.Profile()
+        prof_py.enable()
+        run_training(trainer, follower, max_steps=args.profile_step + 1, **kw)
+        prof_py.disable()
+        buf = io.StringIO()
+        stats = pstats.Stats(prof_py, stream=buf)
+        buf.write(f"step {args.profile_step + 1} under cProfile (its overhead inflates Python-heavy code; "
+                  "compare functions with each other, not with the step time)\n")
+        stats.sort_stats("cumulative").print_stats(80)
+        stats.sort_stats("tottime").print_stats(50)
+        Path(base + "-python.txt").write_text(buf.getvalue())
     return 0
 
 
@@ -225,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hint-layers", default="latter-half", metavar="WHICH",
                     help="hinted layers of the store (default latter-half: 20 of 40 sites on the H200 model)")
     ap.add_argument("--threads", type=int, default=1, metavar="N", help="torch CPU threads per process (default 1)")
-    ap.add_argument("--profile", action="store_true", help="also profile step 2 of one more fp4_hints run")
+    ap.add_argument("--profile", action="store_true", help="also profile step 2 of one more fp4_hints run (torch.profiler) and step 3 (cProfile: host time per Python function)")
     ap.add_argument("--timeout", type=float, default=1800, metavar="S", help="seconds per process (default 1800)")
     ap.add_argument("--smoke", action="store_true", help="tiny model, 1 run x 2 steps: checks the code paths")
     ap.add_argument("--out", default=None, metavar="PATH",
@@ -273,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.profile:
             r = _run("fp4_hints", url, workdir, args, sampler, profile_step=2)
             base = r["metrics"].removesuffix(".jsonl")
-            for suffix in ("-trace.json.gz", "-top.txt"):
+            for suffix in ("-trace.json.gz", "-top.txt", "-python.txt"):
                 if os.path.exists(base + suffix):
                     shutil.copy(base + suffix, str(out).removesuffix(".json") + "-profile" + suffix)
             result["profile"] = {"rows": r["rows"], "trace": str(out).removesuffix(".json") + "-profile-trace.json.gz"}

@@ -73,13 +73,12 @@ def one_step_share(codes_a: np.ndarray, codes_b: np.ndarray) -> float:
     return float(np.mean(np.abs(sa[mism] - sb[mism]) == 1))
 
 
-def count_code_matches(codes, packed_ref) -> tuple[int, int, int, int]:
-    """Compare effective codes ``codes`` (uint8 [R, W], one code per value) with reference codes packed two per
-    byte ``packed_ref`` (uint8 [R, W/2], value 2j in the low nibble of byte j, as tracefp4 packs them).
+def code_match_counts(codes, packed_ref):
+    """`count_code_matches`'s four counts as an int64 tensor [4] on the codes' device, computed without a host
+    sync (no data-dependent shapes: every byte's two nibbles are compared, equal bytes count as matching, as
+    `count_code_matches` defines), for a caller that sums several and reads them once.
 
-    numpy arrays or torch tensors (on any device: the trainer counts where its codes are, on the GPU); the
-    reference goes to the codes' device. Returns (matching values, values, mismatching values, mismatches one
-    ladder step apart), +0 and -0 matching. Packed bytes are compared first; only differing bytes are unpacked."""
+    Raises `ShapeMismatchError` for codes that are not uint8 [R, W] with references uint8 [R, W/2]."""
     import torch
 
     c = torch.as_tensor(codes)
@@ -88,15 +87,26 @@ def count_code_matches(codes, packed_ref) -> tuple[int, int, int, int]:
             or c.shape[0] != ref.shape[0] or c.shape[1] != 2 * ref.shape[1]:
         raise ShapeMismatchError(f"codes {tuple(c.shape)} {c.dtype} and packed codes {tuple(ref.shape)} {ref.dtype}: need "
                          "uint8 [R, W] and [R, W/2]")
-    rows, cols = torch.nonzero((c[:, 0::2] | (c[:, 1::2] << 4)) != ref, as_tuple=True)
-    a = torch.stack([c[rows, 2 * cols], c[rows, 2 * cols + 1]], dim=-1).to(torch.int16)
-    sel = ref[rows, cols].to(torch.int16)
-    b = torch.stack([sel & 0x0F, sel >> 4], dim=-1)
+    a = torch.stack([c[:, 0::2], c[:, 1::2]], dim=-1).to(torch.int16)  # [R, W/2, 2]
+    r = ref.to(torch.int16)
+    b = torch.stack([r & 0x0F, r >> 4], dim=-1)
     bad = ~((a == b) | (((a & 7) == 0) & ((b & 7) == 0)))
     signed_a = torch.where((a & 8) > 0, -(a & 7), a & 7)  # sign-magnitude -> position on the signed ladder
     signed_b = torch.where((b & 8) > 0, -(b & 7), b & 7)
-    n_bad, one = torch.stack([bad.sum(), (bad & ((signed_a - signed_b).abs() == 1)).sum()]).tolist()
-    return c.numel() - n_bad, c.numel(), n_bad, one
+    n_bad = bad.sum()
+    total = torch.full_like(n_bad, c.numel())
+    return torch.stack([total - n_bad, total, n_bad, (bad & ((signed_a - signed_b).abs() == 1)).sum()])
+
+
+def count_code_matches(codes, packed_ref) -> tuple[int, int, int, int]:
+    """Compare effective codes ``codes`` (uint8 [R, W], one code per value) with reference codes packed two per
+    byte ``packed_ref`` (uint8 [R, W/2], value 2j in the low nibble of byte j, as tracefp4 packs them).
+
+    numpy arrays or torch tensors (on any device: the trainer counts where its codes are, on the GPU); the
+    reference goes to the codes' device. Returns (matching values, values, mismatching values, mismatches one
+    ladder step apart), +0 and -0 matching. Raises `ShapeMismatchError` as `code_match_counts`."""
+    m, t, bad, one = code_match_counts(codes, packed_ref).tolist()
+    return m, t, bad, one
 
 
 def scale_agreement(scales_a: np.ndarray, scales_b: np.ndarray) -> float:

@@ -80,7 +80,7 @@ def test_count_code_matches_against_unpacked_reference():
     and the one-step count on the signed ladder."""
     import torch
 
-    from tracerl.fidelity import code_matches, count_code_matches
+    from tracerl.fidelity import code_match_counts, code_matches, count_code_matches
 
     rng = np.random.default_rng(0)
     ref = rng.integers(0, 16, (37, 64), dtype=np.uint8)
@@ -95,5 +95,8 @@ def test_count_code_matches_against_unpacked_reference():
     want = (int(match.sum()), codes.size, int((~match).sum()), one)
     assert count_code_matches(codes, packed) == want
     assert count_code_matches(torch.from_numpy(codes), torch.from_numpy(packed)) == want
+    dev = code_match_counts(torch.from_numpy(codes), packed)  # the trainer's sync-free form: a tensor [4]
+    assert dev.dtype == torch.int64 and tuple(dev.tolist()) == want
+    assert code_match_counts(codes[:0], packed[:0]).tolist() == [0, 0, 0, 0]
     with pytest.raises(ValueError):
         count_code_matches(codes, packed[:, :-1])

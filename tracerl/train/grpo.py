@@ -64,7 +64,7 @@ from tracerl.train.dist import gather_objects, rank_world
 from tracerl.train.follower import Follower, Taken, Trajectory
 from tracerl.train.params import make_params
 from tracerl.train.recompute import QATTrainer
-from tracerl.util import sync
+from tracerl.util import sync, to_device
 
 log = logging.getLogger(__name__)
 
@@ -374,10 +374,11 @@ class GRPOTrainer:
             raise FollowError(f"micro-batch of {[s.traj_id for s in packed.segments][:4]}: {len(rows)} tokens carry a "
                               f"rollout log-prob, the results' prompt lengths imply {expected}")
         dev = self.device
-        sel = torch.as_tensor(np.flatnonzero(resp)).to(dev)
+        # host -> device without a host sync each (a pageable .to(cuda) waits for the queue to drain)
+        sel = to_device(torch.as_tensor(np.flatnonzero(resp)), dev)
         lp = fwd.logprobs.index_select(0, sel)[None]  # (1, R)
-        lp_roll = torch.as_tensor(roll_scored[resp]).to(dev)[None]
-        adv = torch.as_tensor([adv_of[s.traj_id] for s in segs], dtype=torch.float32).to(dev)[None]
+        lp_roll = to_device(torch.as_tensor(roll_scored[resp]), dev)[None]
+        adv = to_device(torch.as_tensor([adv_of[s.traj_id] for s in segs], dtype=torch.float32), dev)[None]
         mask = torch.ones_like(lp_roll, dtype=torch.bool)
         if cfg.tis_cap is None:
             loss, st = rl.policy_loss(lp, lp_roll, adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
@@ -494,11 +495,13 @@ class GRPOTrainer:
     def _count_codes(self, packed, fwd, by_id: Mapping[str, Trajectory], acc: _StepAccumulator, version: int) -> None:
         """Code agreement at hinted sites on the response rows of ``version``'s trajectories, against the rollout's
         recorded codes: per site, one comparison over every such row of the micro-batch (one host -> device copy
-        of the reference codes and one count per site, not per trajectory and site)."""
+        of the reference codes per site, not per trajectory and site); the counts stay on the device and are read
+        once per call (one host sync, not one per site)."""
         resp = np.isfinite(np.asarray(packed.logprobs))
         off = packed.cu_seqlens
         mine = [(i, seg, by_id[seg.traj_id]) for i, seg in enumerate(packed.segments)
                 if by_id[seg.traj_id].policy_version == version]
+        counts = []
         for site in self.sites:
             rows, refs = [], []
             for i, seg, traj in mine:
@@ -510,10 +513,11 @@ class GRPOTrainer:
                 refs.append(ref[seg.start:seg.stop][keep])
             if not refs:
                 continue
-            idx = torch.as_tensor(np.concatenate(rows)).to(self.device)
-            m, t, bad, one = fidelity.count_code_matches(fwd.codes[site].index_select(0, idx),
-                                                         torch.as_tensor(np.concatenate(refs)).to(self.device))
-            acc.codes += np.array([m, t, bad, one], dtype=np.int64)
+            idx = to_device(torch.as_tensor(np.concatenate(rows)), self.device)
+            ref = to_device(torch.as_tensor(np.concatenate(refs)), self.device)
+            counts.append(fidelity.code_match_counts(fwd.codes[site].index_select(0, idx), ref))
+        if counts:
+            acc.codes += np.asarray(torch.stack(counts).sum(0).tolist(), dtype=np.int64)
 
     def _reduce(self, acc: _StepAccumulator) -> dict:
         """Sum the step's statistics over the data-parallel ranks (their gradients FSDP2 reduce-scattered already)."""

@@ -77,8 +77,9 @@ class QATTrainer:
             )
         tok = torch.as_tensor(packed.token_ids, dtype=torch.long)
         pos = torch.as_tensor(packed.positions, dtype=torch.long)
+        # host -> device through pinned memory without a host sync (a pageable .to(cuda) waits for the queue)
         if not self.padded:
-            inputs = {"input_ids": tok[None].to(device), "position_ids": pos[None].to(device)}
+            inputs = {"input_ids": to_device(tok[None], device), "position_ids": to_device(pos[None], device)}
             return inputs, torch.arange(len(tok), device=device)
         lens = np.diff(cu)
         nseg, lmax = len(lens), int(lens.max())
@@ -88,11 +89,11 @@ class QATTrainer:
         ids.view(-1)[torch.as_tensor(rows)] = tok
         mask.view(-1)[torch.as_tensor(rows)] = 1
         inputs = {
-            "input_ids": ids.to(device),
-            "attention_mask": mask.to(device),
-            "position_ids": (mask.cumsum(-1) - 1).clamp(min=0).to(device),
+            "input_ids": to_device(ids, device),
+            "attention_mask": to_device(mask, device),
+            "position_ids": to_device((mask.cumsum(-1) - 1).clamp(min=0), device),
         }
-        return inputs, torch.as_tensor(rows, device=device)
+        return inputs, to_device(torch.as_tensor(rows), device)
 
     def recompute(
         self, packed: PackedHints, mode: str, *, backward: bool = False, observe: bool = True,
@@ -226,7 +227,7 @@ class QATTrainer:
         if isinstance(arr, torch.Tensor):
             src = arr.to(device, non_blocking=True)
         else:
-            src = torch.as_tensor(np.ascontiguousarray(arr)).to(device)
+            src = to_device(torch.as_tensor(np.ascontiguousarray(arr)), device)  # no host sync per site
         if nrows == src.shape[0]:
             return src
         out = torch.zeros(nrows, src.shape[1], dtype=src.dtype, device=device)
