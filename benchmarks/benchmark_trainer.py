@@ -241,7 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hint-layers", default="latter-half", metavar="WHICH",
                     help="hinted layers of the store (default latter-half: 20 of 40 sites on the H200 model)")
     ap.add_argument("--threads", type=int, default=1, metavar="N", help="torch CPU threads per process (default 1)")
-    ap.add_argument("--profile", action="store_true", help="also profile step 2 of one more fp4_hints run (torch.profiler) and step 3 (cProfile: host time per Python function)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile step 2 of one more fp4_hints run (torch.profiler) and step 3 (cProfile: host "
+                         "time per Python function)")
     ap.add_argument("--timeout", type=float, default=1800, metavar="S", help="seconds per process (default 1800)")
     ap.add_argument("--smoke", action="store_true", help="tiny model, 1 run x 2 steps: checks the code paths")
     ap.add_argument("--out", default=None, metavar="PATH",

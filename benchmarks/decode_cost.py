@@ -51,7 +51,7 @@ def derive(kernels: dict, trainer: dict, *, dtype: str = "bf16", fmt: str = "nvf
     case = cases[0]
     values_per_call = case["rows"] * case["hidden"]
     ms = {k: case["default"][k]["ms_median"] for k in ("fake_quant_rtn", "fake_quant", "fake_quant_lsb")}
-    every = int(trainer["summary"]["fp4_hints"].get("measure_stale_every", 4))
+    every = int(summary.get("measure_stale_every", 4))
     sites = _site_count(spec, trainer["args"]["hint_layers"])
     values_per_step = summary["tokens_per_step"] * sites * width * (1 + 1 / every)
     step_s = summary["step_s_default_mean"]["median"]
@@ -60,7 +60,7 @@ def derive(kernels: dict, trainer: dict, *, dtype: str = "bf16", fmt: str = "nvf
                                                        "configs": {k: case["default"][k]["config"] for k in ms}},
            "step": {"tokens": summary["tokens_per_step"], "hinted_sites": sites, "width": width,
                     "measure_stale_every": every, "hinted_values": values_per_step, "step_s_default_mean": step_s},
-           "machine": {"kernels": kernels.get("gpu"), "trainer": trainer.get("device")}, "encodings": {}}
+           "machine": {"kernels": kernels.get("gpu"), "trainer": trainer.get("machine")}, "encodings": {}}
     for enc, kernel in (("bytes", "fake_quant"), ("lsb", "fake_quant_lsb")):
         decode_s = (ms[kernel] - ms["fake_quant_rtn"]) / 1e3 / values_per_call * values_per_step
         whole_s = ms[kernel] / 1e3 / values_per_call * values_per_step

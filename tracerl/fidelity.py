@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tracerl.errors import ShapeMismatchError
+
+if TYPE_CHECKING:  # torch is imported where a function needs it (this module is numpy-only otherwise)
+    import torch
 
 EXTREME_RATIO = 2.0
 
@@ -73,12 +77,15 @@ def one_step_share(codes_a: np.ndarray, codes_b: np.ndarray) -> float:
     return float(np.mean(np.abs(sa[mism] - sb[mism]) == 1))
 
 
-def code_match_counts(codes, packed_ref):
-    """`count_code_matches`'s four counts as an int64 tensor [4] on the codes' device, computed without a host
-    sync (no data-dependent shapes: every byte's two nibbles are compared, equal bytes count as matching, as
-    `count_code_matches` defines), for a caller that sums several and reads them once.
+def code_match_counts(codes, packed_ref) -> torch.Tensor:
+    """Compare effective codes ``codes`` (uint8 [R, W], one code per value) with reference codes packed two per
+    byte ``packed_ref`` (uint8 [R, W/2], value 2j in the low nibble of byte j, as tracefp4 packs them).
 
-    Raises `ShapeMismatchError` for codes that are not uint8 [R, W] with references uint8 [R, W/2]."""
+    numpy arrays or torch tensors (on any device: the trainer counts where its codes are, on the GPU); the
+    reference goes to the codes' device. Returns int64 [4] on that device: (matching values, values, mismatching
+    values, mismatches one ladder step apart), +0 and -0 matching. Every value is compared (no data-dependent
+    shapes), so nothing waits for the device until the caller reads the counts (the trainer sums its sites' and
+    reads once). Raises `ShapeMismatchError` for codes that are not uint8 [R, W] with references uint8 [R, W/2]."""
     import torch
 
     c = torch.as_tensor(codes)
@@ -99,12 +106,8 @@ def code_match_counts(codes, packed_ref):
 
 
 def count_code_matches(codes, packed_ref) -> tuple[int, int, int, int]:
-    """Compare effective codes ``codes`` (uint8 [R, W], one code per value) with reference codes packed two per
-    byte ``packed_ref`` (uint8 [R, W/2], value 2j in the low nibble of byte j, as tracefp4 packs them).
-
-    numpy arrays or torch tensors (on any device: the trainer counts where its codes are, on the GPU); the
-    reference goes to the codes' device. Returns (matching values, values, mismatching values, mismatches one
-    ladder step apart), +0 and -0 matching. Raises `ShapeMismatchError` as `code_match_counts`."""
+    """`code_match_counts` read to the host: (matching values, values, mismatching values, mismatches one ladder
+    step apart) as ints. Raises what `code_match_counts` raises."""
     m, t, bad, one = code_match_counts(codes, packed_ref).tolist()
     return m, t, bad, one
 

@@ -20,7 +20,7 @@ generated the trajectory: the trainer's own for on-policy groups; for stale grou
 kept weights of their version in one extra no-gradient forward; ``measure_stale_every``: the versions 0, N, 2N, ...
 are kept, the other stale groups' tokens counted as unmeasured): |logp_trainer - logp_rollout| statistics and k3
 (`tracerl.fidelity.dlogp_stats`), and, where the rollout recorded its codes (`tracerl.artifacts.codes`), the code
-agreement at hinted sites (`tracerl.fidelity.count_code_matches`). The extra forward changes nothing in training.
+agreement at hinted sites (`tracerl.fidelity.code_match_counts`). The extra forward changes nothing in training.
 """
 
 from __future__ import annotations
