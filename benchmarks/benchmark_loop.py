@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import os
 import statistics
@@ -166,9 +167,12 @@ def plot_all(doc: dict, path: Path) -> None:
         x = [r["step"] for r in rows]
         style = "-" if run["mode"] == "fp4_hints" else "--"
         axes[0].plot(x, [r["reward"] for r in rows], style, label=name)
-        axes[1].plot(x, [r["mismatch_mean_abs_dlogp"] for r in rows], style, label=name)
-        axes[2].plot(x, [None if r["mismatch_code_agreement"] is None else 1 - r["mismatch_code_agreement"]
-                         for r in rows], style, label=name)
+        # the mismatch of the steps that measured it (with --measure-stale-every N > 1 one in N), joined, marked
+        for ax, get in ((axes[1], lambda r: r["mismatch_mean_abs_dlogp"]),
+                        (axes[2], lambda r: None if r["mismatch_code_agreement"] is None
+                         else 1 - r["mismatch_code_agreement"])):
+            pts = [(r["step"], get(r)) for r in rows if get(r) is not None and math.isfinite(get(r))]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker=".", label=name)
     axes[0].set(title="reward (mean per step)", xlabel="policy update")
     axes[1].set(title="mean |logp_trainer - logp_rollout|", xlabel="policy update")
     axes[2].set(title="1 - code agreement at hinted sites", xlabel="policy update")

@@ -12,9 +12,11 @@ step 3 still train version-0 groups; the snapshot buffers are the same two as at
 both step times and their mean at the trainer's default N, ``(measured + (N - 1) * unmeasured) / N`` (a step that
 copies a kept version's weights, one in N, counts as one without: the copy runs on a side stream during the step).
 Each (mode, run) is a fresh process training ``--steps`` steps from scratch with the trainer's default settings
-(micro-batch tokens, read-ahead, measurement) and ``--time-phases``; no checkpoints, no publication. Reported: the
-median and spread (min..max) over ``--runs`` runs, the phase medians, peak allocated memory, and (CUDA) the GPU's
-utilization sampled by ``nvidia-smi`` every 100 ms while steps 2.. run. ``--profile`` adds one more ``fp4_hints`` process whose second step runs under torch.profiler:
+(micro-batch tokens, read-ahead, measurement; no phase clock, whose device syncs cost time); no checkpoints, no
+publication. Reported: the median and spread (min..max) over ``--runs`` runs, peak allocated memory, and (CUDA) the
+GPU's utilization sampled by ``nvidia-smi`` every 100 ms while steps 2.. run. Where the time goes comes from
+``--phase-runs`` more runs per mode with ``time_phases`` (a device sync at each phase boundary): their phase medians,
+and their step times beside the timed runs' (the clock's own cost). ``--profile`` adds one more ``fp4_hints`` process whose second step runs under torch.profiler:
 its trace (Chrome JSON, gzipped) and its top operations by device and host time are saved beside ``--out``.
 
     python benchmarks/benchmark_trainer.py --device cuda                # the H200 model: fp4_hints and bf16, 3 runs
@@ -64,7 +66,7 @@ def _child(args) -> int:
     torch.set_num_threads(args.threads)
     store = ts.open_store(args.store)
     cfg = TrainConfig(mode=args.mode, groups_per_step=args.groups, group_size=args.group_size,
-                      max_staleness=args.max_staleness, checkpoint_every=0, time_phases=True,
+                      max_staleness=args.max_staleness, checkpoint_every=0, time_phases=args.time_phases,
                       **({"micro_batch_tokens": args.micro_batch_tokens} if args.micro_batch_tokens else {}))
     log = MetricsLog(args.metrics)
     ck = args.metrics + ".ck"
@@ -137,13 +139,14 @@ class _GpuSampler:
             self._proc.wait(timeout=10)
 
 
-def _run(mode: str, url: str, workdir: Path, args, sampler: _GpuSampler, *, profile_step: int = 0) -> dict:
+def _run(mode: str, url: str, workdir: Path, args, sampler: _GpuSampler, *, profile_step: int = 0,
+         phases: bool = False) -> dict:
     metrics = workdir / f"{mode}-{time.time_ns()}.jsonl"
     argv = [sys.executable, os.path.abspath(__file__), "--child", "--store", url, "--mode", mode, "--metrics",
             str(metrics), "--steps", str(args.steps), "--groups", str(args.groups), "--group-size",
             str(args.group_size), "--device", args.device, "--threads", str(args.threads),
             "--max-staleness", str(args.max_staleness), "--unmeasured-from", str(args.unmeasured_from),
-            "--profile-step", str(profile_step)]
+            "--profile-step", str(profile_step)] + (["--time-phases"] if phases else [])
     if args.micro_batch_tokens:
         argv += ["--micro-batch-tokens", str(args.micro_batch_tokens)]
     p = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout)
@@ -166,23 +169,38 @@ def _spread(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
-def _summary(runs: dict[str, list[dict]]) -> dict:
+def _measured_rows(reps: list[dict]) -> tuple[list[dict], list[dict]]:
+    """The steps of ``reps`` with the stale forward (2 .. cut-1) and without (cut ..)."""
+    return ([r for rep in reps for r in rep["rows"][1:rep["cut"]] or rep["rows"][:1]],
+            [r for rep in reps for r in rep["rows"][rep["cut"]:]])
+
+
+def _phases(reps: list[dict]) -> dict:
+    """Phase medians (and step times) of the ``time_phases`` runs ``reps``."""
+    later, rest = _measured_rows(reps)
+    names = dict.fromkeys(k for r in later + rest for k in (r.get("phases_s") or {}))
+    return {"runs": len(reps),
+            "phases_s_median": {k: statistics.median(r["phases_s"].get(k, 0.0) for r in later) for k in names},
+            "phases_s_median_unmeasured": ({k: statistics.median(r["phases_s"].get(k, 0.0) for r in rest)
+                                            for k in names} if rest else None),
+            "step_s": _spread([rep["step_s"] for rep in reps]),
+            "step_s_unmeasured": (_spread([rep["step_s_unmeasured"] for rep in reps])
+                                  if all(rep["step_s_unmeasured"] is not None for rep in reps) else None)}
+
+
+def _summary(runs: dict[str, list[dict]], phase_runs: dict[str, list[dict]] | None = None) -> dict:
     out = {}
     for mode, reps in runs.items():
         if not reps:
             continue
-        later = [r for rep in reps for r in rep["rows"][1:rep["cut"]] or rep["rows"][:1]]  # the measured steps
-        rest = [r for rep in reps for r in rep["rows"][rep["cut"]:]]
-        phases = dict.fromkeys(k for r in later + rest for k in (r.get("phases_s") or {}))
+        later, rest = _measured_rows(reps)
         utils = [rep["gpu_util_median"] for rep in reps if rep["gpu_util_median"] is not None]
         peak = [r["cuda_max_allocated_bytes"] for rep in reps for r in rep["rows"] if r.get("cuda_max_allocated_bytes")]
         out[mode] = {
             "step_s": _spread([rep["step_s"] for rep in reps]),  # the steps with the stale forward
             "tokens_per_s": _spread([rep["tokens_per_s"] for rep in reps]),
             "gpu_util_median": _spread(utils) if utils else None,
-            "phases_s_median": {k: statistics.median(r["phases_s"].get(k, 0.0) for r in later) for k in phases},
-            "phases_s_median_unmeasured": ({k: statistics.median(r["phases_s"].get(k, 0.0) for r in rest)
-                                            for k in phases} if rest else None),
+            "with_phase_clock": _phases(phase_runs[mode]) if phase_runs and phase_runs.get(mode) else None,
             "tokens_per_step": statistics.median(r["tokens"] for r in later),
             "cuda_max_allocated_gib": max(peak) / 2**30 if peak else None,
             "code_agreement": [r["mismatch"]["code_agreement"] for r in reps[0]["rows"]],
@@ -241,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hint-layers", default="latter-half", metavar="WHICH",
                     help="hinted layers of the store (default latter-half: 20 of 40 sites on the H200 model)")
     ap.add_argument("--threads", type=int, default=1, metavar="N", help="torch CPU threads per process (default 1)")
+    ap.add_argument("--phase-runs", type=int, default=1, metavar="N",
+                    help="more processes per mode with the trainer's phase clock (time_phases: a device sync at each "
+                         "phase), for where the time goes; not timed with the others (default 1; 0: none)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile step 2 of one more fp4_hints run (torch.profiler) and step 3 (cProfile: host "
                          "time per Python function)")
@@ -254,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", help=argparse.SUPPRESS)
     ap.add_argument("--metrics", help=argparse.SUPPRESS)
     ap.add_argument("--profile-step", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--time-phases", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         return _child(args)
@@ -288,6 +310,14 @@ def main(argv: list[str] | None = None) -> int:
                       f"gpu util {r['gpu_util_median']}", flush=True)
                 result.update(runs=runs, summary=_summary(runs))
                 out.write_text(json.dumps(result, indent=1))
+        phase_runs: dict[str, list[dict]] = {m: [] for m in modes}
+        for i in range(args.phase_runs):
+            for mode in modes:
+                r = _run(mode, url, workdir, args, sampler, phases=True)
+                phase_runs[mode].append(r)
+                print(f"phase run {i + 1}/{args.phase_runs} {mode}: step_s {[round(x['step_s'], 3) for x in r['rows']]}",
+                      flush=True)
+        result.update(phase_runs=phase_runs, summary=_summary(runs, phase_runs))
         if args.profile:
             r = _run("fp4_hints", url, workdir, args, sampler, profile_step=2)
             base = r["metrics"].removesuffix(".jsonl")
@@ -311,10 +341,14 @@ def main(argv: list[str] | None = None) -> int:
     if "fp4_hints_over_bf16_step" in s:
         print(f"fp4_hints / bf16 step time: {s['fp4_hints_over_bf16_step']:.3f}")
     for mode in modes:
-        print(f"phases {mode}: " + ", ".join(f"{k} {v:.3f}" for k, v in s[mode]["phases_s_median"].items()))
-        if s[mode]["phases_s_median_unmeasured"]:
-            print(f"phases {mode} (no stale forward): "
-                  + ", ".join(f"{k} {v:.3f}" for k, v in s[mode]["phases_s_median_unmeasured"].items()))
+        ph = s[mode]["with_phase_clock"]
+        if not ph:
+            continue
+        print(f"phases {mode} ({ph['runs']} run(s) with the phase clock, step {ph['step_s']['median']:.3f} s): "
+              + ", ".join(f"{k} {v:.3f}" for k, v in ph["phases_s_median"].items()))
+        if ph["phases_s_median_unmeasured"]:
+            print(f"phases {mode} (no stale forward, step {ph['step_s_unmeasured']['median']:.3f} s): "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in ph["phases_s_median_unmeasured"].items()))
     for mode in modes:
         if "step_s_default_mean" in s[mode]:
             m = s[mode]

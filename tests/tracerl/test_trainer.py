@@ -189,3 +189,70 @@ def test_capturing_quant_equals_fake_quantize_with_nan_and_inf(setup):
     assert torch.equal(torch.isnan(y), torch.isnan(want))
     ok = ~torch.isnan(want)
     assert torch.equal(y[ok].view(torch.int16), want[ok].view(torch.int16))
+
+
+
+@pytest.mark.parametrize("lens", [[9, 5], [6, 6]], ids=["padded", "no-padding"])
+def test_own_sdpa_mask_is_hugging_faces_mask_and_changes_no_bit(setup, monkeypatch, lens):
+    """The trainer gives SDPA its mask itself (tracerl.train.attention: no device check of the padding): it is
+    Hugging Face's mask element for element (None without padding), Hugging Face's mask code is never consulted,
+    and every log-prob, code and gradient is the same bit for bit as when Hugging Face makes the mask."""
+    import transformers.masking_utils as mu
+
+    from tracerl.train import attention
+    from tracerl.train import recompute as rc
+
+    spec, model, rt, tr, packed = setup
+    if lens != [9, 5]:
+        packed = _packed(lens, spec.vocab_size)
+        packed.hints = {s: np.zeros((sum(lens), h.shape[1]), np.uint8) for s, h in setup[4].hints.items()}
+        packed.scales = {s: np.full((sum(lens), h.shape[1]), 0x38, np.uint8) for s, h in setup[4].scales.items()}
+    inputs, _ = tr._layout(packed, torch.device("cpu"))
+    emb = model.model.embed_tokens(inputs["input_ids"])
+    theirs = mu.create_causal_mask(config=model.config, inputs_embeds=emb, attention_mask=inputs["attention_mask"],
+                                   cache=None, position_ids=inputs["position_ids"])
+    if lens == [9, 5]:
+        assert torch.equal(theirs, attention.sdpa_padding_mask(inputs["attention_mask"]))
+    else:
+        assert theirs is None  # SDPA's causal path, which own_sdpa_mask(None) takes too
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        out = tr.recompute(packed, "fp4_hints", backward=True)
+        return out, [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    with monkeypatch.context() as m:
+        def consulted(*a, **k):
+            raise AssertionError("Hugging Face's mask check ran")
+        m.setattr(mu, "_ignore_causal_mask_sdpa", consulted)
+        m.setattr(mu, "find_packed_sequence_indices", consulted)
+        ours, g_ours = run()
+    assert model.config._attn_implementation == "sdpa"  # put back after the forward
+    with monkeypatch.context() as m:
+        m.setattr(rc.QATTrainer, "_own_sdpa_mask", lambda self: False)
+        hf, g_hf = run()
+    np.testing.assert_array_equal(ours.logprobs, hf.logprobs)
+    assert ours.codes.keys() == hf.codes.keys() and all(np.array_equal(ours.codes[k], hf.codes[k]) for k in ours.codes)
+    assert len(g_ours) == len(g_hf) and all(torch.equal(a, b) for a, b in zip(g_ours, g_hf))
+
+
+def test_own_sdpa_mask_only_where_it_is_hugging_faces(setup, monkeypatch):
+    """Eager attention and a sliding window leave the mask to Hugging Face; outside the trainer's forward the
+    registered implementation refuses to run, and an error inside puts the model's attention back."""
+    from tracerl.train import attention
+
+    spec, model, rt, tr, packed = setup
+    assert tr._own_sdpa_mask()
+    monkeypatch.setattr(model.config, "_attn_implementation", "eager")
+    assert not tr._own_sdpa_mask()
+    monkeypatch.setattr(model.config, "_attn_implementation", "sdpa")
+    monkeypatch.setattr(model.config, "sliding_window", 4)
+    assert not tr._own_sdpa_mask()
+    monkeypatch.undo()
+    with pytest.raises(ConfigError, match="only inside"):
+        attention._attention(model.model.layers[0].self_attn, *(torch.zeros(1, 2, 3, 32),) * 3, None)
+    with pytest.raises(ValueError, match="boom"):
+        with attention.own_sdpa_mask(model, None):
+            assert model.config._attn_implementation == attention.NAME
+            raise ValueError("boom")
+    assert model.config._attn_implementation == "sdpa"

@@ -1,20 +1,27 @@
 """The rollout's recorded FP4 codes beside a store: a measurement aid for the trainer's code agreement.
 
-With ``record_codes`` the rollout worker (`tracerl.rollout.RolloutWorker`) writes one ``.npz`` object per
-generation batch under the store's ``audit`` area (``codes/<batch>.npz``: ``"<traj_id>/<site>"`` -> packed codes
-uint8 [tokens, W/2], the codes the rollout's forward used, at 4x the hint bytes) and names it in each
-trajectory's result (``result.extra[CODES_KEY]``); the trainer reads them back (`RolloutCodes`).
+With ``record_codes`` the rollout worker (`tracerl.rollout.RolloutWorker`) writes one object per generation batch
+under the store's ``audit`` area (``codes/<writer>/<batch>.safetensors``: ``"<traj_id>/<site>"`` -> packed codes
+uint8 [tokens, W/2], the codes the rollout's forward used, at 4x the hint bytes; stores written before 2026-12 hold
+``.npz`` objects of the same arrays, read the same way) and names it in each trajectory's result
+(``result.extra[CODES_KEY]``); the trainer reads them back (`RolloutCodes`), ahead of the step that needs them
+(`RolloutCodes.prefetch`) so that loading them is not on the step's hot path.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import io
 import logging
-from collections.abc import Mapping, Sequence
+import threading
+import zipfile
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import safetensors
+import safetensors.numpy
 
 import tracestore as ts
 
@@ -32,41 +39,108 @@ CODES_PREFIX = f"{AREA}/codes/"
 def put_codes(store: ts.Store, writer_id: str, batch: int, request_ids: Sequence[str],
               codes: Mapping[str, Sequence[np.ndarray]]) -> str:
     """Write one generation batch's codes (site -> per request uint8 [tokens, W/2], in ``request_ids``' order) as
-    one ``.npz`` beside the store; returns its key, to put in each result's ``extra[CODES_KEY]``. Write it before
-    any result names it, so a trainer that reads a result finds the codes.
+    one safetensors object beside the store; returns its key, to put in each result's ``extra[CODES_KEY]``. Write
+    it before any result names it, so a trainer that reads a result finds the codes.
 
     Raises tracestore.BackendError when the storage fails."""
-    arrays = {f"{rid}/{site}": per[i] for site, per in codes.items() for i, rid in enumerate(request_ids)}
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)
-    name = f"codes/{writer_id}/{batch:06d}.npz"
-    store.area(AREA).put(name, buf.getvalue())
+    arrays = {f"{rid}/{site}": np.ascontiguousarray(per[i], dtype=np.uint8)
+              for site, per in codes.items() for i, rid in enumerate(request_ids)}
+    name = f"codes/{writer_id}/{batch:06d}.safetensors"
+    store.area(AREA).put(name, safetensors.numpy.save(arrays, metadata={"format": "tracerl-codes-1"}))
     return f"{AREA}/{name}"
 
 
+def _decode(key: str, data: bytes) -> dict[str, np.ndarray]:
+    """The arrays of one codes object (safetensors, or the ``.npz`` of stores written before 2026-12)."""
+    if key.endswith(".npz"):
+        with np.load(io.BytesIO(data)) as z:
+            return {k: z[k] for k in z.files}
+    return safetensors.numpy.load(data)
+
+
 class RolloutCodes:
-    """The rollout's recorded codes (`put_codes`), loaded on demand and cached for a few batches."""
+    """The rollout's recorded codes (`put_codes`), loaded on demand or ahead (`prefetch`, in a background thread)
+    and cached for the batches of the last prefetch (at least ``keep``).
+
+    A missing or unreadable object only removes the code-agreement measurement of its trajectories (logged once);
+    a storage failure (tracestore.BackendError) is raised where its codes are asked for."""
 
     def __init__(self, store: ts.Store, keep: int = 4):
         self.store = store
         self.keep = keep
-        self._cache: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self._cache: collections.OrderedDict[str, concurrent.futures.Future] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    @staticmethod
+    def _key(traj: Any) -> str | None:
+        result = traj.result
+        return result.extra.get(CODES_KEY) if result is not None and isinstance(result.extra, Mapping) else None
+
+    def _load(self, key: str) -> dict[str, np.ndarray]:
+        try:
+            data = self.store.area(AREA).get(key.removeprefix(f"{AREA}/"))
+        except ts.ObjectNotFoundError:
+            log.warning("codes %s are missing; no code agreement for its trajectories", key)
+            return {}
+        try:
+            return _decode(key, data)
+        except (ValueError, OSError, EOFError, KeyError, zipfile.BadZipFile, safetensors.SafetensorError) as e:
+            log.warning("codes %s are unreadable (%s: %s); no code agreement for its trajectories", key,
+                        type(e).__name__, e)
+            return {}
+
+    def _future(self, key: str, background: bool, keep: int) -> concurrent.futures.Future:
+        with self._lock:
+            fut = self._cache.get(key)
+            if fut is not None:
+                self._cache.move_to_end(key)
+                return fut
+            if background:
+                if self._pool is None:
+                    self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tracerl-codes")
+                fut = self._pool.submit(self._load, key)
+            else:
+                fut = concurrent.futures.Future()
+            self._cache[key] = fut
+            while len(self._cache) > keep:
+                self._cache.popitem(last=False)
+        if not background:
+            try:
+                fut.set_result(self._load(key))
+            except BaseException as e:
+                fut.set_exception(e)
+                with self._lock:
+                    self._cache.pop(key, None)  # a storage failure is not remembered: asked again, read again
+        return fut
+
+    def prefetch(self, trajs: Iterable[Any]) -> None:
+        """Start loading, in a background thread, the codes objects ``trajs`` (objects with their
+        `tracestore.Result` as ``result``) name; they stay cached at least until the next prefetch."""
+        keys = list(dict.fromkeys(k for k in map(self._key, trajs) if k))
+        self.keep = max(self.keep, len(keys))
+        for k in keys:
+            self._future(k, True, self.keep)
 
     def get(self, traj: Any, site: str) -> np.ndarray | None:
         """uint8 [num_tokens, W/2] packed codes of trajectory ``traj`` (anything with its `tracestore.Result` as
-        ``result``, e.g. a `tracerl.train.Trajectory`) at ``site``, or None when not recorded."""
-        result = traj.result
-        key = result.extra.get(CODES_KEY) if result is not None and isinstance(result.extra, Mapping) else None
+        ``result``, e.g. a `tracerl.train.Trajectory`) at ``site``, or None when not recorded. Waits for a
+        prefetch of its object; raises tracestore.BackendError when the storage fails."""
+        key = self._key(traj)
         if not key:
             return None
-        arrays = self._cache.get(key)
-        if arrays is None:
-            try:
-                arrays = dict(np.load(io.BytesIO(self.store.area(AREA).get(key.removeprefix(f"{AREA}/")))))
-            except ts.ObjectNotFoundError:
-                log.warning("codes %s of %s are missing; no code agreement for it", key, result.traj_id)
-                arrays = {}
-            self._cache[key] = arrays
-            while len(self._cache) > self.keep:
-                self._cache.popitem(last=False)
-        return arrays.get(f"{result.traj_id}/{site}")
+        fut = self._future(key, False, self.keep)
+        try:
+            arrays = fut.result()
+        except BaseException:
+            with self._lock:
+                if self._cache.get(key) is fut:
+                    del self._cache[key]
+            raise
+        return arrays.get(f"{traj.result.traj_id}/{site}")
+
+    def close(self) -> None:
+        """Stop the background thread (pending loads finish first)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None

@@ -15,7 +15,7 @@ Per generation batch (`RolloutWorker.generate_batch`):
    trajectories become complete in the store, in order.
 
 With ``record_codes`` the batch's FP4 codes at the hinted sites (uint8 [tokens, W/2] per trajectory and site, the
-codes the rollout's forward used) are written first as one ``.npz`` object under ``audit/codes/`` beside the
+codes the rollout's forward used) are written first as one safetensors object under ``audit/codes/`` beside the
 store and named in each result's extra (``codes_key``; `tracerl.artifacts.codes`): a measurement aid for the trainer's code agreement, at
 4x the hint bytes.
 

@@ -275,6 +275,9 @@ class GRPOTrainer:
             kept = self.trainable.snapshot(self._spare.pop() if self._spare else None, background=True)
         read_s = fwd_s = 0.0
         acc.read = list(dict.fromkeys(seg.traj_id for mb in mine for seg in mb.segments))
+        if cfg.code_agreement and self.sites and cfg.mode != "bf16":
+            # the rollout's recorded codes, loaded in the background while the first micro-batch computes
+            self._codes.prefetch(by_id[t] for t in acc.read)
         for packed, t_loaded, secs in read_ahead(source, mine, self.read_sites, cfg.read_ahead_bytes):
             for seg in packed.segments:
                 acc.lag.setdefault(seg.traj_id, t_loaded - by_id[seg.traj_id].committed_unix)

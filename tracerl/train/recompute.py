@@ -27,6 +27,7 @@ import torch
 from tracerl.errors import ConfigError
 from tracerl.hints import PackedHints
 from tracerl.policy import FP4Runtime, cache_kwarg, check_mode, fp4_kv_cache, has_linear_attention, moe_blocks
+from tracerl.train.attention import own_sdpa_mask, sdpa_hook_available, sdpa_padding_mask
 from tracerl.util import sync, to_device, to_host
 
 
@@ -95,6 +96,15 @@ class QATTrainer:
         }
         return inputs, to_device(torch.as_tensor(rows), device)
 
+    def _own_sdpa_mask(self) -> bool:
+        """Whether the padded layout gives SDPA its mask itself (`own_sdpa_mask`): with SDPA attention, no FP4 KV
+        cache, no linear-attention layers (they read the 2D padding mask) and no sliding window (its mask
+        differs). Hugging Face makes the same mask from the 2D one, but first asks the device whether there is any
+        padding (one host sync per forward, which drains the queue); the host knows that already."""
+        cfg = getattr(self.model, "config", None)
+        return (getattr(cfg, "_attn_implementation", None) == "sdpa" and getattr(cfg, "sliding_window", None) is None
+                and not self.runtime.plan.has_kv and not has_linear_attention(self.model) and sdpa_hook_available())
+
     def recompute(
         self, packed: PackedHints, mode: str, *, backward: bool = False, observe: bool = True,
         replay_routes: bool = False,
@@ -154,7 +164,8 @@ class QATTrainer:
 
         with self.runtime.using(mode=mode, provided=provided, forced_routes=forced,
                                 on_route=on_route if routes else None, observe=on_observe if observe else None):
-            logits = self._forward(inputs, rows)  # (T, V)
+            lens = np.diff(packed.cu_seqlens)
+            logits = self._forward(inputs, rows, padded=lens.size > 0 and bool((lens != lens.max()).any()))  # (T, V)
             # Token t is scored by the logits at t-1 of the same segment. Which tokens (and which of them are
             # response tokens) is known on the host: computed there and sent once, so nothing between the forward
             # and the backward waits for the device.
@@ -195,12 +206,17 @@ class QATTrainer:
             forced[layer] = self._scatter(ids, rows, nrows, device).long()
         return forced
 
-    def _forward(self, inputs: dict, rows: torch.Tensor) -> torch.Tensor:
+    def _forward(self, inputs: dict, rows: torch.Tensor, padded: bool = True) -> torch.Tensor:
         """Logits (T, V) of the THD tokens from one full-sequence forward (no KV cache unless the KV cache is
-        FP4: then K/V are quantized as the rollout's cache stored them)."""
+        FP4: then K/V are quantized as the rollout's cache stored them). ``padded``: whether the padded layout's
+        rows have any padding (known on the host)."""
         model = self.model
         kv = fp4_kv_cache(model, self.runtime)
-        if kv is None:
+        if kv is None and self.padded and self._own_sdpa_mask():
+            mask = sdpa_padding_mask(inputs["attention_mask"]) if padded else None
+            with own_sdpa_mask(model, mask):
+                logits = model(**inputs, use_cache=False).logits  # (B, L, V)
+        elif kv is None:
             logits = model(**inputs, use_cache=False).logits  # (B, L, V)
         else:
             if not self.padded:
@@ -233,3 +249,4 @@ class QATTrainer:
         out = torch.zeros(nrows, src.shape[1], dtype=src.dtype, device=device)
         out[rows] = src
         return out
+
