@@ -69,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gib", type=float, default=2.0, help="size of the state dict in GiB (default 2)")
     p.add_argument("--reps", type=int, default=3, help="runs (median reported; default 3)")
     p.add_argument("--smoke", action="store_true", help="64 MiB, 1 run")
-    p.add_argument("--workdir", help="where the versions are written (default: a temporary directory)")
+    p.add_argument("--workdir", metavar="DIR",
+                   help="the directory below which the versions are written in a temporary folder (created if it does "
+                        "not exist; default: the system's temporary directory)")
     p.add_argument("--out", help="JSON path (default benchmarks/results/weights-<machine>.json; smoke: a temp file)")
     args = p.parse_args(argv)
     gib, reps = (1 / 16, 1) if args.smoke else (args.gib, args.reps)
@@ -83,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
                                                     "load_stall_s", "library_save_stall_s", "library_load_stall_s")}
     from safetensors.torch import load as lib_load
     from safetensors.torch import save as lib_save
+    if args.workdir:
+        os.makedirs(args.workdir, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         for rep in range(reps):
             url = os.path.join(tmp, f"run{rep}")
