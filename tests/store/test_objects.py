@@ -38,6 +38,22 @@ def test_put_get_roundtrip(area):
         a.get("missing.json")
 
 
+def test_read_into_fills_the_buffer_straight_from_the_object(area):
+    a, raw = area
+    data = bytes(range(256)) * 41  # 10,496 bytes
+    raw.write("weights/blob.safetensors", data)
+    buf = bytearray(len(data) + 7)  # longer than the object: fewer bytes read, the rest untouched
+    buf[-7:] = b"x" * 7
+    assert a.read_into("blob.safetensors", buf) == len(data)
+    assert bytes(buf[:len(data)]) == data and buf[-7:] == b"x" * 7
+    head = memoryview(bytearray(100))
+    assert a.read_into("blob.safetensors", head) == 100 and bytes(head) == data[:100]
+    with pytest.raises(ts.ObjectNotFoundError):
+        a.read_into("missing.safetensors", bytearray(4))
+    with pytest.raises(ts.InvalidIdError):
+        a.read_into("../log/x", bytearray(4))
+
+
 def test_put_if_absent_is_exclusive(area):
     a, raw = area
     assert a.put_if_absent("000000000001.json", b"first") is True
@@ -229,9 +245,13 @@ def test_a_failing_storage_is_never_read_as_absent(proxy, faulty):
     with pytest.raises(ts.TransientStorageError) as e:
         a.get("there.json")
     assert not isinstance(e.value, ts.ObjectNotFoundError)
+    with pytest.raises(ts.TransientStorageError) as e:
+        a.read_into("there.json", bytearray(1))
+    assert not isinstance(e.value, ts.ObjectNotFoundError)
     proxy.clear()
     proxy.down()
     for call in (lambda: a.get("there.json"), lambda: a.exists("there.json"), lambda: a.list(),
+                 lambda: a.read_into("there.json", bytearray(1)),
                  lambda: a.put_if_absent("new.json", b"x"), lambda: a.delete("there.json")):
         with pytest.raises(ts.EndpointError):
             call()

@@ -13,6 +13,7 @@ from safetensors.torch import load as lib_load
 from safetensors.torch import save as lib_save
 
 from tracerl.artifacts import tensorfile as st
+from tracerl.errors import ConfigError
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -97,6 +98,40 @@ def _file(header: dict, data: bytes = b"") -> bytes:
 def test_malformed_files_are_typed_errors(blob, match):
     with pytest.raises(st.SafetensorsFormatError, match=match):
         st.decode(blob)
+    with pytest.raises(st.SafetensorsFormatError, match=match):
+        st.decode_views(torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.zeros(0, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("source", ["ours", "library"])
+def test_decode_views_shares_the_buffer_and_equals_decode(source):
+    """Views of one buffer, bit for bit what `decode` copies out, for our files and the library's (both align every
+    tensor to its element size), the buffer a slice of a larger one too."""
+    sd = _tensors()
+    blob = (b"".join(bytes(p) for p in st.encode(sd)) if source == "ours" else lib_save(sd))
+    big = torch.zeros(len(blob) + 16, dtype=torch.uint8)
+    buf = big[8:8 + len(blob)]
+    buf.copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+    views, _ = st.decode_views(buf)
+    copies, _ = st.decode(blob)
+    assert set(views) == set(sd) and all(_bits_equal(views[k], copies[k]) for k in sd)
+    shared = [k for k, t in views.items() if t.numel()]
+    assert shared and all(views[k].untyped_storage().data_ptr() == big.untyped_storage().data_ptr() for k in shared)
+    views["f32"].add_(1)  # writes the buffer, not the other tensors
+    assert all(_bits_equal(views[k], copies[k]) for k in sd if k != "f32")
+
+
+def test_decode_views_copies_a_tensor_not_aligned_to_its_element_size():
+    raw = _file({"u": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
+                 "f": {"dtype": "F32", "shape": [2], "data_offsets": [3, 11]}},
+                b"\x01\x02\x03" + struct.pack("<2f", 1.5, -2.0))
+    buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    views, _ = st.decode_views(buf)
+    assert views["f"].tolist() == [1.5, -2.0] and views["u"].tolist() == [1, 2, 3]
+    assert views["f"].untyped_storage().data_ptr() != buf.untyped_storage().data_ptr()  # copied out
+    with pytest.raises(ConfigError, match="contiguous uint8"):
+        st.decode_views(buf.view(torch.int8))
+    with pytest.raises(ConfigError, match="contiguous uint8"):
+        st.decode_views(buf[::2])
 
 
 def _file(header: dict | bytes, data: bytes = b"") -> bytes:

@@ -89,6 +89,30 @@ def test_uncommitted_blob_is_invisible(location):
     assert torch.equal(W.load_state_dict(url, 1, storage_options=opts)[0]["a.weight"], _sd(1)["a.weight"])
 
 
+def test_loaded_tensors_are_views_of_one_buffer_and_writable(location):
+    """load_state_dict reads the blob once into one buffer and hands out views of it (no second copy): equal to
+    what was published, writable, and a write to one changes no other tensor."""
+    url, opts = location.url, location.options
+    sd = _sd(3)
+    W.publish(url, 0, sd, storage_options=opts)
+    got, _ = W.load_state_dict(url, 0, storage_options=opts)
+    assert got.keys() == sd.keys() and all(torch.equal(got[k], sd[k]) for k in sd)
+    assert len({t.untyped_storage().data_ptr() for t in got.values() if t.numel()}) == 1
+    before = {k: v.clone() for k, v in got.items()}
+    first = next(k for k in got if got[k].numel())
+    got[first].add_(1)
+    assert all(torch.equal(got[k], before[k]) for k in got if k != first)
+
+
+def test_a_blob_longer_than_its_commit_says_is_an_integrity_error(location):
+    url, opts = location.url, location.options
+    W.publish(url, 0, _sd(0), storage_options=opts)
+    key = _blob_key(location, 0)
+    location.write(key, location.read(key) + b"\0")
+    with pytest.raises(W.WeightsIntegrityError, match="more than"):
+        W.load_state_dict(url, 0, storage_options=opts)
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
 def test_corrupt_tensors_raise_integrity_error(location, damage):
     url, opts = location.url, location.options

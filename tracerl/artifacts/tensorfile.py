@@ -10,7 +10,9 @@ a JSON header of ``{name: {"dtype", "shape", "data_offsets"}, "__metadata__": {s
 bytes, then the tensors' bytes back to back); the tests check both directions against the library itself. Here
 the blob is a list of parts (the header, then one memoryview of each tensor's bytes: nothing copied; `Backend.put`
 writes parts with one gather write), checksums run over the parts (crc32c and sha256 release the GIL), and
-decoding copies each tensor out of the blob with a torch copy, which releases the GIL.
+decoding copies each tensor out of the blob with a torch copy, which releases the GIL (`decode`), or, for a blob
+read into a buffer of its own, makes each tensor a view of that buffer (`decode_views`: no copy at all; a policy
+version is loaded that way, `tracerl.artifacts.weights.load_state_dict`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 
 from tracerl.errors import ConfigError, SafetensorsFormatError
 
-__all__ = ["encode", "decode", "SafetensorsFormatError"]
+__all__ = ["encode", "decode", "decode_views", "SafetensorsFormatError"]
 
 #: safetensors dtype names of the torch dtypes (the library's names)
 _DTYPES: dict[torch.dtype, str] = {
@@ -77,6 +79,20 @@ def encode(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | No
     return [struct.pack("<Q", len(raw)) + raw, *views]
 
 
+def _layout(mv: memoryview) -> tuple[dict[str, str], int, list[tuple[str, torch.dtype, list[int], int, int]]]:
+    """(metadata, first data byte, checked entries) of the safetensors file in ``mv`` (see `decode`)."""
+    if len(mv) < 8:
+        raise SafetensorsFormatError(f"{len(mv)} bytes: shorter than the 8-byte header length")
+    (n,) = struct.unpack("<Q", mv[:8])
+    if n > _MAX_HEADER or 8 + n > len(mv):
+        raise SafetensorsFormatError(f"header length {n} does not fit a file of {len(mv)} bytes")
+    header = _parse_header(bytes(mv[8:8 + n]))
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise SafetensorsFormatError("__metadata__ is not a str -> str object")
+    return meta, 8 + n, _check_entries(header, len(mv) - 8 - n)
+
+
 def decode(blob: bytes | memoryview) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(tensors, metadata) of a safetensors file; every tensor is a fresh CPU tensor (copied out of ``blob``).
 
@@ -88,17 +104,8 @@ def decode(blob: bytes | memoryview) -> tuple[dict[str, torch.Tensor], dict[str,
     not JSON or nests deeper than the format does, unknown dtypes, shapes that do not match their bytes, offsets
     that do not tile the data exactly)."""
     mv = memoryview(blob).cast("B")
-    if len(mv) < 8:
-        raise SafetensorsFormatError(f"{len(mv)} bytes: shorter than the 8-byte header length")
-    (n,) = struct.unpack("<Q", mv[:8])
-    if n > _MAX_HEADER or 8 + n > len(mv):
-        raise SafetensorsFormatError(f"header length {n} does not fit a file of {len(mv)} bytes")
-    header = _parse_header(bytes(mv[8:8 + n]))
-    meta = header.pop("__metadata__", None) or {}
-    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-        raise SafetensorsFormatError("__metadata__ is not a str -> str object")
-    data = mv[8 + n:]
-    entries = _check_entries(header, len(data))
+    meta, start, entries = _layout(mv)
+    data = mv[start:]
     out = {}
     for name, dtype, shape, begin, size in entries:
         t = torch.empty(shape, dtype=dtype)
@@ -108,6 +115,29 @@ def decode(blob: bytes | memoryview) -> tuple[dict[str, torch.Tensor], dict[str,
                 src = torch.frombuffer(data, dtype=torch.uint8, count=size, offset=begin)
             t.view(-1).view(torch.uint8).copy_(src)  # torch copies release the GIL
         out[name] = t
+    return out, meta
+
+
+def decode_views(buf: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors, metadata) of the safetensors file held by ``buf`` (a contiguous uint8 [N] CPU tensor), as views
+    of ``buf`` (no copy: they share its memory, and writing one writes the buffer), each tensor aligned to its
+    element size in the file (as `encode` and the library lay them out) or else copied out. The same checks as
+    `decode` before the first tensor is made; raises SafetensorsFormatError as it does, and ConfigError for a
+    ``buf`` that is not a contiguous uint8 [N] CPU tensor."""
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.device.type != "cpu" or not buf.is_contiguous():
+        raise ConfigError(f"decode_views needs a contiguous uint8 [N] CPU tensor, got {buf.dtype} "
+                          f"{tuple(buf.shape)} on {buf.device}")
+    meta, start, entries = _layout(memoryview(buf.numpy()))
+    out = {}
+    for name, dtype, shape, begin, size in entries:
+        first = start + begin
+        if size and (buf.storage_offset() + first) % _ITEMSIZE[dtype] == 0:
+            out[name] = buf[first:first + size].view(dtype).view(shape)
+        else:  # empty, or not aligned to its element size: a copy
+            t = torch.empty(shape, dtype=dtype)
+            if size:
+                t.view(-1).view(torch.uint8).copy_(buf[first:first + size])
+            out[name] = t
     return out, meta
 
 
