@@ -249,4 +249,3 @@ class QATTrainer:
         out = torch.zeros(nrows, src.shape[1], dtype=src.dtype, device=device)
         out[rows] = src
         return out
-
