@@ -171,7 +171,7 @@ def plot_all(doc: dict, path: Path) -> None:
         for ax, get in ((axes[1], lambda r: r["mismatch_mean_abs_dlogp"]),
                         (axes[2], lambda r: None if r["mismatch_code_agreement"] is None
                          else 1 - r["mismatch_code_agreement"])):
-            pts = [(r["step"], get(r)) for r in rows if get(r) is not None and math.isfinite(get(r))]
+            pts = [(r["step"], v) for r in rows if (v := get(r)) is not None and math.isfinite(v)]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker=".", label=name)
     axes[0].set(title="reward (mean per step)", xlabel="policy update")
     axes[1].set(title="mean |logp_trainer - logp_rollout|", xlabel="policy update")

@@ -193,7 +193,7 @@ def _summary(runs: dict[str, list[dict]], phase_runs: dict[str, list[dict]] | No
     for mode, reps in runs.items():
         if not reps:
             continue
-        later, rest = _measured_rows(reps)
+        later, _ = _measured_rows(reps)
         utils = [rep["gpu_util_median"] for rep in reps if rep["gpu_util_median"] is not None]
         peak = [r["cuda_max_allocated_bytes"] for rep in reps for r in rep["rows"] if r.get("cuda_max_allocated_bytes")]
         out[mode] = {

@@ -22,7 +22,7 @@ import re
 from collections.abc import Iterable, Mapping
 
 from ._closing import Closing
-from .errors import InvalidIdError, ObjectNotFoundError, TransientStorageError
+from .errors import InvalidIdError, ObjectNotFoundError, OptionTypeError, TransientStorageError
 from .format.keys import MANIFEST_KEY, STORE_NAMES
 from .storage import PARTIAL_SUFFIX, Backend, ByteRange, Data, ObjectInfo, RetryPolicy, join_parts, open_backend
 
@@ -157,8 +157,15 @@ class ObjectArea(Closing):
         """Fill ``buffer`` (a writable bytes-like object) with the object's first ``len(buffer)`` bytes, straight
         into it where the storage can (local files: ``preadv``, large objects on several threads); returns the bytes
         read, fewer when the object is shorter. Raises ObjectNotFoundError only when the storage says the object is
-        absent, another BackendError subclass when the storage failed."""
-        view = memoryview(buffer).cast("B")
+        absent, another BackendError subclass when the storage failed, OptionTypeError (before any I/O) for a
+        ``buffer`` that is not a writable bytes-like object."""
+        try:
+            view = memoryview(buffer).cast("B")
+        except TypeError as e:
+            raise OptionTypeError(f"read_into needs a writable bytes-like buffer, got {type(buffer).__name__} "
+                                  f"({e})") from None
+        if view.readonly:
+            raise OptionTypeError(f"read_into needs a writable buffer, got a read-only {type(buffer).__name__}")
         return self._backend.readinto_ranges([(ByteRange(self.key(name), 0, len(view)), [view])])[0]
 
     def exists(self, name: str) -> bool:

@@ -52,6 +52,9 @@ def test_read_into_fills_the_buffer_straight_from_the_object(area):
         a.read_into("missing.safetensors", bytearray(4))
     with pytest.raises(ts.InvalidIdError):
         a.read_into("../log/x", bytearray(4))
+    for bad in (b"read-only", "text", 7):
+        with pytest.raises(ts.OptionTypeError, match="writable"):
+            a.read_into("blob.safetensors", bad)
 
 
 def test_put_if_absent_is_exclusive(area):

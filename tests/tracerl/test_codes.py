@@ -147,3 +147,22 @@ def test_a_storage_failure_is_raised_not_read_as_absent(moto_endpoint, s3_bucket
             proxy.clear()
             assert np.array_equal(rc.get(t, "s0"), codes["s0"][0])
             rc.close()
+
+
+@pytest.mark.parametrize("bad", [42, ["audit/codes/w0/000000.safetensors"], "log/000000000001.arrow",
+                                 "audit/codes/../../tracestore.json", "audit/codes/w0//x.safetensors"])
+def test_a_result_that_names_no_codes_object_only_removes_the_measurement(tmp_path, caplog, bad):
+    """A damaged ``extra[CODES_KEY]`` (not a string, outside audit/codes/, a name the store refuses) reads nothing
+    else and stops nothing: no codes for that trajectory, one warning, the store unchanged."""
+    store = ts.create_store(str(tmp_path / "s"), SITES)
+    put_codes(store, "w0", 0, ["a"], _codes(["a"]))
+    before = sorted(p.name for p in (tmp_path / "s").rglob("*"))
+    rc = RolloutCodes(store)
+    t = Traj(ts.Result("a", 0.0, extra={CODES_KEY: bad}))
+    with caplog.at_level(logging.WARNING, logger="tracerl.artifacts.codes"):
+        assert rc.get(t, "s0") is None and rc.get(t, "s1") is None
+        rc.prefetch([t])
+        assert rc.get(t, "s0") is None
+    rc.close()
+    assert len([r for r in caplog.records if "no code agreement" in r.getMessage()]) == 1
+    assert sorted(p.name for p in (tmp_path / "s").rglob("*")) == before

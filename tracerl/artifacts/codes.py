@@ -62,8 +62,10 @@ class RolloutCodes:
     """The rollout's recorded codes (`put_codes`), loaded on demand or ahead (`prefetch`, in a background thread)
     and cached for the batches of the last prefetch (at least ``keep``).
 
-    A missing or unreadable object only removes the code-agreement measurement of its trajectories (logged once);
-    a storage failure (tracestore.BackendError) is raised where its codes are asked for."""
+    A missing or unreadable object, or a result whose ``extra[CODES_KEY]`` does not name one (not a string below
+    ``audit/codes/``, or a name the store refuses), only removes the code-agreement measurement of its trajectories
+    (logged once per object); a storage failure (tracestore.BackendError) is raised where its codes are asked for,
+    and the object is read again when asked again."""
 
     def __init__(self, store: ts.Store, keep: int = 4):
         self.store = store
@@ -74,14 +76,23 @@ class RolloutCodes:
 
     @staticmethod
     def _key(traj: Any) -> str | None:
+        """The codes key ``traj``'s result names (``repr`` of a value that is not a string, which `_load` refuses),
+        or None when it names none."""
         result = traj.result
-        return result.extra.get(CODES_KEY) if result is not None and isinstance(result.extra, Mapping) else None
+        key = result.extra.get(CODES_KEY) if result is not None and isinstance(result.extra, Mapping) else None
+        return key if key is None or isinstance(key, str) else repr(key)
 
     def _load(self, key: str) -> dict[str, np.ndarray]:
+        if not key.startswith(CODES_PREFIX):
+            log.warning("codes key %.120r is not below %s; no code agreement for its trajectories", key, CODES_PREFIX)
+            return {}
         try:
             data = self.store.area(AREA).get(key.removeprefix(f"{AREA}/"))
         except ts.ObjectNotFoundError:
             log.warning("codes %s are missing; no code agreement for its trajectories", key)
+            return {}
+        except ts.InvalidIdError as e:
+            log.warning("codes key %.120r is not an object name (%s); no code agreement for its trajectories", key, e)
             return {}
         try:
             return _decode(key, data)
@@ -90,7 +101,8 @@ class RolloutCodes:
                         type(e).__name__, e)
             return {}
 
-    def _future(self, key: str, background: bool, keep: int) -> concurrent.futures.Future:
+    def _future(self, key: str, background: bool) -> concurrent.futures.Future:
+        """The (cached) load of ``key``: submitted to the background thread, or run here."""
         with self._lock:
             fut = self._cache.get(key)
             if fut is not None:
@@ -103,15 +115,13 @@ class RolloutCodes:
             else:
                 fut = concurrent.futures.Future()
             self._cache[key] = fut
-            while len(self._cache) > keep:
+            while len(self._cache) > self.keep:
                 self._cache.popitem(last=False)
         if not background:
             try:
                 fut.set_result(self._load(key))
-            except BaseException as e:
+            except BaseException as e:  # raised by `get`, which forgets the load: asked again, read again
                 fut.set_exception(e)
-                with self._lock:
-                    self._cache.pop(key, None)  # a storage failure is not remembered: asked again, read again
         return fut
 
     def prefetch(self, trajs: Iterable[Any]) -> None:
@@ -120,7 +130,7 @@ class RolloutCodes:
         keys = list(dict.fromkeys(k for k in map(self._key, trajs) if k))
         self.keep = max(self.keep, len(keys))
         for k in keys:
-            self._future(k, True, self.keep)
+            self._future(k, True)
 
     def get(self, traj: Any, site: str) -> np.ndarray | None:
         """uint8 [num_tokens, W/2] packed codes of trajectory ``traj`` (anything with its `tracestore.Result` as
@@ -129,10 +139,10 @@ class RolloutCodes:
         key = self._key(traj)
         if not key:
             return None
-        fut = self._future(key, False, self.keep)
+        fut = self._future(key, False)
         try:
             arrays = fut.result()
-        except BaseException:
+        except BaseException:  # a storage failure is not remembered
             with self._lock:
                 if self._cache.get(key) is fut:
                     del self._cache[key]

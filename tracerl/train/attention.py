@@ -45,25 +45,29 @@ def sdpa_padding_mask(padding: torch.Tensor) -> torch.Tensor:
 
 def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: torch.Tensor | None, **kwargs: Any):
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     mask = getattr(_state, "mask", _UNSET)
-    if mask is _UNSET:
+    if mask is _UNSET or _sdpa is None:
         raise ConfigError(f"attention implementation {NAME!r} runs only inside tracerl's own_sdpa_mask (a model "
                           f"whose config names it outside the trainer's forward; use 'sdpa')")
-    return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
+    return _sdpa(module, query, key, value, mask, **kwargs)
+
+
+_sdpa = None  # Hugging Face's sdpa_attention_forward, once `sdpa_hook_available` found it
 
 
 @functools.cache
 def sdpa_hook_available() -> bool:
     """Whether this transformers registers attention functions and skips its mask for an unknown name (else the
-    trainer leaves the mask to Hugging Face)."""
+    trainer leaves the mask to Hugging Face). The first call registers `NAME` with transformers' attention
+    functions."""
+    global _sdpa
     try:
         from transformers import AttentionInterface
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: F401
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     except ImportError:
         return False
+    _sdpa = sdpa_attention_forward
     AttentionInterface.register(NAME, _attention)
     return NAME not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
 

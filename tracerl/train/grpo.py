@@ -117,6 +117,8 @@ class GRPOTrainer:
         self._publisher: concurrent.futures.ThreadPoolExecutor | None = None
         self._published: concurrent.futures.Future | None = None
         self._codes = RolloutCodes(store)
+        # code agreement at the hinted sites against the rollout's recorded codes (not in bf16: no FP4 codes)
+        self._want_codes = cfg.code_agreement and bool(self.sites) and cfg.mode != "bf16"
         self._stand_in_batch: PackedHints | None = None
 
     def _snapshot_pool(self) -> int:
@@ -275,7 +277,7 @@ class GRPOTrainer:
             kept = self.trainable.snapshot(self._spare.pop() if self._spare else None, background=True)
         read_s = fwd_s = 0.0
         acc.read = list(dict.fromkeys(seg.traj_id for mb in mine for seg in mb.segments))
-        if cfg.code_agreement and self.sites and cfg.mode != "bf16":
+        if self._want_codes:
             # the rollout's recorded codes, loaded in the background while the first micro-batch computes
             self._codes.prefetch(by_id[t] for t in acc.read)
         for packed, t_loaded, secs in read_ahead(source, mine, self.read_sites, cfg.read_ahead_bytes):
@@ -346,7 +348,7 @@ class GRPOTrainer:
         """Forward + backward of one micro-batch; adds its weighted loss stats, mismatch and codes to ``acc``.
         ``packed`` None: a zero-weighted stand-in (a sharded rank with fewer micro-batches than another)."""
         cfg = self.cfg
-        want_codes = cfg.code_agreement and bool(self.sites) and cfg.mode != "bf16"
+        want_codes = self._want_codes
         tick = self._phase_clock(acc)
         fwd = self.qat.token_logprobs(packed or self._stand_in(), cfg.mode, observe=want_codes and packed is not None,
                                       replay_routes=cfg.replay_routes, temperature=cfg.temperature, routes=False)
@@ -422,7 +424,7 @@ class GRPOTrainer:
         after every backward of the step: the weights are swapped and their FP4 fake quantization redone once per
         version and step, not per micro-batch). Sharded, every rank swaps in every version any rank needs and runs
         as many forwards of it as the busiest rank (they are collectives; the others forward stand-ins)."""
-        want_codes = self.cfg.code_agreement and bool(self.sites) and self.cfg.mode != "bf16"
+        want_codes = self._want_codes
         tick = self._phase_clock(acc)
         counts = {v: len(b) for v, b in acc.stale.items()}
         if self.trainable.sharded:
