@@ -18,7 +18,7 @@ After the runs, the first run of the first mode is replayed from its checkpoint 
 
 GPU model: the H200 fidelity runs' (hidden 2048, 40 layers, 32 experts top-4; benchmarks/benchmark_tracerl_h200.py)
 with the task's 10-token vocabulary, 8 prompts (4 when both processes share one GPU) x 8 samples x 128 response
-tokens per step, micro-batches of 4096 tokens (2048 on one GPU) (a random-init policy over a 32K vocabulary would
+tokens per step, the trainer's default micro-batches (8,192 tokens: a step is one) (a random-init policy over a 32K vocabulary would
 almost never emit a task symbol, leaving GRPO no signal); hints at the MoE input of the latter 20 layers. The
 trainer checkpoints only at step 0, the replay's start, and not at all with ``--replay-steps 0`` (a full
 checkpoint of this model is ~60 GB), and keeps the 2 newest policy versions.
@@ -74,7 +74,7 @@ def _settings(args) -> dict:
         every = "1000000" if args.replay_steps > 0 else "0"
         two = args.gpus == 2
         return dict(spec=GPU_SPEC, response_len=128, groups=8 if two else 4, group=8, steps=20, hint_layers="latter-half",
-                    micro=4096 if two else 2048, lr=1e-5, rollout_device=dev[0], trainer_device=dev[1],
+                    micro=None, lr=1e-5, rollout_device=dev[0], trainer_device=dev[1],
                     extra_train=("--checkpoint-every", every, "--keep-versions", "2"))
     return dict(spec=CPU_SPEC, response_len=16, groups=8, group=8, steps=20, hint_layers="latter-half",
                 micro=2048, lr=1e-3, rollout_device="cpu", trainer_device="cpu", extra_train=())
@@ -85,13 +85,19 @@ def _device_label(args) -> str:
     return "cuda-1gpu" if args.device == "cuda" and args.gpus == 1 else args.device
 
 
+def _micro(args, s: dict) -> dict:
+    """The trainer's micro-batch size: the command line's, the setting's, or (GPU) the loop's own default."""
+    micro = args.micro_batch_tokens or s["micro"]
+    return {} if micro is None else {"micro_batch_tokens": micro}
+
+
 def _config(args, s: dict, mode: str, seed: int, run_dir: str) -> LoopConfig:
     return LoopConfig(
         run_dir=run_dir, steps=args.steps or s["steps"], rollouts=1,
         task={"name": "target-set", "alphabet": 8, "prompt_len": 3, "response_len": args.response_len or s["response_len"]},
         spec=s["spec"], hint_layers=s["hint_layers"], mode=mode, groups_per_step=args.groups or s["groups"],
         group_size=s["group"], lr=args.lr or s["lr"], max_staleness=1, max_ahead=2,
-        micro_batch_tokens=args.micro_batch_tokens or s["micro"],
+        **_micro(args, s),
         record_codes=True, seed=seed, rollout_device=s["rollout_device"], trainer_device=s["trainer_device"],
         threads=args.threads, extra_train_args=tuple(s["extra_train"]) + (
             () if args.read_ahead_mb is None else ("--read-ahead-mb", str(args.read_ahead_mb))) + (
@@ -215,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--groups", type=int, help="prompts per step (default 8; one GPU 4; smoke 2)")
     p.add_argument("--response-len", type=int, help="response tokens (default: CPU 16, GPU 128, smoke 8)")
     p.add_argument("--micro-batch-tokens", type=int,
-                   help="trainer micro-batch tokens (default: CPU 2048, GPU 4096, one GPU 2048, smoke 256)")
+                   help="trainer micro-batch tokens (default: CPU 2048, smoke 256, GPU the loop's own default, "
+                        f"{LoopConfig.micro_batch_tokens})")
     p.add_argument("--read-ahead-mb", type=int,
                    help="the trainer's --read-ahead-mb (default: the trainer's, 256; 0 reads one micro-batch at a time)")
     p.add_argument("--time-phases", action=argparse.BooleanOptionalAction,

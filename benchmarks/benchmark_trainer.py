@@ -16,8 +16,10 @@ Each (mode, run) is a fresh process training ``--steps`` steps from scratch with
 publication. Reported: the median and spread (min..max) over ``--runs`` runs, peak allocated memory, and (CUDA) the
 GPU's utilization sampled by ``nvidia-smi`` every 100 ms while steps 2.. run. Where the time goes comes from
 ``--phase-runs`` more runs per mode with ``time_phases`` (a device sync at each phase boundary): their phase medians,
-and their step times beside the timed runs' (the clock's own cost). ``--profile`` adds one more ``fp4_hints`` process whose second step runs under torch.profiler:
-its trace (Chrome JSON, gzipped) and its top operations by device and host time are saved beside ``--out``.
+and their step times beside the timed runs' (the clock's own cost). ``--profile`` adds one more process per mode whose step ``--profile-at``
+(default 2) runs under torch.profiler and the next under cProfile: the trace (Chrome JSON, gzipped), the top
+operations by device and host time and the Python functions by host time are saved beside ``--out``
+(``-profile-*`` for fp4_hints, ``-profile-<mode>-*`` for the others; `benchmarks/profile_summary.py` condenses a trace).
 
     python benchmarks/benchmark_trainer.py --device cuda                # the H200 model: fp4_hints and bf16, 3 runs
     python benchmarks/benchmark_trainer.py --device cuda --profile      # plus a profiled step
@@ -263,8 +265,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="more processes per mode with the trainer's phase clock (time_phases: a device sync at each "
                          "phase), for where the time goes; not timed with the others (default 1; 0: none)")
     ap.add_argument("--profile", action="store_true",
-                    help="also profile step 2 of one more fp4_hints run (torch.profiler) and step 3 (cProfile: host "
-                         "time per Python function)")
+                    help="also profile one more run per mode: step --profile-at under torch.profiler and the next step "
+                         "(if within --steps) under cProfile (host time per Python function)")
+    ap.add_argument("--profile-at", type=int, default=2, metavar="K",
+                    help="the step --profile traces with torch.profiler (default 2: a step with the stale forward; "
+                         "with --steps 4 --max-staleness 3, 3 traces one without it)")
     ap.add_argument("--timeout", type=float, default=1800, metavar="S", help="seconds per process (default 1800)")
     ap.add_argument("--smoke", action="store_true", help="tiny model, 1 run x 2 steps: checks the code paths")
     ap.add_argument("--out", default=None, metavar="PATH",
@@ -282,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_staleness < args.steps - 1:
         ap.error(f"--max-staleness {args.max_staleness} with --steps {args.steps}: every group is by version 0, "
                  f"so steps after {args.max_staleness + 1} would find none; use --max-staleness >= {args.steps - 1}")
+    if args.profile and not 1 <= args.profile_at <= args.steps:
+        ap.error(f"--profile-at {args.profile_at} must be a step of the run, 1..{args.steps}")
     cuda = args.device.startswith("cuda")
     spec = SMOKE_SPEC if args.smoke else (GPU_SPEC if cuda else CPU_SPEC)
     if args.response_len is None:
@@ -319,12 +326,15 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
         result.update(phase_runs=phase_runs, summary=_summary(runs, phase_runs))
         if args.profile:
-            r = _run("fp4_hints", url, workdir, args, sampler, profile_step=2)
-            base = r["metrics"].removesuffix(".jsonl")
-            for suffix in ("-trace.json.gz", "-top.txt", "-python.txt"):
-                if os.path.exists(base + suffix):
-                    shutil.copy(base + suffix, str(out).removesuffix(".json") + "-profile" + suffix)
-            result["profile"] = {"rows": r["rows"], "trace": str(out).removesuffix(".json") + "-profile-trace.json.gz"}
+            for mode in modes:  # fp4_hints keeps the "-profile" file names of earlier runs
+                r = _run(mode, url, workdir, args, sampler, profile_step=args.profile_at)
+                base = r["metrics"].removesuffix(".jsonl")
+                dest = str(out).removesuffix(".json") + "-profile" + ("" if mode == "fp4_hints" else f"-{mode}")
+                for suffix in ("-trace.json.gz", "-top.txt", "-python.txt"):
+                    if os.path.exists(base + suffix):
+                        shutil.copy(base + suffix, dest + suffix)
+                key = "profile" if mode == "fp4_hints" else f"profile_{mode}"
+                result[key] = {"rows": r["rows"], "step": args.profile_at, "trace": dest + "-trace.json.gz"}
     finally:
         sampler.close()
     out.write_text(json.dumps(result, indent=1))

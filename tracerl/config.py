@@ -232,7 +232,7 @@ class TrainConfig:
     mode: str = "fp4_hints"
     groups_per_step: int = 16
     group_size: int = 8
-    micro_batch_tokens: int = 4096
+    micro_batch_tokens: int = 8192
     lr: float = 1e-4
     betas: tuple[float, float] = (0.9, 0.99)
     weight_decay: float = 0.0
@@ -379,7 +379,7 @@ class LoopConfig:
     max_staleness: int = 1
     max_ahead: int = 1
     tis_cap: float | None = None
-    micro_batch_tokens: int = 4096
+    micro_batch_tokens: int = 8192
     record_codes: bool = True
     seed: int = 0
     rollout_device: str = "cpu"
