@@ -107,3 +107,22 @@ def test_children_stop_when_the_loop_process_is_killed(tmp_path):
     assert ckpt.latest_step(str(run)) == steps[-1]["step"]  # the trainer stopped cleanly
     reader = ts.open_store(str(run / "store")).reader()
     assert all(i.complete for i in reader.trajectories())
+
+
+@pytest.mark.parametrize("trainer, rollout, user, expected", [
+    ("cuda:0", "cuda:0", None, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
+    ("cuda", "cuda:0", None, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
+    ("cuda:1", "cuda:0", None, {}),       # a GPU each: the trainer's allocator is left alone
+    ("cpu", "cpu", None, {}),
+    ("cuda:0", "cuda:0", "backend:native", {}),  # the user's own setting wins
+])
+def test_trainer_sharing_a_gpu_gets_expandable_segments(trainer, rollout, user, expected, tmp_path, monkeypatch):
+    from tracerl.config import LoopConfig
+    from tracerl.loop.processes import LoopProcesses
+
+    if user is None:
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    else:
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", user)
+    cfg = LoopConfig(run_dir=str(tmp_path), trainer_device=trainer, rollout_device=rollout)
+    assert LoopProcesses(cfg, str(tmp_path / "store")).trainer_env() == expected
