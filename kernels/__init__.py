@@ -9,9 +9,11 @@ Public API (see `tracefp4.api` and NUMERICS.md for formulas and byte layouts)::
     y, q = tracefp4.quantize_fake(x, fmt="nvfp4", global_scale=g)   # the rollout's capture: RTN y + q, one pass
     y, s = tracefp4.fake_quantize_lsb(x, g, scale_lsb, hints=h)      # scale hints: bytes from x + stored LSBs
     tracefp4.pack_hints / unpack_hints / pack_codes / unpack_codes / hints_from_codes
+    vm, bm = tracefp4.margin_marks(x, g, s, h, margin, scale_margin)  # margin exceptions: marks near boundaries
+    s, h = tracefp4.margin_fill(x, g, vm, bm, stored_hints, stored_scales, "byte")  # the trainer's fill-in
 
 `tracefp4.reference` is the pure-torch definition (no Triton needed); `tracefp4.triton_kernels` is imported
-lazily. This package imports nothing of tracestore or tracerl.
+lazily (`tracefp4.margin` holds the margin-exception reference beside its API; `tracefp4.triton_margin` its kernels). This package imports nothing of tracestore or tracerl.
 """
 
 import importlib
@@ -28,9 +30,10 @@ _EXPORTS = {
     "packing": ("pack_codes", "unpack_codes", "pack_hints", "unpack_hints", "hints_from_codes"),
     "errors": ("FP4Error", "ShapeError", "DTypeError", "FormatError", "LaunchConfigError", "BackendError"),
     "constants": ("BLOCK_SIZES", "E2M1_MAGNITUDES", "FORMATS"),
+    "margin": ("margin_marks", "margin_fill"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
-_SUBMODULES = ("api", "constants", "errors", "packing", "reference", "triton_kernels")
+_SUBMODULES = ("api", "constants", "errors", "margin", "packing", "reference", "triton_kernels", "triton_margin")
 
 __all__ = [name for names in _EXPORTS.values() for name in names]
 

@@ -39,6 +39,10 @@ gives exactly round-to-nearest at every unmarked value (RTN always returns one o
 |v|), so the trainer's forward is today's ``tracefp4.fake_quantize(x', scales=, hints=)`` on the reconstructed
 scales and hints (`fake_quantize_compact`): a fill-in step, then today's kernel.
 
+The float64 distances here are the definition; the masks and the fill-in run as ``tracefp4.margin_marks`` and
+``tracefp4.margin_fill`` (a pure-torch reference and Triton kernels, fp32 / int32 arithmetic that decides every
+mark exactly as the float64 distances do: NUMERICS §12), on a ``backend`` chosen as in tracefp4.
+
 **Exactness.** With ``u_t`` the trainer's position computed with the reconstructed scale of its block, and
 ``Δ = |u_t - u_r|`` (float64, both signed): whenever ``Δ < min(m, 1/2)`` the reconstructed code equals the
 rollout's code up to the sign of zero (+0 and -0 count equal, as in the audit). Why: an unmarked value has
@@ -267,7 +271,7 @@ class MarginExceptions:
 
 def encode_margin_exceptions(x_hp: torch.Tensor, global_scale, scales_e4m3: torch.Tensor,
                              hints_packed: torch.Tensor, margin: float, scale_margin: float, *,
-                             scale_payload: str = "byte") -> MarginExceptions:
+                             scale_payload: str = "byte", backend: str = "auto") -> MarginExceptions:
     """The rollout's margin exceptions at one site (module docstring).
 
     ``x_hp`` [T, W] (bf16/fp16/fp32): the rollout's pre-quantization activation; ``global_scale``: its fp32 g;
@@ -277,6 +281,10 @@ def encode_margin_exceptions(x_hp: torch.Tensor, global_scale, scales_e4m3: torc
     differs from its round-to-nearest LSB (an engine's own arithmetic), are always marked (with scale hints such a
     block is reproduced only when its byte neighbours the trainer's t). ``scale_payload``: ``"byte"`` keeps a
     marked block's scale byte, ``"lsb"`` its LSB.
+
+    The masks are ``tracefp4.margin_marks`` (fp32 / int32 arithmetic that decides the float64 distances of the
+    module docstring exactly, NUMERICS §12), on ``backend`` ("auto": Triton for CUDA tensors, "reference",
+    "triton"); only the gather of the kept bits and bytes happens here.
 
     Raises tracefp4's `DTypeError` / `ShapeError` for tensors of the wrong dtype or shape, `ConfigError` for a
     negative or NaN margin, an unknown scale payload or a bad global scale."""
@@ -288,20 +296,11 @@ def encode_margin_exceptions(x_hp: torch.Tensor, global_scale, scales_e4m3: torc
     _check_u8(scales_e4m3, "scales_e4m3", (t_, w // BLOCK))
     _check_u8(hints_packed, "hints_packed", (t_, w // HINTS_PER_BYTE))
     g = _global_scale(global_scale, x_hp.device)
-    x = x_hp.float()
-    t_r = block_scale_t(x, g)
-    if math.isinf(ms):
-        scale_mask = torch.ones(t_, w // BLOCK, dtype=torch.bool, device=x.device)
-    else:
-        scale_mask = (scale_boundary_distance(scale_position(t_r)) < ms) | (ref.e4m3_encode(t_r) != scales_e4m3)
-    v = _scaled(x, scales_e4m3, g)
-    bits = _unpack_bits(hints_packed)
-    if math.isinf(m):
-        value_mask = torch.ones(t_, w, dtype=torch.bool, device=x.device)
-    else:
-        own = (ref.e2m1_rne_magnitude(v) & 1).to(torch.uint8)
-        value_mask = (boundary_distance(ladder_position(v)) < m) | (own != bits)
-    stored = scales_e4m3[scale_mask]
+    value_marks, block_marks = tracefp4.margin_marks(x_hp, g, scales_e4m3, hints_packed, m, ms, backend=backend)
+    value_mask = _unpack_bits(value_marks).bool()  # [T, W]
+    scale_mask = _unpack_bits(block_marks)[:, : w // BLOCK].bool()  # [T, W/16]
+    bits = _unpack_bits(hints_packed).to(x_hp.device)
+    stored = scales_e4m3.to(x_hp.device)[scale_mask]
     return MarginExceptions(value_mask, bits[value_mask], scale_mask, stored & 1 if scale_payload == "lsb" else stored,
                             m, ms, scale_payload)
 
@@ -322,9 +321,28 @@ class Reconstruction:
     codes_u8: torch.Tensor
 
 
-def reconstruct(enc: MarginExceptions, x_hp: torch.Tensor, global_scale) -> Reconstruction:
+def _pack_blocks(bits: torch.Tensor) -> torch.Tensor:
+    """0/1 [T, n] -> packed [T, ceil(n / 8)] (`pack_hints` order, zero padding bits)."""
+    pad = (-bits.shape[1]) % HINTS_PER_BYTE
+    if pad:
+        bits = torch.cat([bits, bits.new_zeros(bits.shape[0], pad)], dim=1)
+    return tracefp4.pack_hints(bits.to(torch.uint8))
+
+
+def _dense(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """uint8 of mask's shape: ``values`` (row-major) at the marked positions, 0 elsewhere."""
+    out = torch.zeros(mask.shape, dtype=torch.uint8, device=mask.device)
+    out[mask] = values.to(mask.device, torch.uint8)
+    return out
+
+
+def reconstruct(enc: MarginExceptions, x_hp: torch.Tensor, global_scale, *, backend: str = "auto") -> Reconstruction:
     """The trainer's rule (module docstring) for its activation ``x_hp`` [T, W] at the site ``enc`` was encoded
     for, with the same fp32 ``global_scale``.
+
+    The scales and hints are ``tracefp4.margin_fill`` on ``backend`` ("auto", "reference", "triton"): the stored
+    bits and bytes are laid out densely here (zeros where nothing is marked) and the fill-in runs in one pass over
+    x; the codes are hint-guided rounding with them.
 
     Raises tracefp4's `DTypeError` / `ShapeError` (x of the wrong dtype, or not the shape ``enc`` covers),
     `HintCodingError` when ``enc`` is inconsistent (counts of stored bits/bytes not those of its masks)."""
@@ -336,32 +354,28 @@ def reconstruct(enc: MarginExceptions, x_hp: torch.Tensor, global_scale) -> Reco
         raise HintCodingError(f"margin exceptions mark {n} values and {nb} blocks but hold {enc.hint_bits.numel()} "
                               f"hint bits and {enc.scale_bytes.numel()} scale bytes")
     g = _global_scale(global_scale, x_hp.device)
-    x = x_hp.float()
-    dev = x.device
-    t_t = block_scale_t(x, g)
-    scales = ref.e4m3_encode(t_t)
-    smask = enc.scale_mask.to(dev)
-    stored = enc.scale_bytes.to(dev, torch.uint8)
-    if enc.scale_payload == "lsb":
-        # the neighbour of the trainer's own t whose LSB is the stored bit (hint-guided rounding of the scale)
-        stored = scale_hint_bytes(t_t[smask], stored)
-    scales[smask] = stored
-    v = _scaled(x, scales, g)
-    rtn = ref.e2m1_rne_magnitude(v)
-    bits = (rtn & 1).to(torch.uint8)
+    dev = x_hp.device
     vmask = enc.value_mask.to(dev)
-    bits[vmask] = enc.hint_bits.to(dev, torch.uint8)
-    mag = torch.where(vmask, ref.e2m1_hint_magnitude(v, bits), rtn)
+    smask = enc.scale_mask.to(dev)
+    stored_scales = _dense(smask, enc.scale_bytes)  # [T, W/16]
+    if enc.scale_payload == "lsb":
+        stored_scales = _pack_blocks(stored_scales & 1)  # [T, ceil(W/128)]
+    scales, hints = tracefp4.margin_fill(x_hp, g, tracefp4.pack_hints(vmask.to(torch.uint8)), _pack_blocks(smask),
+                                         tracefp4.pack_hints(_dense(vmask, enc.hint_bits)), stored_scales,
+                                         enc.scale_payload, backend=backend)
+    v = _scaled(x_hp.float(), scales, g)
+    rtn = ref.e2m1_rne_magnitude(v)
+    mag = torch.where(vmask, ref.e2m1_hint_magnitude(v, _unpack_bits(hints)), rtn)
     codes = (mag | (ref.input_signbit(x_hp).to(torch.int32) << 3)).to(torch.uint8)
-    return Reconstruction(scales, tracefp4.pack_hints(bits), codes)
+    return Reconstruction(scales, hints, codes)
 
 
 def fake_quantize_compact(enc: MarginExceptions, x_hp: torch.Tensor, global_scale, *,
                           backend: str = "auto") -> torch.Tensor:
     """The trainer's fake-quantized activation [T, W] (x_hp's dtype) under margin exceptions: `reconstruct`,
-    then today's hint-guided ``tracefp4.fake_quantize`` on the reconstructed scales and hints (any backend;
+    then today's hint-guided ``tracefp4.fake_quantize`` on the reconstructed scales and hints (both on ``backend``;
     straight-through backward). Raises as `reconstruct` does."""
-    rec = reconstruct(enc, x_hp, global_scale)
+    rec = reconstruct(enc, x_hp, global_scale, backend=backend)
     g = _global_scale(global_scale, x_hp.device)
     return tracefp4.fake_quantize(x_hp, "nvfp4", global_scale=g, scales=rec.scales_e4m3, hints=rec.hints_packed,
                                   backend=backend)
