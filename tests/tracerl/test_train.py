@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 
 import numpy as np
 import pytest
@@ -568,6 +569,75 @@ def test_read_ahead_reads_a_step_before_its_first_forward_and_trains_the_same_bi
         run_training(trainer, follower, checkpoints=str(d / "ck"), weights_url=url, metrics=log, max_steps=2)
         digests.append([(m["digest"], m["loss"]) for m in log.records()])
     assert digests[0] == digests[1] and len(digests[0]) == 2
+
+
+def test_peek_names_what_the_next_take_hands_out_and_takes_nothing(store):
+    """peek is take without taking: the same groups (the stale ones it would drop skipped), nothing consumed, the
+    follower's state as after take's own reading; None while too few are ready."""
+    _publish_init(store)
+    _gen(store, 1)  # 2 groups by version 0
+    _publish_init(store, 1)
+    with loop.worker(store) as w:
+        while w.version != 1:
+            w.sync_weights(timeout_s=30)
+        w.generate_batch()  # 2 groups by version 1
+    f = Follower(store, loop.G)
+    assert f.peek(3, version=2, max_staleness=1) is None  # only 2 fresh enough
+    peeked = f.peek(2, version=2, max_staleness=1)
+    assert [g.policy_version for g in peeked] == [1, 1] and f.ready == 4 and f.counts["groups"] == 0
+    assert f.peek(2, version=2, max_staleness=1) == peeked  # peeking twice changes nothing
+    taken = f.take(2, version=2, max_staleness=1, timeout_s=5)
+    assert taken.groups == peeked and [g.policy_version for g in taken.stale] == [0, 0]
+    assert f.peek(1, version=2, max_staleness=1) is None and f.ready == 0
+
+
+def test_the_next_step_is_read_while_a_step_computes_and_trains_the_same_bits(store, tmp_path):
+    """run_training reads the next step's micro-batches in the background (Follower.peek -> GRPOTrainer.step's
+    next_groups): every step after the first takes its batch over from that read (read_ahead_micro_batches), the
+    trained bits and losses are those of a run without it; a background read of other groups is dropped, and a
+    failed one is read again by the step itself."""
+    def run(url, read_next):
+        st = ts.open_store(url)
+        log = MetricsLog(tmp_path / f"{read_next}.jsonl")
+        trainer, follower = start_or_resume(st, loop.train_cfg(max_staleness=5), checkpoints=str(tmp_path / f"ck{read_next}"),
+                                            weights_url=url, metrics=log)
+        return trainer, follower, log, st
+
+    urls = []
+    for read_next in (True, False):
+        url = str(tmp_path / f"store{read_next}")
+        loop.create(url)
+        trainer, follower, log, st = run(url, read_next)
+        _gen(st, 3, max_ahead=6)
+        assert run_training(trainer, follower, checkpoints=str(tmp_path / f"ck{read_next}"), weights_url=url,
+                            metrics=log, max_steps=3, read_next=read_next) == 3
+        urls.append(log.records())
+    with_next, without = urls
+    assert [(m["digest"], m["loss"]) for m in with_next] == [(m["digest"], m["loss"]) for m in without]
+    steps = [m for m in with_next if m.get("step", 0) >= 1]
+    assert [m["read_ahead_micro_batches"] > 0 for m in steps] == [False, True, True]
+    assert all(m["read_ahead_s"] > 0 for m in steps[1:])
+    assert all(m["read_ahead_micro_batches"] == 0 and m["read_ahead_s"] == 0 for m in without if m.get("step", 0) >= 1)
+
+    # a read for other groups is dropped; a failed one is read again by the step (the same result)
+    trainer, follower, log, st = run(str(tmp_path / "storeFalse"), False)  # resumed after step 3
+    _gen(st, 2, max_ahead=6)
+    ready = follower.peek(2, version=trainer.version, max_staleness=trainer.cfg.max_staleness)
+    assert ready is not None
+    trainer._read_next(ready[1:])  # other groups than the step's
+    m = trainer.step(follower.take(2, version=trainer.version, max_staleness=5, timeout_s=5))
+    assert m["read_ahead_micro_batches"] == 0
+    nxt = follower.peek(2, version=trainer.version, max_staleness=5)
+
+    class Failing:
+        def read(self, *a, **kw):
+            raise ts.TransientStorageError("injected: the background read failed")
+
+    from tracerl.hints import BackgroundReads
+    _, _, _, mine = trainer._plan(nxt)
+    trainer._next_reads = BackgroundReads(Failing(), mine, trainer.read_sites, 1 << 30)
+    m2 = trainer.step(follower.take(2, version=trainer.version, max_staleness=5, timeout_s=5))
+    assert m2["read_ahead_micro_batches"] == 0 and m2["tokens"] > 0 and math.isfinite(m2["loss"])
 
 
 def test_time_phases_reports_where_a_step_goes_and_trains_the_same_bits(tmp_path):

@@ -1,9 +1,12 @@
 """Where a trainer's micro-batches come from: the committed records of complete trajectories (`RecordSource`),
-read ahead of the forward with bounded memory (`read_ahead`)."""
+read ahead of the forward with bounded memory (`read_ahead`), and a next step's micro-batches read in the
+background while the current step computes (`BackgroundReads`)."""
 
 from __future__ import annotations
 
 import collections
+import logging
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from types import SimpleNamespace
@@ -14,7 +17,9 @@ import numpy as np
 import tracestore as ts
 from tracerl.hints.packing import MicroBatch, PackedHints, read_packed
 
-__all__ = ["RecordSource", "packed_nbytes", "read_ahead"]
+log = logging.getLogger(__name__)
+
+__all__ = ["BackgroundReads", "RecordSource", "packed_nbytes", "read_ahead"]
 
 
 class RecordSource:
@@ -80,3 +85,61 @@ def read_ahead(source: Any, mbs: Sequence[MicroBatch], sites: Sequence[str],
         packed, loaded, secs, n = queue.popleft()
         held -= n
         yield packed, loaded, secs
+
+
+def _layout(mbs: Sequence[MicroBatch], sites: Sequence[str]) -> tuple:
+    """What a read of ``mbs`` returns is a function of this key alone (committed records never change)."""
+    return (tuple(sites), tuple(tuple((s.traj_id, s.start, s.stop) for s in mb.segments) for mb in mbs))
+
+
+class BackgroundReads:
+    """Micro-batches of a coming step, read in a daemon thread while the caller computes the current one.
+
+    ``BackgroundReads(source, mbs, sites, cap_bytes)`` starts reading ``mbs`` in order (`read_packed`, numpy
+    arrays in host memory), stopping once those read hold ``cap_bytes`` or more (at least one is read, as
+    `read_ahead` does). `take` hands the reads over to a step that reads the same micro-batches: it waits for the
+    thread and returns the leading ``(packed, loaded_unix, read_seconds)`` it read (possibly fewer than asked
+    for: the caller reads the rest itself), or ``[]`` when the step reads other micro-batches or other sites, or
+    the background read failed (logged at INFO; the caller's own read then meets the same error with its own
+    context, so a storage failure is never hidden or read as "absent"). Committed records never change, so data
+    read ahead is the data a read at the step would return, byte for byte.
+
+    The thread holds the GIL only between its storage calls and numpy copies; a caller computing on a GPU
+    overlaps the read with its kernels."""
+
+    def __init__(self, source: Any, mbs: Sequence[MicroBatch], sites: Sequence[str], cap_bytes: int):
+        self._key = _layout(mbs, sites)
+        self._done: list[tuple[PackedHints, float, float]] = []
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(source, list(mbs), list(sites), cap_bytes),
+                                        name="tracerl-read-next-step", daemon=True)
+        self._thread.start()
+
+    def _run(self, source: Any, mbs: list[MicroBatch], sites: list[str], cap_bytes: int) -> None:
+        held = 0
+        try:
+            for mb in mbs:
+                if self._done and held >= cap_bytes:
+                    break
+                t0 = time.perf_counter()
+                packed = read_packed(source, mb, sites, read_kwargs={"fmt": "numpy"})
+                self._done.append((packed, time.time(), time.perf_counter() - t0))
+                held += packed_nbytes(packed)
+        except BaseException as e:  # noqa: BLE001 - handed to take(), which re-reads in the caller
+            self._error = e
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def take(self, mbs: Sequence[MicroBatch], sites: Sequence[str]) -> list[tuple[PackedHints, float, float]]:
+        """The reads done for ``mbs`` / ``sites`` (see the class docstring); waits for the thread first."""
+        self._thread.join()
+        if _layout(mbs, sites) != self._key:
+            log.debug("read ahead for other micro-batches than the step's: dropped")
+            return []
+        if self._error is not None:
+            log.info("reading the next step ahead failed (%s: %s); the step reads it again",
+                     type(self._error).__name__, self._error)
+            return []
+        return self._done

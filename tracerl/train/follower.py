@@ -271,6 +271,22 @@ class Follower:
                 self._consume(item)
         return True
 
+    def peek(self, n: int, *, version: int, max_staleness: int) -> list[Group] | None:
+        """The groups `take` with these arguments would hand out if called now, without taking them (None when
+        fewer than ``n`` fresh enough groups are ready; never waits). Reads what is committed now as `take` does,
+        in the log's order, so peeking changes nothing `take` later returns: a later ``take(n, version=version,
+        max_staleness=max_staleness)`` returns these groups (the log only grows, and groups become ready in its
+        order). For reading a step's data before it starts (`GRPOTrainer.step`'s ``next_groups``)."""
+        if not self.fill(n, version=version, max_staleness=max_staleness):
+            return None
+        fresh: list[Group] = []
+        for g in self._ready:
+            if g.policy_version >= version - max_staleness:
+                fresh.append(g)
+                if len(fresh) == n:
+                    break
+        return fresh
+
     def take(self, n: int, *, version: int, max_staleness: int, stop: threading.Event | None = None,
              timeout_s: float | None = None) -> Taken | None:
         """The next ``n`` ready groups whose policy version is at least ``version - max_staleness``; older ones

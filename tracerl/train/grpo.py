@@ -13,7 +13,9 @@ another runs a zero-weighted stand-in), as the collectives inside them require.
 
 Data. The step packs its trajectories into THD micro-batches (`tracerl.train.packing.pack_micro_batches`; with
 data parallelism each rank takes its `dp_shard`) and reads their tokens, hints and scales from the store ahead of
-the forward (`tracerl.train.source.read_ahead`, bounded memory).
+the forward (`tracerl.hints.read_ahead`, bounded memory); when the next step's groups are known (``next_groups``,
+`tracerl.train.run_training` peeks at the follower), their micro-batches are read in the background while this step
+computes (`tracerl.hints.BackgroundReads`), so a GPU step does not wait for the store.
 
 Mismatch per step, always between the rollout and a trainer forward with the *same* weights (the version that
 generated the trajectory: the trainer's own for on-policy groups; for stale groups, with ``measure_stale``, the
@@ -28,10 +30,11 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import io
+import itertools
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -46,6 +49,7 @@ from tracerl.artifacts.codes import RolloutCodes
 from tracerl.config import TrainConfig
 from tracerl.errors import CheckpointCorruptError, ConfigError, FollowError
 from tracerl.hints import (
+    BackgroundReads,
     MicroBatch,
     PackedHints,
     RecordSource,
@@ -61,7 +65,7 @@ from tracerl.runlog import json_ready
 from tracerl.train import loss as rl
 from tracerl.train.determinism import param_digest, rng_state, set_deterministic, set_rng_state
 from tracerl.train.dist import gather_objects, rank_world
-from tracerl.train.follower import Follower, Taken, Trajectory
+from tracerl.train.follower import Follower, Group, Taken, Trajectory
 from tracerl.train.params import make_params
 from tracerl.train.recompute import QATTrainer
 from tracerl.util import sync, to_device
@@ -120,6 +124,7 @@ class GRPOTrainer:
         # code agreement at the hinted sites against the rollout's recorded codes (not in bf16: no FP4 codes)
         self._want_codes = cfg.code_agreement and bool(self.sites) and cfg.mode != "bf16"
         self._stand_in_batch: PackedHints | None = None
+        self._next_reads: BackgroundReads | None = None  # the next step's micro-batches, read while this one computes
 
     def _snapshot_pool(self) -> int:
         """How many weight snapshots exist at once at most: the kept versions no older than ``max_staleness``
@@ -250,23 +255,43 @@ class GRPOTrainer:
             weights.prune(url, self.cfg.keep_versions, keep=(0,), storage_options=storage_options)
 
     # ---- one step ---------------------------------------------------------------------------------------
-    def step(self, taken: Taken, *, ready_since: float | None = None) -> dict[str, Any]:
+    def _plan(self, groups: Sequence[Group]) -> tuple[list[Trajectory], dict[str, Trajectory], list[MicroBatch],
+                                                       list[MicroBatch]]:
+        """A step's trajectories, by id, its micro-batches and this rank's share of them."""
+        trajs = [t for g in groups for t in g.trajectories]
+        by_id = {t.traj_id: t for t in trajs}
+        mbs = pack_micro_batches({t.traj_id: t.num_tokens for t in trajs}, self.cfg.micro_batch_tokens)
+        return trajs, by_id, mbs, dp_shard(mbs, self.rank, self.world)
+
+    def _read_next(self, groups: Sequence[Group]) -> None:
+        """Start reading the micro-batches a step on ``groups`` will need, in the background (`BackgroundReads`,
+        at most ``read_ahead_bytes`` of them); a later `step` on the same groups takes them over."""
+        _, by_id, _, mine = self._plan(groups)
+        self._next_reads = BackgroundReads(RecordSource(self.store, by_id), mine, self.read_sites,
+                                           self.cfg.read_ahead_bytes) if mine else None
+
+    def step(self, taken: Taken, *, ready_since: float | None = None,
+             next_groups: Sequence[Group] | None = None) -> dict[str, Any]:
         """One optimizer step on ``taken.groups``; returns the step's metrics (JSON-ready).
 
         ``ready_since`` (unix time): when the trainer began waiting for these groups. Each trajectory's lag (its
         result's commit -> its micro-batch read from the store into the trainer's host memory; the copy to the
         device follows when that micro-batch is computed) is then also reported from
-        ``max(commit, ready_since)`` (``ready_lag_s*``): the pipeline's own latency, without the time a batch
-        queued while the trainer was busy with the previous step."""
+        ``max(commit, ready_since)`` (``ready_lag_s*``, 0 for a micro-batch already in memory then): the
+        pipeline's own latency, without the time a batch queued while the trainer was busy with the previous step.
+
+        ``next_groups``: the groups the next step will train on, when known now (`Follower.peek`): when this
+        step's last backward starts, the next step's are read in the background while it computes
+        (`BackgroundReads`), so a step on a GPU does not wait for the store. What the next step reads is the
+        same either way (committed records never change); for other groups it reads as usual. ``read_s`` counts
+        the seconds this step waited for its data, ``read_ahead_s`` the seconds the background took for the
+        micro-batches this step took over from it (``read_ahead_micro_batches``)."""
         cfg = self.cfg
         t_start = time.perf_counter()
-        trajs = [t for g in taken.groups for t in g.trajectories]
-        by_id = {t.traj_id: t for t in trajs}
+        trajs, by_id, mbs, mine = self._plan(taken.groups)
         rewards = torch.tensor([t.result.reward for t in trajs], dtype=torch.float32)
         adv = rl.group_advantages(rewards, cfg.group_size, scale=cfg.adv_scale)
         adv_of = dict(zip(by_id, adv.tolist()))
-        mbs = pack_micro_batches({t.traj_id: t.num_tokens for t in trajs}, cfg.micro_batch_tokens)
-        mine = dp_shard(mbs, self.rank, self.world)
         n_resp = sum(t.response_tokens for t in trajs)
         source = RecordSource(self.store, by_id)
         acc = _StepAccumulator()
@@ -275,18 +300,34 @@ class GRPOTrainer:
         if keeping and self.version % cfg.measure_stale_every == 0:
             # this version's weights, copied in the background on a GPU
             kept = self.trainable.snapshot(self._spare.pop() if self._spare else None, background=True)
-        read_s = fwd_s = 0.0
+        fwd_s = read_ahead_s = 0.0
         acc.read = list(dict.fromkeys(seg.traj_id for mb in mine for seg in mb.segments))
         if self._want_codes:
             # the rollout's recorded codes, loaded in the background while the first micro-batch computes
             self._codes.prefetch(by_id[t] for t in acc.read)
-        for packed, t_loaded, secs in read_ahead(source, mine, self.read_sites, cfg.read_ahead_bytes):
+        t_read = time.perf_counter()
+        ahead = self._next_reads.take(mine, self.read_sites) if self._next_reads is not None else []
+        self._next_reads = None
+        read_s = time.perf_counter() - t_read  # waiting for a background read still under way
+        own = read_ahead(source, mine[len(ahead):], self.read_sites, cfg.read_ahead_bytes)
+        # The next step's read starts when the last backward does: a host-bound forward (Python launching kernels)
+        # slows down by more than the read takes when a reading thread competes for the GIL, while the backward
+        # runs in autograd's own threads and the optimizer waits on the device (H200: the forward took 0.61 s
+        # instead of 0.36 s with the read beside it, trainer-h200-read-next.json).
+        start_next = (lambda: self._read_next(next_groups)) if next_groups else None
+        for i, (packed, t_loaded, secs) in enumerate(itertools.chain(ahead, own)):
             for seg in packed.segments:
                 acc.lag.setdefault(seg.traj_id, t_loaded - by_id[seg.traj_id].committed_unix)
+            if i < len(ahead):
+                read_ahead_s += secs
+            else:
+                read_s += secs
             t1 = time.perf_counter()
-            self._micro_batch(packed, by_id, adv_of, n_resp, acc)
-            read_s += secs
+            self._micro_batch(packed, by_id, adv_of, n_resp, acc,
+                              before_backward=start_next if i == len(mine) - 1 else None)
             fwd_s += time.perf_counter() - t1
+        if not mine and start_next is not None:
+            start_next()
         # Sharded, every rank runs as many forwards and backwards as the rank with the most micro-batches (their
         # all-gathers and reduce-scatters are collectives): the others run zero-weighted stand-ins.
         for _ in range(-(-len(mbs) // self.world) - len(mine)):
@@ -317,7 +358,8 @@ class GRPOTrainer:
         lags = np.asarray(sorted(totals["lag"].values()), dtype=np.float64)
         queued = {} if ready_since is None else {
             t: max(0.0, ready_since - by_id[t].committed_unix) for t in totals["lag"] if t in by_id}
-        ready_lags = np.asarray(sorted(v - queued.get(t, 0.0) for t, v in totals["lag"].items()), dtype=np.float64)
+        ready_lags = np.asarray(sorted(max(0.0, v - queued.get(t, 0.0)) for t, v in totals["lag"].items()),
+                                dtype=np.float64)
         metrics = {
             "step": self.step_num, "version": self.version, "time_unix": time.time(), "mode": cfg.mode,
             "groups": len(taken.groups), "trajectories": len(trajs), "traj_ids": list(by_id),
@@ -331,7 +373,8 @@ class GRPOTrainer:
             "ready_lag_s_median": float(np.median(ready_lags)) if ready_since is not None and ready_lags.size else None,
             "ready_lag_s": ready_lags.tolist() if ready_since is not None else None,
             "mismatch": totals["mismatch"],
-            "step_s": wall, "read_s": read_s, "compute_s": fwd_s, "reduce_s": time.perf_counter() - t_reduce,
+            "step_s": wall, "read_s": read_s, "read_ahead_s": read_ahead_s,
+            "read_ahead_micro_batches": len(ahead), "compute_s": fwd_s, "reduce_s": time.perf_counter() - t_reduce,
             "phases_s": dict(acc.phases) if cfg.time_phases else None,
             "tokens_per_s": n_tok / wall if wall > 0 else math.nan,
             "digest": self.digest(), "world_size": self.world, "rank_traj_ids": totals["rank_traj_ids"],
@@ -344,9 +387,10 @@ class GRPOTrainer:
         return metrics
 
     def _micro_batch(self, packed: PackedHints | None, by_id: Mapping[str, Trajectory], adv_of: Mapping[str, float],
-                     n_resp: int, acc: _StepAccumulator) -> None:
+                     n_resp: int, acc: _StepAccumulator, before_backward: Callable[[], None] | None = None) -> None:
         """Forward + backward of one micro-batch; adds its weighted loss stats, mismatch and codes to ``acc``.
-        ``packed`` None: a zero-weighted stand-in (a sharded rank with fewer micro-batches than another)."""
+        ``packed`` None: a zero-weighted stand-in (a sharded rank with fewer micro-batches than another).
+        ``before_backward``: called once the forward and the loss are computed, right before the backward."""
         cfg = self.cfg
         want_codes = self._want_codes
         tick = self._phase_clock(acc)
@@ -358,13 +402,14 @@ class GRPOTrainer:
             self.trainable.accumulate()
             tick("backward")
         else:
-            self._train_on(packed, fwd, by_id, adv_of, n_resp, acc, tick)
+            self._train_on(packed, fwd, by_id, adv_of, n_resp, acc, tick, before_backward)
             self._measure(packed, fwd, by_id, acc, self.version, want_codes)
             self._keep_stale(packed, by_id, acc)
             tick("measure")
 
     def _train_on(self, packed: PackedHints, fwd, by_id: Mapping[str, Trajectory], adv_of: Mapping[str, float],
-                  n_resp: int, acc: _StepAccumulator, tick: Callable[[str], None]) -> None:
+                  n_resp: int, acc: _StepAccumulator, tick: Callable[[str], None],
+                  before_backward: Callable[[], None] | None = None) -> None:
         """The policy loss of ``packed``'s response tokens (weighted by their share of the step's) and its
         backward, from its forward ``fwd``."""
         cfg = self.cfg
@@ -393,6 +438,8 @@ class GRPOTrainer:
                                       clip_ratio_c=cfg.clip_ratio_c, logp_rollout=lp_roll, tis_cap=cfg.tis_cap)
         n = lp.shape[1]
         tick("loss")
+        if before_backward is not None:
+            before_backward()
         (loss * (n / n_resp)).backward()
         self.trainable.accumulate()
         tick("backward")
