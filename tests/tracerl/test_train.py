@@ -603,7 +603,7 @@ def test_the_next_step_is_read_while_a_step_computes_and_trains_the_same_bits(st
                                             weights_url=url, metrics=log)
         return trainer, follower, log, st
 
-    urls = []
+    records = []
     for read_next in (True, False):
         url = str(tmp_path / f"store{read_next}")
         loop.create(url)
@@ -611,8 +611,8 @@ def test_the_next_step_is_read_while_a_step_computes_and_trains_the_same_bits(st
         _gen(st, 3, max_ahead=6)
         assert run_training(trainer, follower, checkpoints=str(tmp_path / f"ck{read_next}"), weights_url=url,
                             metrics=log, max_steps=3, read_next=read_next) == 3
-        urls.append(log.records())
-    with_next, without = urls
+        records.append(log.records())
+    with_next, without = records
     assert [(m["digest"], m["loss"]) for m in with_next] == [(m["digest"], m["loss"]) for m in without]
     steps = [m for m in with_next if m.get("step", 0) >= 1]
     assert [m["read_ahead_micro_batches"] > 0 for m in steps] == [False, True, True]

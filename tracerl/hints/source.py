@@ -128,10 +128,6 @@ class BackgroundReads:
         except BaseException as e:  # noqa: BLE001 - handed to take(), which re-reads in the caller
             self._error = e
 
-    @property
-    def running(self) -> bool:
-        return self._thread.is_alive()
-
     def take(self, mbs: Sequence[MicroBatch], sites: Sequence[str]) -> list[tuple[PackedHints, float, float]]:
         """The reads done for ``mbs`` / ``sites`` (see the class docstring); waits for the thread first."""
         self._thread.join()
