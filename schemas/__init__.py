@@ -2,7 +2,8 @@
 
 Version 2 adds trajectory results (``result``; results entries in the log, FORMAT §3.2); version 3 adds gc entries
 (FORMAT §6) and the structural rules of results; version 4 adds the per-site ``scale_encoding`` (FORMAT §2.2, §2.4);
-versions 3 and 4 have the same schemas as version 2. Schemas:
+version 5 the per-site ``hint_encoding`` (margin-exception rows, FORMAT §2.5); versions 3, 4 and 5 have the same
+schemas as version 2 (margin rows are handed out as ``TraceBatch.rows``, not in ``record``). Schemas:
 
 * :func:`log_entry_schema` — the columns of a commit-log entry (one row per committed record).
 * :func:`record_schema` — the logical record ``(trajectory, token position, site) -> (hint bits, block scales)``
@@ -20,8 +21,8 @@ import pyarrow as pa
 
 #: the newest version: what this code writes where a store needs it (new stores take the lowest version that holds
 #: their declaration, `tracestore.create_store`)
-FORMAT_VERSION = 4
-SUPPORTED_FORMAT_VERSIONS = (1, 2, 3, 4)
+FORMAT_VERSION = 5
+SUPPORTED_FORMAT_VERSIONS = (1, 2, 3, 4, 5)
 
 
 _NULLABLE = "nullable"

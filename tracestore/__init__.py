@@ -24,7 +24,7 @@ _EXPORTS = {
     "tracestore.writer": ("Writer",),
     "tracestore.reader": ("Reader", "TrajectoryInfo"),
     "tracestore.stream": ("Stream",),
-    "tracestore.batch": ("TraceBatch", "read_record"),
+    "tracestore.batch": ("TraceBatch", "MarginRows", "read_record"),
     "tracestore.records": ("CommittedRecord", "CommittedResult"),
     "tracestore.format.entries": ("Result",),
     "tracestore.maintenance": ("verify", "collect_garbage", "compact", "info", "export_table", "VerifyReport",
@@ -38,7 +38,7 @@ _EXPORTS = {
         "StorageTimeoutError", "EndpointError", "CredentialsError", "AccessDeniedError", "LocationError",
         "CommitError", "DeclarationError", "GcRefusedError", "GcFenceError", "ResultExistsError",
         "TrajectoryCompleteError", "OptionError", "OptionTypeError",
-        "ResultError", "EntryVersionError", "ArrowOverflowError"),
+        "ResultError", "EntryVersionError", "ArrowOverflowError", "SiteEncodingError"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 

@@ -1,7 +1,8 @@
 """A writer's rows until they are committed (FORMAT §4: "a writer buffers rows in two buffers").
 
 * :class:`Stage` — one buffer: a preallocated ``[capacity, *row_shape]`` array per stored column, filled row by row,
-  the records (token ranges) its rows hold, the crc32c of every whole chunk computed as rows arrive, and the
+  a growing byte buffer per margin site (its variable-length rows back to back; the row ends are a column), the
+  records (token ranges) its rows hold, the crc32c of every whole chunk computed as rows arrive, and the
   trajectory results to commit after its rows;
 * :class:`RowBuffer` — the stage being filled and a spare (the other buffer is with the flusher), the token ranges
   buffered (``pending``) and the trajectories whose result is buffered;
@@ -25,6 +26,7 @@ import numpy as np
 from ._aligned import PAGE, aligned_empty
 from ._rows import host_rows
 from .format.entries import Record, Result, merge_ranges
+from .format.keys import MAX_MARGIN_SEGMENT_BYTES
 
 __all__ = ["Stage", "SegmentWrite", "RowBuffer", "TokenRanges"]
 
@@ -58,9 +60,17 @@ class Stage:
     """The write buffer: one preallocated ``[capacity, *row_shape]`` array per segment array, filled row by
     row, and the records (token ranges) whose rows it holds. A flush encodes straight from these arrays."""
 
-    def __init__(self, columns: Mapping, capacity: int, crc_rows: int = 0):
+    def __init__(self, columns: Mapping, capacity: int, crc_rows: int = 0, margin: Mapping | None = None,
+                 budget: int = 0):
         self.capacity = capacity
         self.arrays = {n: _staging_array((capacity, *shape), dtype) for n, (dtype, shape) in columns.items()}
+        #: margin site -> its row ends column (FORMAT §2.3); the rows' bytes go to ``margin_data[site]``
+        self.margin_ends: dict[str, str] = dict(margin or {})
+        self.margin_data: dict[str, np.ndarray] = {m: np.empty(0, np.uint8) for m in self.margin_ends}
+        self.margin_len: dict[str, int] = dict.fromkeys(self.margin_ends, 0)
+        #: row bytes (fixed columns + margin rows) at which the stage is full; 0: rows alone decide
+        self.budget = budget
+        self.row_nbytes = sum(int(a[0].nbytes) for a in self.arrays.values()) if capacity else 0
         self.rows = 0
         self.records: list[Record] = []
         self.segment: SegmentWrite | None = None  # written, not yet committed
@@ -94,6 +104,49 @@ class Stage:
             pos = stop
         return done, run
 
+    @property
+    def margin_nbytes(self) -> int:
+        """Bytes of margin rows buffered (all margin sites)."""
+        return sum(self.margin_len.values())
+
+    @property
+    def nbytes(self) -> int:
+        """Row bytes buffered: fixed columns and margin rows."""
+        return self.rows * self.row_nbytes + self.margin_nbytes
+
+    def fit(self, margin: Mapping, s: int, n: int) -> int:
+        """How many of the next ``n`` rows (``[s, s + n)`` of a write whose margin rows are ``margin``: site ->
+        (data, offsets [T + 1])) fit: the stage's bytes stay within its budget and each margin site's rows within
+        the uint32 row ends (FORMAT §2.3). An empty stage takes at least one row."""
+        cum = np.zeros(n + 1, np.int64)
+        k = n
+        for site, (_data, off) in margin.items():
+            part = off[s:s + n + 1] - off[s]
+            cum += part
+            k = min(k, int(np.searchsorted(part, MAX_MARGIN_SEGMENT_BYTES - self.margin_len[site], side="right")) - 1)
+        if self.budget:
+            total = self.margin_nbytes + cum + (self.rows + np.arange(n + 1, dtype=np.int64)) * self.row_nbytes
+            k = min(k, int(np.searchsorted(total, self.budget, side="right")) - 1)
+        return max(k, 1 if self.rows == 0 else 0)
+
+    def add_margin(self, margin: Mapping, r: int, s: int, n: int) -> None:
+        """Copy the margin rows ``[s, s + n)`` of a write to the end of each site's bytes and their ends (relative
+        to the segment's bytes of the site, uint32) to rows ``[r, r + n)`` of its ends column."""
+        for site, (data, off) in margin.items():
+            a, b = int(off[s]), int(off[s + n])
+            have, buf = self.margin_len[site], self.margin_data[site]
+            if have + (b - a) > buf.size:
+                grown = np.empty(max(2 * buf.size, have + (b - a), 1 << 16), np.uint8)
+                grown[:have] = buf[:have]
+                self.margin_data[site] = buf = grown
+            buf[have:have + (b - a)] = data[a:b]
+            self.arrays[self.margin_ends[site]][r:r + n] = off[s + 1:s + n + 1] - a + have
+
+    def commit_margin(self, margin: Mapping, s: int, n: int) -> None:
+        """Count the rows copied by :meth:`add_margin` as the stage's."""
+        for site, (_data, off) in margin.items():
+            self.margin_len[site] += int(off[s + n] - off[s])
+
     def add_crcs(self, name: str, done: list[int], run: int) -> None:
         self.crcs[name].extend(done)
         self._crc_run[name] = run
@@ -116,6 +169,7 @@ class Stage:
         self.results_batch = ""
         self.crcs = {n: [] for n in self.arrays}
         self._crc_run = dict.fromkeys(self.arrays, 0)
+        self.margin_len = dict.fromkeys(self.margin_ends, 0)
 
 
 class RowBuffer:
@@ -123,9 +177,12 @@ class RowBuffer:
     the writer holds its lock around every call, and its state lock around :attr:`pending` and
     :attr:`pending_results`, which the flusher thread also changes."""
 
-    def __init__(self, columns: Mapping, capacity: int, crc_rows: int):
+    def __init__(self, columns: Mapping, capacity: int, crc_rows: int, margin: Mapping | None = None,
+                 budget: int = 0):
         self.columns = columns  # name -> (dtype, row shape) of every stored column (Store.row_columns)
         self.capacity = capacity  # rows per stage
+        self.margin = dict(margin or {})  # margin site -> its row ends column
+        self.budget = budget  # row bytes per stage (with margin sites: rows vary, the bytes decide)
         # checksums of whole chunks as rows arrive (0: at flush; with column chunks a site's inner chunk is not a
         # run of its rows)
         self.crc_rows = crc_rows
@@ -141,6 +198,11 @@ class RowBuffer:
         return 0 if self.stage is None else self.stage.rows
 
     @property
+    def nbytes(self) -> int:
+        """Row bytes in the filling stage (fixed columns and margin rows)."""
+        return 0 if self.stage is None else self.stage.nbytes
+
+    @property
     def has_data(self) -> bool:
         """Whether the filling stage holds rows or results."""
         return self.stage is not None and bool(self.stage.rows or self.stage.results)
@@ -148,7 +210,8 @@ class RowBuffer:
     def current(self) -> Stage:
         """The filling stage (created on first use)."""
         if self.stage is None:
-            self.stage = Stage(self.columns, self.capacity, self.crc_rows)
+            self.stage = Stage(self.columns, self.capacity, self.crc_rows, self.margin,
+                               self.budget if self.margin else 0)
         return self.stage
 
     def take(self) -> Stage:
@@ -169,10 +232,10 @@ class RowBuffer:
             self.oldest = time.monotonic()
 
     def append(self, traj_id: str, token_start: int, s: int, T: int, columns: dict, policy_version: int,
-               done: list, handoff: Callable[[], None]) -> None:
-        """Copy rows ``[s, T)`` of the checked ``columns`` (tokens ``token_start + s ..``) into the filling stage,
-        calling ``handoff()`` whenever it is full; ``done[0]`` says how far the copy got (when ``handoff`` raises,
-        the rows before it are buffered, the others are not)."""
+               done: list, handoff: Callable[[], None], margin: Mapping | None = None) -> None:
+        """Copy rows ``[s, T)`` of the checked ``columns`` and ``margin`` rows (tokens ``token_start + s ..``) into
+        the filling stage, calling ``handoff()`` whenever it is full; ``done[0]`` says how far the copy got (when
+        ``handoff`` raises, the rows before it are buffered, the others are not)."""
         while s < T:
             stage = self.current()
             if stage.rows >= stage.capacity:
@@ -180,9 +243,16 @@ class RowBuffer:
                 # nothing of these rows is in it (raises, with these rows unbuffered, if it fails again)
                 handoff()
                 continue
-            n = min(T - s, stage.capacity - stage.rows)
+            room = min(T - s, stage.capacity - stage.rows)
+            n = stage.fit(margin, s, room) if margin else room
+            if n == 0:  # the stage's bytes are full (margin rows)
+                handoff()
+                continue
             r = stage.rows
             crcs = []
+            if margin:
+                stage.add_margin(margin, r, s, n)
+                crcs.extend((name, *stage.chunk_crcs(name, r, n)) for name in stage.margin_ends.values())
             for name, (src, _dtype) in columns.items():
                 dst = stage.arrays[name][r:r + n]
                 if name == "experts":
@@ -193,13 +263,15 @@ class RowBuffer:
                 crcs.append((name, *stage.chunk_crcs(name, r, n)))  # while the rows are in cache
             for name, done_crcs, run in crcs:  # every column copied: the rows are the stage's now
                 stage.add_crcs(name, done_crcs, run)
+            if margin:
+                stage.commit_margin(margin, s, n)
             stage.rows += n
             stage.add_record(traj_id, token_start + s, token_start + s + n, r, policy_version)
             if self.oldest is None:
                 self.oldest = time.monotonic()
             s += n
             done[0] = s
-            if stage.rows >= stage.capacity:
+            if stage.rows >= stage.capacity or n < room:
                 handoff()
 
 

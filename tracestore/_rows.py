@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .errors import DTypeError, ShapeError, UnknownSiteError
+from .errors import DTypeError, ShapeError, SiteEncodingError, UnknownSiteError
 from .format.keys import INT64_MAX, INT64_MIN, check_id, is_int
 
 __all__ = ["CheckedWrite", "check_write", "host_rows"]
@@ -20,29 +20,34 @@ _F32_MAX = float(np.finfo(np.float32).max)
 
 class CheckedWrite(NamedTuple):
     """A write that passed every check: ``columns`` maps buffer column names to ``(array, stored dtype)`` (for
-    ``experts``: the per-layer arrays, in the store's order) and ``T`` is its number of tokens."""
+    ``experts``: the per-layer arrays, in the store's order), ``margin`` maps each margin site to its rows
+    ``(data uint8 [n], offsets int64 [T + 1])`` (host numpy, ``offsets[0] == 0``, ``offsets[T] == n``) and ``T`` is
+    its number of tokens."""
 
     traj_id: str
     token_start: int
     policy_version: int
     columns: dict
     T: int
+    margin: dict = {}
 
 
 def check_write(store, traj_id: object, token_start: object, *, hints, scales, token_ids, logprobs, experts,
-                policy_version: object) -> CheckedWrite:
+                policy_version: object, rows=None) -> CheckedWrite:
     """Check one write (see :meth:`~tracestore.writer.Writer.write`) against ``store``'s declaration.
 
     Raises:
-        InvalidIdError, ShapeError, DTypeError, UnknownSiteError: what arrived and what is allowed.
+        InvalidIdError, ShapeError, DTypeError, UnknownSiteError, SiteEncodingError (a ShapeError: hints/scales for
+        a margin site, rows for a bits site): what arrived and what is allowed.
     """
     traj_id = check_id(traj_id)
     token_start, policy_version = _check_position(token_start, policy_version)
     columns, T = _check_trace(token_ids, logprobs, token_start, traj_id)
-    columns.update(_check_sites(store, hints, scales, T))
+    columns.update(_check_sites(store, {} if hints is None else hints, {} if scales is None else scales, T))
+    margin = _check_margin_rows(store, {} if rows is None else rows, T)
     if store.moe_layers or experts:
         columns["experts"] = _check_experts(store, experts, T)
-    return CheckedWrite(traj_id, token_start, policy_version, columns, T)
+    return CheckedWrite(traj_id, token_start, policy_version, columns, T, margin)
 
 
 def _is_torch(x) -> bool:
@@ -197,12 +202,20 @@ def _check_names(given: object, declared, what: str, kind: str) -> Mapping:
 
 
 def _check_sites(store, hints, scales, T: int) -> dict:
-    """``hints`` / ``scales``: uint8 ``[T, hint_bytes]`` / ``[T, scale_bytes]`` for every declared site
-    (`Site.scale_bytes`: per the site's scale encoding)."""
+    """``hints`` / ``scales``: uint8 ``[T, hint_bytes]`` / ``[T, scale_bytes]`` for every declared site of hint
+    encoding bits (`Site.scale_bytes`: per the site's scale encoding)."""
     columns = {}
+    bits = {n: s for n, s in store.sites.items() if not s.is_margin}
     for what, given, per_site in (("hints", hints, "hint_bytes"), ("scales", scales, "scale_bytes")):
-        given = _check_names(given, store.sites, what, "site")
-        for name, site in store.sites.items():
+        if isinstance(given, Mapping):
+            wrong = [k for k in given if k in store.margin_arrays]
+            if wrong:
+                raise SiteEncodingError(
+                    f"{what}: site(s) {wrong!r} have hint_encoding 'margin' (one variable-length row per token): give "
+                    f"them in rows={{site: (data uint8 [n], offsets int64 [T + 1])}}, not {what}=; {what}= takes "
+                    f"the sites of hint_encoding 'bits': {list(bits)}")
+        given = _check_names(given, bits, what, "site")
+        for name, site in bits.items():
             arr = _as_array(given[name], f"{what}[{name!r}]")
             want = (T, getattr(site, per_site))
             if not _is_u8(arr):
@@ -214,6 +227,75 @@ def _check_sites(store, hints, scales, T: int) -> dict:
                                  f"block {site.block_size}{per}), got {_shape(arr)}")
             columns[f"{what}.{name}"] = (arr, np.dtype(np.uint8))
     return columns
+
+
+def _host_1d(x, what: str) -> np.ndarray:
+    """A 1-D numpy array or torch tensor (CPU or CUDA) as host numpy; DTypeError for anything else."""
+    if _is_torch(x):
+        return x.detach().cpu().numpy()
+    if isinstance(x, np.ndarray):
+        return x
+    raise DTypeError(f"{what}: expected a numpy array or torch tensor, got {type(x).__name__}")
+
+
+def _margin_pair(value, what: str):
+    """``(data, offsets)`` of a margin site's rows: a 2-sequence, or an object with ``data`` and ``offsets``
+    attributes (such as ``tracerl.hints.compact.PackedRows``)."""
+    if hasattr(value, "data") and hasattr(value, "offsets") and not isinstance(value, np.ndarray) \
+            and not _is_torch(value):
+        return value.data, value.offsets
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        return value[0], value[1]
+    raise DTypeError(f"{what} must be a pair (data uint8 [n], offsets int64 [T + 1]) or an object with .data and "
+                     f".offsets, got {type(value).__name__}")
+
+
+def _check_margin_rows(store, rows, T: int) -> dict:
+    """``rows``: for every declared margin site, its ``T`` rows as ``(data uint8 [n], offsets integer [T + 1])``
+    with ``offsets[0] == 0``, non-decreasing, ``offsets[T] == n`` and no row longer than the site's
+    ``max_row_bytes``; row t is ``data[offsets[t]:offsets[t + 1]]`` (FORMAT §2.5)."""
+    margin_sites = {n: store.sites[n] for n in store.margin_arrays}
+    if isinstance(rows, Mapping):
+        wrong = [k for k in rows if k in store.sites and k not in margin_sites]
+        if wrong:
+            bits = [n for n in store.sites if n not in margin_sites]
+            raise SiteEncodingError(
+                f"rows: site(s) {wrong!r} have hint_encoding 'bits': give them in hints= and scales= (uint8 [T, "
+                f"width/8] and [T, scale bytes]), not rows=; rows= takes the sites of hint_encoding 'margin': "
+                f"{list(margin_sites)}" + ("" if margin_sites else f" (this store has none; its sites: {bits})"))
+    rows = _check_names(rows, margin_sites, "rows", "site")
+    out = {}
+    for name, site in margin_sites.items():
+        what = f"rows[{name!r}]"
+        data, offsets = _margin_pair(rows[name], what)
+        data, offsets = _host_1d(data, f"{what} data"), _host_1d(offsets, f"{what} offsets")
+        if data.dtype != np.uint8:
+            raise DTypeError(f"{what} data must be uint8, got {data.dtype}")
+        if data.ndim != 1:
+            raise ShapeError(f"{what} data must be 1-D [n bytes], got shape {data.shape}")
+        if offsets.dtype.kind not in "iu":
+            raise DTypeError(f"{what} offsets must be integers (int64), got {offsets.dtype}")
+        if offsets.shape != (T + 1,):
+            raise ShapeError(f"{what} offsets must have shape ({T + 1},) (T + 1 for T={T} tokens: row t is "
+                             f"data[offsets[t]:offsets[t + 1]]), got {offsets.shape}")
+        if offsets.dtype.kind == "u" and int(offsets.max()) > INT64_MAX:
+            raise ShapeError(f"{what} offsets must be in [0, {data.size}], got max {int(offsets.max())}")
+        off = offsets.astype(np.int64, copy=False)
+        lengths = np.diff(off)
+        if off[0] != 0 or off[-1] != data.size:
+            raise ShapeError(f"{what} offsets must start at 0 and end at the data's size {data.size}, got "
+                             f"offsets[0] = {int(off[0])}, offsets[{T}] = {int(off[-1])}")
+        if (lengths < 0).any():
+            t = int(np.flatnonzero(lengths < 0)[0])
+            raise ShapeError(f"{what} offsets must be non-decreasing, got offsets[{t}] = {int(off[t])} > "
+                             f"offsets[{t + 1}] = {int(off[t + 1])}")
+        longest = int(lengths.max()) if T else 0
+        if longest > site.max_row_bytes:
+            t = int(np.argmax(lengths))
+            raise ShapeError(f"{what}: row {t} has {longest} bytes; site {name!r} allows at most max_row_bytes = "
+                             f"{site.max_row_bytes} per row")
+        out[name] = (np.ascontiguousarray(data), np.ascontiguousarray(off))
+    return out
 
 
 def _check_experts(store, experts, T: int) -> tuple[list, np.dtype]:

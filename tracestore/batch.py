@@ -14,7 +14,8 @@ import sys
 import threading
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -24,12 +25,26 @@ from traceschemas import record_schema, token_schema
 from ._aligned import PAGE, aligned_view
 from .errors import ArrowOverflowError, IntegrityError, ObjectNotFoundError, OptionError, ShapeError, UnknownSiteError
 from .format.entries import SegmentRef
-from .format.segment import ReadTargets, layout
+from .format.segment import ReadTargets, layout, margin_layout
 from .records import CommittedRecord
 
-__all__ = ["TraceBatch", "Piece", "read_pieces", "read_record", "FORMATS"]
+__all__ = ["TraceBatch", "MarginRows", "Piece", "read_pieces", "read_record", "FORMATS"]
 
 FORMATS = ("numpy", "torch", "arrow")
+
+
+class MarginRows(NamedTuple):
+    """The margin-exception rows of one site for T tokens (FORMAT §2.5): ``data`` uint8 ``[n]``, the rows back to
+    back, and ``offsets`` int64 ``[T + 1]`` (``offsets[0] == 0``, ``offsets[T] == n``): row t (token ``start + t``) is
+    ``data[offsets[t]:offsets[t + 1]]``. numpy arrays or torch tensors; what ``Writer.write(rows=)`` takes."""
+
+    data: object
+    offsets: object
+
+    def row(self, t: int) -> bytes:
+        """Row ``t`` as bytes."""
+        off = _np(self.offsets)
+        return _np(self.data)[int(off[t]):int(off[t + 1])].tobytes()
 
 
 @dataclass
@@ -42,6 +57,9 @@ class TraceBatch:
         token_ids: int32 ``[T]``; logprobs: float32 ``[T]``; experts[layer]: uint8 (uint16 if > 256 experts)
         ``[T, top_k]`` (views into one ``[T, L, top_k]`` array); policy_version: int64 ``[T]``;
         positions: int64 ``[T]``. numpy arrays, torch tensors or pyarrow arrays depending on ``fmt``.
+        rows[site]: the margin-exception rows of each requested site of hint encoding ``margin`` (such a site has
+        no ``hints``/``scales`` entry): a :class:`MarginRows` (numpy / torch: ``data`` uint8 ``[n]``, ``offsets``
+        int64 ``[T + 1]``), with ``fmt="arrow"`` a ``pyarrow.LargeBinaryArray`` of T rows.
     """
 
     traj_id: str
@@ -55,12 +73,20 @@ class TraceBatch:
     experts: dict
     policy_version: object
     features: tuple[int, int] | None = None
+    rows: dict = field(default_factory=dict)
 
     def __len__(self) -> int:
         return self.stop - self.start
 
     def to_arrow(self) -> pa.Table:
-        """The logical records, one row per (position, site), in ``traceschemas.record_schema()``."""
+        """The logical records, one row per (position, site), in ``traceschemas.record_schema()``.
+
+        Raises ShapeError: the batch holds margin rows, which that schema has no column for (read ``rows`` with
+        ``fmt="arrow"``, or pass ``sites=`` of bits sites)."""
+        if self.rows:
+            raise ShapeError(f"to_arrow: sites {list(self.rows)} store margin-exception rows (hint_encoding margin), "
+                             f"which record_schema() has no column for; take batch.rows (fmt='arrow': one "
+                             f"LargeBinaryArray per site) or read sites of hint_encoding bits only")
         sites = list(self.hints)
         T = len(self)
         rows_traj = pa.array([self.traj_id] * (T * len(sites)), pa.string())
@@ -230,6 +256,12 @@ def _check_features(store, sites: Sequence[str], features) -> tuple[int, int] | 
         raise ShapeError(f"features must be a (lo, hi) pair of ints, got {features!r}") from e
     for name in sites:
         site = store.sites[name]
+        if site.is_margin:
+            if (lo, hi) != (0, site.width):
+                raise ShapeError(f"features [{lo}, {hi}) invalid for site {name!r}: it stores margin-exception rows "
+                                 f"(hint_encoding margin), which are read whole (features (0, {site.width}) or None); "
+                                 f"read it apart from the feature slice, or declare one site per slice")
+            continue
         # a slice starts at a hint byte and a scale byte (scale encoding lsb: a byte holds 8 blocks' bits) and
         # ends at one or at the row's end
         align = int(np.lcm(8, site.scale_values_per_byte))
@@ -363,15 +395,113 @@ def read_pieces(store, traj_id: str, start: int, stop: int, pieces: Sequence[Pie
         raise OptionError(f"fmt must be one of {FORMATS}, got {fmt!r}")
     sites = _check_sites(store, sites)
     feats = _check_features(store, sites, features)
+    margin = [n for n in sites if n in store.margin_arrays]
+    bits = [n for n in sites if n not in store.margin_arrays]
+    if feats is not None and not bits:
+        feats = None
     trace_arrays = (("token_ids", "logprobs") + (("experts",) if store.moe_layers else ())) if trace else ()
-    outs = _allocate(store, sites, feats, trace_arrays, stop - start, _Alloc(fmt, pin_memory))
-    targets = _plan(store, traj_id, start, pieces, sites, trace_arrays, outs)
+    alloc = _Alloc(fmt, pin_memory)
+    outs = _allocate(store, bits, feats, trace_arrays, stop - start, alloc)
+    targets = _plan(store, traj_id, start, pieces, bits, trace_arrays, outs)
+    ends = _plan_margin_ends(store, traj_id, pieces, margin, targets)
+    _read(store, targets, traj_id, start, stop)
+    batch = _assemble(store, traj_id, start, stop, bits, trace, outs, fmt, feats)
+    if margin:
+        batch.rows = _read_margin(store, traj_id, start, stop, margin, ends, fmt, alloc)
+    return batch
+
+
+def _read(store, targets: ReadTargets, traj_id: str, start: int, stop: int) -> None:
     try:
         targets.read(store.backend)
     except ObjectNotFoundError as e:
         raise IntegrityError(f"committed data of trajectory {traj_id!r} tokens [{start}, {stop}) is missing in "
                              f"{store.url}: {e}") from e
-    return _assemble(store, traj_id, start, stop, sites, trace, outs, fmt, feats)
+
+
+def _plan_margin_ends(store, traj_id: str, pieces: Sequence[Piece], margin: list[str], targets: ReadTargets
+                      ) -> dict[str, list]:
+    """Plan reads of the row ends each piece needs of each margin site into ``targets``: rows ``[r0 - 1, r1)`` (row
+    ``r0 - 1``'s end is row ``r0``'s start; none before row 0). Returns ``{site: [(piece, ends uint32, r0 > 0)]}``."""
+    out: dict[str, list] = {}
+    for name in margin:
+        spec = store.array_specs[store.margin_arrays[name][0]]
+        out[name] = []
+        for p in pieces:
+            r0 = p.row0
+            r1 = r0 + (p.stop - p.start)
+            ra = max(r0 - 1, 0)
+            ends = np.empty(r1 - ra, np.dtype("<u4"))
+            lay = layout(spec, p.segment.rows, p.segment.chunk_rows, p.segment.shard_bytes)
+
+            def describe(ij, p=p, key=None):
+                return (f"object {store.url}/{key} chunk {tuple(ij)} (trajectory {traj_id!r} tokens "
+                        f"[{p.start}, {p.stop}), log entry {p.seq}, segment {p.segment.path})")
+
+            for rng, chunks in lay.plan(p.segment.path, ra, r1):
+                targets.add(rng, lay, chunks, {0: (ends, 0, 0)}, ra, r1, functools.partial(describe, key=rng.key))
+            out[name].append((p, ends, r0 > 0))
+    return out
+
+
+def _read_margin(store, traj_id: str, start: int, stop: int, margin: list[str], ends: dict, fmt: str,
+                 alloc: _Alloc) -> dict:
+    """Each margin site's rows of tokens ``[start, stop)``: check the row ends read (non-decreasing, rows of at
+    most ``max_row_bytes``; IntegrityError naming the object otherwise), then read the byte ranges they give
+    straight into one output per site (every chunk's crc32c checked) -> ``{site: rows}`` in ``fmt``."""
+    T = stop - start
+    targets = ReadTargets()
+    outs: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for name in margin:
+        site = store.sites[name]
+        ends_name, data_name = store.margin_arrays[name]
+        spec = store.array_specs[data_name]
+        offsets = np.zeros(T + 1, np.int64)
+        ranges = []
+        pos = 0
+        for p, e, skip in ends[name]:
+            e = e.astype(np.int64)
+            a, vals = (int(e[0]), e[1:]) if skip else (0, e)
+            lengths = np.diff(vals, prepend=a)
+            if (lengths < 0).any() or int(lengths.max(initial=0)) > site.max_row_bytes:
+                raise IntegrityError(
+                    f"damaged row ends: object {store.url}/{p.segment.path}/{ends_name} rows [{p.row0}, "
+                    f"{p.row0 + len(vals)}) are not non-decreasing ends of rows of at most max_row_bytes "
+                    f"{site.max_row_bytes} (got lengths {lengths.min()}..{lengths.max()}; trajectory {traj_id!r} "
+                    f"tokens [{p.start}, {p.stop}), log entry {p.seq})")
+            dest = p.start - start
+            offsets[dest + 1:dest + 1 + len(vals)] = pos + vals - a
+            b = int(vals[-1])
+            ranges.append((p, a, b, pos))
+            pos += b - a
+        data = np.empty(pos, np.uint8)
+        for p, a, b, at in ranges:
+            if b == a:
+                continue
+            lay = margin_layout(spec, b, p.segment.chunk_rows, p.segment.shard_bytes)
+
+            def describe(ij, p=p, key=None):
+                return (f"object {store.url}/{key} chunk {tuple(ij)} (margin rows of trajectory {traj_id!r} tokens "
+                        f"[{p.start}, {p.stop}), log entry {p.seq}, segment {p.segment.path})")
+
+            for rng, chunks in lay.plan(p.segment.path, a, b):
+                targets.add(rng, lay, chunks, {0: (data[at:at + (b - a)], 0, 0)}, a, b,
+                            functools.partial(describe, key=rng.key))
+        outs[name] = (data, offsets)
+    _read(store, targets, traj_id, start, stop)
+    out: dict = {}
+    for name, (data, offsets) in outs.items():
+        if fmt == "arrow":
+            out[name] = pa.LargeBinaryArray.from_buffers(pa.large_binary(), T,
+                                                         [None, pa.py_buffer(offsets), pa.py_buffer(data)])
+        elif fmt == "torch":
+            import torch
+
+            d, o = torch.from_numpy(data), torch.from_numpy(offsets)
+            out[name] = MarginRows(d.pin_memory(), o.pin_memory()) if alloc.pin else MarginRows(d, o)
+        else:
+            out[name] = MarginRows(data, offsets)
+    return out
 
 
 def read_record(store, record: CommittedRecord, *, start: int | None = None, stop: int | None = None,

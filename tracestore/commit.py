@@ -33,7 +33,7 @@ from ._buffer import SegmentWrite, Stage, TokenRanges
 from .errors import CommitError, ObjectNotFoundError, TransientStorageError
 from .format.entries import GC, RESULTS, LogEntry, Record, Result, SegmentRef, decode_entry, encode_entry
 from .format.keys import log_key
-from .format.segment import array_metadata, choose_chunk_rows, group_metadata, layout
+from .format.segment import array_metadata, choose_chunk_rows, group_metadata, layout, margin_layout
 
 __all__ = ["Committer", "claim", "result_problem"]
 
@@ -160,7 +160,15 @@ class Committer:
         # every object of the segment in one put_many: object stores send them concurrently (one round trip
         # per segment instead of one per array); nothing is visible before the log entry references them
         items: dict[str, object] = {}
+        margin_site = {data: site for site, (_ends, data) in store.margin_arrays.items()}
         for name, spec in store.array_specs.items():
+            if spec.ends:  # a margin site's rows, back to back (FORMAT §2.3): one element per byte
+                site = margin_site[name]
+                nbytes = stage.margin_len[site]
+                lay = margin_layout(spec, nbytes, chunk_rows, store.shard_bytes)
+                items[f"{path}/{name}/zarr.json"] = array_metadata(lay)
+                items.update({f"{path}/{k}": v for k, v in lay.encode_parts([stage.margin_data[site][:nbytes]]).items()})
+                continue
             lay = layout(spec, rows, chunk_rows, store.shard_bytes)
             if spec.grouped:
                 kind = name.split(".", 1)[0]

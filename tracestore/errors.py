@@ -42,6 +42,7 @@ __all__ = [
     "EntryVersionError",
     "ArrowOverflowError",
     "BenchError",
+    "SiteEncodingError",
 ]
 
 
@@ -83,6 +84,11 @@ class ShapeError(TraceStoreError, ValueError):
 
 class DTypeError(TraceStoreError, TypeError):
     """An array has a dtype that cannot be stored losslessly in the declared column."""
+
+
+class SiteEncodingError(ShapeError):
+    """A write gives a site's payload in the form of the other hint encoding (FORMAT §2.5): hints/scales for a site
+    with ``hint_encoding`` ``margin`` (it takes ``rows=``), or rows for a ``bits`` site."""
 
 
 class UnknownSiteError(TraceStoreError, KeyError):

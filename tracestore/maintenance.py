@@ -37,7 +37,7 @@ from .format.entries import (
     records_table,
     same_entry,
 )
-from .format.segment import array_metadata, crc32c, layout
+from .format.segment import array_metadata, crc32c, layout, margin_layout
 from .errors import (
     GcFenceError,
     GcRefusedError,
@@ -120,16 +120,19 @@ def _all_entries(store, errors: list[str] | None = None, objects=None) -> list[L
 def info(store) -> dict:
     """A JSON-able summary: declaration, log and trajectory counts, and stored bytes by category.
 
-    ``bytes``: ``payload`` (hint + scale shards), ``trace`` (token ids, log-probs, experts shards),
+    ``bytes``: ``payload`` (hint + scale shards), ``margin`` (the shards of margin sites' rows and row ends, FORMAT
+    §2.5), ``trace`` (token ids, log-probs, experts shards),
     ``zarr_metadata`` (zarr.json objects), ``log`` (log entries), ``checkpoints`` (``index/``), ``manifest``, ``orphan`` (data of no committed
     entry), ``partial`` (unfinished temporary files), ``total``. ``payload_logical_bytes`` = committed tokens x
-    hint+scale bytes per token; ``overhead`` = everything stored except orphans and trace, over that.
+    hint+scale bytes per token of the bits sites; ``overhead`` = everything stored except orphans, trace and margin,
+    over that; ``margin_bytes_per_token`` = the ``margin`` bytes over the committed tokens (None without margin
+    sites or tokens).
     """
     objects = _store_objects(store)
     entries = _all_entries(store, objects=objects)
     referenced = {e.segment.path for e in entries if e.segment is not None}
-    cats = dict.fromkeys(("payload", "trace", "zarr_metadata", "log", "checkpoints", "manifest", "orphan", "partial",
-                          "other"), 0)
+    cats = dict.fromkeys(("payload", "margin", "trace", "zarr_metadata", "log", "checkpoints", "manifest", "orphan",
+                          "partial", "other"), 0)
     for o in objects:
         name = o.key.rsplit("/", 1)[-1]
         seg = _segment_of(o.key)
@@ -147,13 +150,14 @@ def info(store) -> dict:
             cats["zarr_metadata"] += o.size
         elif seg is not None:
             array = o.key.split("/")[3]
-            cats["payload" if array.startswith(("hints.", "scales.")) else "trace"] += o.size
+            cats["payload" if array.startswith(("hints.", "scales.")) else
+                 "margin" if array.startswith(("margin.", "margin_ends.")) else "trace"] += o.size
         else:
             cats["other"] += o.size
     cats["total"] = sum(o.size for o in objects)
     tokens = sum(int((e.token_stop - e.token_start).sum()) for e in entries)
     trajs = {t for e in entries for t in e.traj_ids}
-    logical = tokens * store.payload_bytes_per_token
+    logical = tokens * sum(s.bytes_per_token for s in store.sites.values() if not s.is_margin)
     stored_useful = cats["total"] - cats["orphan"] - cats["partial"] - cats["other"]
     return {
         "url": store.url,
@@ -179,7 +183,8 @@ def info(store) -> dict:
         "trace_bytes_per_token": store.trace_bytes_per_token,
         "payload_logical_bytes": logical,
         "bytes_per_token": (stored_useful / tokens) if tokens else None,
-        "overhead": ((stored_useful - cats["trace"]) / logical - 1.0) if logical else None,
+        "overhead": ((stored_useful - cats["trace"] - cats["margin"]) / logical - 1.0) if logical else None,
+        "margin_bytes_per_token": (cats["margin"] / tokens) if tokens and store.margin_arrays else None,
     }
 
 
@@ -274,44 +279,86 @@ def _verify_segment(store, entry: LogEntry, report: VerifyReport) -> None:
     except (ObjectNotFoundError, ValueError, KeyError, TypeError) as e:
         report.errors.append(f"{where}: bad group zarr.json: {e}")
     trajs = sorted(set(entry.traj_ids))
+    ends_of: dict[str, np.ndarray | None] = {}  # margin row ends that passed every check (None: they did not)
     for name, spec in store.array_specs.items():
-        lay = layout(spec, seg.rows, seg.chunk_rows, seg.shard_bytes)
-        prefix = f"{seg.path}/{name}"
+        if spec.ends:  # a margin site's rows: the array's length is the segment's last row end (FORMAT §2.3)
+            ends = ends_of.get(spec.ends)
+            if ends is None:
+                report.errors.append(f"{where}: {name} not checked: its row ends {spec.ends} failed their checks")
+                continue
+            lay = margin_layout(spec, int(ends[-1]), seg.chunk_rows, seg.shard_bytes)
+        else:
+            lay = layout(spec, seg.rows, seg.chunk_rows, seg.shard_bytes)
+        payloads = _verify_array(store, entry, lay, where, trajs, report, keep=name.startswith("margin_ends."))
+        if name.startswith("margin_ends."):
+            ends_of[name] = _check_ends(store, seg, name, payloads, report, where)
+
+
+def _check_ends(store, seg, name: str, payloads: list | None, report: VerifyReport, where: str) -> np.ndarray | None:
+    """The row ends of margin array ``name`` (uint32 ``[rows]``) from its checked chunk ``payloads``, or None (and
+    an error) when a chunk failed or the ends are not non-decreasing rows of at most the site's ``max_row_bytes``."""
+    if payloads is None:
+        return None
+    ends = np.frombuffer(b"".join(payloads), "<u4")[:seg.rows].astype(np.int64)
+    site = store.sites[name.split(".", 1)[1]]
+    lengths = np.diff(ends, prepend=0)
+    if len(ends) != seg.rows or (lengths < 0).any() or int(lengths.max(initial=0)) > site.max_row_bytes:
+        bad = int(np.flatnonzero((lengths < 0) | (lengths > site.max_row_bytes))[0]) if len(ends) == seg.rows else 0
+        report.errors.append(f"damaged row ends: object {store.url}/{seg.path}/{name} row {bad}: ends must be "
+                             f"non-decreasing with rows of at most max_row_bytes {site.max_row_bytes} ({where})")
+        return None
+    return ends
+
+
+def _verify_array(store, entry: LogEntry, lay, where: str, trajs: list, report: VerifyReport,
+                  keep: bool = False) -> list | None:
+    """Check one array of a segment: its zarr.json and every shard (size, index, each chunk's crc32c). Returns
+    (``keep``) the chunks' payloads in order when every shard passed, else None."""
+    seg, name, spec = entry.segment, lay.spec.name, lay.spec
+    payloads: list | None = [] if keep else None
+    prefix = f"{seg.path}/{name}"
+    try:
+        if not same_array_metadata(store.backend.get(f"{prefix}/zarr.json"), array_metadata(lay),
+                                   spec.dtype.itemsize):
+            report.errors.append(f"{where}: {name}/zarr.json differs from the layout the log entry implies")
+    except ObjectNotFoundError:
+        report.errors.append(f"{where}: {name}/zarr.json is missing")
+    report.objects += 1
+    for s in range(lay.n_shards):
+        key = f"{seg.path}/{lay.shard_key(s)}"
         try:
-            if not same_array_metadata(store.backend.get(f"{prefix}/zarr.json"), array_metadata(lay),
-                                       spec.dtype.itemsize):
-                report.errors.append(f"{where}: {name}/zarr.json differs from the layout the log entry implies")
+            data = store.backend.get(key)
         except ObjectNotFoundError:
-            report.errors.append(f"{where}: {name}/zarr.json is missing")
+            report.errors.append(f"object {store.url}/{key} is missing ({where}, trajectories {trajs[:5]})")
+            payloads = None
+            continue
         report.objects += 1
-        for s in range(lay.n_shards):
-            key = f"{seg.path}/{lay.shard_key(s)}"
-            try:
-                data = store.backend.get(key)
-            except ObjectNotFoundError:
-                report.errors.append(f"object {store.url}/{key} is missing ({where}, trajectories {trajs[:5]})")
-                continue
-            report.objects += 1
-            report.bytes += len(data)
-            size, index = lay.expected_index(s)
-            if len(data) != size:
-                report.errors.append(f"object {store.url}/{key}: {len(data)} bytes, expected {size} ({where})")
-                continue
-            if data[size - len(index):] != index:
-                report.errors.append(f"object {store.url}/{key}: shard index differs from the expected one ({where})")
-            n_chunks = (size - len(index)) // lay.stored_chunk_nbytes
-            arr = np.frombuffer(data, np.uint8, count=n_chunks * lay.stored_chunk_nbytes).reshape(
-                n_chunks, lay.stored_chunk_nbytes)
-            stored = arr[:, lay.chunk_nbytes:].copy().view("<u4").reshape(-1)
-            for k in range(n_chunks):
-                report.chunks += 1
-                if crc32c(arr[k, : lay.chunk_nbytes]) != int(stored[k]):
-                    i = s * lay.chunks_per_shard + k // lay.n_inner
-                    rows = (i * lay.chunk_rows, (i + 1) * lay.chunk_rows)
-                    hit = [f"{t}[{a}:{b})" for t, a, b, ro, _pv in entry.records()
-                           if ro < rows[1] and ro + (b - a) > rows[0]]
-                    report.errors.append(f"crc32c mismatch: object {store.url}/{key} chunk ({i}, {k % lay.n_inner}) "
-                                         f"(rows {rows[0]}..{rows[1]}, trajectories {hit[:5]}, {where})")
+        report.bytes += len(data)
+        size, index = lay.expected_index(s)
+        if len(data) != size:
+            report.errors.append(f"object {store.url}/{key}: {len(data)} bytes, expected {size} ({where})")
+            payloads = None
+            continue
+        if data[size - len(index):] != index:
+            report.errors.append(f"object {store.url}/{key}: shard index differs from the expected one ({where})")
+        n_chunks = (size - len(index)) // lay.stored_chunk_nbytes
+        arr = np.frombuffer(data, np.uint8, count=n_chunks * lay.stored_chunk_nbytes).reshape(
+            n_chunks, lay.stored_chunk_nbytes)
+        stored = arr[:, lay.chunk_nbytes:].copy().view("<u4").reshape(-1)
+        for k in range(n_chunks):
+            report.chunks += 1
+            if crc32c(arr[k, : lay.chunk_nbytes]) != int(stored[k]):
+                payloads = None
+                i = s * lay.chunks_per_shard + k // lay.n_inner
+                rows = (i * lay.chunk_rows, (i + 1) * lay.chunk_rows)
+                what = "bytes" if spec.ends else "rows"
+                hit = [f"{t}[{a}:{b})" for t, a, b, ro, _pv in entry.records()
+                       if spec.ends or (ro < rows[1] and ro + (b - a) > rows[0])]
+                report.errors.append(f"crc32c mismatch: object {store.url}/{key} chunk ({i}, {k % lay.n_inner}) "
+                                     f"({what} {rows[0]}..{rows[1]}, trajectories {hit[:5]}, {where})")
+            elif payloads is not None:
+                payloads.append(arr[k, : lay.chunk_nbytes].tobytes())
+    return payloads
 
 
 def verify(store, *, progress: Progress | None = None) -> VerifyReport:

@@ -194,7 +194,9 @@ class Reader:
 
         Args:
             sites: subset of site names (default all). features: ``(lo, hi)`` value indices, multiples of the
-                site's block size and of 8, applied to every requested site. fmt: "numpy" | "torch" | "arrow".
+                site's block size and of 8, applied to every requested site (a margin site is read whole: only
+                ``(0, width)`` for it). fmt: "numpy" | "torch" | "arrow". Margin sites (hint encoding ``margin``)
+                come back in ``batch.rows[site]`` (data + offsets ``[T + 1]`` for the range), not in hints/scales.
             pin_memory: torch outputs in pinned host memory (falls back with a warning without CUDA).
             trace: also read token ids, log-probs and experts (False: hints/scales/policy_version only).
 

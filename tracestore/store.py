@@ -102,13 +102,18 @@ class Store(Closing):
                     else:
                         sc = spec.name
                     self.site_arrays[m] = (h, sc, k)
-        #: the writer's per-row buffers: name -> (dtype, row shape); "hints.<site>" / "scales.<site>" per site
+        #: margin sites (hint_encoding "margin", FORMAT §2.5) -> (row ends array name, rows array name)
+        self.margin_arrays: dict[str, tuple[str, str]] = {
+            s.name: (f"margin_ends.{s.name}", f"margin.{s.name}") for s in self.sites.values() if s.is_margin}
+        #: the writer's per-row buffers: name -> (dtype, row shape); "hints.<site>" / "scales.<site>" per bits site,
+        #: "margin_ends.<site>" per margin site (its rows' bytes are buffered apart: they vary per row)
         self.row_columns: dict[str, tuple[np.dtype, tuple[int, ...]]] = {}
         for site in self.sites.values():
-            self.row_columns[f"hints.{site.name}"] = (np.dtype(np.uint8), (site.hint_bytes,))
-            self.row_columns[f"scales.{site.name}"] = (np.dtype(np.uint8), (site.scale_bytes,))
+            if not site.is_margin:
+                self.row_columns[f"hints.{site.name}"] = (np.dtype(np.uint8), (site.hint_bytes,))
+                self.row_columns[f"scales.{site.name}"] = (np.dtype(np.uint8), (site.scale_bytes,))
         for spec in self.array_specs.values():
-            if not spec.grouped:
+            if not spec.grouped and not spec.ends:
                 self.row_columns[spec.name] = (spec.dtype, spec.row_shape)
         #: the commit log (head, entry cache, checkpoints), shared by this store's writers, readers and streams
         self.log = CommitLog(backend, url, self.format_version)
@@ -121,7 +126,8 @@ class Store(Closing):
 
     @property
     def payload_bytes_per_token(self) -> int:
-        """Hint + scale bytes per token over all sites (7,680 for 20 sites x 2048 nvfp4 values)."""
+        """Fixed payload bytes per token over all sites: hint + scale bytes (7,680 for 20 sites x 2048 nvfp4
+        values), 4 per margin site (its row end; the rows themselves vary)."""
         return sum(s.bytes_per_token for s in self.sites.values())
 
     @property
@@ -204,14 +210,15 @@ def create_store(url: str, sites: Sequence[Site], *, model: Mapping | None = Non
     ``chunk_rows`` (target rows per inner Zarr chunk), ``shard_bytes`` (target bytes per shard object) and
     ``feature_chunk`` (values per chunk along the feature axis; 0 = a whole row, else chunks of that many values
     for sites whose width it divides — for tensor-parallel slicing) fix the layout of every segment.
-    ``format_version``: default the lowest version that holds the declaration (FORMAT §7): 3, or 4 when a site's
-    ``scale_encoding`` is not ``bytes``; an older one keeps the store readable by older readers.
+    ``format_version``: default the lowest version that holds the declaration (FORMAT §7): 3, 4 when a site's
+    ``scale_encoding`` is not ``bytes``, 5 when a site's ``hint_encoding`` is ``margin``; an older one keeps the
+    store readable by older readers.
 
     Raises:
         StoreExistsError: a store exists at ``url`` (and ``exist_ok`` is false, or it declares other sites).
         InvalidIdError / ShapeError / DeclarationError: bad declaration (all ValueErrors). OptionTypeError: ``model``
-        is not JSON. SchemaVersionError: an unsupported ``format_version``; DeclarationError: a site's scale encoding
-        that ``format_version`` does not have. BackendError: storage failure.
+        is not JSON. SchemaVersionError: an unsupported ``format_version``; DeclarationError: a site's scale or hint
+        encoding that ``format_version`` does not have. BackendError: storage failure.
     """
     sites = list(sites)
     if not sites or not all(isinstance(s, Site) for s in sites):

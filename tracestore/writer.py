@@ -124,7 +124,9 @@ class Writer(Closing):
             capacity -= capacity % store.chunk_rows
         self._lock = threading.RLock()  # one write / flush / handoff at a time
         self._state = threading.Lock()  # guards the committer's ranges and stats, the buffer's pending ones, _lost*
-        self._buffer = RowBuffer(store.row_columns, capacity, 0 if store.feature_chunk else store.chunk_rows)
+        # margin sites' rows vary in length: their bytes count against the buffer's budget as they arrive
+        self._buffer = RowBuffer(store.row_columns, capacity, 0 if store.feature_chunk else store.chunk_rows,
+                                 {m: ends for m, (ends, _) in store.margin_arrays.items()}, flush_bytes)
         self._committer = Committer(store, self.writer_id, self.commit_timeout_s, self._state)
         self._error: BaseException | None = None
         self._flusher: ThreadPoolExecutor | None = None
@@ -160,15 +162,22 @@ class Writer(Closing):
             return self._committer.committed.get(traj_id)
 
     # ------------------------------------------------------------------ write
-    def write(self, traj_id: str, token_start: int, *, hints: Mapping, scales: Mapping, token_ids, logprobs,
-              experts: Mapping | None = None, policy_version: int = 0) -> None:
+    def write(self, traj_id: str, token_start: int, *, hints: Mapping | None = None, scales: Mapping | None = None,
+              token_ids, logprobs, experts: Mapping | None = None, policy_version: int = 0,
+              rows: Mapping | None = None) -> None:
         """Buffer tokens ``[token_start, token_start + T)`` of ``traj_id``.
 
         Args:
-            hints: ``{site: uint8 [T, width/8]}`` for every declared site (bit i = LSB of code i, LSB first).
-            scales: ``{site: uint8 [T, site.scale_bytes]}`` for every declared site: the scale bytes ``[T,
+            hints: ``{site: uint8 [T, width/8]}`` for every declared site of hint encoding ``bits`` (bit i = LSB of
+                code i, LSB first); None means ``{}`` (a store whose sites are all margin sites).
+            scales: ``{site: uint8 [T, site.scale_bytes]}`` for the same sites: the scale bytes ``[T,
                 width/block_size]``, or with the site's scale encoding ``lsb`` their LSBs ``[T, ceil(width/block_size/8)]``
                 (bit b of a row = LSB of block b's E4M3 byte, LSB first; FORMAT §2.4).
+            rows: ``{site: (data, offsets)}`` for every declared site of hint encoding ``margin`` (FORMAT §2.5): its
+                T margin-exception rows, opaque bytes, row t = ``data[offsets[t]:offsets[t + 1]]``; ``data`` uint8
+                ``[n]``, ``offsets`` integer ``[T + 1]`` (int64), ``offsets[0] == 0``, non-decreasing, ``offsets[T]
+                == n``, no row longer than the site's ``max_row_bytes`` (0-byte rows are allowed). Instead of the
+                pair, any object with ``.data`` and ``.offsets`` (``tracerl.hints.compact.PackedRows``).
             token_ids: integer ``[T]`` (stored int32).
             logprobs: floating ``[T]`` (stored float32).
             experts: ``{moe_layer: integer [T, top_k]}`` for every declared MoE layer (required iff the store
@@ -179,7 +188,8 @@ class Writer(Closing):
         Everything is validated before anything is buffered; on error the writer and the store are unchanged.
 
         Raises:
-            InvalidIdError, ShapeError, DTypeError, UnknownSiteError, OverlapError (range overlaps one committed
+            InvalidIdError, ShapeError, DTypeError, UnknownSiteError, SiteEncodingError (a ShapeError: hints or
+            scales for a margin site, rows for a bits site), OverlapError (range overlaps one committed
             or buffered for ``traj_id``), TrajectoryCompleteError (an OverlapError: ``traj_id`` has a result,
             committed as far as this writer has read the log, or buffered by it: no token follows a result),
             TraceStoreError (writer closed / a background commit failed),
@@ -190,7 +200,7 @@ class Writer(Closing):
             anything was buffered have ``buffered_to == token_start``.
         """
         w = check_write(self.store, traj_id, token_start, hints=hints, scales=scales, token_ids=token_ids,
-                        logprobs=logprobs, experts=experts, policy_version=policy_version)
+                        logprobs=logprobs, experts=experts, policy_version=policy_version, rows=rows)
         with self._lock:
             self._check_open()
             parts = self._reserve(w.traj_id, w.token_start, w.token_start + w.T)
@@ -285,7 +295,7 @@ class Writer(Closing):
             for a, b in parts:
                 done[0] = a - token_start
                 self._buffer.append(traj_id, token_start, a - token_start, b - token_start, w.columns,
-                                    w.policy_version, done, self._handoff)
+                                    w.policy_version, done, self._handoff, w.margin)
             done[0] = w.T
             if self._due():
                 self._handoff()
@@ -413,11 +423,11 @@ class Writer(Closing):
     @property
     def buffered_bytes(self) -> int:
         """Row bytes buffered and not yet committed (the filling buffer and the one being written)."""
-        rows = self._buffer.rows
+        nbytes = self._buffer.nbytes
         inflight = self._inflight
         if inflight is not None:
-            rows += inflight[1].rows
-        return rows * self._token_nbytes
+            nbytes += inflight[1].nbytes
+        return nbytes
 
     def _handoff(self, wait: bool = False) -> None:
         """Give the filling buffer to the flusher thread (after the previous one is done) and continue in a

@@ -19,8 +19,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def test_schema_json_matches_code():
     for version in traceschemas.SUPPORTED_FORMAT_VERSIONS:
         assert json.loads((ROOT / "schemas" / f"tracestore_v{version}.json").read_text()) == traceschemas.describe(version)
-    assert ts.FORMAT_VERSION == traceschemas.FORMAT_VERSION == 4
-    assert traceschemas.SUPPORTED_FORMAT_VERSIONS == (1, 2, 3, 4)
+    assert ts.FORMAT_VERSION == traceschemas.FORMAT_VERSION == 5
+    assert traceschemas.SUPPORTED_FORMAT_VERSIONS == (1, 2, 3, 4, 5)
 
 
 def test_format_md_exists_and_names_the_version():

@@ -8,6 +8,7 @@ import pathlib
 import re
 import time
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -262,3 +263,49 @@ def test_scale_encoding_table(tmp_path):
     names = sorted(p.name for p in seg.iterdir() if p.is_dir())
     assert "scales.w64.b16.lsb" in names
     assert all(any(re.fullmatch(p, n) for p in patterns) for n in names), names
+
+
+def test_margin_site_keys_and_arrays(tmp_path):
+    """§2.5's table names exactly the codec keys the code knows, each refused out of its allowed range; the arrays
+    of a store with margin sites are the ones §2.3 names, in its order."""
+    from tracestore.format.keys import (
+        DEFAULT_MAX_ROW_BYTES,
+        HINT_ENCODINGS,
+        MARGIN_KEYS,
+        MARGIN_OPTIONAL_KEYS,
+        MAX_ROW_BYTES_LIMIT,
+        SCALE_PAYLOADS,
+    )
+
+    spec = {r[0]: r for r in _table("### 2.5 Hint encodings", "| key | allowed")}
+    assert list(spec) == [*MARGIN_KEYS, *MARGIN_OPTIONAL_KEYS]
+    assert f"default {DEFAULT_MAX_ROW_BYTES}" in spec["max_row_bytes"][1] and "2^24" in spec["max_row_bytes"][1]
+    assert [x.strip(" `") for x in spec["scale_payload"][1].split(",")] == list(SCALE_PAYLOADS)
+    assert "`bits`, `margin`" in SPEC and list(HINT_ENCODINGS) == ["bits", "margin"]
+    codec = dict(hint_encoding="margin", margin=0.1, scale_margin="inf", value_coding="rice30", block_coding="all",
+                 scale_payload="byte")
+    for coding in ("all", "bitmap", "block-bitmap", "gamma", "rice0", "rice30"):
+        ts.Site("m", 256 * 16, **{**codec, "value_coding": coding, "block_coding": coding})
+    for key, bad in (("value_coding", "rice31"), ("margin", -1), ("scale_payload", "bytes"),
+                     ("max_row_bytes", MAX_ROW_BYTES_LIMIT + 1)):
+        with pytest.raises(ts.DeclarationError):
+            ts.Site("m", 64, **{**codec, key: bad})
+    store = ts.create_store(str(tmp_path / "s"), [ts.Site("a", 64), ts.Site("m", 64, **codec)], chunk_rows=4)
+    with store.writer("w", commit_interval_s=0) as w:
+        kw = rows(store, "t", 0, 5)
+        del kw["hints"]["m"], kw["scales"]["m"]
+        w.write("t", 0, **kw, rows={"m": (np.arange(7, dtype=np.uint8), np.array([0, 0, 3, 3, 6, 7]))})
+    seg = tmp_path / "s" / store.read_entry(0).segment.path
+    spec_names = [r[0] for r in _table("### 2.3 Segments", "| array | shape")]
+    patterns = [re.escape(n).replace("<W>", r"\d+").replace("<B>", r"\d+").replace(re.escape("<site>"), "m")
+                for n in spec_names]
+    names = [p.name for p in seg.iterdir() if p.is_dir()]
+    assert all(any(re.fullmatch(p, n) for p in patterns) for n in names), names
+    assert list(store.array_specs) == ["hints.w64.b16", "scales.w64.b16", "margin_ends.m", "margin.m", "token_ids",
+                                       "logprobs"]
+    ends = json.loads((seg / "margin_ends.m" / "zarr.json").read_text())
+    data = json.loads((seg / "margin.m" / "zarr.json").read_text())
+    assert ends["data_type"] == "uint32" and ends["shape"] == [5]
+    assert data["data_type"] == "uint8" and data["shape"] == [7]
+    cr = store.read_entry(0).segment.chunk_rows
+    assert cr == 3 and data["codecs"][0]["configuration"]["chunk_shape"] == [64 * cr]  # C = 64 * the entry's

@@ -75,13 +75,16 @@ def _cmd_info(args: argparse.Namespace) -> int:
     sites = d["sites"]
     kinds: dict[tuple, list] = {}
     for s in sites:
-        kinds.setdefault((s["width"], s["fp4_format"], s["block_size"], s["scale_encoding"]), []).append(s["name"])
+        enc = s["scale_encoding"] if s.get("hint_encoding", "bits") == "bits" else (
+            f"margin rows ({s['value_coding']}/{s['block_coding']}, margin {s['margin']}/{s['scale_margin']}, "
+            f"scale payload {s['scale_payload']})")
+        kinds.setdefault((s["width"], s["fp4_format"], s["block_size"], enc), []).append(s["name"])
     out(f"store        {d['url']}")
     out(f"format       tracestore v{d['format_version']}, store id {d['store_id']}")
     for (w, f, b, enc), names in kinds.items():
         shown = ", ".join(names[:3]) + (f", ... ({len(names)} sites)" if len(names) > 3 else "")
         scales = (f"scales: bytes, {w // b} B/token" if enc == "bytes" else
-                  f"scales: lsb (scale hints), {-(-w // (8 * b))} B/token")
+                  f"scales: lsb (scale hints), {-(-w // (8 * b))} B/token" if enc == "lsb" else enc)
         out(f"sites        {shown}: width {w} {f} (block {b}), {scales}")
     out(f"per token    {d['payload_bytes_per_token']:,} payload bytes (hints + scales), "
          f"{d['trace_bytes_per_token']:,} trace bytes")
@@ -211,6 +214,9 @@ def _cmd_show(args: argparse.Namespace) -> int:
         for name in batch.hints:
             tok["sites"][name] = {"hints": [_hex(x, limit) for x in batch.hints[name][:n]],
                                   "scales": [_hex(x, limit) for x in batch.scales[name][:n]]}
+        for name, mrows in batch.rows.items():  # margin sites (FORMAT §2.5): one variable-length row per token
+            tok["sites"][name] = {"margin_rows": [_hex(mrows.row(t), limit)
+                                                  for t in range(n)]}
         tok["token_ids"] = batch.token_ids[:n].tolist()
         tok["logprobs"] = batch.logprobs[:n].tolist()
         tok["policy_version"] = batch.policy_version[:n].tolist()

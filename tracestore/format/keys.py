@@ -49,6 +49,30 @@ SCALE_ENCODINGS = ("bytes", "lsb")
 DEFAULT_SCALE_ENCODING = "bytes"
 #: the format version that introduced the site key ``scale_encoding``
 SCALE_ENCODING_SINCE = 4
+#: what a site stores per token (FORMAT §2.5): ``bits``, a hint bit per value and a scale row per block (versions
+#: 1-4: always); ``margin``, one variable-length margin-exception row per token (opaque bytes; tracerl.hints.compact)
+HINT_ENCODINGS = ("bits", "margin")
+DEFAULT_HINT_ENCODING = "bits"
+#: the format version that introduced the site key ``hint_encoding`` (and the codec keys of margin sites)
+HINT_ENCODING_SINCE = 5
+#: the codec keys of a margin site (FORMAT §2.5): required on margin sites, not allowed on bits sites;
+#: ``max_row_bytes`` is optional (default DEFAULT_MAX_ROW_BYTES)
+MARGIN_KEYS = ("margin", "scale_margin", "value_coding", "block_coding", "scale_payload")
+MARGIN_OPTIONAL_KEYS = ("max_row_bytes",)
+#: what a margin row keeps of a marked block: its E4M3 byte or only the byte's LSB
+SCALE_PAYLOADS = ("byte", "lsb")
+#: position codings of a margin row (``rice<k>``: k in 0..30)
+POSITION_CODINGS = ("all", "bitmap", "block-bitmap", "gamma", "rice<k>")
+_CODING_RE = re.compile(r"all|bitmap|block-bitmap|gamma|rice([0-9]|[12][0-9]|30)")
+#: positions per group of the ``block-bitmap`` coding (its row length must be a multiple of it)
+CODING_GROUP = 16
+#: the longest row a margin site may store, unless its ``max_row_bytes`` says less: default and largest allowed
+DEFAULT_MAX_ROW_BYTES = 1 << 16
+MAX_ROW_BYTES_LIMIT = 1 << 24
+#: a margin site's rows of one segment are at most this many bytes (its ends are uint32)
+MAX_MARGIN_SEGMENT_BYTES = (1 << 32) - 1
+#: bytes per inner chunk of a ``margin.<site>`` array, per row of the segment's ``chunk_rows`` (FORMAT §2.3)
+MARGIN_CHUNK_BYTES_PER_ROW = 64
 #: the version of a new store whose declaration needs nothing newer (a version-3 reader reads it)
 BASE_FORMAT_VERSION = 3
 
@@ -71,6 +95,16 @@ def check_version(found: object, where: str, *, supported=SUPPORTED_FORMAT_VERSI
     if isinstance(found, bool) or found not in supported:
         raise SchemaVersionError(f"{where} has version {found!r:.40}; this tracestore writes version {writes!r} and "
                                  f"reads versions {list(supported)}")
+
+
+def is_position_coding(value: object) -> bool:
+    """Whether ``value`` names a position coding of :data:`POSITION_CODINGS` (``rice<k>`` with k in 0..30)."""
+    return isinstance(value, str) and _CODING_RE.fullmatch(value) is not None
+
+
+def margin_chunk_bytes(chunk_rows: int) -> int:
+    """Bytes per inner chunk of a segment's ``margin.<site>`` arrays: 64 per row of its ``chunk_rows``."""
+    return MARGIN_CHUNK_BYTES_PER_ROW * chunk_rows
 
 
 def is_int(x: object) -> bool:

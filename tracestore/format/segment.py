@@ -43,7 +43,9 @@ class ArraySpec:
     Site arrays group all sites of one (width, block size): ``members`` names the sites along axis 1, the
     row shape is ``(len(members), bytes)`` and inner chunks are ``[chunk_rows, 1, col_chunk]`` (one site, a
     ``col_chunk``-byte slice of it; 0 = all bytes). Other arrays (``members == ()``) have one inner chunk per
-    ``chunk_rows`` rows.
+    ``chunk_rows`` rows. A margin site's rows array (``ends`` = the name of its ``margin_ends`` array) is 1-D
+    uint8 with one element per *byte*: its length is the segment's last row end, its inner chunks
+    ``margin_chunk_bytes(chunk_rows)`` bytes (:func:`margin_layout`).
     """
 
     name: str
@@ -51,6 +53,7 @@ class ArraySpec:
     row_shape: tuple[int, ...]
     members: tuple[str, ...] = ()
     col_chunk: int = 0
+    ends: str = ""
 
     @property
     def row_nbytes(self) -> int:
@@ -472,7 +475,18 @@ def layout(spec: ArraySpec, rows: int, chunk_rows: int, shard_bytes: int) -> Arr
     """Shards hold a whole number of inner-chunk rows and at most ``shard_bytes`` (at least one chunk row)."""
     n_chunks = math.ceil(rows / chunk_rows)
     per_shard = max(1, shard_bytes // max(1, chunk_rows * spec.row_nbytes))
-    return ArrayLayout(spec, rows, chunk_rows, chunk_rows * min(per_shard, n_chunks))
+    # max(1, ...): an array of 0 elements (a margin rows array whose rows are all empty) has 0 shards of one chunk
+    return ArrayLayout(spec, rows, chunk_rows, chunk_rows * max(1, min(per_shard, n_chunks)))
+
+
+def margin_layout(spec: ArraySpec, nbytes: int, chunk_rows: int, shard_bytes: int) -> ArrayLayout:
+    """The layout of a margin rows array of ``nbytes`` bytes in a segment of ``chunk_rows`` (FORMAT §2.3): inner
+    chunks of ``64 * chunk_rows`` bytes, shards of at most ``shard_bytes`` (at least one chunk). A reader that knows
+    only that the array holds at least ``nbytes`` bytes may use it for those bytes: a chunk's shard and offset do
+    not depend on the array's length (every shard but the last holds ``floor(shard_bytes / chunk bytes)`` chunks)."""
+    from .keys import margin_chunk_bytes
+
+    return layout(spec, nbytes, margin_chunk_bytes(chunk_rows), shard_bytes)
 
 
 def group_metadata(attributes: Mapping) -> bytes:
