@@ -111,6 +111,9 @@ __all__ = [
     "unpack_rows",
     "packed_row_bytes",
     "today_bytes_per_token",
+    "store_site",
+    "store_rows",
+    "packed_from_store",
 ]
 
 BLOCK = NVFP4_BLOCK_SIZE
@@ -730,3 +733,47 @@ def unpack_rows(packed: PackedRows) -> MarginExceptions:
 def today_bytes_per_token(widths: Sequence[int]) -> int:
     """Bytes per token of today's layout at sites of these widths: W/8 hint bytes + W/16 scale bytes each."""
     return sum(w // HINTS_PER_BYTE + w // BLOCK for w in widths)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the store's margin sites (tracestore format version 5, FORMAT §2.5)
+# ---------------------------------------------------------------------------------------------------------
+def store_site(name: str, width: int, coding: SiteCoding, margin: float, scale_margin: float,
+               scale_payload: str = "byte", *, max_row_bytes: int | None = None, kind: str = "activation"):
+    """The `tracestore.Site` of hint encoding ``margin`` that keeps `pack_rows` rows of this coding, margins and
+    scale payload (the keys a reader needs to decode them; FORMAT §2.5). Raises tracestore's DeclarationError /
+    ShapeError for values the store does not allow (a margin < 0, an unknown coding, W not a multiple of 16)."""
+    import tracestore
+
+    return tracestore.Site(name, width, kind=kind, hint_encoding="margin", margin=margin, scale_margin=scale_margin,
+                           value_coding=coding.values, block_coding=coding.blocks, scale_payload=scale_payload,
+                           max_row_bytes=max_row_bytes)
+
+
+def store_rows(packed: PackedRows) -> tuple[np.ndarray, np.ndarray]:
+    """``packed``'s rows as `tracestore.Writer.write(rows={site: ...})` takes them: (data uint8 [n], offsets int64
+    [T + 1])."""
+    return np.ascontiguousarray(packed.data, dtype=np.uint8), np.ascontiguousarray(packed.offsets, dtype=np.int64)
+
+
+def packed_from_store(site, rows) -> PackedRows:
+    """The `PackedRows` of rows a tracestore reader returned for a margin ``site`` (`tracestore.Site`): ``rows`` is
+    ``TraceBatch.rows[site.name]`` read with ``fmt="numpy"`` or ``"torch"`` (data uint8 [n], offsets int64 [T + 1])
+    or ``"arrow"`` (a large_binary array). The coding, margins and scale payload come from the site's keys.
+
+    Raises `ConfigError`: ``site`` is not a margin site."""
+    if getattr(site, "hint_encoding", None) != "margin":
+        raise ConfigError(f"site {getattr(site, 'name', site)!r} is not a margin site (hint_encoding "
+                          f"{getattr(site, 'hint_encoding', None)!r}); its rows are hints and scales")
+    if hasattr(rows, "buffers") and hasattr(rows, "type"):  # pyarrow large_binary: [validity, offsets, data]
+        _, off_buf, data_buf = rows.buffers()
+        offsets = np.frombuffer(off_buf, np.int64)[rows.offset: rows.offset + len(rows) + 1]
+        data = np.frombuffer(data_buf, np.uint8) if data_buf is not None else np.zeros(0, np.uint8)
+        data, offsets = data[offsets[0]:offsets[-1]], offsets - offsets[0]
+    else:
+        data, offsets = rows
+        data = data.cpu().numpy() if isinstance(data, torch.Tensor) else np.asarray(data)
+        offsets = offsets.cpu().numpy() if isinstance(offsets, torch.Tensor) else np.asarray(offsets)
+    return PackedRows(np.asarray(data, np.uint8), np.asarray(offsets, np.int64), site.width,
+                      SiteCoding(site.value_coding, site.block_coding), site.margin, site.scale_margin,
+                      site.scale_payload)
