@@ -101,6 +101,7 @@ __all__ = [
     "block_scale_t",
     "scale_hint_bytes",
     "encode_margin_exceptions",
+    "exceptions_from_marks",
     "reconstruct",
     "fake_quantize_compact",
     "margin_stats",
@@ -300,12 +301,24 @@ def encode_margin_exceptions(x_hp: torch.Tensor, global_scale, scales_e4m3: torc
     _check_u8(hints_packed, "hints_packed", (t_, w // HINTS_PER_BYTE))
     g = _global_scale(global_scale, x_hp.device)
     value_marks, block_marks = tracefp4.margin_marks(x_hp, g, scales_e4m3, hints_packed, m, ms, backend=backend)
+    return exceptions_from_marks(value_marks, block_marks, hints_packed.to(x_hp.device), scales_e4m3.to(x_hp.device),
+                                 m, ms, scale_payload)
+
+
+def exceptions_from_marks(value_marks: torch.Tensor, block_marks: torch.Tensor, hints_packed: torch.Tensor,
+                          scales_e4m3: torch.Tensor, margin: float, scale_margin: float,
+                          scale_payload: str = "byte") -> MarginExceptions:
+    """The `MarginExceptions` of packed marks (what ``tracefp4.margin_marks`` returns: value marks uint8 [T, W/8],
+    block marks uint8 [T, ceil(W/128)], `pack_hints` order) and the rollout's hints uint8 [T, W/8] and E4M3 scale
+    bytes uint8 [T, W/16]: the gather of the kept bits and bytes (a device sync on CUDA: the rollout's recorder runs
+    it on the host, when it writes). All tensors on one device."""
+    w = hints_packed.shape[1] * HINTS_PER_BYTE
     value_mask = _unpack_bits(value_marks).bool()  # [T, W]
     scale_mask = _unpack_bits(block_marks)[:, : w // BLOCK].bool()  # [T, W/16]
-    bits = _unpack_bits(hints_packed).to(x_hp.device)
-    stored = scales_e4m3.to(x_hp.device)[scale_mask]
+    bits = _unpack_bits(hints_packed)
+    stored = scales_e4m3[scale_mask]
     return MarginExceptions(value_mask, bits[value_mask], scale_mask, stored & 1 if scale_payload == "lsb" else stored,
-                            m, ms, scale_payload)
+                            margin, scale_margin, scale_payload)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,12 @@ holds (``trajectories=``: our follower's `Trajectory` objects), which needs no l
 
 The feed imports nothing of tracerl's own trainer: `tracerl.hints.patch_model` is the other half, which installs
 the hint-guided quantization in the trainer's model and takes a `FeedBatch`'s tensors in its forward.
+
+**Margin sites.** A site the store keeps as margin-exception rows (hint encoding margin, tracestore format 5) has no
+``hints``/``scales`` entry: the reading thread decodes its rows (`tracerl.hints.compact.unpack_rows`, in the site's
+coding) into ``FeedBatch.margin[site]`` (`compact.MarginExceptions` on the device), and the forward works out the
+scales and hints from its own activation with `FeedBatch.reconstruct` (`compact.reconstruct`), then rounds with
+today's hint-guided kernels. Such a site is read whole (no tensor-parallel feature slice).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import torch
 import tracestore as ts
 from tracerl.artifacts.codes import RolloutCodes
 from tracerl.errors import ConfigError
+from tracerl.hints import compact
 from tracerl.hints.packing import MicroBatch, PackedHints, Segment, cp_shard, dp_shard, read_packed, tp_feature_range
 from tracerl.hints.source import RecordSource, packed_nbytes
 from tracerl.util import to_device
@@ -69,8 +76,21 @@ class FeedBatch:
     codes: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     #: site -> the store's scale encoding ("bytes" | "lsb"): what ``scales`` rows hold
     scale_encodings: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: margin sites (module docstring): site -> the rollout's `compact.MarginExceptions` of these T rows (masks
+    #: bool [T, W] / [T, W/16], kept bits and bytes), on the device
+    margin: dict[str, compact.MarginExceptions] = dataclasses.field(default_factory=dict)
     loaded_unix: float = 0.0  # when its reading finished (lag measurements)
     read_s: float = 0.0  # seconds its reading took
+
+    def reconstruct(self, site: str, x: torch.Tensor, *, backend: str = "auto") -> compact.Reconstruction:
+        """The scales (uint8 [T, W/16]) and hints (uint8 [T, W/8]) the forward rounds margin site ``site``'s
+        activation ``x`` [T, W] with (`compact.reconstruct` with the rollout's global scale). Raises `ConfigError`
+        for a site that is not a margin site of this batch or has no global scale, and as `compact.reconstruct`."""
+        if site not in self.margin:
+            raise ConfigError(f"site {site!r} is not a margin site of this batch (margin sites: {list(self.margin)})")
+        if site not in self.global_scales:
+            raise ConfigError(f"site {site!r}: no global scale to reconstruct with (the feed's global_scales)")
+        return compact.reconstruct(self.margin[site], x, self.global_scales[site], backend=backend)
 
     @property
     def response(self) -> torch.Tensor:
@@ -154,11 +174,15 @@ class HintFeed:
                               f"{list(store.sites)[:6]})")
         self.device = torch.device(device)
         self.dp, self.cp, self.tp = _rank("dp", dp), _rank("cp", cp), _rank("tp", tp)
+        self.margin_sites = [s for s in self.sites if getattr(store.sites[s], "hint_encoding", "bits") == "margin"]
+        if self.margin_sites and self.tp is not None:
+            raise ConfigError(f"sites {self.margin_sites[:4]} store margin-exception rows, which are read whole: no "
+                              f"tensor-parallel slice (tp={tp}); read them without tp, or declare one site per slice")
         # a tensor-parallel slice starts at a scale byte: a block of 16, or 8 blocks at a scale-hint site
         self.features = {s: (tp_feature_range(store.sites[s].width, *self.tp,
                                               block=store.sites[s].scale_values_per_byte) if self.tp else
                              (0, store.sites[s].width)) for s in self.sites}
-        self.scale_encodings = {s: store.sites[s].scale_encoding for s in self.sites}
+        self.scale_encodings = {s: store.sites[s].scale_encoding for s in self.sites if s not in self.margin_sites}
         self.read_ahead_bytes = int(read_ahead_bytes)
         scales = dict(global_scales if global_scales is not None else (store.model.get("global_scales") or {}))
         self.global_scales = {s: torch.tensor(float(scales[s]), dtype=torch.float32) for s in self.sites if s in scales}
@@ -177,7 +201,13 @@ class HintFeed:
         for p in parts[1:]:
             first.hints.update(p.hints)
             first.scales.update(p.scales)
+            first.margin.update(p.margin)
         return first
+
+    def _decode_margin(self, packed: PackedHints) -> dict[str, compact.MarginExceptions]:
+        """The margin sites' rows of ``packed`` decoded (host tensors), on the reading thread."""
+        return {s: compact.unpack_rows(compact.packed_from_store(self.store.sites[s], rows))
+                for s, rows in packed.margin.items()}
 
     def _recorded_codes(self, packed: PackedHints, result) -> dict[str, np.ndarray]:
         """The rollout's codes of ``packed``'s rows per site, for the sites every segment has them at."""
@@ -199,8 +229,9 @@ class HintFeed:
             for mb in mbs:
                 t0 = time.perf_counter()
                 packed = self._read(mb, source)
+                margin = self._decode_margin(packed)
                 codes = {} if self._codes is None else self._recorded_codes(packed, result)
-                if not out.put((packed, codes, time.time(), time.perf_counter() - t0), packed_nbytes(packed)):
+                if not out.put((packed, codes, margin, time.time(), time.perf_counter() - t0), packed_nbytes(packed)):
                     return  # the consumer stopped
         except BaseException as e:  # handed to the consumer, raised where its batch would have been
             out.put(e, 0)
@@ -240,13 +271,14 @@ class HintFeed:
                     return
                 if isinstance(item, BaseException):
                     raise item
-                packed, codes, loaded, secs = item
-                yield self._on_device(packed, codes, loaded, secs, result)
+                packed, codes, margin, loaded, secs = item
+                yield self._on_device(packed, codes, loaded, secs, result, margin)
         finally:
             queue.close()
             thread.join()
 
-    def _on_device(self, packed: PackedHints, codes: dict, loaded: float, secs: float, result) -> FeedBatch:
+    def _on_device(self, packed: PackedHints, codes: dict, loaded: float, secs: float, result,
+                   margin: dict | None = None) -> FeedBatch:
         dev = self.device
 
         def put(a: np.ndarray, dtype=None) -> torch.Tensor:
@@ -268,7 +300,10 @@ class HintFeed:
             rewards=put(np.array([_reward(result(s.traj_id)) for s in packed.segments], dtype=np.float32)),
             features=dict(self.features), scale_encodings=dict(self.scale_encodings), host=packed,
             loaded_unix=loaded, read_s=secs,
-            codes={s: put(a) for s, a in codes.items()})
+            codes={s: put(a) for s, a in codes.items()},
+            margin={s: dataclasses.replace(e, **{f: to_device(getattr(e, f), dev) for f in
+                                                 ("value_mask", "hint_bits", "scale_mask", "scale_bytes")})
+                    for s, e in (margin or {}).items()})
 
     def close(self) -> None:
         """Nothing to release between iterations (each `iterate` joins its reading thread); kept for symmetry."""

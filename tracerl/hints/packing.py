@@ -144,6 +144,10 @@ class PackedHints:
     experts: dict[str, np.ndarray]  # moe layer -> uint8 [T, top_k]
     features: tuple[int, int] | None
     policy_versions: np.ndarray | None = None  # int64 [T], when the source records them
+    #: site -> (data uint8 [n], offsets int64 [T + 1]): the margin-exception rows of the sites the store keeps as
+    #: such (tracestore format 5, hint encoding margin; `tracerl.hints.compact` decodes them); those sites have no
+    #: hints/scales entry
+    margin: dict[str, tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=dict)
 
 
 def read_packed(
@@ -157,7 +161,9 @@ def read_packed(
     """Read ``mb``'s token ranges of ``sites`` (feature slice ``features``) from ``source`` into THD arrays.
 
     ``source.read(traj_id, start, stop, sites=..., features=...)`` is tracestore's ``Reader.read`` (pass
-    ``read_kwargs={"fmt": "numpy"}``) or `tracerl.rollout.recorder.MemorySink.read`.
+    ``read_kwargs={"fmt": "numpy"}``) or `tracerl.rollout.recorder.MemorySink.read`. Sites the source hands out as
+    margin-exception rows (``batch.rows``: a store's margin sites) go to ``PackedHints.margin``, the rows of the
+    segments concatenated in order (offsets ``[T + 1]``).
     """
     parts = [
         source.read(s.traj_id, s.start, s.stop, sites=list(sites), features=features, **(read_kwargs or {}))
@@ -172,16 +178,30 @@ def read_packed(
         return np.concatenate([np.asarray(get(p)) for p in parts]) if parts else np.zeros(0)
 
     layers = list(parts[0].experts) if parts and parts[0].experts else []
+    given = (getattr(parts[0], "rows", None) or {}) if parts else {}
+    margin_sites = [s for s in sites if s in given]
+    bits = [s for s in sites if s not in given]
     return PackedHints(
         segments=mb.segments,
         cu_seqlens=mb.cu_seqlens,
         token_ids=cat(lambda p: p.token_ids).astype(np.int64),
         positions=cat(lambda p: p.positions).astype(np.int64),
         logprobs=cat(lambda p: p.logprobs).astype(np.float32),
-        hints={s: cat(lambda p, s=s: p.hints[s]) for s in sites},
-        scales={s: cat(lambda p, s=s: p.scales[s]) for s in sites},
+        hints={s: cat(lambda p, s=s: p.hints[s]) for s in bits},
+        scales={s: cat(lambda p, s=s: p.scales[s]) for s in bits},
+        margin={s: _cat_rows([p.rows[s] for p in parts]) for s in margin_sites},
         experts={la: cat(lambda p, la=la: p.experts[la]) for la in layers},
         features=features,
         policy_versions=(cat(lambda p: p.policy_version).astype(np.int64)
                          if parts and getattr(parts[0], "policy_version", None) is not None else None),
     )
+
+
+def _cat_rows(parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """Margin rows of consecutive token ranges, each (data uint8 [n_i], offsets int64 [T_i + 1] from 0), as one
+    (data [sum n_i], offsets [sum T_i + 1])."""
+    datas = [np.asarray(d, dtype=np.uint8) for d, _ in parts]
+    offs = [np.asarray(o, dtype=np.int64) for _, o in parts]
+    shift = np.cumsum([0] + [len(d) for d in datas[:-1]])
+    offsets = np.concatenate([np.zeros(1, np.int64)] + [o[1:] + k for o, k in zip(offs, shift)])
+    return (np.concatenate(datas) if datas else np.zeros(0, np.uint8)), offsets

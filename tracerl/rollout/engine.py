@@ -107,9 +107,13 @@ class RolloutEngine:
     collect_routes: keep routed experts in the result even without a recorder.
     decode: ``auto`` | ``hf`` | ``static`` | ``graph`` (see the module docstring and `decode_path`).
     ring: decode steps per capture ring of the static/graph paths.
+    margin_capture: hand each hinted site's activation to the recorder, which a site the store declares with hint
+      encoding ``margin`` needs (its margin-exception rows are computed from it: `RolloutRecorder`); ``hf`` decode
+      path only. Without it, a recorder with margin sites is refused.
 
     Raises `ConfigError` for an unknown decode path here, and from `generate` for a path the model or device
-    cannot run (``graph`` off CUDA, ``static``/``graph`` with linear attention).
+    cannot run (``graph`` off CUDA, ``static``/``graph`` with linear attention), for a recorder with margin sites
+    without ``margin_capture``, and for ``margin_capture`` on another path than ``hf``.
     """
 
     def __init__(
@@ -125,6 +129,7 @@ class RolloutEngine:
         collect_routes: bool = True,
         decode: str = "auto",
         ring: int = 32,
+        margin_capture: bool = False,
     ):
         if decode not in DECODE_PATHS:
             raise ConfigError(f"unknown decode path {decode!r}; supported: {', '.join(DECODE_PATHS)}")
@@ -138,6 +143,8 @@ class RolloutEngine:
         self.collect_routes = collect_routes
         self.decode = decode
         self.ring = ring
+        self.margin_capture = bool(margin_capture)
+        self._x: dict[str, torch.Tensor] = {}  # site -> the activation of the current forward (margin_capture)
         self._cache_kw = cache_kwarg(model)
         self._rows: tuple[list[str], np.ndarray, torch.Tensor] | None = None
         self._codes: dict[str, list] = {}
@@ -148,15 +155,28 @@ class RolloutEngine:
     def _on_capture(self, site: str, q) -> None:
         rids, pos, rows = self._rows
         pick = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
-        self._deliver_site(rids, pos, site, pick(q.hints), pick(q.scales), pick(q.codes) if self.keep_codes else None)
+        x = self._x.pop(site, None)
+        # x only with margin_capture: subclasses (tracerl.audit.replay) keep the six-argument signature
+        self._deliver_site(rids, pos, site, pick(q.hints), pick(q.scales), pick(q.codes) if self.keep_codes else None,
+                           **({} if x is None else {"x": pick(x)}))
+
+    def _stash_x(self, site: str, x: torch.Tensor) -> None:
+        """``capture_into`` of the runtime (margin_capture): keep the activation its capture of ``site`` is of; no
+        output buffers (None)."""
+        self._x[site] = x
+        return None
 
     def _on_route(self, layer: int, idx: torch.Tensor) -> None:
         rids, pos, rows = self._rows
         self._deliver_route(rids, pos, layer, (idx if rows is None else idx.index_select(0, rows)).to(torch.uint8))
 
-    def _deliver_site(self, rids, pos, site: str, hints, scales, codes) -> None:
+    def _deliver_site(self, rids, pos, site: str, hints, scales, codes, x=None) -> None:
         if self.recorder is not None:
-            self.recorder.record_sites(rids, pos, site, hints, scales)
+            if x is not None and site in self.recorder.margin_sites:
+                self.recorder.record_sites(rids, pos, site, hints, scales, x=x,
+                                           global_scale=self.runtime.global_scale_on(site, x.device))
+            else:
+                self.recorder.record_sites(rids, pos, site, hints, scales)
         if self.keep_codes:
             self._codes.setdefault(site, []).append((rids, pos, codes))
             self._scales.setdefault(site, []).append((rids, pos, scales))
@@ -239,6 +259,13 @@ class RolloutEngine:
         device = next(self.model.parameters()).device
         path = self.decode_path(device)
         check_mode(mode)
+        margin = sorted(getattr(self.recorder, "margin_sites", None) or ())
+        if margin and not self.margin_capture:
+            raise ConfigError(f"the recorder's store declares margin sites {margin[:4]} (hint encoding margin): "
+                              f"their rows are computed from the activations; pass margin_capture=True")
+        if self.margin_capture and path != "hf":
+            raise ConfigError(f"margin_capture needs the hf decode path (the static/graph paths capture into rings "
+                              f"without the activation); this engine decodes with {path!r}: pass decode='hf'")
         b = self._batch(prompts, request_ids, device, path, max_new_tokens)
         forced = None if forced_tokens is None else to_device(torch.as_tensor(forced_tokens), device)  # once
         sample = _Sampler(forced, torch.Generator(device=device).manual_seed(seed), temperature)
@@ -249,6 +276,7 @@ class RolloutEngine:
         with swapped(self.model.config, **attn), swapped(self, _rows=None), self.runtime.using(
             mode=mode,
             capture=self._on_capture if capture else None,
+            capture_into=self._stash_x if capture and self.margin_capture else None,
             on_route=self._on_route if capture or self.collect_routes else None,
         ):
             tp = time.perf_counter()

@@ -31,6 +31,15 @@ scale-byte LSB: `record_sites` still takes the quantizer's E4M3 bytes [N, W/16] 
 the host and written. The encodings come from ``scale_encodings=`` or, by default, from the sink (a tracestore
 ``Writer``'s store, or a `MemorySink`'s own). Unfilled rows of such a site carry LSB 0 (there is no "no data"
 byte: the trainer computes its own scale at such a row, a token whose activations no scored token reads).
+
+**Margin sites.** A site that the sink's store declares with hint encoding ``margin`` (tracestore format 5, FORMAT
+§2.5; `tracerl.hints.compact.store_site`) is recorded as margin-exception rows: `record_sites` then also takes the
+activation ``x`` [N, W] and its ``global_scale``, and computes the value and block marks on their device
+(``tracefp4.margin_marks``, no host sync) with the site's margins; marks, hints and scale bytes are staged and
+copied like every other field, and when rows are written the recorder gathers the kept bits and bytes
+(`compact.exceptions_from_marks`) and packs them in the site's coding (`compact.pack_rows`), on the host. Unfilled
+rows carry no marks (the trainer rounds to nearest there with its own scales). The engine passes ``x`` only when
+asked (`RolloutEngine(margin_capture=True)`).
 """
 
 from __future__ import annotations
@@ -42,8 +51,10 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+import tracefp4
 from tracefp4.constants import HINTS_PER_BYTE, NVFP4_BLOCK_SIZE
 from tracerl.errors import RecorderError
+from tracerl.hints import compact
 from tracerl.hints.scalehints import SCALE_ENCODINGS, pack_scale_lsb, scale_lsb_bytes
 
 NO_EXPERT = 255
@@ -93,6 +104,16 @@ def sink_scale_encodings(sink: Any, site_widths: Mapping[str, int]) -> dict[str,
         return _check_encodings({s: store.sites[s].scale_encoding for s in site_widths if s in store.sites},
                                 site_widths)
     return _check_encodings(getattr(sink, "scale_encodings", None) or {}, site_widths)
+
+
+def sink_margin_sites(sink: Any, site_widths: Mapping[str, int]) -> dict[str, Any]:
+    """{site: tracestore Site} of the recorded sites that ``sink``'s store declares with hint encoding ``margin``
+    (a tracestore ``Writer``'s store; none for other sinks)."""
+    store = getattr(sink, "store", None)
+    sites = getattr(store, "sites", None)
+    if not isinstance(sites, Mapping):
+        return {}
+    return {s: sites[s] for s in site_widths if s in sites and getattr(sites[s], "hint_encoding", "bits") == "margin"}
 
 
 class MemorySink:
@@ -211,6 +232,8 @@ class RolloutRecorder:
         self.block_size = block_size
         self.scale_encodings = (sink_scale_encodings(sink, self.site_widths) if scale_encodings is None else
                                 _check_encodings(scale_encodings, self.site_widths))
+        #: site -> tracestore Site of the sites recorded as margin-exception rows (module docstring)
+        self.margin_sites = sink_margin_sites(sink, self.site_widths)
         self._cap = 2 * flush_tokens
         self._slots: dict[str, int] = {}
         self._slot_rid: dict[int, str] = {}
@@ -229,7 +252,10 @@ class RolloutRecorder:
         self.bytes_written = 0
         for s, w in self.site_widths.items():
             nscale = scale_lsb_bytes(w // block_size) if self.scale_encodings[s] == "lsb" else w // block_size
-            self._add_field(("site", s), [(w // HINTS_PER_BYTE, np.uint8, 0), (nscale, np.uint8, 0)])
+            specs = [(w // HINTS_PER_BYTE, np.uint8, 0), (nscale, np.uint8, 0)]
+            if s in self.margin_sites:  # + value marks [W/8] and block marks [ceil(W/128)] (packed, 0: unmarked)
+                specs += [(w // HINTS_PER_BYTE, np.uint8, 0), (scale_lsb_bytes(w // block_size), np.uint8, 0)]
+            self._add_field(("site", s), specs)
         for layer in self.moe_layers:
             self._add_field(("experts", layer), [(top_k, np.uint8, NO_EXPERT)])
         self._add_field("tokens", [((), np.int64, -1), ((), np.float32, np.nan)])
@@ -298,12 +324,26 @@ class RolloutRecorder:
             )
         self._staged.append((key, slots, pos, tuple(torch.as_tensor(p).detach() for p in payload)))
 
-    def record_sites(self, request_ids, positions, site: str, hints, scales) -> None:
+    def record_sites(self, request_ids, positions, site: str, hints, scales, *, x=None, global_scale=None) -> None:
         """Hint bits uint8 [N, width/8] and block scales uint8 [N, width/block] (the quantizer's E4M3 bytes) of
         ``site`` for N tokens; at a site of scale encoding lsb the scales are packed to their LSBs here, on their
-        device. Raises `RecorderError` for an unknown site or scales of another width."""
+        device. At a margin site (module docstring) also the activation ``x`` [N, width] (bf16/fp16/fp32) that was
+        quantized and its ``global_scale`` (fp32 0-d tensor or float): the marks are computed here, on x's device;
+        elsewhere ``x`` is not used. Raises `RecorderError` for an unknown site, scales of another width, or a
+        margin site without ``x``."""
         if site not in self.site_widths:
             raise RecorderError(f"site {site!r} is not recorded; recorded sites: {sorted(self.site_widths)[:4]}...")
+        msite = self.margin_sites.get(site)
+        if msite is not None:
+            if x is None or global_scale is None:
+                raise RecorderError(f"site {site!r} is stored as margin-exception rows (hint encoding margin): "
+                                    f"record_sites needs its activation x [N, {self.site_widths[site]}] and "
+                                    f"global_scale (RolloutEngine(margin_capture=True))")
+            hints, scales = torch.as_tensor(hints), torch.as_tensor(scales)
+            value_marks, block_marks = tracefp4.margin_marks(x, global_scale, scales, hints, msite.margin,
+                                                             msite.scale_margin, backend="auto")
+            self._stage(("site", site), request_ids, positions, hints, scales, value_marks, block_marks)
+            return
         if self.scale_encodings[site] == "lsb":
             scales = torch.as_tensor(scales)
             blocks = self.site_widths[site] // self.block_size
@@ -420,6 +460,14 @@ class RolloutRecorder:
                 self._flush_complete(int(s))
 
     # ---- writes ---------------------------------------------------------------------------------------
+    def _margin_rows(self, site: str, hints, scales, value_marks, block_marks) -> tuple[np.ndarray, np.ndarray]:
+        """The margin-exception rows (data uint8 [n], offsets int64 [T + 1]) of T recorded rows of ``site``."""
+        ms = self.margin_sites[site]
+        enc = compact.exceptions_from_marks(torch.from_numpy(value_marks), torch.from_numpy(block_marks),
+                                            torch.from_numpy(hints), torch.from_numpy(scales), ms.margin,
+                                            ms.scale_margin, ms.scale_payload)
+        return compact.store_rows(compact.pack_rows(enc, compact.SiteCoding(ms.value_coding, ms.block_coding)))
+
     def _complete_rows(self, slot: int) -> int:
         n = int(self._hi[slot] - self._start[slot])
         ok = np.ones(n, dtype=bool)
@@ -440,9 +488,13 @@ class RolloutRecorder:
             if not tok.filled[slot, :n].all():
                 raise RecorderError(f"request {rid!r}: token ids missing at offsets "
                                     f"{np.flatnonzero(~tok.filled[slot, :n])[:8].tolist()}")
-            hints, scales = {}, {}
+            hints, scales, rows = {}, {}, {}
             for s in self.site_widths:
-                h, sc = self._fields[("site", s)].arrays
+                arrays = self._fields[("site", s)].arrays
+                if s in self.margin_sites:
+                    rows[s] = self._margin_rows(s, *(a[slot, :n] for a in arrays))
+                    continue
+                h, sc = arrays
                 hints[s], scales[s] = h[slot, :n].copy(), sc[slot, :n].copy()
             experts = {la: self._fields[("experts", la)].arrays[0][slot, :n].copy() for la in self.moe_layers}
             self.sink.write(
@@ -454,9 +506,11 @@ class RolloutRecorder:
                 logprobs=tok.arrays[1][slot, :n].copy(),
                 experts=experts or None,
                 policy_version=self._policy[rid],
+                **({"rows": rows} if rows else {}),
             )
             self.tokens_written += n
-            self.bytes_written += sum(v.nbytes for v in hints.values()) + sum(v.nbytes for v in scales.values())
+            self.bytes_written += (sum(v.nbytes for v in hints.values()) + sum(v.nbytes for v in scales.values())
+                                   + sum(d.nbytes for d, _ in rows.values()))
         # Shift the slot's remaining rows to the front and reset the tail.
         keep = 0 if final else int(self._hi[slot] - self._start[slot]) - n
         for fld in self._fields.values():

@@ -1,0 +1,142 @@
+"""Margin exceptions end to end (issue 23, stage 3): the reference engine with ``margin_capture=True`` records a
+store's margin site as margin-exception rows equal to `compact.encode_margin_exceptions` of the activation it
+quantized, and the hint feed hands the trainer `MarginExceptions` whose `reconstruct` is `compact.reconstruct`.
+CPU, a tiny random MoE."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import tracefp4
+import tracestore as ts
+from tracerl.errors import ConfigError, RecorderError
+from tracerl.hints import HintFeed, MicroBatch, Segment
+from tracerl.hints import compact as C
+from tracerl.policy import TinyMoESpec, build_model, install_fp4, moe_input_site, plan_sites
+from tracerl.rollout import RolloutEngine, RolloutRecorder
+
+TINY = dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32, num_experts=4, top_k=2,
+            moe_intermediate_size=32, vocab_size=128)
+PROMPTS = [[5, 9, 17, 33, 2, 7], [3, 4, 5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16, 17]]
+CODING = C.SiteCoding("gamma", "bitmap")
+MARGIN, SCALE_MARGIN = 0.1, 0.3
+NEW = 5
+
+
+def _rollout(tmp_path, hf_only=True):
+    spec = TinyMoESpec(family="qwen3-moe", **TINY)
+    model = build_model(spec, seed=0, attn_implementation="eager")
+    rt = install_fp4(model, plan_sites(model, hint_layers="0,1"))
+    margin_site, bits_site = moe_input_site(1), moe_input_site(0)
+    store = ts.create_store(str(tmp_path / "s"), [ts.Site(bits_site, 64),
+                                                 C.store_site(margin_site, 64, CODING, MARGIN, SCALE_MARGIN, "byte")],
+                            model={"global_scales": {}})
+    eng = RolloutEngine(model, rt, decode="hf", margin_capture=True)
+    eng.calibrate(PROMPTS)
+    seen: list[torch.Tensor] = []
+    orig = rt.quant
+
+    def spy(name, x):
+        if name == margin_site:
+            seen.append(x.detach().clone())
+        return orig(name, x)
+
+    rt.quant = spy
+    writer = store.writer("rollout", commit_interval_s=0)
+    eng.recorder = RolloutRecorder(writer, {bits_site: 64, margin_site: 64}, flush_tokens=4)
+    res = eng.generate(PROMPTS, NEW, seed=0)
+    writer.close()
+    return store, eng, rt, res, seen, margin_site, bits_site
+
+
+def test_engine_records_margin_rows_equal_to_the_encoding_of_its_activation(tmp_path):
+    store, eng, rt, res, seen, site, bits_site = _rollout(tmp_path)
+    assert eng.recorder.margin_sites == {site: store.sites[site]}
+    g = rt.global_scales[site]
+    reader = store.reader()
+    # decode step k feeds each request's token at position len(prompt) + k: rows of seen[k + 1] in batch order
+    for k in range(NEW):
+        x = seen[k + 1]
+        q = tracefp4.quantize(x, global_scale=g, backend="reference")
+        want = C.encode_margin_exceptions(x, g, q.scales, q.hints, MARGIN, SCALE_MARGIN)
+        for b, p in enumerate(PROMPTS):
+            batch = reader.read(f"req-{b}", len(p) + k, len(p) + k + 1)
+            got = C.unpack_rows(C.packed_from_store(store.sites[site], batch.rows[site]))
+            one = C.pack_rows(C.MarginExceptions(want.value_mask[b:b + 1], want.hint_bits[
+                want.value_mask[:b].sum():want.value_mask[:b + 1].sum()], want.scale_mask[b:b + 1],
+                want.scale_bytes[want.scale_mask[:b].sum():want.scale_mask[:b + 1].sum()], MARGIN, SCALE_MARGIN),
+                CODING)
+            assert batch.rows[site].row(0) == one.data.tobytes(), (k, b)
+            assert got == C.unpack_rows(one)
+            assert site not in batch.hints and bits_site in batch.hints
+    assert any(C.unpack_rows(C.packed_from_store(store.sites[site], reader.read("req-0").rows[site]))
+               .value_mask.any(dim=1))  # something is marked at m = 0.1
+    assert ts.verify(store).ok
+
+
+def test_feed_hands_out_margin_exceptions_and_reconstructs(tmp_path):
+    store, eng, rt, res, seen, site, bits_site = _rollout(tmp_path)
+    g = float(rt.global_scales[site])
+    lens = [len(s) for s in res.sequences]
+    mb = MicroBatch(tuple(Segment(f"req-{i}", 0, n) for i, n in enumerate(lens)))
+    feed = HintFeed(store, global_scales={site: g, bits_site: float(rt.global_scales[bits_site])})
+    (batch,) = list(feed.iterate([mb]))
+    assert set(batch.margin) == {site} and site not in batch.hints and bits_site in batch.hints
+    enc = batch.margin[site]
+    assert enc.shape == (sum(lens), 64)
+    reader = store.reader()
+    parts = [C.unpack_rows(C.packed_from_store(store.sites[site], reader.read(f"req-{i}").rows[site]))
+             for i in range(len(lens))]
+    assert torch.equal(enc.value_mask, torch.cat([p.value_mask for p in parts]))
+    assert torch.equal(enc.hint_bits, torch.cat([p.hint_bits for p in parts]))
+    x = torch.randn(sum(lens), 64)
+    rec = batch.reconstruct(site, x, backend="reference")
+    want = C.reconstruct(enc, x, torch.tensor(g), backend="reference")
+    assert torch.equal(rec.scales_e4m3, want.scales_e4m3) and torch.equal(rec.hints_packed, want.hints_packed)
+    with pytest.raises(ConfigError, match="is not a margin site of this batch"):
+        batch.reconstruct(bits_site, x)
+    with pytest.raises(ConfigError, match="read whole: no tensor-parallel slice"):
+        HintFeed(store, tp=(0, 2))
+
+
+def test_margin_sites_need_the_explicit_option_and_the_activation(tmp_path):
+    spec = TinyMoESpec(family="qwen3-moe", **TINY)
+    model = build_model(spec, seed=0, attn_implementation="eager")
+    rt = install_fp4(model, plan_sites(model, hint_layers="1"))
+    site = moe_input_site(1)
+    store = ts.create_store(str(tmp_path / "s"), [C.store_site(site, 64, CODING, MARGIN, SCALE_MARGIN)])
+    with store.writer("w", commit_interval_s=0) as writer:
+        rec = RolloutRecorder(writer, {site: 64})
+        eng = RolloutEngine(model, rt, recorder=rec, decode="hf")
+        eng.calibrate(PROMPTS)
+        with pytest.raises(ConfigError, match=r"declares margin sites .* pass margin_capture=True"):
+            eng.generate(PROMPTS, 2)
+        with pytest.raises(ConfigError, match="margin_capture needs the hf decode path"):
+            RolloutEngine(model, rt, recorder=rec, decode="static", margin_capture=True).generate(PROMPTS, 2)
+        rec.begin("r")
+        with pytest.raises(RecorderError, match="needs its activation x"):
+            rec.record_sites(["r"], [0], site, torch.zeros(1, 8, dtype=torch.uint8),
+                             torch.zeros(1, 4, dtype=torch.uint8))
+    assert store.head() == 0
+
+
+def test_unfilled_rows_carry_no_marks(tmp_path):
+    """The last sampled token gets no forward without feed_last: its row marks nothing (round to nearest)."""
+    site = "s"
+    store = ts.create_store(str(tmp_path / "s"), [C.store_site(site, 64, CODING, MARGIN, SCALE_MARGIN)])
+    with store.writer("w", commit_interval_s=0) as writer:
+        rec = RolloutRecorder(writer, {site: 64})
+        rec.begin("r")
+        x = torch.randn(3, 64)
+        g = tracefp4.compute_global_scale(x)
+        q = tracefp4.quantize(x, global_scale=g, backend="reference")
+        rec.record_sites(["r"] * 3, [0, 1, 2], site, q.hints, q.scales, x=x, global_scale=g)
+        rec.record_tokens(["r"] * 4, [0, 1, 2, 3], torch.arange(4), torch.zeros(4))
+        rec.end("r")
+    got = C.unpack_rows(C.packed_from_store(store.sites[site], store.reader().read("r").rows[site]))
+    want = C.encode_margin_exceptions(x, g, q.scales, q.hints, MARGIN, SCALE_MARGIN)
+    assert torch.equal(got.value_mask[:3], want.value_mask) and torch.equal(got.hint_bits, want.hint_bits)
+    assert not got.value_mask[3].any() and not got.scale_mask[3].any()
+    np.testing.assert_array_equal(store.reader().read("r").token_ids, np.arange(4))
