@@ -167,7 +167,8 @@ class Committer:
                 nbytes = stage.margin_len[site]
                 lay = margin_layout(spec, nbytes, chunk_rows, store.shard_bytes)
                 items[f"{path}/{name}/zarr.json"] = array_metadata(lay)
-                items.update({f"{path}/{k}": v for k, v in lay.encode_parts([stage.margin_data[site][:nbytes]]).items()})
+                parts = lay.encode_parts([stage.margin_data[site][:nbytes]])
+                items.update({f"{path}/{k}": v for k, v in parts.items()})
                 continue
             lay = layout(spec, rows, chunk_rows, store.shard_bytes)
             if spec.grouped:

@@ -298,7 +298,8 @@ def test_margin_only_store_and_byte_budget(tmp_path):
     big = np.full(T * 300, 7, np.uint8)
     offsets = np.arange(0, T * 300 + 1, 300, dtype=np.int64)
     with store.writer("w", commit_interval_s=0, commit_bytes=2000) as w:
-        w.write("t", 0, rows={"m": (big[:300 * 3], offsets[:4])}, token_ids=np.arange(3), logprobs=np.zeros(3, np.float32))
+        w.write("t", 0, rows={"m": (big[:300 * 3], offsets[:4])}, token_ids=np.arange(3),
+                logprobs=np.zeros(3, np.float32))
         assert w.buffered_bytes == 3 * 300 + 3 * (4 + 8)
         w.write("t", 3, rows={"m": (big[300 * 3:], offsets[3:] - offsets[3])}, token_ids=np.arange(T - 3),
                 logprobs=np.zeros(T - 3, np.float32))

@@ -140,3 +140,20 @@ def test_unfilled_rows_carry_no_marks(tmp_path):
     assert torch.equal(got.value_mask[:3], want.value_mask) and torch.equal(got.hint_bits, want.hint_bits)
     assert not got.value_mask[3].any() and not got.scale_mask[3].any()
     np.testing.assert_array_equal(store.reader().read("r").token_ids, np.arange(4))
+
+
+def test_benchmark_smoke_runs(tmp_path):
+    """benchmarks/benchmark_compact_path.py --smoke (CPU) runs and writes its JSON: every phase timed, both paths."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "benchmark_compact_path.py"
+    spec = importlib.util.spec_from_file_location("benchmark_compact_path", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "r.json"
+    assert mod.main(["--smoke", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["smoke"] and set(res["phases"]) >= {"plain_write", "margin_pack", "margin_unpack", "margin_reconstruct"}
+    assert res["per_decode_step"]["margin_ms"] > 0 and res["stores"]["margin"]["bytes"]["margin"] > 0

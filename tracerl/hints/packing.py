@@ -189,7 +189,7 @@ def read_packed(
         logprobs=cat(lambda p: p.logprobs).astype(np.float32),
         hints={s: cat(lambda p, s=s: p.hints[s]) for s in bits},
         scales={s: cat(lambda p, s=s: p.scales[s]) for s in bits},
-        margin={s: _cat_rows([p.rows[s] for p in parts]) for s in margin_sites},
+        margin={s: concat_margin_rows([p.rows[s] for p in parts]) for s in margin_sites},
         experts={la: cat(lambda p, la=la: p.experts[la]) for la in layers},
         features=features,
         policy_versions=(cat(lambda p: p.policy_version).astype(np.int64)
@@ -197,7 +197,7 @@ def read_packed(
     )
 
 
-def _cat_rows(parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+def concat_margin_rows(parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
     """Margin rows of consecutive token ranges, each (data uint8 [n_i], offsets int64 [T_i + 1] from 0), as one
     (data [sum n_i], offsets [sum T_i + 1])."""
     datas = [np.asarray(d, dtype=np.uint8) for d, _ in parts]

@@ -254,9 +254,9 @@ def array_specs(sites: Sequence[Site], moe_layers: Sequence[str], top_k: int, nu
     """The arrays of every segment: sites of equal (width, block size, scale encoding) share one hints and one
     scales array ``hints.w<width>.b<block>`` / ``scales.w<width>.b<block>`` ``[rows, n_sites, bytes]`` (with
     ``.lsb`` appended for scale encoding lsb; declaration order along axis 1), then per margin site (declaration order)
-    ``margin_ends.<site>`` ``[rows]`` uint32 and ``margin.<site>`` ``[nbytes]`` uint8, then ``token_ids`` ``[rows]`` int32,
-    ``logprobs`` ``[rows]`` float32 and, with MoE layers, ``experts`` ``[rows, L, top_k]`` uint8 (uint16 above
-    256 experts)."""
+    ``margin_ends.<site>`` ``[rows]`` uint32 and ``margin.<site>`` ``[nbytes]`` uint8, then ``token_ids`` ``[rows]``
+    int32, ``logprobs`` ``[rows]`` float32 and, with MoE layers, ``experts`` ``[rows, L, top_k]`` uint8 (uint16
+    above 256 experts)."""
     groups: dict[tuple[int, int, str], list[Site]] = {}
     for s in sites:
         if not s.is_margin:

@@ -1,0 +1,235 @@
+"""Benchmark of the margin-exception path against today's hint path, per step, through a real local store.
+
+Rollout side, per decode step of B tokens at S sites of width W (NVFP4; the quantization itself is common to
+both paths and not counted):
+  plain   : Writer.write of the hints [B, W/8] and scale bytes [B, W/16] of every site (the row copy into the
+            writer's buffer; the commits of the run are timed apart, per step)
+  margin  : tracefp4.margin_marks on x (device), compact.exceptions_from_marks + compact.pack_rows (host, what
+            the recorder does when it writes), Writer.write(rows=) of the packed rows
+Trainer side, per micro-batch of T tokens:
+  plain   : Reader.read of the hints and scales of every site (fmt numpy)
+  margin  : Reader.read of the rows, compact.unpack_rows (host, the feed's reading thread) and compact.reconstruct
+            of the trainer's activation x' = x (1 + rel * noise) (device)
+Each figure is the median over --runs runs of the mean over the steps of one run (min..max given); the stored
+bytes per token of both stores are counted with tracestore.info.
+
+Usage: python3 benchmarks/benchmark_compact_path.py [--smoke] [--batch 64] [--sites 20] [--width 2048]
+       [--steps 16] [--mb-tokens 2048] [--margin 0.03] [--scale-margin inf] [--payload lsb] [--noise 0.02]
+       [--runs 3] [--device cuda] [--out PATH]
+Prints a table and writes JSON to --out (default: $OUT/compact-path-<device>.json when $OUT is set, else
+benchmarks/results/compact-path-<device>.json; with --smoke only with --out). --smoke: tiny sizes on the CPU
+(B 8, S 2, W 256, 4 steps, T 32, 2 runs) to check the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import tracefp4  # noqa: E402
+import tracestore as ts  # noqa: E402
+from tracerl.hints import compact as C  # noqa: E402
+from tracerl.hints.packing import concat_margin_rows  # noqa: E402
+
+
+def _data(steps: int, b: int, s: int, w: int, noise: float, device: torch.device, seed: int = 0):
+    """Per step and site: rollout activation x [B, W] (fp32, spread magnitudes), its g, quantization, and the
+    trainer's x'."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        sites = []
+        for _ in range(s):
+            x = torch.randn(b, w, generator=gen) * torch.exp(2 * torch.randn(b, 1, generator=gen))
+            xt = x * (1 + noise * torch.randn(b, w, generator=gen))
+            x, xt = x.to(device), xt.to(device)
+            g = tracefp4.compute_global_scale(x)
+            q = tracefp4.quantize(x, "nvfp4", global_scale=g)
+            sites.append((x, xt, g, q.hints, q.scales))
+        out.append(sites)
+    return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _summary(xs: list[float]) -> dict:
+    return {"median_ms": 1e3 * statistics.median(xs), "min_ms": 1e3 * min(xs), "max_ms": 1e3 * max(xs)}
+
+
+def run(args) -> dict:
+    device = torch.device(args.device)
+    names = [f"layers.{i}.moe_in" for i in range(args.sites)]
+    data = _data(args.steps, args.batch, args.sites, args.width, args.noise, device)
+    # one coding per site, the cheapest on the first step (as a store would fix it when it is created)
+    x0, _, g0, h0, s0 = data[0][0]
+    coding, _ = C.choose_coding(C.encode_margin_exceptions(x0, g0, s0, h0, args.margin, args.scale_margin,
+                                                           scale_payload=args.payload))
+    times: dict[str, list[float]] = {k: [] for k in ("plain_write", "plain_commit", "margin_marks", "margin_pack",
+                                                     "margin_write", "margin_commit", "plain_read", "margin_read",
+                                                     "margin_unpack", "margin_reconstruct")}
+    info = {}
+    for r in range(args.runs):
+        with tempfile.TemporaryDirectory() as tmp:
+            plain = ts.create_store(f"{tmp}/plain", [ts.Site(n, args.width) for n in names])
+            margin = ts.create_store(f"{tmp}/margin", [C.store_site(n, args.width, coding, args.margin,
+                                                                    args.scale_margin, args.payload) for n in names])
+            ids = np.arange(args.batch)
+            lps = np.zeros(args.batch, np.float32)
+            # ---- rollout side: one trajectory per request, one row per step
+            t_w = t_m = t_p = t_mw = 0.0
+            with plain.writer("p", commit_interval_s=0) as wp, margin.writer("m", commit_interval_s=0) as wm:
+                for k, sites in enumerate(data):
+                    t0 = time.perf_counter()
+                    for b in range(args.batch):
+                        wp.write(f"r{b}", k,
+                                 hints={n: sites[i][3][b:b + 1].cpu().numpy() for i, n in enumerate(names)},
+                                 scales={n: sites[i][4][b:b + 1].cpu().numpy() for i, n in enumerate(names)},
+                                 token_ids=ids[b:b + 1], logprobs=lps[b:b + 1])
+                    t_w += time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                    marks = [tracefp4.margin_marks(x, g, sc, h, args.margin, args.scale_margin)
+                             for x, _, g, h, sc in sites]
+                    _sync(device)
+                    t1 = time.perf_counter()
+                    packed = []
+                    for (vm, bm), (_, _, _, h, sc) in zip(marks, sites):
+                        enc = C.exceptions_from_marks(vm.cpu(), bm.cpu(), h.cpu(), sc.cpu(), args.margin,
+                                                      args.scale_margin, args.payload)
+                        packed.append(C.store_rows(C.pack_rows(enc, coding)))
+                    t2 = time.perf_counter()
+                    for b in range(args.batch):
+                        rows = {n: (d[o[b]:o[b + 1]], o[b:b + 2] - o[b]) for n, (d, o) in zip(names, packed)}
+                        wm.write(f"r{b}", k, rows=rows, token_ids=ids[b:b + 1], logprobs=lps[b:b + 1])
+                    t3 = time.perf_counter()
+                    t_m, t_p, t_mw = t_m + (t1 - t0), t_p + (t2 - t1), t_mw + (t3 - t2)
+                t0 = time.perf_counter()
+                wp.flush()
+                t1 = time.perf_counter()
+                wm.flush()
+                t2 = time.perf_counter()
+            n = len(data)
+            for key, v in (("plain_write", t_w), ("margin_marks", t_m), ("margin_pack", t_p), ("margin_write", t_mw),
+                           ("plain_commit", t1 - t0), ("margin_commit", t2 - t1)):
+                times[key].append(v / n)
+            # ---- trainer side: micro-batches of --mb-tokens tokens, request after request
+            tok = min(args.mb_tokens, n)
+            per_mb = max(1, args.mb_tokens // tok)
+            rp, rm = plain.reader(), margin.reader()
+            t_pr = t_mr = t_u = t_rc = 0.0
+            mbs = 0
+            for start in range(0, args.batch, per_mb):
+                reqs = range(start, min(args.batch, start + per_mb))
+                t0 = time.perf_counter()
+                for b in reqs:
+                    rp.read(f"r{b}", 0, tok, trace=False)
+                t1 = time.perf_counter()
+                got = [rm.read(f"r{b}", 0, tok, trace=False) for b in reqs]
+                t2 = time.perf_counter()
+                # as the feed does: the micro-batch's rows of a site concatenated, decoded once
+                encs = {n: C.unpack_rows(C.packed_from_store(margin.sites[n],
+                                                             concat_margin_rows([bt.rows[n] for bt in got])))
+                        for n in names}
+                t3 = time.perf_counter()
+                for i, n in enumerate(names):
+                    xt = torch.cat([torch.stack([data[k][i][1][b] for k in range(tok)]) for b in reqs])
+                    e = encs[n]
+                    e = C.MarginExceptions(e.value_mask.to(device), e.hint_bits.to(device), e.scale_mask.to(device),
+                                           e.scale_bytes.to(device), e.margin, e.scale_margin, e.scale_payload)
+                    C.reconstruct(e, xt, data[0][i][2])
+                _sync(device)
+                t4 = time.perf_counter()
+                t_pr, t_mr, t_u, t_rc = t_pr + (t1 - t0), t_mr + (t2 - t1), t_u + (t3 - t2), t_rc + (t4 - t3)
+                mbs += 1
+            for key, v in (("plain_read", t_pr), ("margin_read", t_mr), ("margin_unpack", t_u),
+                           ("margin_reconstruct", t_rc)):
+                times[key].append(v / mbs)
+            if r == 0:
+                for name, st in (("plain", plain), ("margin", margin)):
+                    d = ts.info(st)
+                    info[name] = {"bytes_per_token": d["bytes_per_token"], "bytes": d["bytes"],
+                                  "tokens": d["tokens"]}
+    stats = {k: _summary(v) for k, v in times.items()}
+    rollout_plain = stats["plain_write"]["median_ms"] + stats["plain_commit"]["median_ms"]
+    rollout_margin = sum(stats[k]["median_ms"] for k in ("margin_marks", "margin_pack", "margin_write",
+                                                         "margin_commit"))
+    trainer_plain = stats["plain_read"]["median_ms"]
+    trainer_margin = sum(stats[k]["median_ms"] for k in ("margin_read", "margin_unpack", "margin_reconstruct"))
+    return {
+        "benchmark": "compact_path", "smoke": args.smoke, "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+        "torch": torch.__version__, "config": {k: (str(v) if isinstance(v, float) and math.isinf(v) else v)
+                                              for k, v in vars(args).items() if k != "out"},
+        "coding": coding.to_json(), "mb_tokens_used": min(args.mb_tokens, len(data)) * max(1, args.mb_tokens // min(
+            args.mb_tokens, len(data))),
+        "per_decode_step": {"plain_ms": rollout_plain, "margin_ms": rollout_margin},
+        "per_micro_batch": {"plain_ms": trainer_plain, "margin_ms": trainer_margin},
+        "phases": stats, "stores": info,
+    }
+
+
+def _table(res: dict) -> str:
+    ph = res["phases"]
+    lines = [f"compact path on {res['device']} ({res['device_name']}), coding {res['coding']}, "
+             f"config {json.dumps(res['config'])}",
+             f"{'phase':<34}{'median ms':>12}{'min..max ms':>22}"]
+    for k, v in ph.items():
+        lines.append(f"{k:<34}{v['median_ms']:>12.3f}{v['min_ms']:>11.3f}..{v['max_ms']:<9.3f}")
+    for side, key in (("rollout, per decode step", "per_decode_step"), ("trainer, per micro-batch", "per_micro_batch")):
+        p, m = res[key]["plain_ms"], res[key]["margin_ms"]
+        lines.append(f"{side:<34} plain {p:9.3f} ms   margin {m:9.3f} ms   ({m / p if p else float('nan'):.2f}x)")
+    for name, d in res["stores"].items():
+        lines.append(f"store {name:<8} {d['bytes_per_token']:.1f} stored B/token over {d['tokens']} tokens "
+                     f"(payload {d['bytes']['payload']}, margin {d['bytes']['margin']} B)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--sites", type=int, default=20)
+    p.add_argument("--width", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--mb-tokens", type=int, default=2048)
+    p.add_argument("--margin", type=float, default=0.03)
+    p.add_argument("--scale-margin", type=float, default=math.inf)
+    p.add_argument("--payload", choices=C.SCALE_PAYLOADS, default="lsb")
+    p.add_argument("--noise", type=float, default=0.02)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.batch, args.sites, args.width, args.steps, args.mb_tokens, args.runs = 8, 2, 256, 4, 32, 2
+        args.device = "cpu"
+    res = run(args)
+    print(_table(res))
+    out = args.out
+    if out is None and not args.smoke:
+        dev = "cpu" if res["device"] == "cpu" else res["device_name"].split()[-1].lower()
+        out = (f"{os.environ['OUT']}/compact-path-{dev}.json" if os.environ.get("OUT") else
+               str(Path(__file__).parent / "results" / f"compact-path-{dev}.json"))
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(res, indent=1))
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
