@@ -74,7 +74,7 @@ def _child(args) -> int:
     ck = args.metrics + ".ck"
     trainer, follower = start_or_resume(store, cfg, checkpoints=ck, weights_url=None, metrics=log,
                                         device=args.device)
-    kw = dict(checkpoints=ck, weights_url=None, metrics=log, wait_timeout_s=120)
+    kw = dict(checkpoints=ck, weights_url=None, metrics=log, wait_timeout_s=120, read_next=args.read_next)
     if not args.profile_step:
         if 0 < args.unmeasured_from <= args.steps:
             run_training(trainer, follower, max_steps=args.unmeasured_from - 1, **kw)
@@ -141,14 +141,17 @@ class _GpuSampler:
             self._proc.wait(timeout=10)
 
 
-def _run(mode: str, url: str, workdir: Path, args, sampler: _GpuSampler, *, profile_step: int = 0,
+def _run(label: str, url: str, workdir: Path, args, sampler: _GpuSampler, *, profile_step: int = 0,
          phases: bool = False) -> dict:
-    metrics = workdir / f"{mode}-{time.time_ns()}.jsonl"
+    """One training process of ``label`` (``mode`` or ``mode:read_next``, see ``--modes``)."""
+    mode, _, read_next = label.partition(":")
+    read_next = read_next or args.read_next
+    metrics = workdir / f"{mode}-{read_next}-{time.time_ns()}.jsonl"
     argv = [sys.executable, os.path.abspath(__file__), "--child", "--store", url, "--mode", mode, "--metrics",
             str(metrics), "--steps", str(args.steps), "--groups", str(args.groups), "--group-size",
             str(args.group_size), "--device", args.device, "--threads", str(args.threads),
             "--max-staleness", str(args.max_staleness), "--unmeasured-from", str(args.unmeasured_from),
-            "--profile-step", str(profile_step)] + (["--time-phases"] if phases else [])
+            "--profile-step", str(profile_step), "--read-next", read_next] + (["--time-phases"] if phases else [])
     if args.micro_batch_tokens:
         argv += ["--micro-batch-tokens", str(args.micro_batch_tokens)]
     p = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout)
@@ -217,11 +220,16 @@ def _summary(runs: dict[str, list[dict]], phase_runs: dict[str, list[dict]] | No
             out[mode]["step_s_default_mean"] = _spread(mean)  # per run, then median and spread over runs
             out[mode]["tokens_per_s_default_mean"] = _spread([out[mode]["tokens_per_step"] / m for m in mean])
             out[mode]["measure_stale_every"] = n
-    if "fp4_hints" in out and "bf16" in out:
+    for label in list(out):  # fp4_hints over bf16 with the same read_next (fp4_hints:process / bf16:process)
+        mode, sep, rn = label.partition(":")
+        other = "bf16" + sep + rn
+        if mode != "fp4_hints" or other not in out:
+            continue
+        tag = "fp4_hints_over_bf16" + (f"_read_next_{rn}" if sep else "")
         for key in ("step_s", "step_s_unmeasured", "step_s_default_mean"):
-            if key in out["fp4_hints"] and key in out["bf16"]:
-                out[f"fp4_hints_over_bf16_{key}"] = out["fp4_hints"][key]["median"] / out["bf16"][key]["median"]
-        out["fp4_hints_over_bf16_step"] = out["fp4_hints_over_bf16_step_s"]
+            if key in out[label] and key in out[other]:
+                out[f"{tag}_{key}"] = out[label][key]["median"] / out[other][key]["median"]
+        out[f"{tag}_step"] = out[f"{tag}_step_s"]
     return out
 
 
@@ -242,7 +250,9 @@ def _machine(device: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--modes", default=",".join(MODES), metavar="LIST",
-                    help="comma-separated trainer modes (default: fp4_hints,bf16)")
+                    help="comma-separated trainer modes (default: fp4_hints,bf16); a mode may name its own "
+                         "--read-next after a colon, to time several side by side on one store: "
+                         "fp4_hints,bf16,fp4_hints:process,bf16:process")
     ap.add_argument("--runs", type=int, default=3, metavar="N", help="processes per mode (default 3)")
     ap.add_argument("--steps", type=int, default=3, metavar="N",
                     help="steps per run (default 3; step 1 warms up, steps 2.. are measured)")
@@ -260,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="override the trainer's micro-batch size (default: the trainer's own default)")
     ap.add_argument("--hint-layers", default="latter-half", metavar="WHICH",
                     help="hinted layers of the store (default latter-half: 20 of 40 sites on the H200 model)")
+    ap.add_argument("--read-next", choices=("off", "thread", "process"), default="off",
+                    help="read the next step's data while a step computes: off (run_training's default), in a "
+                         "thread, or in a reader process")
     ap.add_argument("--threads", type=int, default=1, metavar="N", help="torch CPU threads per process (default 1)")
     ap.add_argument("--phase-runs", type=int, default=1, metavar="N",
                     help="more processes per mode with the trainer's phase clock (time_phases: a device sync at each "
@@ -305,6 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"store recorded in {time.perf_counter() - t0:.1f}s: {args.steps} batches of {args.groups} x "
           f"{args.group_size}", flush=True)
     modes = [m for m in args.modes.split(",") if m]
+    for m in modes:
+        if m.partition(":")[2] not in ("", "off", "thread", "process"):
+            ap.error(f"--modes {m}: the part after ':' is a --read-next choice (off, thread, process)")
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     sampler = _GpuSampler(enabled=cuda)
     result = {"machine": _machine(args.device), "spec": spec, "device": args.device, "args": vars(args)}
@@ -339,17 +355,18 @@ def main(argv: list[str] | None = None) -> int:
         sampler.close()
     out.write_text(json.dumps(result, indent=1))
     s = result["summary"]
-    print(f"{'mode':10} {'step s (min..max)':>24} {'tok/s (min..max)':>22} {'GPU util %':>11} {'peak GiB':>9}  code agr.")
+    print(f"{'mode':18} {'step s (min..max)':>24} {'tok/s (min..max)':>22} {'GPU util %':>11} {'peak GiB':>9}  code agr.")
     for mode in modes:
         m = s[mode]
         u = m["gpu_util_median"]
-        print(f"{mode:10} {m['step_s']['median']:9.3f} ({m['step_s']['min']:.3f}..{m['step_s']['max']:.3f})"
+        print(f"{mode:18} {m['step_s']['median']:9.3f} ({m['step_s']['min']:.3f}..{m['step_s']['max']:.3f})"
               f" {m['tokens_per_s']['median']:8.0f} ({m['tokens_per_s']['min']:.0f}..{m['tokens_per_s']['max']:.0f})"
               f" {'-' if u is None else format(u['median'], '.0f'):>11}"
               f" {'-' if m['cuda_max_allocated_gib'] is None else format(m['cuda_max_allocated_gib'], '.1f'):>9}"
               f"  {m['code_agreement'][-1]}")
-    if "fp4_hints_over_bf16_step" in s:
-        print(f"fp4_hints / bf16 step time: {s['fp4_hints_over_bf16_step']:.3f}")
+    for key in s:
+        if key.startswith("fp4_hints_over_bf16") and key.endswith("_step"):
+            print(f"{key.removesuffix('_step').replace('_', ' ')}: step time {s[key]:.3f}")
     for mode in modes:
         ph = s[mode]["with_phase_clock"]
         if not ph:
@@ -366,8 +383,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{m['step_s_unmeasured']['median']:.3f} s ({m['step_s_unmeasured']['min']:.3f}.."
                   f"{m['step_s_unmeasured']['max']:.3f}); mean at measure_stale_every={m['measure_stale_every']}: "
                   f"{m['step_s_default_mean']['median']:.3f} s = {m['tokens_per_s_default_mean']['median']:.0f} tok/s")
-    if "fp4_hints_over_bf16_step_s_default_mean" in s:
-        print(f"fp4_hints / bf16 at the default mean: {s['fp4_hints_over_bf16_step_s_default_mean']:.3f}")
+    for key in s:
+        if key.startswith("fp4_hints_over_bf16") and key.endswith("_step_s_default_mean"):
+            print(f"{key.removesuffix('_step_s_default_mean').replace('_', ' ')} at the default mean: {s[key]:.3f}")
     print(f"saved {out}")
     return 0
 

@@ -19,7 +19,7 @@ from helpers import artifacts, loop
 from helpers.store import rows
 from tracerl.artifacts import checkpoints as ckpt
 from tracerl.artifacts import weights
-from tracerl.errors import CheckpointCorruptError, CheckpointNotFoundError
+from tracerl.errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
 from tracerl.policy import build_policy
 from tracerl.rollout import RolloutWorker, run_rollout
 from tracerl.train import Follower
@@ -604,7 +604,7 @@ def test_the_next_step_is_read_while_a_step_computes_and_trains_the_same_bits(st
         return trainer, follower, log, st
 
     records = []
-    for read_next in (True, False):
+    for read_next in ("process", "thread", False):
         url = str(tmp_path / f"store{read_next}")
         loop.create(url)
         trainer, follower, log, st = run(url, read_next)
@@ -612,11 +612,12 @@ def test_the_next_step_is_read_while_a_step_computes_and_trains_the_same_bits(st
         assert run_training(trainer, follower, checkpoints=str(tmp_path / f"ck{read_next}"), weights_url=url,
                             metrics=log, max_steps=3, read_next=read_next) == 3
         records.append(log.records())
-    with_next, without = records
-    assert [(m["digest"], m["loss"]) for m in with_next] == [(m["digest"], m["loss"]) for m in without]
-    steps = [m for m in with_next if m.get("step", 0) >= 1]
-    assert [m["read_ahead_micro_batches"] > 0 for m in steps] == [False, True, True]
-    assert all(m["read_ahead_s"] > 0 for m in steps[1:])
+    *with_next, without = records
+    for ahead in with_next:  # in a reader process, in a thread
+        assert [(m["digest"], m["loss"]) for m in ahead] == [(m["digest"], m["loss"]) for m in without]
+        steps = [m for m in ahead if m.get("step", 0) >= 1]
+        assert [m["read_ahead_micro_batches"] > 0 for m in steps] == [False, True, True]
+        assert all(m["read_ahead_s"] > 0 for m in steps[1:])
     assert all(m["read_ahead_micro_batches"] == 0 and m["read_ahead_s"] == 0 for m in without if m.get("step", 0) >= 1)
 
     # a read for other groups is dropped; a failed one is read again by the step (the same result)
@@ -638,6 +639,52 @@ def test_the_next_step_is_read_while_a_step_computes_and_trains_the_same_bits(st
     trainer._next_reads = BackgroundReads(Failing(), mine, trainer.read_sites, 1 << 30)
     m2 = trainer.step(follower.take(2, version=trainer.version, max_staleness=5, timeout_s=5))
     assert m2["read_ahead_micro_batches"] == 0 and m2["tokens"] > 0 and math.isfinite(m2["loss"])
+
+    with pytest.raises(ConfigError, match="read_next: got 'sometimes'; allowed"):
+        run_training(trainer, follower, checkpoints=str(tmp_path / "ckFalse"), weights_url=None, metrics=log,
+                     max_steps=trainer.step_num + 1, read_next="sometimes")
+    with pytest.raises(ConfigError, match="read_next_in: got 'gpu'"):
+        trainer.read_next_in("gpu")
+
+
+def test_a_reader_process_that_dies_is_read_around_and_replaced(store, tmp_path):
+    """The next step is read in a reader process; killed (SIGKILL) before the step takes its reads, the step
+    reads its data itself (same bits as a run without read-ahead), and the next read ahead runs in a new child.
+    An in-memory store cannot be opened in a child: ReaderProcess says so, and the trainer reads in a thread."""
+    import os
+    import signal
+
+    from tracerl.hints import ReaderProcess
+    url = str(tmp_path / "store-read-next")
+    loop.create(url)
+    st = ts.open_store(url)
+    log = MetricsLog(tmp_path / "m.jsonl")
+    trainer, follower = start_or_resume(st, loop.train_cfg(max_staleness=5), checkpoints=str(tmp_path / "ck"),
+                                        weights_url=url, metrics=log)  # the rollout starts from version 0
+    _gen(st, 3, max_ahead=6)
+    shm_before = set(os.listdir("/dev/shm"))
+    trainer.read_next_in("process")
+    first = trainer._reader
+    ready = follower.peek(2, version=trainer.version, max_staleness=5)
+    trainer._read_next(ready)
+    [child] = first._pool._processes.values()
+    os.kill(child.pid, signal.SIGKILL)
+    child.join(30)
+    m = trainer.step(follower.take(2, version=trainer.version, max_staleness=5, timeout_s=5))
+    assert m["read_ahead_micro_batches"] == 0 and m["tokens"] > 0 and math.isfinite(m["loss"])
+    nxt = follower.peek(2, version=trainer.version, max_staleness=5)
+    trainer._read_next(nxt)  # the broken pool is replaced
+    m2 = trainer.step(follower.take(2, version=trainer.version, max_staleness=5, timeout_s=5), next_groups=None)
+    assert m2["read_ahead_micro_batches"] >= 1
+    [child2] = trainer._reader._pool._processes.values()
+    assert child2.pid != child.pid
+    trainer.close_reader()
+    assert trainer._reader is None
+    # every read's shared memory block was unlinked by the step that took it over
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("psm_") and f not in shm_before]
+
+    with pytest.raises(ConfigError, match="cannot be opened in another process"):
+        ReaderProcess(ts.create_store("memory://reader-process-test", [ts.Site("s", 16)]))
 
 
 def test_time_phases_reports_where_a_step_goes_and_trains_the_same_bits(tmp_path):

@@ -24,7 +24,7 @@ from tracerl.hints.packing import (MicroBatch, PackedHints, Segment, cp_shard, c
 from tracerl.hints.patch import Patch, patch_model
 from tracerl.hints.scalehints import (fake_quantize_scale_hints, pack_scale_lsb, reconstruct_scales, unpack_scale_lsb,
                                       use_store_scale_encodings)
-from tracerl.hints.source import BackgroundReads, RecordSource, packed_nbytes, read_ahead
+from tracerl.hints.source import BackgroundReads, ReaderProcess, RecordSource, packed_nbytes, read_ahead
 
 __all__ = [
     "MarginExceptions", "Reconstruction", "encode_margin_exceptions", "fake_quantize_compact", "reconstruct",
@@ -33,5 +33,5 @@ __all__ = [
     "read_packed", "tp_feature_range",
     "Patch", "patch_model",
     "fake_quantize_scale_hints", "pack_scale_lsb", "reconstruct_scales", "unpack_scale_lsb", "use_store_scale_encodings",
-    "BackgroundReads", "RecordSource", "packed_nbytes", "read_ahead",
+    "BackgroundReads", "ReaderProcess", "RecordSource", "packed_nbytes", "read_ahead",
 ]

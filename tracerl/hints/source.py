@@ -1,25 +1,32 @@
 """Where a trainer's micro-batches come from: the committed records of complete trajectories (`RecordSource`),
 read ahead of the forward with bounded memory (`read_ahead`), and a next step's micro-batches read in the
-background while the current step computes (`BackgroundReads`)."""
+background while the current step computes (`BackgroundReads`: in a thread, or in a `ReaderProcess`)."""
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import io
 import logging
+import multiprocessing
+import pickle
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures.process import BrokenProcessPool
+from multiprocessing import shared_memory
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
 import tracestore as ts
+from tracerl.errors import ConfigError
 from tracerl.hints.packing import MicroBatch, PackedHints, read_packed
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BackgroundReads", "RecordSource", "packed_nbytes", "read_ahead"]
+__all__ = ["BackgroundReads", "ReaderProcess", "RecordSource", "packed_nbytes", "read_ahead"]
 
 
 class RecordSource:
@@ -92,45 +99,217 @@ def _layout(mbs: Sequence[MicroBatch], sites: Sequence[str]) -> tuple:
     return (tuple(sites), tuple(tuple((s.traj_id, s.start, s.stop) for s in mb.segments) for mb in mbs))
 
 
+def _read_until(source: Any, mbs: Sequence[MicroBatch], sites: Sequence[str],
+                cap_bytes: int) -> list[tuple[PackedHints, float, float]]:
+    """``(packed, loaded_unix, read_seconds)`` of the leading micro-batches of ``mbs``: read in order until those
+    read hold ``cap_bytes`` or more (at least one)."""
+    done: list[tuple[PackedHints, float, float]] = []
+    held = 0
+    for mb in mbs:
+        if done and held >= cap_bytes:
+            break
+        t0 = time.perf_counter()
+        packed = read_packed(source, mb, sites, read_kwargs={"fmt": "numpy"})
+        done.append((packed, time.time(), time.perf_counter() - t0))
+        held += packed_nbytes(packed)
+    return done
+
+
+def _reopen_args(store: ts.Store) -> tuple[str, dict] | None:
+    """``(url, storage_options)`` that open ``store`` again in another process, or None when it cannot be (an
+    in-memory store lives in its process alone)."""
+    if store.url.startswith("memory://"):
+        return None
+    fs = getattr(store.backend, "fs", None)  # fsspec backends (S3, ...): the filesystem's own options
+    return store.url, (dict(getattr(fs, "storage_options", None) or {}) if fs is not None else {})
+
+
+_CHILD_STORE: ts.Store | None = None  # the store a ReaderProcess's child reads (set by its initializer)
+
+
+def _child_open(url: str, storage_options: dict, retry: Any) -> None:
+    global _CHILD_STORE
+    _CHILD_STORE = ts.open_store(url, storage_options=storage_options or None, retry=retry)
+
+
+def _child_ready() -> int:
+    return 0
+
+
+def _child_read(records: dict[str, list[ts.CommittedRecord]], mbs: list[MicroBatch], sites: list[str],
+                cap_bytes: int) -> tuple[bytes, str | None, list[tuple[int, str, tuple[int, ...]]]]:
+    assert _CHILD_STORE is not None, "the reader process has no store (initializer not run)"
+    trajs = {t: SimpleNamespace(records=r) for t, r in records.items()}
+    return _to_shared_memory(_read_until(RecordSource(_CHILD_STORE, trajs), mbs, sites, cap_bytes))
+
+
+class _ArraysOut(pickle.Pickler):
+    """Pickles an object with its numpy arrays left out (``arrays``), named by their index."""
+
+    def __init__(self, file: io.BytesIO):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.arrays: list[np.ndarray] = []
+
+    def persistent_id(self, obj: Any) -> int | None:
+        if type(obj) is np.ndarray and obj.dtype != object:
+            self.arrays.append(obj)
+            return len(self.arrays) - 1
+        return None
+
+
+def _to_shared_memory(obj: Any) -> tuple[bytes, str | None, list[tuple[int, str, tuple[int, ...]]]]:
+    """``obj`` as (its pickle without its numpy arrays, the name of a shared memory block holding the arrays'
+    bytes, each array's (offset, dtype, shape)): a read of tens of MB crosses to the caller as one small message,
+    so the caller's thread that receives it does not take the GIL once per pipe buffer (64 KiB) from a thread
+    launching GPU kernels. The caller owns (and unlinks) the block (`_from_shared_memory`)."""
+    buf = io.BytesIO()
+    pickler = _ArraysOut(buf)
+    pickler.dump(obj)
+    spans, total = [], 0
+    for a in pickler.arrays:
+        spans.append((total, a.dtype.str, a.shape))
+        total += -(-a.nbytes // 64) * 64  # 64-byte aligned
+    if not pickler.arrays:
+        return buf.getvalue(), None, []
+    shm = shared_memory.SharedMemory(create=True, size=max(total, 1))
+    try:
+        for a, (off, _, _) in zip(pickler.arrays, spans):
+            np.ndarray(a.shape, a.dtype, buffer=shm.buf, offset=off)[...] = a
+    finally:
+        shm.close()
+    return buf.getvalue(), shm.name, spans
+
+
+def _from_shared_memory(payload: bytes, name: str | None, spans: list[tuple[int, str, tuple[int, ...]]]) -> Any:
+    """What `_to_shared_memory` packed, with its arrays copied out of the block, which is then unlinked."""
+    if name is None:
+        return pickle.loads(payload)
+    shm = shared_memory.SharedMemory(name=name)
+    try:
+        views = [np.ndarray(shape, np.dtype(dt), buffer=shm.buf, offset=off) for off, dt, shape in spans]
+
+        class _ArraysIn(pickle.Unpickler):
+            def persistent_load(self, pid: int) -> np.ndarray:
+                return views[pid].copy()
+
+        obj = _ArraysIn(io.BytesIO(payload)).load()
+        views.clear()  # (the block can only be closed once no array looks into it)
+    finally:
+        shm.close()
+        shm.unlink()
+    return obj
+
+
+class ReaderProcess:
+    """A child process that reads micro-batches of one store for `BackgroundReads`, so that no reading Python
+    competes with the caller's for the GIL (a reading thread slowed a host-bound H200 step by more than the read
+    took, trainer-h200-read-next*.json).
+
+    ``ReaderProcess(store)`` spawns the child (``spawn``: safe beside CUDA) and waits until it has opened the store
+    again by its URL and options (a BackendError / StoreNotFoundError of that open is raised here); it raises
+    ConfigError for a store that cannot be opened in another process (``memory://``; use
+    a thread there). Its reads come back to the caller through shared memory (the arrays' bytes; a
+    pipe carries the rest) and are copied out of it when taken. `close` ends the child; a child that died is
+    replaced at the next `submit`."""
+
+    def __init__(self, store: ts.Store):
+        args = _reopen_args(store)
+        if args is None:
+            raise ConfigError(f"the store {store.url} cannot be opened in another process (an in-memory store); "
+                              "read it in a thread instead")
+        self._init = (*args, store.backend.retry)
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self._start()
+
+    def _start(self) -> None:
+        self._pool = concurrent.futures.ProcessPoolExecutor(
+            1, mp_context=multiprocessing.get_context("spawn"), initializer=_child_open, initargs=self._init)
+        # the child starts now and is waited for (1-3 s: it imports torch), so no read waits for it later
+        self._pool.submit(_child_ready).result()
+
+    def submit(self, trajs: Mapping[str, Any], mbs: Sequence[MicroBatch], sites: Sequence[str],
+               cap_bytes: int) -> concurrent.futures.Future:
+        """Read the leading micro-batches of ``mbs`` (at most ``cap_bytes``, at least one) of the trajectories
+        ``trajs`` (traj_id -> anything with ``records``) in the child; the future's result is a list of
+        ``(packed, loaded_unix, read_seconds)``."""
+        records = {t: list(trajs[t].records) for t in dict.fromkeys(s.traj_id for mb in mbs for s in mb.segments)}
+        if self._pool is None:
+            self._start()
+        assert self._pool is not None
+        try:
+            return self._pool.submit(_child_read, records, list(mbs), list(sites), cap_bytes)
+        except BrokenProcessPool:
+            log.warning("the reader process died; starting another")
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._start()
+            return self._pool.submit(_child_read, records, list(mbs), list(sites), cap_bytes)
+
+    def close(self) -> None:
+        """End the child (waits for a read under way)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
 class BackgroundReads:
-    """Micro-batches of a coming step, read in a daemon thread while the caller computes the current one.
+    """Micro-batches of a coming step, read in the background while the caller computes the current one.
 
-    ``BackgroundReads(source, mbs, sites, cap_bytes)`` starts reading ``mbs`` in order (`read_packed`, numpy
-    arrays in host memory), stopping once those read hold ``cap_bytes`` or more (at least one is read, as
-    `read_ahead` does). `take` hands the reads over to a step that reads the same micro-batches: it waits for the
-    thread and returns the leading ``(packed, loaded_unix, read_seconds)`` it read (possibly fewer than asked
-    for: the caller reads the rest itself), or ``[]`` when the step reads other micro-batches or other sites, or
-    the background read failed (logged at INFO; the caller's own read then meets the same error with its own
-    context, so a storage failure is never hidden or read as "absent"). Committed records never change, so data
-    read ahead is the data a read at the step would return, byte for byte.
+    ``BackgroundReads(source, mbs, sites, cap_bytes, reader=None)`` starts reading ``mbs`` in order (`read_packed`,
+    numpy arrays in host memory), stopping once those read hold ``cap_bytes`` or more (at least one is read, as
+    `read_ahead` does): in a daemon thread, or, given a `ReaderProcess` of the source's store (``source`` then a
+    `RecordSource`), in that process. `take` hands the reads over to a step that reads the same micro-batches: it
+    waits for the read and returns the leading ``(packed, loaded_unix, read_seconds)`` it read (possibly fewer
+    than asked for: the caller reads the rest itself), or ``[]`` when the step reads other micro-batches or other
+    sites, or the background read failed (logged at INFO; the caller's own read then meets the same error with
+    its own context, so a storage failure is never hidden or read as "absent"). Committed records never change,
+    so data read ahead is the data a read at the step would return, byte for byte.
 
-    The thread holds the GIL only between its storage calls and numpy copies; a caller computing on a GPU
-    overlaps the read with its kernels."""
+    A thread holds the GIL between its storage calls and numpy copies, which a host-bound caller (Python
+    launching GPU kernels) feels; a process does not."""
 
-    def __init__(self, source: Any, mbs: Sequence[MicroBatch], sites: Sequence[str], cap_bytes: int):
+    def __init__(self, source: Any, mbs: Sequence[MicroBatch], sites: Sequence[str], cap_bytes: int,
+                 reader: ReaderProcess | None = None):
         self._key = _layout(mbs, sites)
         self._done: list[tuple[PackedHints, float, float]] = []
         self._error: BaseException | None = None
+        self._future: concurrent.futures.Future | None = None
+        self._thread: threading.Thread | None = None
+        self._arrived = threading.Event()
+        if reader is not None:
+            try:
+                self._future = reader.submit(source.trajs, mbs, sites, cap_bytes)
+            except Exception as e:  # noqa: BLE001 - handed to take(), which re-reads in the caller
+                self._error = e
+                self._arrived.set()
+                return
+            # copied out of shared memory by the thread that sees the read arrive (numpy copies without the GIL),
+            # not by the caller's, which launches kernels meanwhile
+            self._future.add_done_callback(self._copy_out)
+            return
         self._thread = threading.Thread(target=self._run, args=(source, list(mbs), list(sites), cap_bytes),
                                         name="tracerl-read-next-step", daemon=True)
         self._thread.start()
 
-    def _run(self, source: Any, mbs: list[MicroBatch], sites: list[str], cap_bytes: int) -> None:
-        held = 0
+    def _copy_out(self, future: concurrent.futures.Future) -> None:
         try:
-            for mb in mbs:
-                if self._done and held >= cap_bytes:
-                    break
-                t0 = time.perf_counter()
-                packed = read_packed(source, mb, sites, read_kwargs={"fmt": "numpy"})
-                self._done.append((packed, time.time(), time.perf_counter() - t0))
-                held += packed_nbytes(packed)
+            self._done = _from_shared_memory(*future.result())
+        except BaseException as e:  # noqa: BLE001 - a failed read or a dead child: the caller reads again
+            self._error = e
+        finally:
+            self._arrived.set()
+
+    def _run(self, source: Any, mbs: list[MicroBatch], sites: list[str], cap_bytes: int) -> None:
+        try:
+            self._done = _read_until(source, mbs, sites, cap_bytes)
         except BaseException as e:  # noqa: BLE001 - handed to take(), which re-reads in the caller
             self._error = e
 
     def take(self, mbs: Sequence[MicroBatch], sites: Sequence[str]) -> list[tuple[PackedHints, float, float]]:
-        """The reads done for ``mbs`` / ``sites`` (see the class docstring); waits for the thread first."""
-        self._thread.join()
+        """The reads done for ``mbs`` / ``sites`` (see the class docstring); waits for the read first."""
+        if self._thread is not None:
+            self._thread.join()
+        if self._thread is None:
+            self._arrived.wait()
         if _layout(mbs, sites) != self._key:
             log.debug("read ahead for other micro-batches than the step's: dropped")
             return []

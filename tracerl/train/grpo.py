@@ -35,6 +35,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 import numpy as np
@@ -52,6 +53,7 @@ from tracerl.hints import (
     BackgroundReads,
     MicroBatch,
     PackedHints,
+    ReaderProcess,
     RecordSource,
     Segment,
     dp_shard,
@@ -125,6 +127,7 @@ class GRPOTrainer:
         self._want_codes = cfg.code_agreement and bool(self.sites) and cfg.mode != "bf16"
         self._stand_in_batch: PackedHints | None = None
         self._next_reads: BackgroundReads | None = None  # the next step's micro-batches, read while this one computes
+        self._reader: ReaderProcess | None = None  # where they are read: this process (a thread) or a child
 
     def _snapshot_pool(self) -> int:
         """How many weight snapshots exist at once at most: the kept versions no older than ``max_staleness``
@@ -263,12 +266,33 @@ class GRPOTrainer:
         mbs = pack_micro_batches({t.traj_id: t.num_tokens for t in trajs}, self.cfg.micro_batch_tokens)
         return trajs, by_id, mbs, dp_shard(mbs, self.rank, self.world)
 
+    def read_next_in(self, where: str) -> None:
+        """Where `step(next_groups=)` reads the next step's micro-batches: ``"process"`` (a `ReaderProcess`
+        spawned now, which opens the store again; a store that cannot be opened in another process, such as
+        ``memory://``, is read in a thread, with a warning) or ``"thread"`` (a thread of this process, the
+        default). Raises ConfigError for anything else."""
+        if where not in ("process", "thread"):
+            raise ConfigError(f"read_next_in: got {where!r}; allowed: 'process', 'thread'")
+        if where == "thread":
+            self.close_reader()
+        elif self._reader is None:
+            try:
+                self._reader = ReaderProcess(self.store)
+            except (ConfigError, ts.BackendError, BrokenProcessPool) as e:
+                log.warning("no reader process (%s: %s); the next steps are read in a thread", type(e).__name__, e)
+
+    def close_reader(self) -> None:
+        """End the reader process of `read_next_in` (if any); later reads ahead run in a thread."""
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.close()
+
     def _read_next(self, groups: Sequence[Group]) -> None:
         """Start reading the micro-batches a step on ``groups`` will need, in the background (`BackgroundReads`,
         at most ``read_ahead_bytes`` of them); a later `step` on the same groups takes them over."""
         _, by_id, _, mine = self._plan(groups)
         self._next_reads = BackgroundReads(RecordSource(self.store, by_id), mine, self.read_sites,
-                                           self.cfg.read_ahead_bytes) if mine else None
+                                           self.cfg.read_ahead_bytes, reader=self._reader) if mine else None
 
     def step(self, taken: Taken, *, ready_since: float | None = None,
              next_groups: Sequence[Group] | None = None) -> dict[str, Any]:
@@ -280,9 +304,10 @@ class GRPOTrainer:
         ``max(commit, ready_since)`` (``ready_lag_s*``, 0 for a micro-batch already in memory then): the
         pipeline's own latency, without the time a batch queued while the trainer was busy with the previous step.
 
-        ``next_groups``: the groups the next step will train on, when known now (`Follower.peek`): when this
-        step's last backward starts, the next step's are read in the background while it computes
-        (`BackgroundReads`), so a step on a GPU does not wait for the store. What the next step reads is the
+        ``next_groups``: the groups the next step will train on, when known now (`Follower.peek`): the next
+        step's micro-batches are read in the background while this one computes (`BackgroundReads`; in the
+        reader process of `read_next_in` from the step's start, in a thread from its last backward), so a step on
+        a GPU does not wait for the store. What the next step reads is the
         same either way (committed records never change); for other groups it reads as usual. ``read_s`` counts
         the seconds this step waited for its data, ``read_ahead_s`` the seconds the background took for the
         micro-batches this step took over from it (``read_ahead_micro_batches``)."""
@@ -315,6 +340,9 @@ class GRPOTrainer:
         # runs in autograd's own threads and the optimizer waits on the device (H200: the forward took 0.61 s
         # instead of 0.36 s with the read beside it, trainer-h200-read-next.json).
         start_next = (lambda: self._read_next(next_groups)) if next_groups else None
+        if start_next is not None and self._reader is not None:
+            start_next()  # a reader process holds no GIL of ours: it reads during the whole step
+            start_next = None
         for i, (packed, t_loaded, secs) in enumerate(itertools.chain(ahead, own)):
             for seg in packed.segments:
                 acc.lag.setdefault(seg.traj_id, t_loaded - by_id[seg.traj_id].committed_unix)

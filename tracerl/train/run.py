@@ -19,7 +19,7 @@ import torch
 import tracestore as ts
 from tracerl.artifacts import checkpoints as ckpt
 from tracerl.config import TrainConfig
-from tracerl.errors import CheckpointNotFoundError
+from tracerl.errors import CheckpointNotFoundError, ConfigError
 from tracerl.runlog import MetricsLog
 from tracerl.train.dist import any_rank, barrier
 from tracerl.train.follower import Follower
@@ -29,26 +29,36 @@ log = logging.getLogger(__name__)
 
 __all__ = ["run_training", "start_or_resume"]
 
+#: run_training's read_next -> where the next step is read ("": not read ahead)
+_READ_NEXT = {False: "", "off": "", True: "process", "process": "process", "thread": "thread"}
+
 
 def run_training(trainer: GRPOTrainer, follower: Follower, *, checkpoints: str, weights_url: str | None,
                  metrics: MetricsLog, max_steps: int | None = None, stop: threading.Event | None = None,
                  wait_timeout_s: float | None = None, storage_options: Mapping | None = None,
-                 on_step: Callable[[dict], None] | None = None, read_next: bool = False) -> int:
+                 on_step: Callable[[dict], None] | None = None, read_next: bool | str = False) -> int:
     """Follow the store and train until ``max_steps`` steps (counted from 0, so a resumed run stops at the same
     step), ``stop`` is set, or no group became ready for ``wait_timeout_s``; returns the steps taken now.
 
     Per step: take groups -> `GRPOTrainer.step` -> checkpoint (every ``checkpoint_every`` steps) -> metrics line
     -> publish the new version to ``weights_url`` (when given; in the background, overlapping the next step,
     and waited for before this returns). With ``read_next``, when the next step's groups are ready before a step
-    starts (`Follower.peek`), their data is read from the store in a background thread while the step computes;
-    which groups each step trains on, and the bits it computes, are the same either way. Off by default: on one
-    H200 (the H200 model, 3 runs per mode) it hid the read (0.14 s) but the thread's Python competed for the GIL
-    with the host-bound fp4_hints step, whose compute went from 0.36 to 0.54-0.58 s (bf16 gained: 0.445 ->
-    0.38 s; trainer-h200-read-next*.json); a reader process is the next step."""
+    starts (`Follower.peek`), their data is read from the store in the background while the step computes:
+    ``"process"`` (or True) in a reader process (`GRPOTrainer.read_next_in`), ``"thread"`` in a thread of this
+    process; False (or ``"off"``, the default) reads each step's data when it starts. Which groups each step
+    trains on, and the bits it computes, are the same either way. A thread competes for the GIL with a
+    host-bound step: on one H200 (the H200 model, 3 runs per mode) it hid the read (0.14 s) but slowed the
+    fp4_hints compute from 0.36 to 0.54-0.58 s (trainer-h200-read-next*.json). Raises ConfigError for another
+    ``read_next``."""
+    where = _READ_NEXT.get(read_next) if isinstance(read_next, (bool, str)) else None
+    if where is None:
+        raise ConfigError(f"read_next: got {read_next!r}; allowed: False/'off', True/'process', 'thread'")
+    if where:
+        trainer.read_next_in(where)
     done = 0
     try:
         done = _train_steps(trainer, follower, checkpoints, weights_url, metrics, max_steps, stop, wait_timeout_s,
-                            storage_options, on_step, read_next)
+                            storage_options, on_step, bool(where))
     finally:
         trainer.wait_published()  # the last version is committed before this returns
     return done
