@@ -270,9 +270,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="override the trainer's micro-batch size (default: the trainer's own default)")
     ap.add_argument("--hint-layers", default="latter-half", metavar="WHICH",
                     help="hinted layers of the store (default latter-half: 20 of 40 sites on the H200 model)")
-    ap.add_argument("--read-next", choices=("off", "thread", "process"), default="off",
-                    help="read the next step's data while a step computes: off (run_training's default), in a "
-                         "thread, or in a reader process")
+    ap.add_argument("--read-next", choices=("auto", "off", "thread", "process"), default="auto",
+                    help="read the next step's data while a step computes: auto (run_training's default: a reader "
+                         "process on a GPU, off on the CPU), off, in a thread, or in a reader process")
     ap.add_argument("--threads", type=int, default=1, metavar="N", help="torch CPU threads per process (default 1)")
     ap.add_argument("--phase-runs", type=int, default=1, metavar="N",
                     help="more processes per mode with the trainer's phase clock (time_phases: a device sync at each "
@@ -319,8 +319,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.group_size}", flush=True)
     modes = [m for m in args.modes.split(",") if m]
     for m in modes:
-        if m.partition(":")[2] not in ("", "off", "thread", "process"):
-            ap.error(f"--modes {m}: the part after ':' is a --read-next choice (off, thread, process)")
+        if m.partition(":")[2] not in ("", "auto", "off", "thread", "process"):
+            ap.error(f"--modes {m}: the part after ':' is a --read-next choice (auto, off, thread, process)")
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     sampler = _GpuSampler(enabled=cuda)
     result = {"machine": _machine(args.device), "spec": spec, "device": args.device, "args": vars(args)}

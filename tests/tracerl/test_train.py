@@ -645,6 +645,10 @@ def test_the_next_step_is_read_while_a_step_computes_and_trains_the_same_bits(st
                      max_steps=trainer.step_num + 1, read_next="sometimes")
     with pytest.raises(ConfigError, match="read_next_in: got 'gpu'"):
         trainer.read_next_in("gpu")
+    # the default (auto) on the CPU reads nothing ahead: a reader would take the cores the step computes on
+    assert run_training(trainer, follower, checkpoints=str(tmp_path / "ckFalse"), weights_url=None, metrics=log,
+                        max_steps=trainer.step_num) == 0
+    assert trainer._reader is None
 
 
 def test_a_reader_process_that_dies_is_read_around_and_replaced(store, tmp_path):

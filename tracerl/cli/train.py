@@ -102,6 +102,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--read-ahead-mb", type=nonneg, default=_D.read_ahead_bytes >> 20, metavar="MB",
                    help="read a step's micro-batches ahead of their forward/backward up to this many MB held "
                         f"(default {_D.read_ahead_bytes >> 20}; 0: one micro-batch at a time)")
+    p.add_argument("--read-next", choices=("auto", "off", "thread", "process"), default="auto",
+                   help="read the next step's micro-batches while a step computes: in a reader process, in a thread, "
+                        "or not (default auto: a reader process on a GPU, off on the CPU)")
     p.add_argument("--time-phases", action="store_true",
                    help="time each step's phases (forward, backward, mismatch, optimizer, ...) into the metrics' "
                         "phases_s, waiting for the device at each phase boundary")
@@ -181,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
         stop_with_parent(stop)
         run_training(trainer, follower, checkpoints=args.checkpoints, weights_url=weights_url, metrics=metrics,
                      max_steps=args.steps, stop=stop, wait_timeout_s=args.wait_timeout, storage_options=opts,
-                     on_step=on_step)
+                     on_step=on_step, read_next=args.read_next)
         stopped = stop.is_set()
     if trainer.rank == 0:
         every = trainer.cfg.checkpoint_every

@@ -36,7 +36,7 @@ _READ_NEXT = {False: "", "off": "", True: "process", "process": "process", "thre
 def run_training(trainer: GRPOTrainer, follower: Follower, *, checkpoints: str, weights_url: str | None,
                  metrics: MetricsLog, max_steps: int | None = None, stop: threading.Event | None = None,
                  wait_timeout_s: float | None = None, storage_options: Mapping | None = None,
-                 on_step: Callable[[dict], None] | None = None, read_next: bool | str = False) -> int:
+                 on_step: Callable[[dict], None] | None = None, read_next: bool | str = "auto") -> int:
     """Follow the store and train until ``max_steps`` steps (counted from 0, so a resumed run stops at the same
     step), ``stop`` is set, or no group became ready for ``wait_timeout_s``; returns the steps taken now.
 
@@ -45,14 +45,18 @@ def run_training(trainer: GRPOTrainer, follower: Follower, *, checkpoints: str, 
     and waited for before this returns). With ``read_next``, when the next step's groups are ready before a step
     starts (`Follower.peek`), their data is read from the store in the background while the step computes:
     ``"process"`` (or True) in a reader process (`GRPOTrainer.read_next_in`), ``"thread"`` in a thread of this
-    process; False (or ``"off"``, the default) reads each step's data when it starts. Which groups each step
-    trains on, and the bits it computes, are the same either way. A thread competes for the GIL with a
-    host-bound step: on one H200 (the H200 model, 3 runs per mode) it hid the read (0.14 s) but slowed the
-    fp4_hints compute from 0.36 to 0.54-0.58 s (trainer-h200-read-next*.json). Raises ConfigError for another
-    ``read_next``."""
+    process; False (or ``"off"``) reads each step's data when it starts; ``"auto"`` (the default) is
+    ``"process"`` for a trainer on a GPU and ``"off"`` on the CPU (where a reader takes cores the step computes
+    on). Which groups each step trains on, and the bits it computes, are the same either way. On one H200 (the
+    H200 model, 3 runs per mode side by side, trainer-h200-read-shm.json) a reader process took the read (0.13 s)
+    off the step: fp4_hints 0.736 -> 0.670 s per step at the default mean, bf16 0.586 -> 0.445 s; a thread competes
+    for the GIL with the host-bound step and slowed the fp4_hints compute from 0.36 to 0.54-0.58 s
+    (trainer-h200-read-next*.json). Raises ConfigError for another ``read_next``."""
+    if read_next == "auto":
+        read_next = "process" if trainer.device.type == "cuda" else "off"
     where = _READ_NEXT.get(read_next) if isinstance(read_next, (bool, str)) else None
     if where is None:
-        raise ConfigError(f"read_next: got {read_next!r}; allowed: False/'off', True/'process', 'thread'")
+        raise ConfigError(f"read_next: got {read_next!r}; allowed: 'auto', False/'off', True/'process', 'thread'")
     if where:
         trainer.read_next_in(where)
     done = 0
