@@ -87,7 +87,7 @@ def check_metadata(store: ts.Store, device: str = "auto") -> tuple[TinyMoESpec, 
     ``rollout`` metadata with defaults, the audit's device).
 
     Raises `ConfigError` when the metadata lacks a key, names another builder, hints sites the store does not
-    declare, or for a device this machine does not have."""
+    declare or keeps as margin-exception rows, or for a device this machine does not have."""
     meta = store.model
     missing = [k for k in REQUIRED_METADATA if k not in meta]
     if missing:
@@ -102,6 +102,11 @@ def check_metadata(store: ts.Store, device: str = "auto") -> tuple[TinyMoESpec, 
     foreign = sorted(set(plan.hinted) - set(store.sites))
     if foreign:
         raise ConfigError(f"store {store.url}: the site plan hints {foreign[:4]}, which the store does not declare")
+    margin = sorted(h for h in plan.hinted if getattr(store.sites[h], "hint_encoding", "bits") == "margin")
+    if margin:  # the passes compare against and substitute stored hint bits and scale bytes, row for row
+        raise ConfigError(f"store {store.url}: hinted sites {margin[:4]} keep margin-exception rows (hint encoding "
+                          "margin, format 5); the audit needs stored hints and scales at every hinted site (train on "
+                          "such a store with tracerl's trainer or tracerl.hints.patch_model)")
     return spec, plan, rollout, resolve_device(device, rollout.get("device"))
 
 

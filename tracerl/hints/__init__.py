@@ -21,7 +21,7 @@ from tracerl.hints.compact import (MarginExceptions, Reconstruction, encode_marg
 from tracerl.hints.feed import FeedBatch, HintFeed
 from tracerl.hints.packing import (MicroBatch, PackedHints, Segment, cp_shard, cp_zigzag_ranges, dp_shard,
                                    pack_micro_batches, read_packed, tp_feature_range)
-from tracerl.hints.patch import Patch, patch_model
+from tracerl.hints.patch import MarginSites, Patch, decode_margin, patch_model
 from tracerl.hints.scalehints import (fake_quantize_scale_hints, pack_scale_lsb, reconstruct_scales, unpack_scale_lsb,
                                       use_store_scale_encodings)
 from tracerl.hints.source import BackgroundReads, ReaderProcess, RecordSource, packed_nbytes, read_ahead
@@ -31,7 +31,7 @@ __all__ = [
     "FeedBatch", "HintFeed",
     "MicroBatch", "PackedHints", "Segment", "cp_shard", "cp_zigzag_ranges", "dp_shard", "pack_micro_batches",
     "read_packed", "tp_feature_range",
-    "Patch", "patch_model",
+    "Patch", "patch_model", "MarginSites", "decode_margin",
     "fake_quantize_scale_hints", "pack_scale_lsb", "reconstruct_scales", "unpack_scale_lsb", "use_store_scale_encodings",
     "BackgroundReads", "ReaderProcess", "RecordSource", "packed_nbytes", "read_ahead",
 ]

@@ -22,7 +22,9 @@ The rollout's tensors of the current micro-batch reach the hooks through ``with 
 the forward and backward, ``batch`` a `tracerl.hints.FeedBatch` (or any object with ``hints``, ``scales`` and
 ``experts`` dicts of tensors, row for row with the forward's tokens; a store site of scale encoding ``lsb`` hands out
 scale hints, from which the hooks reconstruct the rollout's scale bytes with the forward's own activations,
-`tracerl.hints.scalehints`). Rows: the forward's tokens flattened must be the
+`tracerl.hints.scalehints`; a store site of hint encoding ``margin`` hands out margin exceptions in
+``batch.margin``, from which the site reconstructs the rollout's scale bytes and hint bits with the forward's own
+activation, `MarginSites`). Rows: the forward's tokens flattened must be the
 batch's THD tokens in order (an input of shape [1, T] or [T]); a padded layout passes ``rows`` (each THD token's
 row in the flattened [B * L] input) and ``nrows``. Outside a ``micro_batch`` block the patched sites round to nearest
 with their own scales (a QAT forward without hints).
@@ -44,13 +46,88 @@ from typing import Any
 import torch
 from torch import nn
 
+import tracefp4
 import tracestore as ts
-from tracerl.errors import PatchError
+from tracerl.errors import HintMismatchError, PatchError
+from tracerl.hints import compact
 from tracerl.hints.scalehints import scale_encodings as _encodings_of
 from tracerl.hints.scalehints import use_store_scale_encodings
-from tracerl.policy import FP4Runtime, SitePlan, check_mode, routed_experts
+from tracerl.policy import FP4Runtime, SitePlan, check_mode, effective_codes, routed_experts
 
-__all__ = ["Patch", "patch_model"]
+__all__ = ["MarginSites", "Patch", "decode_margin", "patch_model"]
+
+#: the modes in which a hinted site takes the rollout's scales (and, in fp4_hints, its hint bits)
+_ROLLOUT_SCALE_MODES = ("fp4_rne_rollout_scales", "fp4_hints")
+
+
+class MarginSites:
+    """The `FP4Runtime.substitute` hook that quantizes a forward's margin sites (tracestore hint encoding
+    ``margin``) from the rollout's margin exceptions: at such a site, in ``fp4_rne_rollout_scales`` / ``fp4_hints``,
+    the scale bytes and hint bits are `compact.reconstruct` of the forward's own activation and the stored exceptions
+    (with the runtime's global scale of the site, the one the rollout divided by), then the site quantizes exactly as
+    a bits site does: ``tracefp4.fake_quantize(x, scales=, hints=)`` (hints only in ``fp4_hints``), straight-through
+    backward; with the runtime's ``observe`` set, it reports the effective codes and scales as `FP4Runtime.quant`
+    does. Every other site, and every site in the other modes, goes on as it would (``chain``, else the runtime's
+    own quantization).
+
+    Args:
+        runtime: the model's `FP4Runtime` (its mode, global scales, backend and ``observe`` are read per call).
+        exceptions: site -> `compact.MarginExceptions` of the T THD rows of the micro-batch (masks bool [T, W] and
+            [T, W/16], kept bits / bytes), e.g. ``FeedBatch.margin`` or `decode_margin` of a `PackedHints`.
+        rows, nrows: for a padded forward, each THD row's row (long [T]) in the forward's [nrows, W] input; rows the
+            batch does not cover get scale byte 0 (they quantize to 0, as at a bits site). None: the forward's rows
+            are the THD rows.
+        chain: a substitute hook already set (it is asked first; its non-None answer wins).
+
+    A call raises `HintMismatchError` when the activation's rows or width do not fit the exceptions.
+    """
+
+    def __init__(self, runtime: FP4Runtime, exceptions: Mapping[str, compact.MarginExceptions], *,
+                 rows: torch.Tensor | None = None, nrows: int | None = None, chain: Any = None):
+        self.runtime = runtime
+        self.exceptions = dict(exceptions)
+        self.rows, self.nrows, self.chain = rows, nrows, chain
+
+    def __call__(self, site: str, x: torch.Tensor) -> torch.Tensor | None:
+        if self.chain is not None:
+            y = self.chain(site, x)
+            if y is not None:
+                return y
+        rt = self.runtime
+        enc = self.exceptions.get(site)
+        if enc is None or rt.mode not in _ROLLOUT_SCALE_MODES:
+            return None
+        n, w = x.shape
+        rows = None if self.rows is None else self.rows.to(x.device)
+        t_ = n if rows is None else int(rows.shape[0])
+        if enc.shape != (t_, w) or (rows is not None and n != self.nrows):
+            raise HintMismatchError(f"margin site {site}: activation [{n}, {w}] ({t_} batch rows) does not fit margin "
+                                    f"exceptions of shape {list(enc.shape)}")
+        g = rt.global_scale_on(site, x.device)
+        x_rows = x.detach() if rows is None else x.detach().index_select(0, rows)  # [T, W]
+        rec = compact.reconstruct(enc, x_rows, g, backend=rt.backend)
+        scales, hints = rec.scales_e4m3, rec.hints_packed  # [T, W/16], [T, W/8]
+        if rows is not None:
+            scales = x.new_zeros((n, w // compact.BLOCK), dtype=torch.uint8).index_copy_(0, rows, scales)
+            hints = x.new_zeros((n, w // 8), dtype=torch.uint8).index_copy_(0, rows, hints)
+        y = tracefp4.fake_quantize(x, fmt="nvfp4", global_scale=g, scales=scales,
+                                   hints=hints if rt.mode == "fp4_hints" else None, backend=rt.backend)
+        if rt.observe is not None:
+            rt.observe(site, effective_codes(y.detach(), scales, g), scales)
+        return y
+
+
+def decode_margin(store: ts.Store, packed: Any, device: str | torch.device = "cpu"
+                  ) -> dict[str, compact.MarginExceptions]:
+    """The margin exceptions of a `PackedHints`' margin rows (``packed.margin``: site -> (data uint8 [n], offsets
+    int64 [T + 1])), decoded in each site's coding (``store.sites``) and moved to ``device``. Raises
+    `HintCodingError` for rows that do not decode, `ConfigError` for a site that is not a margin site."""
+    out = {}
+    for site, rows in (getattr(packed, "margin", None) or {}).items():
+        enc = compact.unpack_rows(compact.packed_from_store(store.sites[site], rows))
+        out[site] = dataclasses.replace(enc, **{f: getattr(enc, f).to(device, non_blocking=True)
+                                                for f in ("value_mask", "hint_bits", "scale_mask", "scale_bytes")})
+    return out
 
 
 def _plan_and_scales(source: Any, global_scales: Mapping[str, float] | None) -> tuple[SitePlan, dict[str, float]]:
@@ -232,7 +309,8 @@ class Patch:
     @contextlib.contextmanager
     def micro_batch(self, batch: Any, *, mode: str | None = None, observe: bool = False,
                     rows: torch.Tensor | None = None, nrows: int | None = None) -> Iterator[Patch]:
-        """The rollout's tensors of ``batch`` (a `FeedBatch`) in the patched forward inside the block.
+        """The rollout's tensors of ``batch`` (a `FeedBatch`) in the patched forward inside the block; its margin
+        sites (``batch.margin``) are quantized by `MarginSites` (reconstructed from the forward's own activation).
 
         ``mode``: one of `tracerl.policy.MODES` (default: the patch's). ``rows`` / ``nrows``: for a padded forward,
         each THD token's row of the flattened input and their number (rows the batch does not cover get scale 0,
@@ -263,13 +341,17 @@ class Patch:
         layers = {s.layer: s.module.rsplit(".", 1)[0] for s in self.runtime.plan.sites if s.kind == "moe_input"}
         forced = {la: fit(batch.experts[name]).long() for la, name in layers.items()
                   if batch.experts and name in batch.experts}
+        margin = dict(getattr(batch, "margin", None) or {})
+        substitute = (MarginSites(self.runtime, {s: e for s, e in margin.items() if s in hinted},
+                                  rows=None if rows is None else rows.to(dev), nrows=nrows,
+                                  chain=self.runtime.substitute) if margin else self.runtime.substitute)
         self.codes = {}
 
         def on_observe(site: str, codes: torch.Tensor, scales: torch.Tensor) -> None:
             self.codes[site] = codes if rows is None else codes.index_select(0, rows.to(codes.device))
 
         with self.runtime.using(mode=mode, provided=provided, forced_routes=forced,
-                                observe=on_observe if observe else None):
+                                observe=on_observe if observe else None, substitute=substitute):
             yield self
 
     def remove(self) -> None:

@@ -23,12 +23,20 @@ kept weights of their version in one extra no-gradient forward; ``measure_stale_
 are kept, the other stale groups' tokens counted as unmeasured): |logp_trainer - logp_rollout| statistics and k3
 (`tracerl.fidelity.dlogp_stats`), and, where the rollout recorded its codes (`tracerl.artifacts.codes`), the code
 agreement at hinted sites (`tracerl.fidelity.code_match_counts`). The extra forward changes nothing in training.
+
+Margin sites (tracestore hint encoding ``margin``): a micro-batch's margin rows are read beside it from its
+trajectories' records and decoded on the host (`tracerl.hints.decode_margin`; not read ahead yet: the record source
+hands out hints and scales only) and the forward quantizes those sites with `tracerl.hints.MarginSites` (scales and
+hints reconstructed from the forward's own activation and the rollout's exceptions); the code agreement then also
+counts the values outside the margin (unmarked) whose code differs from the rollout's (``margin_unmarked_mismatch``
+of ``margin_unmarked`` values; ``margin_marked_mismatch`` of ``margin_marked``).
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import io
 import itertools
 import logging
@@ -41,6 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
+import tracefp4
 import tracestore as ts
 from tracerl import fidelity
 from tracerl.artifacts import checkpoints as ckpt
@@ -51,17 +60,20 @@ from tracerl.config import TrainConfig
 from tracerl.errors import CheckpointCorruptError, ConfigError, FollowError
 from tracerl.hints import (
     BackgroundReads,
+    MarginSites,
     MicroBatch,
     PackedHints,
     ReaderProcess,
     RecordSource,
     Segment,
+    decode_margin,
     dp_shard,
     pack_micro_batches,
     packed_nbytes,
     read_ahead,
     use_store_scale_encodings,
 )
+from tracerl.hints.packing import concat_margin_rows
 from tracerl.policy import NO_SITE, Policy, build_policy
 from tracerl.runlog import json_ready
 from tracerl.train import loss as rl
@@ -104,7 +116,11 @@ class GRPOTrainer:
         use_store_scale_encodings(self.policy.runtime, store)  # lsb sites: scale bytes rebuilt from own amax
         self.qat = QATTrainer(self.policy.model, self.policy.runtime)
         self.sites = [s for s in self.policy.hinted_sites if s != NO_SITE]  # hinted sites: codes, QAT
-        self.read_sites = list(store.sites)  # what a micro-batch reads (a hint-free store: its placeholder)
+        #: sites the store keeps as margin-exception rows: read beside each micro-batch (`_read_margin`), not by the
+        #: record source, which hands out hints and scales
+        self.margin_sites = [n for n, s in store.sites.items() if getattr(s, "hint_encoding", "bits") == "margin"]
+        # what a micro-batch reads (a hint-free store: its placeholder)
+        self.read_sites = [s for s in store.sites if s not in self.margin_sites]
         #: the trainable weights and AdamW: FSDP2-sharded under torch.distributed, else bf16 + fp32 masters
         self.trainable = make_params(self.policy.model, cfg, self.device)
         # Sharded over several ranks, the fake-quantized expert weights are not kept between forwards: a cache would
@@ -419,11 +435,9 @@ class GRPOTrainer:
         """Forward + backward of one micro-batch; adds its weighted loss stats, mismatch and codes to ``acc``.
         ``packed`` None: a zero-weighted stand-in (a sharded rank with fewer micro-batches than another).
         ``before_backward``: called once the forward and the loss are computed, right before the backward."""
-        cfg = self.cfg
         want_codes = self._want_codes
         tick = self._phase_clock(acc)
-        fwd = self.qat.token_logprobs(packed or self._stand_in(), cfg.mode, observe=want_codes and packed is not None,
-                                      replay_routes=cfg.replay_routes, temperature=cfg.temperature, routes=False)
+        fwd, margin = self._forward(packed, by_id, observe=want_codes and packed is not None)
         tick("forward")
         if packed is None:
             (fwd.logprobs.sum() * 0.0).backward()  # takes part in the gradients' reduce-scatter, adds nothing
@@ -431,7 +445,7 @@ class GRPOTrainer:
             tick("backward")
         else:
             self._train_on(packed, fwd, by_id, adv_of, n_resp, acc, tick, before_backward)
-            self._measure(packed, fwd, by_id, acc, self.version, want_codes)
+            self._measure(packed, fwd, by_id, acc, self.version, want_codes, margin)
             self._keep_stale(packed, by_id, acc)
             tick("measure")
 
@@ -516,15 +530,56 @@ class GRPOTrainer:
                     packed = batches[i] if i < len(batches) else None
                     if isinstance(packed, _Reread):
                         packed = packed.read(source, self.read_sites)
-                    fwd_v = self.qat.token_logprobs(packed or self._stand_in(), self.cfg.mode,
-                                                    observe=want_codes and packed is not None,
-                                                    replay_routes=self.cfg.replay_routes,
-                                                    temperature=self.cfg.temperature, routes=False)
+                    fwd_v, margin = self._forward(packed, by_id, observe=want_codes and packed is not None)
                     if packed is not None:
-                        self._measure(packed, fwd_v, by_id, acc, v, want_codes)
+                        self._measure(packed, fwd_v, by_id, acc, v, want_codes, margin)
             self.policy.runtime.weights_changed()
         acc.stale.clear()
         tick("stale_versions")
+
+    def _forward(self, packed: PackedHints | None, by_id: Mapping[str, Trajectory],
+                 observe: bool) -> tuple[Any, dict]:
+        """The trainer's forward of ``packed`` (None: the stand-in) in the configured mode, and the margin exceptions
+        of its margin sites (site -> `compact.MarginExceptions` on the device; empty without such sites). Margin
+        sites get zero placeholder rows in the batch the QAT trainer sees (its rollout-scale modes want an entry
+        per hinted site) and are quantized by `MarginSites`, which the runtime asks first."""
+        cfg = self.cfg
+        margin = {}
+        if packed is not None and self.margin_sites:
+            margin = decode_margin(self.store, dataclasses.replace(packed, margin=self._read_margin(packed, by_id)),
+                                   self.device)
+        run = dict(observe=observe, replay_routes=cfg.replay_routes, temperature=cfg.temperature, routes=False)
+        if not margin:
+            return self.qat.token_logprobs(packed or self._stand_in(), cfg.mode, **run), margin
+        n = len(packed.token_ids)
+        sites = self.store.sites
+        view = dataclasses.replace(
+            packed, margin={},
+            hints={**packed.hints, **{s: np.zeros((n, sites[s].hint_bytes), np.uint8) for s in margin}},
+            scales={**packed.scales, **{s: np.zeros((n, sites[s].blocks), np.uint8) for s in margin}})
+        lens = np.diff(packed.cu_seqlens)
+        rows = nrows = None
+        if self.qat.padded and lens.size:  # the padded layout's row of each THD token (QATTrainer._layout)
+            lmax = int(lens.max())
+            rows = to_device(torch.as_tensor(np.concatenate([b * lmax + np.arange(k) for b, k in enumerate(lens)])),
+                             self.device)
+            nrows = len(lens) * lmax
+        rt = self.policy.runtime
+        with rt.using(substitute=MarginSites(rt, margin, rows=rows, nrows=nrows, chain=rt.substitute)):
+            return self.qat.token_logprobs(view, cfg.mode, **run), margin
+
+    def _read_margin(self, packed: PackedHints, by_id: Mapping[str, Trajectory]) -> dict:
+        """The margin rows of ``packed``'s segments at every margin site: site -> (data uint8 [n], offsets int64
+        [T + 1]), read from the trajectories' committed records (as `RecordSource` reads the rest)."""
+        parts: dict[str, list] = {s: [] for s in self.margin_sites}
+        for seg in packed.segments:
+            for r in by_id[seg.traj_id].records:
+                lo, hi = max(seg.start, r.token_start), min(seg.stop, r.token_stop)
+                if lo < hi:
+                    got = ts.read_record(self.store, r, start=lo, stop=hi, sites=self.margin_sites, fmt="numpy")
+                    for s in self.margin_sites:
+                        parts[s].append(got.rows[s])
+        return {s: concat_margin_rows(p) for s, p in parts.items()}
 
     def _stand_in(self) -> PackedHints:
         """Two tokens of one sequence with zero hints and scales at every read site (and experts 0..k-1, for
@@ -560,7 +615,7 @@ class GRPOTrainer:
         return tick
 
     def _measure(self, packed, fwd, by_id: Mapping[str, Trajectory], acc: _StepAccumulator, version: int,
-                 want_codes: bool) -> None:
+                 want_codes: bool, margin: Mapping | None = None) -> None:
         """Rollout/trainer mismatch of the response tokens of ``packed``'s trajectories generated by ``version``,
         from a forward with that version's weights (``fwd``): log-probs for |dlogp| and k3, codes at hinted sites."""
         seg_of_row = np.repeat(np.arange(len(packed.segments)), np.diff(packed.cu_seqlens))
@@ -570,9 +625,10 @@ class GRPOTrainer:
         acc.train_lp.append(fwd.logprobs.detach().float().cpu().numpy()[keep])
         acc.roll_lp.append(roll[keep])
         if want_codes:
-            self._count_codes(packed, fwd, by_id, acc, version)
+            self._count_codes(packed, fwd, by_id, acc, version, margin or {})
 
-    def _count_codes(self, packed, fwd, by_id: Mapping[str, Trajectory], acc: _StepAccumulator, version: int) -> None:
+    def _count_codes(self, packed, fwd, by_id: Mapping[str, Trajectory], acc: _StepAccumulator, version: int,
+                     margin: Mapping | None = None) -> None:
         """Code agreement at hinted sites on the response rows of ``version``'s trajectories, against the rollout's
         recorded codes: per site, one comparison over every such row of the micro-batch (one host -> device copy
         of the reference codes per site, not per trajectory and site); the counts stay on the device and are read
@@ -581,7 +637,7 @@ class GRPOTrainer:
         off = packed.cu_seqlens
         mine = [(i, seg, by_id[seg.traj_id]) for i, seg in enumerate(packed.segments)
                 if by_id[seg.traj_id].policy_version == version]
-        counts = []
+        counts, margin_counts = [], []
         for site in self.sites:
             rows, refs = [], []
             for i, seg, traj in mine:
@@ -595,9 +651,15 @@ class GRPOTrainer:
                 continue
             idx = to_device(torch.as_tensor(np.concatenate(rows)), self.device)
             ref = to_device(torch.as_tensor(np.concatenate(refs)), self.device)
-            counts.append(fidelity.code_match_counts(fwd.codes[site].index_select(0, idx), ref))
+            codes = fwd.codes[site].index_select(0, idx)
+            counts.append(fidelity.code_match_counts(codes, ref))
+            if margin and site in margin:
+                margin_counts.append(_margin_counts(codes, ref, margin[site].value_mask.index_select(0, idx)))
         if counts:
             acc.codes += np.asarray(torch.stack(counts).sum(0).tolist(), dtype=np.int64)
+        if margin_counts:
+            for key, v in zip(_MARGIN_KEYS, torch.stack(margin_counts).sum(0).tolist()):
+                acc.sums[key] += int(v)
 
     def _reduce(self, acc: _StepAccumulator) -> dict:
         """Sum the step's statistics over the data-parallel ranks (their gradients FSDP2 reduce-scattered already)."""
@@ -633,8 +695,24 @@ class GRPOTrainer:
         mismatch["code_values"] = int(codes[1])
         mismatch["unmeasured_tokens"] = int(sums.get("_unmeasured", 0))  # stale, without their version's weights
         mismatch["code_mismatch_one_step_share"] = float(codes[3] / codes[2]) if codes[2] else math.nan
+        if any(k in sums for k in _MARGIN_KEYS):  # margin sites with the rollout's codes
+            mismatch.update({k[1:]: int(sums.get(k, 0)) for k in _MARGIN_KEYS})
         read = acc.read if self.world > 1 else [acc.read]
         return {"loss_stats": stats, "mismatch": mismatch, "lag": lag, "rank_traj_ids": read}
+
+
+#: per-step sums of margin-site code agreement (`_margin_counts`), reported without the underscore
+_MARGIN_KEYS = ("_margin_marked", "_margin_unmarked", "_margin_marked_mismatch", "_margin_unmarked_mismatch")
+
+
+def _margin_counts(codes: torch.Tensor, packed_ref: torch.Tensor, marked: torch.Tensor) -> torch.Tensor:
+    """int64 [4] on the codes' device: (marked values, unmarked values, marked values whose code differs from the
+    rollout's, unmarked such values) of effective codes uint8 [R, W] against the rollout's packed codes uint8
+    [R, W/2] (+0 == -0, as `fidelity.code_match_counts`), ``marked`` bool [R, W] the rollout's marks."""
+    ref = tracefp4.unpack_codes(packed_ref.to(codes.device))
+    bad = (codes != ref) & ~(((codes & 7) == 0) & ((ref & 7) == 0))
+    marked = marked.to(codes.device)
+    return torch.stack([marked.sum(), (~marked).sum(), (bad & marked).sum(), (bad & ~marked).sum()])
 
 
 class _Reread:

@@ -1,0 +1,217 @@
+"""The trained forward over margin sites (issue 23): a store whose hinted sites keep margin-exception rows trains a
+GRPO step and drives a patched model, each margin site's scales and hints reconstructed from the trainer's own
+activation and the stored exceptions (`tracerl.hints.MarginSites`) and then rounded as a bits site is. With margin
+inf (everything marked) it is today's layout bit for bit: the same rollout recorded both ways trains to the same
+digest. With a finite margin the code agreement is reported, and the values outside the margin whose code differs
+from the rollout's are counted; inside the margin nothing differs. CPU, the tiny loop model."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from helpers import loop
+
+import tracefp4
+import tracestore as ts
+from tracerl.errors import HintMismatchError
+from tracerl.hints import HintFeed, MarginSites, decode_margin, pack_micro_batches, patch_model
+from tracerl.hints import compact as C
+from tracerl.policy import TinyMoESpec, build_model, install_fp4, moe_input_site, plan_sites
+from tracerl.rollout import RolloutEngine
+from tracerl.runlog import MetricsLog
+from tracerl.train import run_training, start_or_resume
+
+INF = float("inf")
+#: kind -> (coding, margin, scale margin) of every hinted site; "bits": today's layout
+KINDS = {"bits": None, "inf": (C.SiteCoding("all", "all"), INF, INF),
+         "finite": (C.SiteCoding("gamma", "bitmap"), 0.1, 0.3)}
+
+
+def _store(url: str, kind: str) -> ts.Store:
+    """A loop store of the tiny model whose sites are kept as ``kind`` says (the metadata of `loop.create`)."""
+    bits = loop.create(url if kind == "bits" else url + "-template")
+    if kind == "bits":
+        return bits
+    coding, m, ms = KINDS[kind]
+    sites = [C.store_site(n, s.width, coding, m, ms) for n, s in bits.sites.items()]
+    return ts.create_store(url, sites, model=bits.model, moe_layers=bits.moe_layers, top_k=bits.top_k,
+                           num_experts=bits.num_experts)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Per kind: the store (one rollout batch by version 0, codes recorded, hf decode) and the first step's metrics."""
+    out = {}
+    for kind in KINDS:
+        d = tmp_path_factory.mktemp(kind)
+        st = _store(str(d / "store"), kind)
+        log = MetricsLog(d / "train.jsonl")
+        trainer, follower = start_or_resume(st, loop.train_cfg(), checkpoints=str(d / "ck"), weights_url=st.url,
+                                            metrics=log)
+        with loop.worker(st, record_codes=True, decode="hf") as w:
+            w.sync_weights(timeout_s=30)
+            w.generate_batch()
+        run_training(trainer, follower, checkpoints=str(d / "ck"), weights_url=st.url, metrics=log, max_steps=1)
+        out[kind] = (ts.open_store(st.url), log.records()[0])
+    return out
+
+
+def test_margin_stores_record_the_same_rollout(runs):
+    """The precondition of the comparisons: the three stores hold the same tokens (same model, seeds, decode)."""
+    toks = {k: [tuple(st.reader().read(t.traj_id).token_ids.tolist()) for t in st.reader().trajectories()]
+            for k, (st, _) in runs.items()}
+    assert toks["bits"] == toks["inf"] == toks["finite"] and len(toks["bits"]) == 8
+    assert runs["inf"][0].format_version == 5 and runs["bits"][0].format_version == 3
+    assert all(s.hint_encoding == "margin" for s in runs["finite"][0].sites.values())
+
+
+def test_margin_inf_trains_the_bits_of_todays_layout(runs):
+    a, b = runs["bits"][1], runs["inf"][1]
+    assert a["mismatch"]["code_values"] > 0 and a["mismatch"]["code_agreement"] == b["mismatch"]["code_agreement"]
+    assert (a["loss"], a["digest"]) == (b["loss"], b["digest"])
+    m = b["mismatch"]
+    assert m["margin_unmarked"] == 0 and m["margin_marked"] == m["code_values"] and m["margin_unmarked_mismatch"] == 0
+
+
+def test_a_finite_margin_trains_and_counts_the_codes_outside_the_margin_that_differ(runs):
+    a, f = runs["bits"][1], runs["finite"][1]
+    m = f["mismatch"]
+    assert math.isfinite(f["loss"]) and f["step"] == 1
+    assert m["code_values"] == a["mismatch"]["code_values"] > 0
+    assert m["margin_marked"] + m["margin_unmarked"] == m["code_values"] and 0 < m["margin_marked"] < m["code_values"]
+    mism = round((1 - m["code_agreement"]) * m["code_values"])
+    assert m["margin_marked_mismatch"] + m["margin_unmarked_mismatch"] == mism
+    assert 0.9 < m["code_agreement"] <= 1.0
+    print(f"finite margin: code agreement {m['code_agreement']:.6f} (bits layout {a['mismatch']['code_agreement']:.6f})"
+          f", {m['margin_unmarked_mismatch']} of {m['margin_unmarked']} values outside the margin differ, "
+          f"{m['margin_marked_mismatch']} of {m['margin_marked']} marked")
+
+
+def _mbs(store, tokens=24):
+    return pack_micro_batches({t.traj_id: t.num_tokens for t in store.reader().trajectories() if t.complete}, tokens)
+
+
+def test_a_patched_model_on_a_margin_inf_store_computes_what_it_does_on_the_bits_store(runs):
+    outs = {}
+    for kind in ("bits", "inf"):
+        st = runs[kind][0]
+        stock = build_model(TinyMoESpec(**st.model["spec"]), seed=int(st.model["seed"]))
+        patch = patch_model(stock, st)
+        outs[kind] = []
+        for mb in HintFeed(st).iterate(_mbs(st)[:2]):
+            assert (set(mb.margin) == set(st.sites)) == (kind == "inf")
+            with torch.no_grad(), patch.micro_batch(mb, observe=True):
+                logits = stock(input_ids=mb.token_ids[None], position_ids=mb.positions[None], use_cache=False).logits
+            outs[kind].append((logits, dict(patch.codes)))
+    for (la, ca), (lb, cb) in zip(outs["bits"], outs["inf"]):
+        assert torch.equal(la, lb) and ca.keys() == cb.keys() and all(torch.equal(ca[s], cb[s]) for s in ca)
+
+
+def test_margin_sites_round_within_the_margin_as_the_rollout_did():
+    """Layer 0's MoE input (its activation does not depend on any FP4 site) with exceptions encoded from a perturbed
+    copy of the trainer's activation (a stand-in for the rollout's): the patched forward's codes are
+    `compact.reconstruct`'s; no value within the margin differs from the rollout's code; those that differ are
+    counted; at margin inf the forward equals the bits layout's with the rollout's hints and scales, bit for bit."""
+    spec = TinyMoESpec(**loop.SPEC, vocab_size=64)
+    model = build_model(spec, seed=0)
+    plan = plan_sites(model, hint_layers="0")
+    site = moe_input_site(0)
+    calib = build_model(spec, seed=0)
+    scales = RolloutEngine(calib, install_fp4(calib, plan)).calibrate([[1, 2, 3, 4, 5, 6]])
+    patch = patch_model(model, plan, global_scales=scales)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]])
+    seen = []
+    quant = patch.runtime.quant
+
+    def spy(name, x):
+        if name == site:
+            seen.append(x.detach().clone())
+        return quant(name, x)
+
+    patch.runtime.quant = spy
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)  # outside micro_batch: own scales
+    x_t = seen.pop()
+    g = patch.runtime.global_scales[site]
+    gen = torch.Generator().manual_seed(1)
+    x_r = (x_t.float() * (1 + 0.03 * torch.randn(x_t.shape, generator=gen))).to(x_t.dtype)
+    q = tracefp4.quantize(x_r, global_scale=g, backend="reference")
+    codes_r = tracefp4.unpack_codes(q.codes)
+
+    @dataclasses.dataclass
+    class Batch:
+        hints: dict
+        scales: dict
+        margin: dict
+        experts: dict = dataclasses.field(default_factory=dict)
+
+    def forward(batch):
+        with torch.no_grad(), patch.micro_batch(batch, observe=True):
+            logits = model(input_ids=ids, use_cache=False).logits
+        assert torch.equal(seen.pop(), x_t)  # the same activation in every mode
+        return logits, patch.codes[site]
+
+    for coding, m, ms in (KINDS["finite"][0], 0.1, 0.3), (C.SiteCoding("rice2", "gamma"), 0.25, 0.0):
+        enc = C.encode_margin_exceptions(x_r, g, q.scales, q.hints, m, ms)
+        enc = C.unpack_rows(C.pack_rows(enc, coding))  # through the bytes a store keeps
+        _, codes = forward(Batch({}, {}, {site: enc}))
+        rec = C.reconstruct(enc, x_t, g)
+        zero = ((codes & 7) == 0) & ((rec.codes_u8 & 7) == 0)
+        assert torch.equal(torch.where(zero, 0, codes), torch.where(zero, 0, rec.codes_u8))
+        st = C.margin_stats(enc, rec, codes_r, x_r, x_t, g, q.scales)
+        assert st["within_margin"] > 0 and st["within_margin_mismatch"] == 0
+        assert st["code_mismatch"] == st["moved_mismatch"] > 0  # the perturbation moves some values past the margin
+        assert 0 < st["marked_values"] < st["values"]
+    enc = C.encode_margin_exceptions(x_r, g, q.scales, q.hints, INF, INF)
+    la, ca = forward(Batch({}, {}, {site: enc}))
+    lb, cb = forward(Batch({site: q.hints}, {site: q.scales}, {}))
+    assert torch.equal(la, lb) and torch.equal(ca, cb)
+    # a padded forward: rows the batch does not cover get scale 0; the covered rows round as the THD rows would
+    q2 = tracefp4.quantize(x_r[:2], global_scale=g, backend="reference")
+    hook = MarginSites(patch.runtime, {site: C.encode_margin_exceptions(x_r[:2], g, q2.scales, q2.hints, INF, INF)},
+                       rows=torch.tensor([0, 2]), nrows=3)
+    with patch.runtime.using(mode="fp4_hints"):
+        y = hook(site, torch.cat([x_t[:1], x_t[5:6], x_t[1:2]]))
+        with pytest.raises(HintMismatchError, match="does not fit margin exceptions"):
+            hook(site, x_t[:4])
+        assert hook("no-such-site", x_t) is None
+    want = tracefp4.fake_quantize(x_t[:2], "nvfp4", global_scale=g, scales=q2.scales, hints=q2.hints)
+    assert torch.equal(y[1], torch.zeros_like(y[1])) and torch.equal(y[[0, 2]], want)
+
+def test_decode_margin_of_a_store_batch_equals_the_feeds(runs):
+    st = runs["finite"][0]
+    mb = _mbs(st)[0]
+    (batch,) = list(HintFeed(st).iterate([mb]))
+    got = decode_margin(st, batch.host)
+    assert got.keys() == batch.margin.keys() and all(got[s] == batch.margin[s] for s in got)
+
+
+def test_where_every_code_and_scale_agrees_a_finite_margin_trains_todays_bits(runs):
+    """On this rollout the trainer reproduces every recorded code at the finite margin too (the tiny model's decode
+    and recompute agree): then the forward, the loss and the update are the bits layout's."""
+    a, f = runs["bits"][1], runs["finite"][1]
+    assert f["mismatch"]["code_agreement"] == a["mismatch"]["code_agreement"] == 1.0
+    assert (a["loss"], a["digest"]) == (f["loss"], f["digest"])
+
+
+def test_the_audit_refuses_margin_sites_in_one_typed_line(runs):
+    from tracerl.audit.setup import check_metadata
+    from tracerl.errors import ConfigError
+
+    check_metadata(runs["bits"][0], "cpu")  # the same metadata with bits sites is audited
+    with pytest.raises(ConfigError, match="keep margin-exception rows"):
+        check_metadata(runs["finite"][0], "cpu")
+
+
+def test_a_rollout_worker_records_margin_sites_on_the_hf_path_only(runs):
+    from tracerl.errors import ConfigError
+    from tracerl.rollout import RolloutWorker
+
+    st = runs["finite"][0]
+    with pytest.raises(ConfigError, match="margin-exception rows, which the rollout records on the hf decode path"):
+        RolloutWorker(st, loop.rollout_cfg(decode="static"))
+    with loop.worker(st, decode="hf") as w:
+        assert w.engine.margin_capture
