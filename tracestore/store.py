@@ -44,6 +44,7 @@ from .writer import Writer
 from .storage import Backend, RetryPolicy, open_backend
 from .errors import (
     IntegrityError,
+    LocationError,
     ObjectNotFoundError,
     SchemaVersionError,
     ShapeError,
@@ -68,9 +69,10 @@ class Store(Closing):
         bound into snapshots and cursors.
     """
 
-    def __init__(self, url: str, backend: Backend, manifest: Mapping):
+    def __init__(self, url: str, backend: Backend, manifest: Mapping, storage_options: Mapping | None = None):
         self.url = url
         self.backend = backend
+        self._storage_options = dict(storage_options or {})
         self.manifest = dict(manifest)
         self.store_id: str = manifest["store_id"]
         self.format_version: int = manifest["format_version"]
@@ -181,6 +183,17 @@ class Store(Closing):
         """A :class:`~tracestore.stream.Stream` tailing the log from ``cursor`` (default: the beginning)."""
         return Stream(self, cursor, poll_interval_s=poll_interval_s, timeout_s=timeout_s)
 
+    def open_args(self) -> tuple[str, dict, RetryPolicy]:
+        """``(url, storage_options, retry)``: what `open_store` takes to open this store again, e.g. in another
+        process (``open_store(url, storage_options=..., retry=...)``).
+
+        Raises:
+            LocationError: an in-memory store (``memory://``), which lives in its process alone.
+        """
+        if self.url.startswith("memory://"):
+            raise LocationError(f"the store {self.url} is in this process's memory: no other process can open it")
+        return self.url, dict(self._storage_options), self.backend.retry
+
     def area(self, area: str):
         """The application area ``area`` beside this store (an :class:`~tracestore.objects.ObjectArea` on the
         store's backend, with its retries and typed errors; closing the area leaves the store open). Raises
@@ -248,7 +261,7 @@ def create_store(url: str, sites: Sequence[Site], *, model: Mapping | None = Non
     data = json.dumps(manifest, indent=1, sort_keys=True).encode()
     if backend.put_if_absent(MANIFEST_KEY, data):
         log.info("created store %s (%d sites)", url, len(sites))
-        return Store(url, backend, manifest)
+        return Store(url, backend, manifest, storage_options)
     existing = open_store(url, storage_options=storage_options, retry=retry)
     if not exist_ok:
         raise StoreExistsError(f"a tracestore store already exists at {url} (pass exist_ok=True to open it)")
@@ -281,7 +294,7 @@ def open_store(url: str, *, storage_options: Mapping | None = None, retry: Retry
     except SchemaVersionError as e:
         raise SchemaVersionError(f"store {url}: {e} (format_version)") from None
     try:
-        return Store(url, backend, manifest)
+        return Store(url, backend, manifest, storage_options)
     except (KeyError, TypeError, ValueError, TraceStoreError) as e:
         raise IntegrityError(f"{url}/{MANIFEST_KEY}: malformed manifest: {e}") from e
 

@@ -480,3 +480,20 @@ def test_checkpoints(location, monkeypatch):
     assert again.reader().info("t0").num_tokens == 12
     assert any("checkpoint" in e for e in ts.verify(again).errors)
     assert ts.info(again)["bytes"]["checkpoints"] > 0
+
+
+def test_open_args_open_the_same_store_again_and_memory_stores_say_they_cannot(location):
+    """Store.open_args is what open_store takes to open the store again (in another process: a trainer's reader);
+    an in-memory store lives in its process alone and says so."""
+    store = make_store(location)
+    with store.writer("w", commit_interval_s=0) as w:
+        w.write("t", 0, **rows(store, "t", 0, 2))
+    if location.url.startswith("memory://"):
+        with pytest.raises(ts.LocationError, match="memory: no other process can open it"):
+            store.open_args()
+        return
+    url, options, retry = store.open_args()
+    assert (url, options, retry) == (location.url, dict(location.options or {}), store.backend.retry)
+    again = ts.open_store(url, storage_options=options, retry=retry)
+    assert again.store_id == store.store_id
+    check_batch(again, again.reader().read("t", 0, 2), "t", 0, 2)

@@ -115,15 +115,6 @@ def _read_until(source: Any, mbs: Sequence[MicroBatch], sites: Sequence[str],
     return done
 
 
-def _reopen_args(store: ts.Store) -> tuple[str, dict] | None:
-    """``(url, storage_options)`` that open ``store`` again in another process, or None when it cannot be (an
-    in-memory store lives in its process alone)."""
-    if store.url.startswith("memory://"):
-        return None
-    fs = getattr(store.backend, "fs", None)  # fsspec backends (S3, ...): the filesystem's own options
-    return store.url, (dict(getattr(fs, "storage_options", None) or {}) if fs is not None else {})
-
-
 _CHILD_STORE: ts.Store | None = None  # the store a ReaderProcess's child reads (set by its initializer)
 
 
@@ -213,11 +204,11 @@ class ReaderProcess:
     replaced at the next `submit`."""
 
     def __init__(self, store: ts.Store):
-        args = _reopen_args(store)
-        if args is None:
-            raise ConfigError(f"the store {store.url} cannot be opened in another process (an in-memory store); "
-                              "read it in a thread instead")
-        self._init = (*args, store.backend.retry)
+        try:
+            self._init = store.open_args()
+        except ts.LocationError as e:
+            raise ConfigError(f"the store {store.url} cannot be opened in another process ({e}); read it in a "
+                              "thread instead") from e
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._start()
 
