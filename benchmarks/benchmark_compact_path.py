@@ -13,9 +13,20 @@ Trainer side, per micro-batch of T tokens:
 Each figure is the median over --runs runs of the mean over the steps of one run (min..max given); the stored
 bytes per token of both stores are counted with tracestore.info.
 
+Share of a step (the issue's targets: capture <= 1% of a decode step, trainer decode <= 1% of a trainer step): each
+path's cost per token and site, scaled to a reference step of --ref-decode-batch tokens / --ref-trainer-tokens
+tokens at --ref-sites sites, as a percentage of that step's measured time. The defaults are the repo's own H200
+measurements of the 40-layer loop model (hidden 2048, 20 hinted MoE-input sites, the issue's default site plan):
+a decode step of 32 requests at 1,559 generated tokens/s (20.5 ms; loop-cuda-1gpu-dec02.json) and a trainer step
+of 4,256 tokens in 1.414 s (decode-cost-h200.json). Costs measured on another device than the reference steps (the
+CPU run) are printed with that caveat; the figures to read are the H200 run's.
+
 Usage: python3 benchmarks/benchmark_compact_path.py [--smoke] [--batch 64] [--sites 20] [--width 2048]
        [--steps 16] [--mb-tokens 2048] [--margin 0.03] [--scale-margin inf] [--payload lsb] [--noise 0.02]
-       [--runs 3] [--device cuda] [--out PATH]
+       [--runs 3] [--device cuda] [--ref-decode-ms 20.52] [--ref-decode-batch 32] [--ref-trainer-s 1.414]
+       [--ref-trainer-tokens 4256] [--ref-sites 20] [--out PATH]
+Sizes left out default per device: CUDA B 64, S 20, 16 steps, T 2048; CPU B 16, S 4, 8 steps, T 128 (a shared
+2-core VM).
 Prints a table and writes JSON to --out (default: $OUT/compact-path-<device>.json when $OUT is set, else
 benchmarks/results/compact-path-<device>.json; with --smoke only with --out). --smoke: tiny sizes on the CPU
 (B 8, S 2, W 256, 4 steps, T 32, 2 runs) to check the script itself.
@@ -164,20 +175,46 @@ def run(args) -> dict:
                     info[name] = {"bytes_per_token": d["bytes_per_token"], "bytes": d["bytes"],
                                   "tokens": d["tokens"]}
     stats = {k: _summary(v) for k, v in times.items()}
+    for key in ("margin_decode",):  # the trainer's decode proper: unpack + reconstruct (the read is the store's)
+        stats[key] = _summary([u + c for u, c in zip(times["margin_unpack"], times["margin_reconstruct"])])
     rollout_plain = stats["plain_write"]["median_ms"] + stats["plain_commit"]["median_ms"]
     rollout_margin = sum(stats[k]["median_ms"] for k in ("margin_marks", "margin_pack", "margin_write",
                                                          "margin_commit"))
     trainer_plain = stats["plain_read"]["median_ms"]
     trainer_margin = sum(stats[k]["median_ms"] for k in ("margin_read", "margin_unpack", "margin_reconstruct"))
+    mb_tok = min(args.mb_tokens, len(data)) * max(1, args.mb_tokens // min(args.mb_tokens, len(data)))
+    mb_tok = min(mb_tok, args.batch * min(args.mb_tokens, len(data)))
+
+    def pct(ms: float, tokens: int, ref_tokens: int, ref_ms: float) -> float:
+        """``ms`` for ``tokens`` tokens at args.sites sites, as a share (%) of a reference step of ``ref_tokens``
+        tokens at args.ref_sites sites taking ``ref_ms``."""
+        return 100.0 * ms / (tokens * args.sites) * (ref_tokens * args.ref_sites) / ref_ms
+
+    dec = lambda ms: pct(ms, args.batch, args.ref_decode_batch, args.ref_decode_ms)  # noqa: E731
+    trn = lambda ms: pct(ms, mb_tok, args.ref_trainer_tokens, 1e3 * args.ref_trainer_s)  # noqa: E731
+    share = {
+        "reference": {"decode_step_ms": args.ref_decode_ms, "decode_batch": args.ref_decode_batch,
+                      "trainer_step_s": args.ref_trainer_s, "trainer_tokens": args.ref_trainer_tokens,
+                      "sites": args.ref_sites, "measured_on": "NVIDIA H200 (the repo's loop model, 20 hinted sites)",
+                      "costs_measured_on": str(device)},
+        "decode_step_pct": {"plain": dec(rollout_plain), "margin": dec(rollout_margin),
+                            "margin_capture": dec(stats["margin_marks"]["median_ms"] + stats["margin_pack"]["median_ms"]),
+                            **{k: dec(stats[k]["median_ms"]) for k in ("plain_write", "plain_commit", "margin_marks",
+                                                                        "margin_pack", "margin_write", "margin_commit")}},
+        "trainer_step_pct": {"plain": trn(trainer_plain), "margin": trn(trainer_margin),
+                             "margin_decode": trn(stats["margin_decode"]["median_ms"]),
+                             **{k: trn(stats[k]["median_ms"]) for k in ("plain_read", "margin_read", "margin_unpack",
+                                                                         "margin_reconstruct")}},
+    }
     return {
         "benchmark": "compact_path", "smoke": args.smoke, "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
         "torch": torch.__version__, "config": {k: (str(v) if isinstance(v, float) and math.isinf(v) else v)
                                               for k, v in vars(args).items() if k != "out"},
-        "coding": coding.to_json(), "mb_tokens_used": min(args.mb_tokens, len(data)) * max(1, args.mb_tokens // min(
-            args.mb_tokens, len(data))),
+        "coding": coding.to_json(), "mb_tokens_used": mb_tok,
         "per_decode_step": {"plain_ms": rollout_plain, "margin_ms": rollout_margin},
         "per_micro_batch": {"plain_ms": trainer_plain, "margin_ms": trainer_margin},
+        "share_of_step": share,
         "phases": stats, "stores": info,
     }
 
@@ -192,6 +229,15 @@ def _table(res: dict) -> str:
     for side, key in (("rollout, per decode step", "per_decode_step"), ("trainer, per micro-batch", "per_micro_batch")):
         p, m = res[key]["plain_ms"], res[key]["margin_ms"]
         lines.append(f"{side:<34} plain {p:9.3f} ms   margin {m:9.3f} ms   ({m / p if p else float('nan'):.2f}x)")
+    sh = res["share_of_step"]
+    ref = sh["reference"]
+    note = "" if ref["costs_measured_on"].startswith("cuda") else (
+        f" [costs measured on {ref['costs_measured_on']}, reference steps on the H200: indicative only]")
+    lines.append(f"share of a reference decode step ({ref['decode_step_ms']:.2f} ms, B {ref['decode_batch']}, "
+                 f"{ref['sites']} sites) / trainer step ({ref['trainer_step_s']:.3f} s, {ref['trainer_tokens']} tokens)"
+                 + note)
+    for side, key in (("decode step", "decode_step_pct"), ("trainer step", "trainer_step_pct")):
+        lines.append(f"  {side:<14}" + "  ".join(f"{k} {v:.3f}%" for k, v in sh[key].items()))
     for name, d in res["stores"].items():
         lines.append(f"store {name:<8} {d['bytes_per_token']:.1f} stored B/token over {d['tokens']} tokens "
                      f"(payload {d['bytes']['payload']}, margin {d['bytes']['margin']} B)")
@@ -201,19 +247,28 @@ def _table(res: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true")
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--sites", type=int, default=20)
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--sites", type=int, default=None)
     p.add_argument("--width", type=int, default=2048)
-    p.add_argument("--steps", type=int, default=16)
-    p.add_argument("--mb-tokens", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--mb-tokens", type=int, default=None)
     p.add_argument("--margin", type=float, default=0.03)
     p.add_argument("--scale-margin", type=float, default=math.inf)
     p.add_argument("--payload", choices=C.SCALE_PAYLOADS, default="lsb")
     p.add_argument("--noise", type=float, default=0.02)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--ref-decode-ms", type=float, default=1e3 * 32 / 1559.371743621784)
+    p.add_argument("--ref-decode-batch", type=int, default=32)
+    p.add_argument("--ref-trainer-s", type=float, default=1.4138742807499796)
+    p.add_argument("--ref-trainer-tokens", type=int, default=4256)
+    p.add_argument("--ref-sites", type=int, default=20)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    sizes = (64, 20, 16, 2048) if torch.device(args.device).type == "cuda" else (16, 4, 8, 128)
+    for name, v in zip(("batch", "sites", "steps", "mb_tokens"), sizes):
+        if getattr(args, name) is None:
+            setattr(args, name, v)
     if args.smoke:
         args.batch, args.sites, args.width, args.steps, args.mb_tokens, args.runs = 8, 2, 256, 4, 32, 2
         args.device = "cpu"

@@ -55,8 +55,8 @@ moved by at least the margin (or its block's scale differs); `margin_stats` coun
 ``m = 0, m_s = 0`` stores nothing and is round-to-nearest with own scales; ``m = m_s = inf`` stores everything and
 is today's hint-guided rounding, bit for bit.
 
-**Position coding** (`pack_rows`, `unpack_rows`, numpy): each token's row at a site is a bit string, MSB first,
-padded with zeros to a whole byte::
+**Position coding** (`pack_rows`, `unpack_rows`: numpy, vectorized over rows): each token's row at a site is a bit
+string, MSB first, padded with zeros to a whole byte::
 
     [value positions] [one hint bit per marked value] [block positions] [8 bits (or 1: scale hints) per marked block]
 
@@ -653,94 +653,206 @@ def pack_rows(enc: MarginExceptions, coding: SiteCoding) -> PackedRows:
     return PackedRows(data, offsets, w, coding, enc.margin, enc.scale_margin, enc.scale_payload)
 
 
-class _Bits:
-    """A row's bits as a '0'/'1' string with a read position."""
+class _Stream:
+    """The rows' bits (MSB first, as `pack_rows` writes them) as one stream with the lookups the decoders need.
 
-    def __init__(self, data: np.ndarray, what: str):
-        self.s = (np.unpackbits(data) + ord("0")).tobytes().decode("ascii")
-        self.pos = 0
-        self.what = what
+    bits:  uint8 [N + 1] (N = 8 * nbytes; a 0 past the end)
+    start, end: int64 [T], each row's first bit and the bit after its last
+    N + 1 stands for "past every row": a lookup that finds nothing gives it, positions are clipped to it, and whatever
+    reaches it is truncated."""
 
-    def read(self, n: int) -> int:
-        if n == 0:
-            return 0
-        if self.pos + n > len(self.s):
-            raise HintCodingError(f"{self.what}: truncated ({n} bits wanted at bit {self.pos} of {len(self.s)})")
-        v = int(self.s[self.pos: self.pos + n], 2)
-        self.pos += n
-        return v
+    def __init__(self, data: np.ndarray, offsets: np.ndarray):
+        self.data = np.concatenate([np.asarray(data, np.uint8), np.zeros(8, np.uint8)])
+        self.n = int(data.size) * 8
+        self.bits = np.concatenate([np.unpackbits(np.asarray(data, np.uint8)), np.zeros(1, np.uint8)])
+        self.start = offsets[:-1] * 8
+        self.end = offsets[1:] * 8
+        self._where: dict[int, np.ndarray] = {}
 
-    def gamma(self) -> int:
-        one = self.s.find("1", self.pos)
-        if one < 0:
-            raise HintCodingError(f"{self.what}: truncated Elias-gamma code at bit {self.pos}")
-        zeros = one - self.pos
-        self.pos = one
-        return self.read(zeros + 1)
+    def where(self, value: int) -> np.ndarray:
+        """int64 [M]: the positions of the bits equal to ``value``, ascending."""
+        hit = self._where.get(value)
+        if hit is None:
+            hit = self._where[value] = np.flatnonzero(self.bits[: self.n] == value)
+        return hit
 
-    def unary(self) -> int:
-        zero = self.s.find("0", self.pos)
-        if zero < 0:
-            raise HintCodingError(f"{self.what}: truncated unary code at bit {self.pos}")
-        q = zero - self.pos
-        self.pos = zero + 1
-        return q
+    def next_at(self, value: int, pos: np.ndarray) -> np.ndarray:
+        """int64: the first position >= each of ``pos`` holding ``value`` (N + 1 if none)."""
+        at = self.where(value)
+        i = np.searchsorted(at, pos)
+        return np.where(i < at.size, at[np.minimum(i, max(at.size - 1, 0))] if at.size else 0, self.n + 1)
+
+    def next_all(self, value: int) -> np.ndarray:
+        """int32 (int64 for streams of 2^30 bits or more) [N + 2]: `next_at` of every position 0..N+1, by one
+        np.repeat (the positions in (a_(i-1), a_i] map to a_i)."""
+        dt = np.int32 if self.n + 4 < 2**30 else np.int64  # 2 a - p + 1 below stays in range
+        ext = np.concatenate([self.where(value).astype(dt), np.array([self.n + 1], dt)])
+        return np.repeat(ext, np.diff(ext, prepend=dt(-1)))
+
+    def read(self, pos: np.ndarray, nbits) -> np.ndarray:
+        """int64 of the ``nbits`` (0..56, scalar or per field) bits at bit offsets ``pos`` (int64), MSB first: a
+        big-endian window of the bytes, as few as the widest field needs."""
+        pos = np.asarray(pos, dtype=np.int64)
+        nb = np.broadcast_to(np.asarray(nbits, dtype=np.int64), pos.shape)
+        width = int(nb.max(initial=0))
+        if width == 0:
+            return np.zeros(pos.shape, np.int64)
+        nbytes = (7 + width + 7) // 8  # bytes that hold any field of <= width bits at any bit offset
+        idx = pos >> 3
+        w = np.zeros(pos.shape, dtype=np.uint64)
+        for j in range(nbytes):
+            w = (w << np.uint64(8)) | self.data[idx + j].astype(np.uint64)
+        shift = (np.uint64(8 * nbytes) - (pos & 7).astype(np.uint64) - nb.astype(np.uint64))
+        out = (w >> shift) & ((np.uint64(1) << nb.astype(np.uint64)) - np.uint64(1))
+        return out.astype(np.int64)
 
 
-def _read_positions(b: _Bits, coding: str, n: int) -> np.ndarray:
+def _fail_if(bad: np.ndarray, message) -> None:
+    """Raise `HintCodingError` with ``message(first offending index)`` when any of ``bad`` is set."""
+    if bad.any():
+        raise HintCodingError(message(int(np.flatnonzero(bad)[0])))
+
+
+def _check_fits(st: _Stream, rows: np.ndarray, stop: np.ndarray, what: str) -> None:
+    """Fields of rows ``rows`` that end at bits ``stop`` must end inside their row."""
+    bad = stop > st.end[rows]
+    _fail_if(bad, lambda i: f"row {int(rows[i])}: truncated ({what} ends at bit {int(stop[i] - st.start[rows[i]])} "
+                            f"of {int(st.end[rows[i]] - st.start[rows[i]])})")
+
+
+def _chain(first: np.ndarray, count: np.ndarray, jump: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The codewords of a self-delimiting code: row r's ``count[r]`` codewords start at ``first[r]``, each the next
+    where the one before ends, ``jump[p]`` for a codeword starting at p (int [N + 2], computed for every bit in one
+    pass; N + 1 maps to itself). Returns (row, start, stop) int64 of every codeword, row-major, in order within a row.
+
+    All rows walk together, one codeword per step: a gather of R positions per step, as many steps as the most
+    codewords in a row."""
+    rows = np.flatnonzero(count > 0)
+    if rows.size == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    steps = int(count[rows].max())
+    walk = np.empty((steps + 1, rows.size), dtype=jump.dtype)  # [steps + 1, R]: row r's codeword i starts at [i, r]
+    walk[0] = first[rows]
+    take = jump.take
+    for i in range(steps):
+        take(walk[i], out=walk[i + 1])
+    keep = (np.arange(steps)[:, None] < count[rows]).T  # [R, steps]
+    return (np.repeat(rows, count[rows]), walk[:-1].T[keep].astype(np.int64), walk[1:].T[keep].astype(np.int64))
+
+
+def _positions(st: _Stream, cur: np.ndarray, coding: str, n: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Decode each row's position set at bit ``cur[r]`` (updated in place to the bit after it): (rows, positions)
+    of the marked positions, row-major, ascending within a row; None for ``all`` (every position, no bits)."""
     k = _check_coding(coding, n)
+    t_ = cur.size
     if coding == "all":
-        return np.arange(n, dtype=np.int64)
+        return None
+    ar = np.arange(t_, dtype=np.int64)
     if coding == "bitmap":
-        return np.flatnonzero(np.array([b.read(1) for _ in range(n)], dtype=bool))
+        _check_fits(st, ar, cur + n, "bitmap")
+        r, c = np.nonzero(st.bits[cur[:, None] + np.arange(n)])
+        cur += n
+        return r.astype(np.int64), c.astype(np.int64)
     if coding == "block-bitmap":
-        present = np.flatnonzero(np.array([b.read(1) for _ in range(n // GROUP)], dtype=bool))
-        out = []
-        for grp in present:
-            bits = b.read(GROUP)
-            if bits == 0:
-                raise HintCodingError(f"{b.what}: group {grp} flagged present but has no marked position")
-            out.extend(grp * GROUP + j for j in range(GROUP) if bits >> (GROUP - 1 - j) & 1)
-        return np.asarray(out, dtype=np.int64)
-    count = b.gamma() - 1
-    if count > n:
-        raise HintCodingError(f"{b.what}: {count} positions in a row of {n}")
-    pos, prev = np.empty(count, dtype=np.int64), -1
-    for i in range(count):
-        gap = b.gamma() if k is None else ((b.unary() << k) | b.read(k)) + 1
-        prev += gap
-        if prev >= n:
-            raise HintCodingError(f"{b.what}: position {prev} past the row of {n}")
-        pos[i] = prev
-    return pos
+        ng = n // GROUP
+        _check_fits(st, ar, cur + ng, "block-bitmap presence bits")
+        present = st.bits[cur[:, None] + np.arange(ng)].astype(bool)  # [T, n/16]
+        npresent = present.sum(axis=1)
+        _check_fits(st, ar, cur + ng + GROUP * npresent, "block-bitmap groups")
+        r, grp = np.nonzero(present)
+        within = (np.cumsum(present, axis=1) - 1)[r, grp]  # the group's index among its row's present groups
+        bits = st.bits[(cur[r] + ng + GROUP * within)[:, None] + np.arange(GROUP)].astype(bool)  # [P, 16]
+        _fail_if(~bits.any(axis=1), lambda i: f"row {int(r[i])}: group {int(grp[i])} flagged present but has no "
+                                              "marked position")
+        pr, pj = np.nonzero(bits)
+        cur += ng + GROUP * npresent
+        return r[pr].astype(np.int64), (grp[pr] * GROUP + pj).astype(np.int64)
+    # gamma(count + 1), then count gap codewords (gamma, or Golomb-Rice 2^k of gap - 1)
+    z = st.next_at(1, cur) - cur
+    _check_fits(st, ar, cur + 2 * z + 1, "Elias-gamma count")
+    _fail_if(z > 55, lambda i: f"row {i}: a count of more than {n} positions")
+    count = st.read(cur + z, z + 1) - 1
+    _fail_if(count > n, lambda i: f"row {i}: {int(count[i])} positions in a row of {n}")
+    cur += 2 * z + 1
+    sink = st.n + 1
+    if k is None:  # gamma at p: zeros up to the first one o, then (o - p) + 1 bits from o: it ends at 2 o - p + 1
+        jump = np.minimum(2 * st.next_all(1) - np.arange(sink + 1, dtype=np.int32) + 1, sink)
+    else:  # Rice at p: ones up to the first zero o, then k bits: it ends at o + 1 + k
+        jump = np.minimum(st.next_all(0) + (1 + k), sink)
+    jump[sink] = sink
+    rows, node, stop = _chain(cur, count, jump)
+    _check_fits(st, rows, stop, "gap code")
+    if k is None:
+        q = (stop - node - 1) // 2  # leading zeros
+        _fail_if(q > 55, lambda i: f"row {int(rows[i])}: a position past the row of {n}")
+        gap = st.read(node + q, q + 1)
+    else:
+        q = stop - node - 1 - k  # unary ones
+        _fail_if(q > n, lambda i: f"row {int(rows[i])}: a position past the row of {n}")  # gap >= q 2^k + 1 > n
+        gap = ((q << k) | st.read(node + q + 1, k)) + 1
+    csum = np.cumsum(gap)
+    first = np.searchsorted(rows, ar)  # each row's first codeword
+    pos = csum - np.concatenate([[0], csum])[first[rows]] - 1  # p_i = sum of the row's gaps up to i, - 1
+    _fail_if(pos >= n, lambda i: f"row {int(rows[i])}: position {int(pos[i])} past the row of {n}")
+    has = count > 0
+    cur[has] = stop[(first + count - 1)[has]]
+    return rows, pos
+
+
+def _payload(st: _Stream, cur: np.ndarray, marked: tuple[np.ndarray, np.ndarray] | None, n: int, per: int,
+             what: str) -> np.ndarray:
+    """The ``per``-bit fields (uint8) that follow each row's position set, one per marked position (``marked``:
+    `_positions` of rows of ``n`` positions); ``cur`` moves past them."""
+    t_ = cur.size
+    if marked is None:  # every position: n fields per row
+        count = np.full(t_, n, dtype=np.int64)
+        at = (cur[:, None] + per * np.arange(n, dtype=np.int64)).reshape(-1)
+    else:
+        rows = marked[0]
+        count = np.bincount(rows, minlength=t_).astype(np.int64)
+        first = np.concatenate([[0], np.cumsum(count)])[:-1]
+        at = cur[rows] + per * (np.arange(rows.size, dtype=np.int64) - first[rows])
+    _check_fits(st, np.arange(t_, dtype=np.int64), cur + per * count, what)
+    cur += per * count
+    return (st.bits[at] if per == 1 else st.read(at, per)).astype(np.uint8)
+
+
+def _mask(marked: tuple[np.ndarray, np.ndarray] | None, t_: int, n: int) -> np.ndarray:
+    """bool [T, n] of `_positions`' marked positions."""
+    if marked is None:
+        return np.ones((t_, n), dtype=bool)
+    out = np.zeros((t_, n), dtype=bool)
+    out[marked] = True
+    return out
 
 
 def unpack_rows(packed: PackedRows) -> MarginExceptions:
     """The inverse of `pack_rows`. Raises `HintCodingError` for bytes that do not decode as the coding says
-    (truncated, positions past the row, non-zero padding or trailing bits)."""
+    (truncated, positions past the row, non-zero padding or trailing bits).
+
+    Vectorized over all rows (numpy): fixed-width fields are gathered directly; for the self-delimiting gamma /
+    Rice codewords, where a codeword starting at any bit would end is one pass over the stream, and all rows then
+    walk their codewords together (`_chain`)."""
     w = packed.width
     nb = w // BLOCK
     offsets = np.asarray(packed.offsets, dtype=np.int64)
+    data = np.asarray(packed.data, dtype=np.uint8)
     t_ = len(offsets) - 1
-    if t_ < 0 or offsets[0] != 0 or offsets[-1] != packed.data.size or (np.diff(offsets) < 0).any():
-        raise HintCodingError(f"row offsets {offsets[:4].tolist()}... do not cover {packed.data.size} bytes")
-    vmask = np.zeros((t_, w), dtype=bool)
-    smask = np.zeros((t_, nb), dtype=bool)
-    hints, scales = [], []
-    for r in range(t_):
-        b = _Bits(packed.data[offsets[r]: offsets[r + 1]], f"row {r}")
-        vpos = _read_positions(b, packed.coding.values, w)
-        vmask[r, vpos] = True
-        hints.extend(b.read(1) for _ in vpos)
-        spos = _read_positions(b, packed.coding.blocks, nb)
-        smask[r, spos] = True
-        scales.extend(b.read(1 if packed.scale_payload == "lsb" else 8) for _ in spos)
-        rest = b.s[b.pos:]
-        if len(rest) >= 8 or "1" in rest:
-            raise HintCodingError(f"row {r}: {len(rest)} bits after the last field (padding must be < 8 zero bits)")
-    return MarginExceptions(torch.from_numpy(vmask), torch.tensor(hints, dtype=torch.uint8),
-                            torch.from_numpy(smask), torch.tensor(scales, dtype=torch.uint8),
-                            packed.margin, packed.scale_margin, packed.scale_payload)
+    if t_ < 0 or offsets[0] != 0 or offsets[-1] != data.size or (np.diff(offsets) < 0).any():
+        raise HintCodingError(f"row offsets {offsets[:4].tolist()}... do not cover {data.size} bytes")
+    st = _Stream(data, offsets)
+    cur = st.start.copy()
+    values = _positions(st, cur, packed.coding.values, w)
+    hints = _payload(st, cur, values, w, 1, "hint bits")
+    blocks = _positions(st, cur, packed.coding.blocks, nb)
+    scales = _payload(st, cur, blocks, nb, 1 if packed.scale_payload == "lsb" else 8, "scale payload")
+    rest = st.end - cur
+    _fail_if((rest >= 8) | (st.read(cur, np.clip(rest, 0, 7)) != 0),
+             lambda r: f"row {r}: {int(rest[r])} bits after the last field (padding must be < 8 zero bits)")
+    return MarginExceptions(torch.from_numpy(_mask(values, t_, w)), torch.from_numpy(hints),
+                            torch.from_numpy(_mask(blocks, t_, nb)),
+                            torch.from_numpy(scales), packed.margin, packed.scale_margin, packed.scale_payload)
+
 
 
 def today_bytes_per_token(widths: Sequence[int]) -> int:
