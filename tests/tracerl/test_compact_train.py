@@ -215,3 +215,16 @@ def test_a_rollout_worker_records_margin_sites_on_the_hf_path_only(runs):
         RolloutWorker(st, loop.rollout_cfg(decode="static"))
     with loop.worker(st, decode="hf") as w:
         assert w.engine.margin_capture
+
+
+def test_the_margin_helpers_are_public_in_tracerl_hints():
+    import tracerl.hints as H
+    from tracerl.hints import packing, patch
+
+    names = ["MarginExceptions", "Reconstruction", "SiteCoding", "PackedRows", "encode_margin_exceptions",
+             "exceptions_from_marks", "reconstruct", "fake_quantize_compact", "margin_stats", "choose_coding",
+             "pack_rows", "unpack_rows", "store_site", "store_rows", "packed_from_store"]
+    assert all(getattr(H, n) is getattr(C, n) and n in H.__all__ for n in names)
+    assert H.concat_margin_rows is packing.concat_margin_rows and "concat_margin_rows" in H.__all__
+    assert H.MarginSites is patch.MarginSites and H.decode_margin is patch.decode_margin
+    assert {"MarginSites", "decode_margin"} <= set(H.__all__) and len(set(H.__all__)) == len(H.__all__)

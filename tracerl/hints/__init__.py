@@ -12,15 +12,20 @@ trainer.
 - Scale hints (`tracerl.hints.scalehints`): a store site of scale encoding ``lsb`` keeps one bit per block instead
   of its E4M3 scale byte; `use_store_scale_encodings(runtime, store)` makes a trainer's runtime reconstruct the bytes
   from its own activations (`patch_model` does it for a store source).
+- Margin exceptions (`tracerl.hints.compact`, issue 23): a store site of hint encoding ``margin`` keeps hints and
+  scales only where the trainer could round differently (`store_site`, `pack_rows` / `unpack_rows`,
+  `packed_from_store`); the feed hands them out as ``FeedBatch.margin`` and `patch_model` / tracerl's trainer quantize
+  such a site with `MarginSites` (scales and hints reconstructed from the forward's own activation).
 - The packing and slicing they share (`tracerl.hints.packing`) and the record source that reads a trajectory's
   committed records without a log index (`tracerl.hints.source`).
 """
 
-from tracerl.hints.compact import (MarginExceptions, Reconstruction, encode_margin_exceptions, fake_quantize_compact,
-                                   reconstruct)
+from tracerl.hints.compact import (MarginExceptions, PackedRows, Reconstruction, SiteCoding, choose_coding,
+                                   encode_margin_exceptions, exceptions_from_marks, fake_quantize_compact, margin_stats,
+                                   pack_rows, packed_from_store, reconstruct, store_rows, store_site, unpack_rows)
 from tracerl.hints.feed import FeedBatch, HintFeed
-from tracerl.hints.packing import (MicroBatch, PackedHints, Segment, cp_shard, cp_zigzag_ranges, dp_shard,
-                                   pack_micro_batches, read_packed, tp_feature_range)
+from tracerl.hints.packing import (MicroBatch, PackedHints, Segment, concat_margin_rows, cp_shard, cp_zigzag_ranges,
+                                   dp_shard, pack_micro_batches, read_packed, tp_feature_range)
 from tracerl.hints.patch import MarginSites, Patch, decode_margin, patch_model
 from tracerl.hints.scalehints import (fake_quantize_scale_hints, pack_scale_lsb, reconstruct_scales, unpack_scale_lsb,
                                       use_store_scale_encodings)
@@ -28,9 +33,11 @@ from tracerl.hints.source import BackgroundReads, ReaderProcess, RecordSource, p
 
 __all__ = [
     "MarginExceptions", "Reconstruction", "encode_margin_exceptions", "fake_quantize_compact", "reconstruct",
+    "SiteCoding", "PackedRows", "choose_coding", "exceptions_from_marks", "margin_stats", "pack_rows", "unpack_rows",
+    "store_site", "store_rows", "packed_from_store",
     "FeedBatch", "HintFeed",
     "MicroBatch", "PackedHints", "Segment", "cp_shard", "cp_zigzag_ranges", "dp_shard", "pack_micro_batches",
-    "read_packed", "tp_feature_range",
+    "read_packed", "tp_feature_range", "concat_margin_rows",
     "Patch", "patch_model", "MarginSites", "decode_margin",
     "fake_quantize_scale_hints", "pack_scale_lsb", "reconstruct_scales", "unpack_scale_lsb", "use_store_scale_encodings",
     "BackgroundReads", "ReaderProcess", "RecordSource", "packed_nbytes", "read_ahead",
