@@ -246,24 +246,42 @@ def _table(res: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--smoke", action="store_true")
-    p.add_argument("--batch", type=int, default=None)
-    p.add_argument("--sites", type=int, default=None)
-    p.add_argument("--width", type=int, default=2048)
-    p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--mb-tokens", type=int, default=None)
-    p.add_argument("--margin", type=float, default=0.03)
-    p.add_argument("--scale-margin", type=float, default=math.inf)
-    p.add_argument("--payload", choices=C.SCALE_PAYLOADS, default="lsb")
-    p.add_argument("--noise", type=float, default=0.02)
-    p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--ref-decode-ms", type=float, default=1e3 * 32 / 1559.371743621784)
-    p.add_argument("--ref-decode-batch", type=int, default=32)
-    p.add_argument("--ref-trainer-s", type=float, default=1.4138742807499796)
-    p.add_argument("--ref-trainer-tokens", type=int, default=4256)
-    p.add_argument("--ref-sites", type=int, default=20)
-    p.add_argument("--out", default=None)
+    p.add_argument("--smoke", action="store_true",
+                   help='tiny sizes, 1 run: checks the code paths (CPU, seconds)')
+    p.add_argument("--batch", type=int, default=None,
+                   help='requests per decode step (default: per device, see the docstring)')
+    p.add_argument("--sites", type=int, default=None,
+                   help='hinted sites (default: per device)')
+    p.add_argument("--width", type=int, default=2048,
+                   help='values per site (default 2048)')
+    p.add_argument("--steps", type=int, default=None,
+                   help='decode steps recorded per run (default: per device)')
+    p.add_argument("--mb-tokens", type=int, default=None,
+                   help='tokens per trainer micro-batch (default: per device)')
+    p.add_argument("--margin", type=float, default=0.03,
+                   help='value margin in ladder steps (default 0.03)')
+    p.add_argument("--scale-margin", type=float, default=math.inf,
+                   help='block margin in E4M3 steps (default inf: every block marked)')
+    p.add_argument("--payload", choices=C.SCALE_PAYLOADS, default="lsb",
+                   help='per marked block: its scale byte or its LSB (default lsb)')
+    p.add_argument("--noise", type=float, default=0.02,
+                   help="relative noise between the rollout's and the trainer's activation (default 0.02)")
+    p.add_argument("--runs", type=int, default=3,
+                   help='repetitions; medians and min..max are reported (default 3)')
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help='cuda or cpu (default: cuda when available)')
+    p.add_argument("--ref-decode-ms", type=float, default=1e3 * 32 / 1559.371743621784,
+                   help="reference decode step in ms for the share-of-step estimate (default: the one-GPU loop's, B=32)")
+    p.add_argument("--ref-decode-batch", type=int, default=32,
+                   help='requests of that reference decode step (default 32)')
+    p.add_argument("--ref-trainer-s", type=float, default=1.4138742807499796,
+                   help="reference trainer step in s (default: decode-cost-h200.json's)")
+    p.add_argument("--ref-trainer-tokens", type=int, default=4256,
+                   help='tokens of that reference trainer step (default 4256)')
+    p.add_argument("--ref-sites", type=int, default=20,
+                   help='hinted sites of the reference steps (default 20)')
+    p.add_argument("--out", default=None,
+                   help='JSON path (default: benchmarks/results/compact-path-<device>.json; $OUT on the GPU)')
     args = p.parse_args(argv)
     sizes = (64, 20, 16, 2048) if torch.device(args.device).type == "cuda" else (16, 4, 8, 128)
     for name, v in zip(("batch", "sites", "steps", "mb_tokens"), sizes):
