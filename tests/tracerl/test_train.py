@@ -791,3 +791,27 @@ def test_fresh_trainer_refuses_a_version_0_of_other_weights(tmp_path):
         start_or_resume(other, cfg, checkpoints=str(tmp_path / "ck-c"), weights_url=other.url,
                         metrics=MetricsLog(None))
     assert torch.equal(weights.load_state_dict(other.url, 0)[0][name], sd[name])  # unchanged
+
+
+def test_a_reader_process_does_not_run_the_callers_script_again(tmp_path):
+    """spawn runs the main script again in a child; a training script without a main guard (as torchrun scripts
+    often are) would then start over in the reader. ReaderProcess leaves the main module out: the script's top
+    level runs once, and the child reads."""
+    import subprocess
+    import sys
+    script = tmp_path / "train_script.py"
+    marks = tmp_path / "marks.txt"
+    script.write_text(f'''
+import tracestore as ts
+from tracerl.hints import ReaderProcess
+with open({str(marks)!r}, "a") as f:
+    f.write("top level ran\\n")
+st = ts.create_store({str(tmp_path / "s")!r}, [ts.Site("s", 16)], exist_ok=True)
+r = ReaderProcess(st)
+print("child ready")
+r.close()
+''')
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "child ready" in p.stdout
+    assert marks.read_text().splitlines() == ["top level ran"]

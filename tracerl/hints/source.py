@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import io
 import logging
 import multiprocessing
 import pickle
+import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -191,6 +193,30 @@ def _from_shared_memory(payload: bytes, name: str | None, spans: list[tuple[int,
     return obj
 
 
+@contextlib.contextmanager
+def _without_main_module() -> Iterator[None]:
+    """While a child is spawned: ``spawn`` would run the caller's main script again in the child (a training script
+    without an ``if __name__ == "__main__"`` guard, as torchrun scripts often are, would start training there), but
+    the child needs nothing of it: everything it runs is in this module. Hiding the main module's spec and file
+    while the child is started makes spawn leave it out, as it does for an interactive session."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    missing = object()
+    saved = {k: main.__dict__.get(k, missing) for k in ("__spec__", "__file__")}
+    main.__spec__ = None
+    main.__dict__.pop("__file__", None)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is missing:
+                main.__dict__.pop(k, None)
+            else:
+                main.__dict__[k] = v
+
+
 class ReaderProcess:
     """A child process that reads micro-batches of one store for `BackgroundReads`, so that no reading Python
     competes with the caller's for the GIL (a reading thread slowed a host-bound H200 step by more than the read
@@ -215,8 +241,11 @@ class ReaderProcess:
     def _start(self) -> None:
         self._pool = concurrent.futures.ProcessPoolExecutor(
             1, mp_context=multiprocessing.get_context("spawn"), initializer=_child_open, initargs=self._init)
-        # the child starts now and is waited for (1-3 s: it imports torch), so no read waits for it later
-        self._pool.submit(_child_ready).result()
+        # the child starts now (the executor spawns it in submit) and is waited for (1-3 s: it imports torch), so no
+        # read waits for it later
+        with _without_main_module():
+            ready = self._pool.submit(_child_ready)
+        ready.result()
 
     def submit(self, trajs: Mapping[str, Any], mbs: Sequence[MicroBatch], sites: Sequence[str],
                cap_bytes: int) -> concurrent.futures.Future:
