@@ -228,3 +228,35 @@ def test_the_margin_helpers_are_public_in_tracerl_hints():
     assert H.concat_margin_rows is packing.concat_margin_rows and "concat_margin_rows" in H.__all__
     assert H.MarginSites is patch.MarginSites and H.decode_margin is patch.decode_margin
     assert {"MarginSites", "decode_margin"} <= set(H.__all__) and len(set(H.__all__)) == len(H.__all__)
+
+
+def test_margin_rows_are_read_ahead_in_a_reader_process_byte_for_byte(runs):
+    """A trainer reads a margin store's rows with the rest of each micro-batch (RecordSource -> PackedHints.margin),
+    so they are read ahead too: through a ReaderProcess (shared memory) they arrive equal to a read in place."""
+    import types
+
+    import numpy as np
+
+    from tracerl.hints import BackgroundReads, ReaderProcess, RecordSource, read_ahead
+    st = runs["finite"][0]
+    records: dict[str, list] = {}
+    for item in st.stream(cursor=None, timeout_s=0.5):
+        if item.kind == "record":
+            records.setdefault(item.traj_id, []).append(item)
+    trajs = {t: types.SimpleNamespace(records=r) for t, r in records.items()}
+    mbs = pack_micro_batches({t: r[-1].token_stop for t, r in records.items()}, 64)
+    sites = list(st.sites)
+    here = [p for p, _, _ in read_ahead(RecordSource(st, trajs), mbs, sites, 1 << 30)]
+    assert all(set(p.margin) == set(sites) and not p.hints for p in here)
+    reader = ReaderProcess(st)
+    try:
+        ahead = BackgroundReads(RecordSource(st, trajs), mbs, sites, 1 << 30, reader=reader).take(mbs, sites)
+    finally:
+        reader.close()
+    assert len(ahead) == len(here) == len(mbs)
+    for (p, _, _), q in zip(ahead, here):
+        for s in sites:
+            for x, y in zip(p.margin[s], q.margin[s]):
+                np.testing.assert_array_equal(x, y)
+                assert x.dtype == y.dtype
+        np.testing.assert_array_equal(p.token_ids, q.token_ids)

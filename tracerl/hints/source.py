@@ -24,7 +24,7 @@ import numpy as np
 
 import tracestore as ts
 from tracerl.errors import ConfigError
-from tracerl.hints.packing import MicroBatch, PackedHints, read_packed
+from tracerl.hints.packing import MicroBatch, PackedHints, concat_margin_rows, read_packed
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +58,15 @@ class RecordSource:
             logprobs=cat(lambda p: p.logprobs), policy_version=cat(lambda p: p.policy_version),
             hints={s: cat(lambda p, s=s: p.hints[s]) for s in parts[0].hints},
             scales={s: cat(lambda p, s=s: p.scales[s]) for s in parts[0].scales},
-            experts={k: cat(lambda p, k=k: p.experts[k]) for k in parts[0].experts})
+            experts={k: cat(lambda p, k=k: p.experts[k]) for k in parts[0].experts},
+            rows={s: concat_margin_rows([p.rows[s] for p in parts]) for s in (getattr(parts[0], "rows", None) or {})})
 
 
 def packed_nbytes(packed: PackedHints) -> int:
-    """Bytes of a micro-batch's arrays (token ids, positions, log-probs, hints, scales, experts)."""
+    """Bytes of a micro-batch's arrays (token ids, positions, log-probs, hints, scales, experts, margin rows)."""
     arrays = [packed.cu_seqlens, packed.token_ids, packed.positions, packed.logprobs,
-              *packed.hints.values(), *packed.scales.values(), *packed.experts.values()]
+              *packed.hints.values(), *packed.scales.values(), *packed.experts.values(),
+              *(a for rows in packed.margin.values() for a in rows)]
     return sum(int(a.nbytes) for a in arrays)
 
 

@@ -24,10 +24,9 @@ are kept, the other stale groups' tokens counted as unmeasured): |logp_trainer -
 (`tracerl.fidelity.dlogp_stats`), and, where the rollout recorded its codes (`tracerl.artifacts.codes`), the code
 agreement at hinted sites (`tracerl.fidelity.code_match_counts`). The extra forward changes nothing in training.
 
-Margin sites (tracestore hint encoding ``margin``): a micro-batch's margin rows are read beside it from its
-trajectories' records and decoded on the host (`tracerl.hints.decode_margin`; not read ahead yet: the record source
-hands out hints and scales only) and the forward quantizes those sites with `tracerl.hints.MarginSites` (scales and
-hints reconstructed from the forward's own activation and the rollout's exceptions); the code agreement then also
+Margin sites (tracestore hint encoding ``margin``): a micro-batch's margin rows are read with it (read ahead like
+the rest, `PackedHints.margin`) and decoded on the host (`tracerl.hints.decode_margin`), and the forward quantizes
+those sites with `tracerl.hints.MarginSites` (scales and hints reconstructed from the forward's own activation and the rollout's exceptions); the code agreement then also
 counts the values outside the margin (unmarked) whose code differs from the rollout's (``margin_unmarked_mismatch``
 of ``margin_unmarked`` values; ``margin_marked_mismatch`` of ``margin_marked``).
 """
@@ -73,7 +72,6 @@ from tracerl.hints import (
     read_ahead,
     use_store_scale_encodings,
 )
-from tracerl.hints.packing import concat_margin_rows
 from tracerl.policy import NO_SITE, Policy, build_policy
 from tracerl.runlog import json_ready
 from tracerl.train import loss as rl
@@ -116,11 +114,9 @@ class GRPOTrainer:
         use_store_scale_encodings(self.policy.runtime, store)  # lsb sites: scale bytes rebuilt from own amax
         self.qat = QATTrainer(self.policy.model, self.policy.runtime)
         self.sites = [s for s in self.policy.hinted_sites if s != NO_SITE]  # hinted sites: codes, QAT
-        #: sites the store keeps as margin-exception rows: read beside each micro-batch (`_read_margin`), not by the
-        #: record source, which hands out hints and scales
+        #: sites the store keeps as margin-exception rows (they come with each micro-batch, `PackedHints.margin`)
         self.margin_sites = [n for n, s in store.sites.items() if getattr(s, "hint_encoding", "bits") == "margin"]
-        # what a micro-batch reads (a hint-free store: its placeholder)
-        self.read_sites = [s for s in store.sites if s not in self.margin_sites]
+        self.read_sites = list(store.sites)  # what a micro-batch reads (a hint-free store: its placeholder)
         #: the trainable weights and AdamW: FSDP2-sharded under torch.distributed, else bf16 + fp32 masters
         self.trainable = make_params(self.policy.model, cfg, self.device)
         # Sharded over several ranks, the fake-quantized expert weights are not kept between forwards: a cache would
@@ -546,8 +542,7 @@ class GRPOTrainer:
         cfg = self.cfg
         margin = {}
         if packed is not None and self.margin_sites:
-            margin = decode_margin(self.store, dataclasses.replace(packed, margin=self._read_margin(packed, by_id)),
-                                   self.device)
+            margin = decode_margin(self.store, packed, self.device)
         run = dict(observe=observe, replay_routes=cfg.replay_routes, temperature=cfg.temperature, routes=False)
         if not margin:
             return self.qat.token_logprobs(packed or self._stand_in(), cfg.mode, **run), margin
@@ -567,19 +562,6 @@ class GRPOTrainer:
         rt = self.policy.runtime
         with rt.using(substitute=MarginSites(rt, margin, rows=rows, nrows=nrows, chain=rt.substitute)):
             return self.qat.token_logprobs(view, cfg.mode, **run), margin
-
-    def _read_margin(self, packed: PackedHints, by_id: Mapping[str, Trajectory]) -> dict:
-        """The margin rows of ``packed``'s segments at every margin site: site -> (data uint8 [n], offsets int64
-        [T + 1]), read from the trajectories' committed records (as `RecordSource` reads the rest)."""
-        parts: dict[str, list] = {s: [] for s in self.margin_sites}
-        for seg in packed.segments:
-            for r in by_id[seg.traj_id].records:
-                lo, hi = max(seg.start, r.token_start), min(seg.stop, r.token_stop)
-                if lo < hi:
-                    got = ts.read_record(self.store, r, start=lo, stop=hi, sites=self.margin_sites, fmt="numpy")
-                    for s in self.margin_sites:
-                        parts[s].append(got.rows[s])
-        return {s: concat_margin_rows(p) for s, p in parts.items()}
 
     def _stand_in(self) -> PackedHints:
         """Two tokens of one sequence with zero hints and scales at every read site (and experts 0..k-1, for
