@@ -77,15 +77,9 @@ def one_step_share(codes_a: np.ndarray, codes_b: np.ndarray) -> float:
     return float(np.mean(np.abs(sa[mism] - sb[mism]) == 1))
 
 
-def code_match_counts(codes, packed_ref) -> torch.Tensor:
-    """Compare effective codes ``codes`` (uint8 [R, W], one code per value) with reference codes packed two per
-    byte ``packed_ref`` (uint8 [R, W/2], value 2j in the low nibble of byte j, as tracefp4 packs them).
-
-    numpy arrays or torch tensors (on any device: the trainer counts where its codes are, on the GPU); the
-    reference goes to the codes' device. Returns int64 [4] on that device: (matching values, values, mismatching
-    values, mismatches one ladder step apart), +0 and -0 matching. Every value is compared (no data-dependent
-    shapes), so nothing waits for the device until the caller reads the counts (the trainer sums its sites' and
-    reads once). Raises `ShapeMismatchError` for codes that are not uint8 [R, W] with references uint8 [R, W/2]."""
+def _compare_codes(codes, packed_ref):
+    """(codes int16 [R, W/2, 2], reference codes int16 [R, W/2, 2], mismatch bool [R, W/2, 2], +0 == -0) of
+    `code_match_counts`'s arguments, checked as it says."""
     import torch
 
     c = torch.as_tensor(codes)
@@ -97,11 +91,32 @@ def code_match_counts(codes, packed_ref) -> torch.Tensor:
     a = torch.stack([c[:, 0::2], c[:, 1::2]], dim=-1).to(torch.int16)  # [R, W/2, 2]
     r = ref.to(torch.int16)
     b = torch.stack([r & 0x0F, r >> 4], dim=-1)
-    bad = ~((a == b) | (((a & 7) == 0) & ((b & 7) == 0)))
+    return a, b, ~((a == b) | (((a & 7) == 0) & ((b & 7) == 0)))
+
+
+def code_mismatch_mask(codes, packed_ref) -> torch.Tensor:
+    """bool [R, W] on the codes' device: which values of ``codes`` differ from ``packed_ref`` (the arguments of
+    `code_match_counts`, +0 and -0 matching). Raises what `code_match_counts` raises."""
+    bad = _compare_codes(codes, packed_ref)[2]
+    return bad.reshape(bad.shape[0], -1)
+
+
+def code_match_counts(codes, packed_ref) -> torch.Tensor:
+    """Compare effective codes ``codes`` (uint8 [R, W], one code per value) with reference codes packed two per
+    byte ``packed_ref`` (uint8 [R, W/2], value 2j in the low nibble of byte j, as tracefp4 packs them).
+
+    numpy arrays or torch tensors (on any device: the trainer counts where its codes are, on the GPU); the
+    reference goes to the codes' device. Returns int64 [4] on that device: (matching values, values, mismatching
+    values, mismatches one ladder step apart), +0 and -0 matching. Every value is compared (no data-dependent
+    shapes), so nothing waits for the device until the caller reads the counts (the trainer sums its sites' and
+    reads once). Raises `ShapeMismatchError` for codes that are not uint8 [R, W] with references uint8 [R, W/2]."""
+    import torch
+
+    a, b, bad = _compare_codes(codes, packed_ref)
     signed_a = torch.where((a & 8) > 0, -(a & 7), a & 7)  # sign-magnitude -> position on the signed ladder
     signed_b = torch.where((b & 8) > 0, -(b & 7), b & 7)
     n_bad = bad.sum()
-    total = torch.full_like(n_bad, c.numel())
+    total = torch.full_like(n_bad, bad.numel())
     return torch.stack([total - n_bad, total, n_bad, (bad & ((signed_a - signed_b).abs() == 1)).sum()])
 
 

@@ -687,6 +687,18 @@ def test_a_reader_process_that_dies_is_read_around_and_replaced(store, tmp_path)
     with pytest.raises(ConfigError, match="cannot be opened in another process"):
         ReaderProcess(ts.create_store("memory://reader-process-test", [ts.Site("s", 16)]))
 
+    # a child that cannot open the store: its typed error reaches the caller, no child is left, and the trainer
+    # reads the next steps in a thread
+    manifest = tmp_path / "store-read-next" / "tracestore.json"
+    manifest.rename(manifest.with_suffix(".away"))
+    try:
+        with pytest.raises(ts.StoreNotFoundError, match="no tracestore store at"):
+            ReaderProcess(st)
+        trainer.read_next_in("process")
+        assert trainer._reader is None
+    finally:
+        manifest.with_suffix(".away").rename(manifest)
+
 
 def test_time_phases_reports_where_a_step_goes_and_trains_the_same_bits(tmp_path):
     """time_phases: each step's metrics carry seconds per phase, which sum to no more than the step; the trained

@@ -120,14 +120,20 @@ def _read_until(source: Any, mbs: Sequence[MicroBatch], sites: Sequence[str],
 
 
 _CHILD_STORE: ts.Store | None = None  # the store a ReaderProcess's child reads (set by its initializer)
+_CHILD_ERROR: BaseException | None = None  # why the initializer could not open it (raised by _child_ready)
 
 
 def _child_open(url: str, storage_options: dict, retry: Any) -> None:
-    global _CHILD_STORE
-    _CHILD_STORE = ts.open_store(url, storage_options=storage_options or None, retry=retry)
+    global _CHILD_STORE, _CHILD_ERROR
+    try:
+        _CHILD_STORE = ts.open_store(url, storage_options=storage_options or None, retry=retry)
+    except Exception as e:  # noqa: BLE001 - a failing initializer would break the pool and lose the error's type
+        _CHILD_ERROR = e
 
 
 def _child_ready() -> int:
+    if _CHILD_ERROR is not None:
+        raise _CHILD_ERROR
     return 0
 
 
@@ -180,19 +186,21 @@ def _from_shared_memory(payload: bytes, name: str | None, spans: list[tuple[int,
     if name is None:
         return pickle.loads(payload)
     shm = shared_memory.SharedMemory(name=name)
+    views: list[np.ndarray] = []
+
+    class _ArraysIn(pickle.Unpickler):
+        def persistent_load(self, pid: int) -> np.ndarray:
+            return views[pid].copy()
+
     try:
-        views = [np.ndarray(shape, np.dtype(dt), buffer=shm.buf, offset=off) for off, dt, shape in spans]
-
-        class _ArraysIn(pickle.Unpickler):
-            def persistent_load(self, pid: int) -> np.ndarray:
-                return views[pid].copy()
-
-        obj = _ArraysIn(io.BytesIO(payload)).load()
-        views.clear()  # (the block can only be closed once no array looks into it)
+        views.extend(np.ndarray(shape, np.dtype(dt), buffer=shm.buf, offset=off) for off, dt, shape in spans)
+        return _ArraysIn(io.BytesIO(payload)).load()
     finally:
-        shm.close()
-        shm.unlink()
-    return obj
+        views.clear()  # the block can only be closed once no array looks into it; unlinked even if that fails
+        try:
+            shm.close()
+        finally:
+            shm.unlink()
 
 
 @contextlib.contextmanager
@@ -225,8 +233,8 @@ class ReaderProcess:
     took, trainer-h200-read-next*.json).
 
     ``ReaderProcess(store)`` spawns the child (``spawn``: safe beside CUDA) and waits until it has opened the store
-    again by its URL and options (a BackendError / StoreNotFoundError of that open is raised here); it raises
-    ConfigError for a store that cannot be opened in another process (``memory://``; use
+    again by its URL and options (`ts.Store.open_args`; a BackendError / StoreNotFoundError of that open is raised
+    here, and the child ended); it raises ConfigError for a store that cannot be opened in another process (``memory://``; use
     a thread there). Its reads come back to the caller through shared memory (the arrays' bytes; a
     pipe carries the rest) and are copied out of it when taken. `close` ends the child; a child that died is
     replaced at the next `submit`."""
@@ -247,7 +255,12 @@ class ReaderProcess:
         # read waits for it later
         with _without_main_module():
             ready = self._pool.submit(_child_ready)
-        ready.result()
+        try:
+            ready.result()
+        except BaseException:  # the child could not open the store: nothing left running
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+            raise
 
     def submit(self, trajs: Mapping[str, Any], mbs: Sequence[MicroBatch], sites: Sequence[str],
                cap_bytes: int) -> concurrent.futures.Future:
@@ -330,7 +343,7 @@ class BackgroundReads:
         """The reads done for ``mbs`` / ``sites`` (see the class docstring); waits for the read first."""
         if self._thread is not None:
             self._thread.join()
-        if self._thread is None:
+        else:
             self._arrived.wait()
         if _layout(mbs, sites) != self._key:
             log.debug("read ahead for other micro-batches than the step's: dropped")

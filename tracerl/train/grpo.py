@@ -26,9 +26,10 @@ agreement at hinted sites (`tracerl.fidelity.code_match_counts`). The extra forw
 
 Margin sites (tracestore hint encoding ``margin``): a micro-batch's margin rows are read with it (read ahead like
 the rest, `PackedHints.margin`) and decoded on the host (`tracerl.hints.decode_margin`), and the forward quantizes
-those sites with `tracerl.hints.MarginSites` (scales and hints reconstructed from the forward's own activation and the rollout's exceptions); the code agreement then also
-counts the values outside the margin (unmarked) whose code differs from the rollout's (``margin_unmarked_mismatch``
-of ``margin_unmarked`` values; ``margin_marked_mismatch`` of ``margin_marked``).
+those sites with `tracerl.hints.MarginSites` (scales and hints reconstructed from the forward's own activation and
+the rollout's exceptions); the code agreement then also counts the values outside the margin (unmarked) whose code
+differs from the rollout's (``margin_unmarked_mismatch`` of ``margin_unmarked`` values; ``margin_marked_mismatch`` of
+``margin_marked``).
 """
 
 from __future__ import annotations
@@ -48,7 +49,6 @@ from typing import Any
 import numpy as np
 import torch
 
-import tracefp4
 import tracestore as ts
 from tracerl import fidelity
 from tracerl.artifacts import checkpoints as ckpt
@@ -281,8 +281,9 @@ class GRPOTrainer:
     def read_next_in(self, where: str) -> None:
         """Where `step(next_groups=)` reads the next step's micro-batches: ``"process"`` (a `ReaderProcess`
         spawned now, which opens the store again; a store that cannot be opened in another process, such as
-        ``memory://``, is read in a thread, with a warning) or ``"thread"`` (a thread of this process, the
-        default). Raises ConfigError for anything else."""
+        ``memory://``, or whose reader cannot open it, is read in a thread, with a warning) or ``"thread"`` (a thread
+        of this process: what a trainer does until this is called; `run_training` calls it). Raises ConfigError for
+        anything else."""
         if where not in ("process", "thread"):
             raise ConfigError(f"read_next_in: got {where!r}; allowed: 'process', 'thread'")
         if where == "thread":
@@ -290,7 +291,7 @@ class GRPOTrainer:
         elif self._reader is None:
             try:
                 self._reader = ReaderProcess(self.store)
-            except (ConfigError, ts.BackendError, BrokenProcessPool) as e:
+            except (ConfigError, ts.TraceStoreError, BrokenProcessPool) as e:
                 log.warning("no reader process (%s: %s); the next steps are read in a thread", type(e).__name__, e)
 
     def close_reader(self) -> None:
@@ -347,10 +348,10 @@ class GRPOTrainer:
         self._next_reads = None
         read_s = time.perf_counter() - t_read  # waiting for a background read still under way
         own = read_ahead(source, mine[len(ahead):], self.read_sites, cfg.read_ahead_bytes)
-        # The next step's read starts when the last backward does: a host-bound forward (Python launching kernels)
-        # slows down by more than the read takes when a reading thread competes for the GIL, while the backward
-        # runs in autograd's own threads and the optimizer waits on the device (H200: the forward took 0.61 s
-        # instead of 0.36 s with the read beside it, trainer-h200-read-next.json).
+        # In a thread, the next step's read starts when the last backward does: a host-bound forward (Python
+        # launching kernels) slows down by more than the read takes when a reading thread competes for the GIL,
+        # while the backward runs in autograd's own threads and the optimizer waits on the device (H200: the forward
+        # took 0.61 s instead of 0.36 s with the read beside it, trainer-h200-read-next.json).
         start_next = (lambda: self._read_next(next_groups)) if next_groups else None
         if start_next is not None and self._reader is not None:
             start_next()  # a reader process holds no GIL of ours: it reads during the whole step
@@ -433,7 +434,7 @@ class GRPOTrainer:
         ``before_backward``: called once the forward and the loss are computed, right before the backward."""
         want_codes = self._want_codes
         tick = self._phase_clock(acc)
-        fwd, margin = self._forward(packed, by_id, observe=want_codes and packed is not None)
+        fwd, margin = self._forward(packed, observe=want_codes and packed is not None)
         tick("forward")
         if packed is None:
             (fwd.logprobs.sum() * 0.0).backward()  # takes part in the gradients' reduce-scatter, adds nothing
@@ -526,15 +527,14 @@ class GRPOTrainer:
                     packed = batches[i] if i < len(batches) else None
                     if isinstance(packed, _Reread):
                         packed = packed.read(source, self.read_sites)
-                    fwd_v, margin = self._forward(packed, by_id, observe=want_codes and packed is not None)
+                    fwd_v, margin = self._forward(packed, observe=want_codes and packed is not None)
                     if packed is not None:
                         self._measure(packed, fwd_v, by_id, acc, v, want_codes, margin)
             self.policy.runtime.weights_changed()
         acc.stale.clear()
         tick("stale_versions")
 
-    def _forward(self, packed: PackedHints | None, by_id: Mapping[str, Trajectory],
-                 observe: bool) -> tuple[Any, dict]:
+    def _forward(self, packed: PackedHints | None, observe: bool) -> tuple[Any, dict]:
         """The trainer's forward of ``packed`` (None: the stand-in) in the configured mode, and the margin exceptions
         of its margin sites (site -> `compact.MarginExceptions` on the device; empty without such sites). Margin
         sites get zero placeholder rows in the batch the QAT trainer sees (its rollout-scale modes want an entry
@@ -690,9 +690,8 @@ _MARGIN_KEYS = ("_margin_marked", "_margin_unmarked", "_margin_marked_mismatch",
 def _margin_counts(codes: torch.Tensor, packed_ref: torch.Tensor, marked: torch.Tensor) -> torch.Tensor:
     """int64 [4] on the codes' device: (marked values, unmarked values, marked values whose code differs from the
     rollout's, unmarked such values) of effective codes uint8 [R, W] against the rollout's packed codes uint8
-    [R, W/2] (+0 == -0, as `fidelity.code_match_counts`), ``marked`` bool [R, W] the rollout's marks."""
-    ref = tracefp4.unpack_codes(packed_ref.to(codes.device))
-    bad = (codes != ref) & ~(((codes & 7) == 0) & ((ref & 7) == 0))
+    [R, W/2] (`fidelity.code_mismatch_mask`), ``marked`` bool [R, W] the rollout's marks."""
+    bad = fidelity.code_mismatch_mask(codes, packed_ref)
     marked = marked.to(codes.device)
     return torch.stack([marked.sum(), (~marked).sum(), (bad & marked).sum(), (bad & ~marked).sum()])
 
