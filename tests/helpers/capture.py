@@ -102,3 +102,18 @@ class HostTraffic(TorchFunctionMode):
         if op is not None:
             self.calls[(op, *_caller())] += 1
         return func(*args, **kwargs)
+
+
+def spy_on_site(rt, site: str) -> list:
+    """Make ``rt.quant`` also keep a copy of every activation it quantizes at ``site`` (in call order); returns
+    the list the copies go to."""
+    seen: list = []
+    orig = rt.quant
+
+    def spy(name, x):
+        if name == site:
+            seen.append(x.detach().clone())
+        return orig(name, x)
+
+    rt.quant = spy
+    return seen

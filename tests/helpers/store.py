@@ -212,3 +212,19 @@ def child_main(argv: list[str] | None = None) -> int:
         pass
     print("done", flush=True)
     return 0
+
+
+def store_with_manifest_sites(tmp_path, version: int, site: dict) -> str:
+    """The URL of a store at ``tmp_path / "s"`` of format ``version`` whose manifest's site table was rewritten to
+    the one site object ``site`` (as a writer of another implementation, or a damaged file, could leave it)."""
+    import json
+
+    import tracestore as ts
+
+    url = str(tmp_path / "s")
+    ts.create_store(url, [ts.Site("a", 64)], format_version=version)
+    path = tmp_path / "s" / "tracestore.json"
+    m = json.loads(path.read_text())
+    m["sites"] = [site]
+    path.write_text(json.dumps(m))
+    return url

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import zarr
-from helpers.store import _seed, check_batch, rows
+from helpers.store import _seed, check_batch, rows, store_with_manifest_sites
 
 import tracestore as ts
 
@@ -138,21 +138,13 @@ def test_margin_in_an_older_version_is_refused_before_anything_is_written(tmp_pa
 
 
 # ---------------------------------------------------------------------------------------------- manifest
-def _manifest(tmp_path, version: int, site: dict) -> str:
-    url = str(tmp_path / "s")
-    ts.create_store(url, [ts.Site("a", 64)], format_version=version)
-    path = tmp_path / "s" / "tracestore.json"
-    m = json.loads(path.read_text())
-    m["sites"] = [site]
-    path.write_text(json.dumps(m))
-    return url
 
 
 @pytest.mark.parametrize("version", [1, 2, 3, 4])
 @pytest.mark.parametrize("key,value", [("hint_encoding", "margin"), ("hint_encoding", "bits"), ("margin", 0.1),
                                        ("max_row_bytes", 10)])
 def test_version_5_keys_in_versions_1_to_4_are_integrity_errors(tmp_path, version, key, value):
-    url = _manifest(tmp_path, version, {"name": "a", "width": 64, key: value})
+    url = store_with_manifest_sites(tmp_path, version, {"name": "a", "width": 64, key: value})
     with pytest.raises(ts.IntegrityError, match=rf"\['{key}'\] are format-version-5 keys; this manifest declares "
                                                 rf"version {version}"):
         ts.open_store(url)
@@ -169,13 +161,13 @@ def test_version_5_keys_in_versions_1_to_4_are_integrity_errors(tmp_path, versio
     ({**CODEC, "rows": 3}, "unknown keys \\['rows'\\]"),
 ])
 def test_version_5_manifest_with_bad_margin_keys_is_an_integrity_error(tmp_path, site, match):
-    url = _manifest(tmp_path, 5, {"name": "a", "width": 64, **site})
+    url = store_with_manifest_sites(tmp_path, 5, {"name": "a", "width": 64, **site})
     with pytest.raises(ts.IntegrityError, match=match):
         ts.open_store(url)
 
 
 def test_version_5_manifest_without_hint_encoding_means_bits(tmp_path):
-    url = _manifest(tmp_path, 5, {"name": "a", "width": 64})
+    url = store_with_manifest_sites(tmp_path, 5, {"name": "a", "width": 64})
     assert not ts.open_store(url).sites["a"].is_margin
 
 

@@ -10,7 +10,7 @@ import pytest
 import zarr
 
 import tracestore as ts
-from helpers.store import check_batch, rows
+from helpers.store import check_batch, rows, store_with_manifest_sites
 from tracestore.cli import main
 
 LSB_SITES = [ts.Site("a", 64), ts.Site("b", 256, scale_encoding="lsb"), ts.Site("c", 48, scale_encoding="lsb"),
@@ -65,25 +65,17 @@ def test_exist_ok_compares_sites_as_values(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- manifest
-def _manifest(tmp_path, version: int, site: dict) -> str:
-    url = str(tmp_path / "s")
-    ts.create_store(url, [ts.Site("a", 64)], format_version=version)
-    path = tmp_path / "s" / "tracestore.json"
-    m = json.loads(path.read_text())
-    m["sites"] = [site]
-    path.write_text(json.dumps(m))
-    return url
 
 
 @pytest.mark.parametrize("value", ["bits", 0, None, ["lsb"], "Bytes"])
 def test_manifest_with_a_bad_scale_encoding_is_an_integrity_error(tmp_path, value):
-    url = _manifest(tmp_path, 4, {"name": "a", "width": 64, "scale_encoding": value})
+    url = store_with_manifest_sites(tmp_path, 4, {"name": "a", "width": 64, "scale_encoding": value})
     with pytest.raises(ts.IntegrityError, match="scale_encoding"):
         ts.open_store(url)
 
 
 def test_manifest_lsb_on_mxfp4_is_an_integrity_error(tmp_path):
-    url = _manifest(tmp_path, 4, {"name": "a", "width": 64, "fp4_format": "mxfp4", "scale_encoding": "lsb"})
+    url = store_with_manifest_sites(tmp_path, 4, {"name": "a", "width": 64, "fp4_format": "mxfp4", "scale_encoding": "lsb"})
     with pytest.raises(ts.IntegrityError, match="nvfp4 sites with block 16"):
         ts.open_store(url)
 
@@ -91,13 +83,13 @@ def test_manifest_lsb_on_mxfp4_is_an_integrity_error(tmp_path):
 @pytest.mark.parametrize("version", [1, 2, 3])
 @pytest.mark.parametrize("value", ["lsb", "bytes"])
 def test_scale_encoding_key_in_versions_1_to_3_is_an_integrity_error(tmp_path, version, value):
-    url = _manifest(tmp_path, version, {"name": "a", "width": 64, "scale_encoding": value})
+    url = store_with_manifest_sites(tmp_path, version, {"name": "a", "width": 64, "scale_encoding": value})
     with pytest.raises(ts.IntegrityError, match=f"format-version-4 key; this manifest declares version {version}"):
         ts.open_store(url)
 
 
 def test_version_4_manifest_without_the_key_means_bytes(tmp_path):
-    url = _manifest(tmp_path, 4, {"name": "a", "width": 64})
+    url = store_with_manifest_sites(tmp_path, 4, {"name": "a", "width": 64})
     assert ts.open_store(url).sites["a"].scale_encoding == "bytes"
 
 

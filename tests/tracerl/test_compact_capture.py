@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import tracefp4
+from helpers.capture import spy_on_site
 import tracestore as ts
 from tracerl.errors import ConfigError, RecorderError
 from tracerl.hints import HintFeed, MicroBatch, Segment
@@ -35,15 +36,7 @@ def _rollout(tmp_path, hf_only=True):
                             model={"global_scales": {}})
     eng = RolloutEngine(model, rt, decode="hf", margin_capture=True)
     eng.calibrate(PROMPTS)
-    seen: list[torch.Tensor] = []
-    orig = rt.quant
-
-    def spy(name, x):
-        if name == margin_site:
-            seen.append(x.detach().clone())
-        return orig(name, x)
-
-    rt.quant = spy
+    seen = spy_on_site(rt, margin_site)
     writer = store.writer("rollout", commit_interval_s=0)
     eng.recorder = RolloutRecorder(writer, {bits_site: 64, margin_site: 64}, flush_tokens=4)
     res = eng.generate(PROMPTS, NEW, seed=0)

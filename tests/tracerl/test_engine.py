@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import tracefp4
+from helpers.capture import spy_on_site
 from tracerl import fidelity
 from tracerl.rollout import RolloutEngine
 from tracerl.policy import TinyMoESpec, build_model
@@ -80,15 +81,7 @@ def test_recorded_hints_equal_quantize_of_captured_activation():
     site = moe_input_site(1)
     eng = RolloutEngine(model, rt, keep_codes=True)
     eng.calibrate(PROMPTS)
-    seen = []
-    orig = rt.quant
-
-    def spy(name, x):
-        if name == site:
-            seen.append(x.detach().clone())
-        return orig(name, x)
-
-    rt.quant = spy
+    seen = spy_on_site(rt, site)
     sink = MemorySink({site: spec.hidden_size})
     rec = RolloutRecorder(sink, {site: spec.hidden_size}, moe_layers=[f"model.layers.{i}.mlp" for i in range(2)],
                           top_k=2, flush_tokens=4)
