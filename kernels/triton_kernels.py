@@ -75,6 +75,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from .constants import NVFP4_GLOBAL_DENOM, NVFP4_GLOBAL_SCALE_FALLBACK, NVFP4_GLOBAL_SCALE_MIN
 from .errors import FormatError, LaunchConfigError, ShapeError
 
 __all__ = [
@@ -959,6 +960,43 @@ def _fake_quant_bwd_kernel(
     tl.store(out_ptr + offs, tl.reshape(out, (BN, 8 * G)), mask=m2)
 
 
+@triton.jit
+def _matrix_amax_kernel(bits_ptr, part_ptr, N, CHUNKS, INF_BITS: tl.constexpr, BLOCK: tl.constexpr,
+                        ITERS: tl.constexpr):
+    """Program (m, c): the largest finite |value| of chunk c (BLOCK * ITERS values) of matrix m, as the integer bits
+    of the magnitude (non-negative floats order like their bits; +-Inf and NaN, whose magnitude bits are >= the
+    Inf pattern, count as 0), into part[m, c] (int32). Bits, not floats: exact in the interpreter too."""
+    m = tl.program_id(0)
+    c = tl.program_id(1)
+    base = m.to(tl.int64) * N
+    start = c.to(tl.int64) * (BLOCK * ITERS)
+    acc = tl.zeros((BLOCK,), dtype=tl.int32)
+    for i in tl.static_range(ITERS):
+        offs = start + i * BLOCK + tl.arange(0, BLOCK)
+        raw = tl.load(bits_ptr + base + offs, mask=offs < N, other=0).to(tl.int32)
+        mag = raw & (INF_BITS | (INF_BITS - 1))  # the sign bit cleared (INF_BITS - 1: every bit below the exponent)
+        acc = tl.maximum(acc, tl.where(mag < INF_BITS, mag, 0))
+    tl.store(part_ptr + m.to(tl.int64) * CHUNKS + c, tl.max(acc, axis=0))
+
+
+@triton.jit
+def _matrix_scales_kernel(part_ptr, g_ptr, CHUNKS, DT: tl.constexpr, CB: tl.constexpr, DENOM: tl.constexpr,
+                          G_MIN: tl.constexpr, FALLBACK: tl.constexpr):
+    """Program m: matrix m's amax from its chunks' bits (DT 0: bf16, 1: fp16, 2: fp32), then its dynamic NVFP4
+    global scale ``max(RN(amax / DENOM), G_MIN)`` (FALLBACK when amax is 0), fp32, into g[m]."""
+    m = tl.program_id(0)
+    offs = tl.arange(0, CB)
+    bits = tl.max(tl.load(part_ptr + m.to(tl.int64) * CHUNKS + offs, mask=offs < CHUNKS, other=0), axis=0)
+    if DT == 0:
+        amax = (bits << 16).to(tl.float32, bitcast=True)
+    elif DT == 1:
+        amax = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        amax = bits.to(tl.float32, bitcast=True)
+    g = tl.maximum(tl.math.div_rn(amax, DENOM), G_MIN)
+    tl.store(g_ptr + m, tl.where(amax > 0.0, g, FALLBACK))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # launchers
 # ---------------------------------------------------------------------------------------------------------
@@ -1256,3 +1294,32 @@ def fake_quantize_bwd_blocks_triton(
             G=b // 8, BN=bn, IS_NV=fmt == "nvfp4", BIG=_big(xb), num_warps=warps,
         )
     return out
+
+
+#: (values per program iteration, num_warps, the fewest iterations per program) of `global_scales_triton`
+_AMAX_BLOCK, _AMAX_WARPS, _AMAX_MIN_ITERS = 2048, 4, 8
+_AMAX_BITS = {torch.bfloat16: (torch.int16, 0x7F80, 0), torch.float16: (torch.int16, 0x7C00, 1),
+              torch.float32: (torch.int32, 0x7F800000, 2)}
+
+
+@_on_input_device
+def global_scales_triton(stack: torch.Tensor) -> torch.Tensor:
+    """Triton twin of `reference.global_scales_ref`: the dynamic NVFP4 global scale of each matrix of ``stack``
+    [M, R, C] (bf16/fp16/fp32, R * C > 0), fp32 [M], bit for bit (a max is exact in any order). Two launches for
+    the whole stack, one pass over it (the reference takes a cast, abs, isfinite, where and amax: five passes and
+    as many launches per stack); no host sync."""
+    m = stack.shape[0]
+    n = stack[0].numel() if m else 0
+    int_dtype, inf_bits, dt = _AMAX_BITS[stack.dtype]
+    bits = stack.contiguous().view(int_dtype).reshape(m, n)
+    iters = max(_AMAX_MIN_ITERS, triton.next_power_of_2(triton.cdiv(n, _AMAX_BLOCK * 1024)))
+    chunks = triton.cdiv(n, _AMAX_BLOCK * iters)  # <= 1024
+    part = torch.empty((m, chunks), dtype=torch.int32, device=stack.device)
+    g = torch.empty((m,), dtype=torch.float32, device=stack.device)
+    if m:
+        _matrix_amax_kernel[(m, chunks)](bits, part, n, chunks, INF_BITS=inf_bits, BLOCK=_AMAX_BLOCK, ITERS=iters,
+                                         num_warps=_AMAX_WARPS)
+        _matrix_scales_kernel[(m,)](part, g, chunks, DT=dt, CB=max(triton.next_power_of_2(chunks), 16),
+                                    DENOM=float(NVFP4_GLOBAL_DENOM), G_MIN=float(NVFP4_GLOBAL_SCALE_MIN),
+                                    FALLBACK=float(NVFP4_GLOBAL_SCALE_FALLBACK), num_warps=1)
+    return g

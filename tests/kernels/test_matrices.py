@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.fp4 import BACKENDS, DEVICE, DTYPES, assert_bits_equal  # first: selects Triton's interpreter
+from helpers.fp4 import BACKENDS, DEVICE, DTYPES, assert_bits_equal, needs_triton  # first: selects Triton's interpreter
 import tracefp4
 from tracefp4 import reference as ref
 from tracefp4.errors import DTypeError, ShapeError
@@ -74,3 +74,34 @@ def test_argument_errors():
         tracefp4.fake_quantize_matrices([[0.0] * 16])
     empty = torch.zeros(0, 4, 16)
     assert tracefp4.fake_quantize_matrices(empty).shape == (0, 4, 16)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(5, 7, 48), (3, 130, 256), (1, 1, 16)])
+def test_triton_global_scales_equal_the_reference(shape, dtype):
+    # (3, 130, 256): 33,280 values per matrix, three chunks of 16,384 (the last partial): the per-chunk maxima
+    # and their reduction; matrix 1 all zeros (the fallback 1.0), matrix 2 only non-finite values and zeros
+    from tracefp4 import triton_kernels as tk
+
+    w = _stack(shape, dtype, seed=7 + sum(shape))
+    assert_bits_equal(tk.global_scales_triton(w), ref.global_scales_ref(w))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_global_scales_of_tiny_and_huge_magnitudes(dtype):
+    # a matrix whose amax is the dtype's smallest subnormal (the clamp to 2^-118), one whose amax is its largest
+    # finite value, one whose amax sits past a NaN and an Inf, and negative values only
+    from tracefp4 import triton_kernels as tk
+
+    info = torch.finfo(dtype)
+    w = torch.zeros(4, 2, 16, dtype=dtype)
+    w[0, 1, 3] = info.smallest_normal / 4 if dtype != torch.float32 else 1e-45
+    w[1, 0, 0] = -info.max
+    w[2, 0, :3] = torch.tensor([float("nan"), float("-inf"), -3.5], dtype=dtype)
+    w[3] = -torch.arange(32, dtype=dtype).reshape(2, 16)
+    w = w.to(DEVICE)
+    got = tk.global_scales_triton(w)
+    assert_bits_equal(got, ref.global_scales_ref(w))
+    assert got[2].item() == pytest.approx(3.5 / 2688)
