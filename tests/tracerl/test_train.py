@@ -724,29 +724,34 @@ def test_time_phases_reports_where_a_step_goes_and_trains_the_same_bits(tmp_path
         assert all(v >= 0 for v in ph.values()) and 0 < sum(ph.values()) <= m["step_s"]
 
 
-def test_code_counts_of_a_micro_batch_equal_per_trajectory_counts():
-    """The trainer counts code agreement per site over every row of the micro-batch at once; the counts equal the
+@pytest.mark.parametrize("cap", [1 << 25, 700, 1])
+def test_code_counts_of_a_micro_batch_equal_per_trajectory_counts(cap, monkeypatch):
+    """The trainer counts code agreement over every row of the micro-batch at once, sites of one width stacked (up
+    to ``_COMPARE_VALUES`` values per comparison: all at once, a few sites, one site each); the counts equal the
     sums of per-trajectory comparisons (response rows only, other versions' and unrecorded trajectories left out),
-    with mismatches of one and of several ladder steps."""
+    with mismatches of one and of several ladder steps, over sites of two widths."""
     from types import SimpleNamespace
 
     from tracerl import fidelity
     from tracerl.hints import Segment
+    from tracerl.train import grpo
     from tracerl.train.grpo import _StepAccumulator
 
+    monkeypatch.setattr(grpo, "_COMPARE_VALUES", cap)
     rng = np.random.default_rng(0)
-    width, sites = 32, ["a", "b"]
+    sites = ["a", "b", "c", "d"]
+    widths = {"a": 32, "b": 32, "c": 64, "d": 32}
     segs = [Segment("t0", 0, 7), Segment("t1", 2, 9), Segment("t2", 0, 5), Segment("t3", 0, 6)]
     version = {"t0": 3, "t1": 3, "t2": 2, "t3": 3}
     lens = [s.stop - s.start for s in segs]
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
     logprobs = rng.normal(size=int(cu[-1])).astype(np.float32)
     logprobs[[0, 1, 14, 20]] = np.nan  # prompt rows
-    codes = {s: torch.as_tensor(rng.integers(0, 16, (int(cu[-1]), width), dtype=np.uint8)) for s in sites}
+    codes = {s: torch.as_tensor(rng.integers(0, 16, (int(cu[-1]), widths[s]), dtype=np.uint8)) for s in sites}
     refs = {}
     for i, seg in enumerate(segs):
         for s in sites:  # recorded codes for the whole trajectory; 80% of the segment's bytes agree with the trainer's
-            r = rng.integers(0, 256, (seg.stop + 2, width // 2), dtype=np.uint8)
+            r = rng.integers(0, 256, (seg.stop + 2, widths[s] // 2), dtype=np.uint8)
             mine = codes[s][int(cu[i]):int(cu[i + 1])].numpy()
             agree = mine[:, 0::2] | (mine[:, 1::2] << 4)
             mask = rng.random(agree.shape) < 0.8

@@ -612,33 +612,57 @@ class GRPOTrainer:
     def _count_codes(self, packed, fwd, by_id: Mapping[str, Trajectory], acc: _StepAccumulator, version: int,
                      margin: Mapping | None = None) -> None:
         """Code agreement at hinted sites on the response rows of ``version``'s trajectories, against the rollout's
-        recorded codes: per site, one comparison over every such row of the micro-batch (one host -> device copy
-        of the reference codes per site, not per trajectory and site); the counts stay on the device and are read
-        once per call (one host sync, not one per site)."""
+        recorded codes. Every site's row indices and reference codes go to the device in one host -> device copy
+        (not two per site), and sites of one row width are compared in one `fidelity.code_match_counts` over their
+        rows stacked, up to `_COMPARE_VALUES` values at a time (its counts are sums over rows, so stacking sites
+        adds them up as per-site calls did; the cap bounds its int16 temporaries, which run beside the activations
+        kept for the backward).
+        The counts stay on the device and are read once per call (one host sync, not one per site)."""
         resp = np.isfinite(np.asarray(packed.logprobs))
         off = packed.cu_seqlens
-        mine = [(i, seg, by_id[seg.traj_id]) for i, seg in enumerate(packed.segments)
-                if by_id[seg.traj_id].policy_version == version]
-        counts, margin_counts = [], []
-        for site in self.sites:
-            rows, refs = [], []
-            for i, seg, traj in mine:
-                ref = self._codes.get(traj, site)
-                if ref is None:
-                    continue
+        mine = []
+        for i, seg in enumerate(packed.segments):
+            traj = by_id[seg.traj_id]
+            if traj.policy_version == version:
                 keep = resp[int(off[i]):int(off[i + 1])]
-                rows.append(np.arange(int(off[i]), int(off[i + 1]))[keep])
-                refs.append(ref[seg.start:seg.stop][keep])
-            if not refs:
-                continue
-            idx = to_device(torch.as_tensor(np.concatenate(rows)), self.device)
-            ref = to_device(torch.as_tensor(np.concatenate(refs)), self.device)
+                mine.append((seg, traj, keep, np.arange(int(off[i]), int(off[i + 1]))[keep]))
+        sites, rows, refs = [], [], []
+        for site in self.sites:
+            site_rows, site_refs = [], []
+            for seg, traj, keep, r in mine:
+                ref = self._codes.get(traj, site)
+                if ref is not None:
+                    site_rows.append(r)
+                    site_refs.append(ref[seg.start:seg.stop][keep])
+            if site_refs:
+                sites.append(site)
+                rows.append(np.concatenate(site_rows))
+                refs.append(np.ascontiguousarray(np.concatenate(site_refs)))
+        if not sites:
+            return
+        idx_all = to_device(torch.from_numpy(np.concatenate(rows)), self.device)
+        ref_all = to_device(torch.from_numpy(np.concatenate([r.reshape(-1) for r in refs])), self.device)
+        by_width: dict[int, tuple[list, list]] = {}  # width -> the sites' (codes, references) being stacked
+        full: list[tuple[list, list]] = []
+        margin_counts = []
+        i_at = r_at = 0
+        for site, r, ref in zip(sites, rows, refs):
+            idx = idx_all[i_at:i_at + len(r)]
+            ref_d = ref_all[r_at:r_at + ref.size].view(ref.shape)
+            i_at, r_at = i_at + len(r), r_at + ref.size
             codes = fwd.codes[site].index_select(0, idx)
-            counts.append(fidelity.code_match_counts(codes, ref))
+            group = by_width.get(codes.shape[1])
+            if group is None or sum(c.numel() for c in group[0]) + codes.numel() > _COMPARE_VALUES:
+                if group is not None:
+                    full.append(group)
+                group = by_width[codes.shape[1]] = ([], [])
+            group[0].append(codes)
+            group[1].append(ref_d)
             if margin and site in margin:
-                margin_counts.append(_margin_counts(codes, ref, margin[site].value_mask.index_select(0, idx)))
-        if counts:
-            acc.codes += np.asarray(torch.stack(counts).sum(0).tolist(), dtype=np.int64)
+                margin_counts.append(_margin_counts(codes, ref_d, margin[site].value_mask.index_select(0, idx)))
+        counts = [fidelity.code_match_counts(torch.cat(c) if len(c) > 1 else c[0], torch.cat(f) if len(f) > 1 else f[0])
+                  for c, f in [*full, *by_width.values()]]
+        acc.codes += np.asarray(torch.stack(counts).sum(0).tolist(), dtype=np.int64)
         if margin_counts:
             for key, v in zip(_MARGIN_KEYS, torch.stack(margin_counts).sum(0).tolist()):
                 acc.sums[key] += int(v)
@@ -682,6 +706,10 @@ class GRPOTrainer:
         read = acc.read if self.world > 1 else [acc.read]
         return {"loss_stats": stats, "mismatch": mismatch, "lag": lag, "rank_traj_ids": read}
 
+
+#: values compared in one `fidelity.code_match_counts` call of `GRPOTrainer._count_codes` (its temporaries are a few
+#: int16 copies of them: 64 MiB each at this cap, i.e. four 2,048-wide sites of a 4,096-row micro-batch)
+_COMPARE_VALUES = 1 << 25
 
 #: per-step sums of margin-site code agreement (`_margin_counts`), reported without the underscore
 _MARGIN_KEYS = ("_margin_marked", "_margin_unmarked", "_margin_marked_mismatch", "_margin_unmarked_mismatch")
