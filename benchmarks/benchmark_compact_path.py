@@ -4,12 +4,19 @@ Rollout side, per decode step of B tokens at S sites of width W (NVFP4; the quan
 both paths and not counted):
   plain   : Writer.write of the hints [B, W/8] and scale bytes [B, W/16] of every site (the row copy into the
             writer's buffer; the commits of the run are timed apart, per step)
-  margin  : tracefp4.margin_marks on x (device), compact.exceptions_from_marks + compact.pack_rows (host, what
-            the recorder does when it writes), Writer.write(rows=) of the packed rows
+  margin  : tracefp4.margin_marks on x (device), compact.exceptions_from_marks + compact.pack_rows (host numpy,
+            what the recorder does on the CPU), Writer.write(rows=) of the packed rows
+  margin_pack_torch: the device packer beside the numpy one, on the same marks: compact_device.pack_marks_on_device
+            (what the recorder does when the marks are on CUDA: the staged host rows over from pinned memory,
+            pack_marks_torch on the device, data + offsets back in one copy); its bytes are checked equal to numpy's
 Trainer side, per micro-batch of T tokens:
   plain   : Reader.read of the hints and scales of every site (fmt numpy)
-  margin  : Reader.read of the rows, compact.unpack_rows (host, the feed's reading thread) and compact.reconstruct
-            of the trainer's activation x' = x (1 + rel * noise) (device)
+  margin  : Reader.read of the rows, compact.unpack_rows (host numpy, the feed's reading thread on the CPU) and
+            compact.reconstruct of the trainer's activation x' = x (1 + rel * noise) (device)
+  margin_unpack_torch: the device decoder beside the numpy one, on the same rows: compact_device.unpack_sites_torch
+            (what the feed does on CUDA: the raw rows over, decoded on the device); checked equal to numpy's
+The torch figures are also timed on the CPU (the torch code runs there too). The JSON's "packers" says which
+implementation each phase timed.
 Each figure is the median over --runs runs of the mean over the steps of one run (min..max given); the stored
 bytes per token of both stores are counted with tracestore.info.
 
@@ -52,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import tracefp4  # noqa: E402
 import tracestore as ts  # noqa: E402
 from tracerl.hints import compact as C  # noqa: E402
+from tracerl.hints import compact_device as CD  # noqa: E402
 from tracerl.hints.packing import concat_margin_rows  # noqa: E402
 
 
@@ -91,8 +99,9 @@ def run(args) -> dict:
     coding, _ = C.choose_coding(C.encode_margin_exceptions(x0, g0, s0, h0, args.margin, args.scale_margin,
                                                            scale_payload=args.payload))
     times: dict[str, list[float]] = {k: [] for k in ("plain_write", "plain_commit", "margin_marks", "margin_pack",
-                                                     "margin_write", "margin_commit", "plain_read", "margin_read",
-                                                     "margin_unpack", "margin_reconstruct")}
+                                                     "margin_pack_torch", "margin_write", "margin_commit",
+                                                     "plain_read", "margin_read", "margin_unpack",
+                                                     "margin_unpack_torch", "margin_reconstruct")}
     info = {}
     for r in range(args.runs):
         with tempfile.TemporaryDirectory() as tmp:
@@ -102,7 +111,7 @@ def run(args) -> dict:
             ids = np.arange(args.batch)
             lps = np.zeros(args.batch, np.float32)
             # ---- rollout side: one trajectory per request, one row per step
-            t_w = t_m = t_p = t_mw = 0.0
+            t_w = t_m = t_p = t_pt = t_mw = 0.0
             with plain.writer("p", commit_interval_s=0) as wp, margin.writer("m", commit_interval_s=0) as wm:
                 for k, sites in enumerate(data):
                     t0 = time.perf_counter()
@@ -127,21 +136,31 @@ def run(args) -> dict:
                         rows = {n: (d[o[b]:o[b + 1]], o[b:b + 2] - o[b]) for n, (d, o) in zip(names, packed)}
                         wm.write(f"r{b}", k, rows=rows, token_ids=ids[b:b + 1], logprobs=lps[b:b + 1])
                     t3 = time.perf_counter()
-                    t_m, t_p, t_mw = t_m + (t1 - t0), t_p + (t2 - t1), t_mw + (t3 - t2)
+                    # the device packer on the same rows, from the host copies the recorder's arena holds
+                    staged = [tuple(t.cpu().numpy() for t in (vm, bm, h, sc)) for (vm, bm), (_, _, _, h, sc)
+                              in zip(marks, sites)]
+                    t4 = time.perf_counter()
+                    packed_t = [CD.pack_marks_on_device(device, *st, coding, args.payload) for st in staged]
+                    t5 = time.perf_counter()
+                    for (d, o), (dt, ot) in zip(packed, packed_t):
+                        if not (np.array_equal(d, dt) and np.array_equal(o, ot)):
+                            raise AssertionError("pack_marks_on_device's rows differ from pack_rows'")
+                    t_m, t_p, t_mw, t_pt = t_m + (t1 - t0), t_p + (t2 - t1), t_mw + (t3 - t2), t_pt + (t5 - t4)
                 t0 = time.perf_counter()
                 wp.flush()
                 t1 = time.perf_counter()
                 wm.flush()
                 t2 = time.perf_counter()
             n = len(data)
-            for key, v in (("plain_write", t_w), ("margin_marks", t_m), ("margin_pack", t_p), ("margin_write", t_mw),
+            for key, v in (("plain_write", t_w), ("margin_marks", t_m), ("margin_pack", t_p),
+                           ("margin_pack_torch", t_pt), ("margin_write", t_mw),
                            ("plain_commit", t1 - t0), ("margin_commit", t2 - t1)):
                 times[key].append(v / n)
             # ---- trainer side: micro-batches of --mb-tokens tokens, request after request
             tok = min(args.mb_tokens, n)
             per_mb = max(1, args.mb_tokens // tok)
             rp, rm = plain.reader(), margin.reader()
-            t_pr = t_mr = t_u = t_rc = 0.0
+            t_pr = t_mr = t_u = t_ut = t_rc = 0.0
             mbs = 0
             for start in range(0, args.batch, per_mb):
                 reqs = range(start, min(args.batch, start + per_mb))
@@ -152,10 +171,21 @@ def run(args) -> dict:
                 got = [rm.read(f"r{b}", 0, tok, trace=False) for b in reqs]
                 t2 = time.perf_counter()
                 # as the feed does: the micro-batch's rows of a site concatenated, decoded once
-                encs = {n: C.unpack_rows(C.packed_from_store(margin.sites[n],
-                                                             concat_margin_rows([bt.rows[n] for bt in got])))
+                rows = {n: C.packed_from_store(margin.sites[n], concat_margin_rows([bt.rows[n] for bt in got]))
                         for n in names}
+                t_cat = time.perf_counter() - t2  # the rows' concatenation: counted in both decoders' figures
+                t20 = time.perf_counter()
+                encs = {n: C.unpack_rows(p) for n, p in rows.items()}
                 t3 = time.perf_counter()
+                _sync(device)
+                t30 = time.perf_counter()
+                encs_t = CD.unpack_sites_torch(rows, device)  # the device decoder, as the feed runs it on CUDA
+                _sync(device)
+                t31 = time.perf_counter()
+                if any(encs_t[n] != encs[n] for n in names):
+                    raise AssertionError("unpack_sites_torch's exceptions differ from unpack_rows'")
+                t_ut += t_cat + (t31 - t30)
+                t4_0 = time.perf_counter()
                 for i, n in enumerate(names):
                     xt = torch.cat([torch.stack([data[k][i][1][b] for k in range(tok)]) for b in reqs])
                     e = encs[n]
@@ -164,10 +194,10 @@ def run(args) -> dict:
                     C.reconstruct(e, xt, data[0][i][2])
                 _sync(device)
                 t4 = time.perf_counter()
-                t_pr, t_mr, t_u, t_rc = t_pr + (t1 - t0), t_mr + (t2 - t1), t_u + (t3 - t2), t_rc + (t4 - t3)
+                t_pr, t_mr, t_u, t_rc = t_pr + (t1 - t0), t_mr + (t2 - t1), t_u + t_cat + (t3 - t20), t_rc + (t4 - t4_0)
                 mbs += 1
             for key, v in (("plain_read", t_pr), ("margin_read", t_mr), ("margin_unpack", t_u),
-                           ("margin_reconstruct", t_rc)):
+                           ("margin_unpack_torch", t_ut), ("margin_reconstruct", t_rc)):
                 times[key].append(v / mbs)
             if r == 0:
                 for name, st in (("plain", plain), ("margin", margin)):
@@ -175,13 +205,18 @@ def run(args) -> dict:
                     info[name] = {"bytes_per_token": d["bytes_per_token"], "bytes": d["bytes"],
                                   "tokens": d["tokens"]}
     stats = {k: _summary(v) for k, v in times.items()}
-    for key in ("margin_decode",):  # the trainer's decode proper: unpack + reconstruct (the read is the store's)
-        stats[key] = _summary([u + c for u, c in zip(times["margin_unpack"], times["margin_reconstruct"])])
+    # the trainer's decode proper: unpack + reconstruct (the read is the store's), with either decoder
+    for key, unpack in (("margin_decode", "margin_unpack"), ("margin_decode_torch", "margin_unpack_torch")):
+        stats[key] = _summary([u + c for u, c in zip(times[unpack], times["margin_reconstruct"])])
     rollout_plain = stats["plain_write"]["median_ms"] + stats["plain_commit"]["median_ms"]
     rollout_margin = sum(stats[k]["median_ms"] for k in ("margin_marks", "margin_pack", "margin_write",
                                                          "margin_commit"))
     trainer_plain = stats["plain_read"]["median_ms"]
     trainer_margin = sum(stats[k]["median_ms"] for k in ("margin_read", "margin_unpack", "margin_reconstruct"))
+    rollout_margin_torch = sum(stats[k]["median_ms"] for k in ("margin_marks", "margin_pack_torch", "margin_write",
+                                                               "margin_commit"))
+    trainer_margin_torch = sum(stats[k]["median_ms"] for k in ("margin_read", "margin_unpack_torch",
+                                                               "margin_reconstruct"))
     mb_tok = min(args.mb_tokens, len(data)) * max(1, args.mb_tokens // min(args.mb_tokens, len(data)))
     mb_tok = min(mb_tok, args.batch * min(args.mb_tokens, len(data)))
 
@@ -198,13 +233,19 @@ def run(args) -> dict:
                       "sites": args.ref_sites, "measured_on": "NVIDIA H200 (the repo's loop model, 20 hinted sites)",
                       "costs_measured_on": str(device)},
         "decode_step_pct": {"plain": dec(rollout_plain), "margin": dec(rollout_margin),
+                            "margin_torch": dec(rollout_margin_torch),
                             "margin_capture": dec(stats["margin_marks"]["median_ms"] + stats["margin_pack"]["median_ms"]),
+                            "margin_capture_torch": dec(stats["margin_marks"]["median_ms"]
+                                                        + stats["margin_pack_torch"]["median_ms"]),
                             **{k: dec(stats[k]["median_ms"]) for k in ("plain_write", "plain_commit", "margin_marks",
-                                                                        "margin_pack", "margin_write", "margin_commit")}},
+                                                                        "margin_pack", "margin_pack_torch",
+                                                                        "margin_write", "margin_commit")}},
         "trainer_step_pct": {"plain": trn(trainer_plain), "margin": trn(trainer_margin),
+                             "margin_torch": trn(trainer_margin_torch),
                              "margin_decode": trn(stats["margin_decode"]["median_ms"]),
+                             "margin_decode_torch": trn(stats["margin_decode_torch"]["median_ms"]),
                              **{k: trn(stats[k]["median_ms"]) for k in ("plain_read", "margin_read", "margin_unpack",
-                                                                         "margin_reconstruct")}},
+                                                                         "margin_unpack_torch", "margin_reconstruct")}},
     }
     return {
         "benchmark": "compact_path", "smoke": args.smoke, "device": str(device),
@@ -212,8 +253,20 @@ def run(args) -> dict:
         "torch": torch.__version__, "config": {k: (str(v) if isinstance(v, float) and math.isinf(v) else v)
                                               for k, v in vars(args).items() if k != "out"},
         "coding": coding.to_json(), "mb_tokens_used": mb_tok,
-        "per_decode_step": {"plain_ms": rollout_plain, "margin_ms": rollout_margin},
-        "per_micro_batch": {"plain_ms": trainer_plain, "margin_ms": trainer_margin},
+        "per_decode_step": {"plain_ms": rollout_plain, "margin_ms": rollout_margin,
+                            "margin_torch_ms": rollout_margin_torch},
+        "per_micro_batch": {"plain_ms": trainer_plain, "margin_ms": trainer_margin,
+                            "margin_torch_ms": trainer_margin_torch},
+        "packers": {
+            "margin_pack": "numpy: compact.exceptions_from_marks + compact.pack_rows on the host (marks copied over)",
+            "margin_pack_torch": f"torch: compact_device.pack_marks_on_device on {device} (host rows over, "
+                                 "packed bytes back in one copy)",
+            "margin_unpack": "numpy: compact.unpack_rows on the host",
+            "margin_unpack_torch": f"torch: compact_device.unpack_sites_torch on {device} (raw rows over)",
+            "margin_reconstruct": f"torch: compact.reconstruct on {device}",
+            "margin_ms": "numpy packer / decoder", "margin_torch_ms": "torch packer / decoder",
+        },
+        "packed_equal": True,  # every torch pack and decode was checked equal to numpy's (else the run fails)
         "share_of_step": share,
         "phases": stats, "stores": info,
     }
@@ -227,8 +280,9 @@ def _table(res: dict) -> str:
     for k, v in ph.items():
         lines.append(f"{k:<34}{v['median_ms']:>12.3f}{v['min_ms']:>11.3f}..{v['max_ms']:<9.3f}")
     for side, key in (("rollout, per decode step", "per_decode_step"), ("trainer, per micro-batch", "per_micro_batch")):
-        p, m = res[key]["plain_ms"], res[key]["margin_ms"]
-        lines.append(f"{side:<34} plain {p:9.3f} ms   margin {m:9.3f} ms   ({m / p if p else float('nan'):.2f}x)")
+        p, m, mt = res[key]["plain_ms"], res[key]["margin_ms"], res[key]["margin_torch_ms"]
+        lines.append(f"{side:<34} plain {p:9.3f} ms   margin {m:9.3f} ms (numpy, {m / p if p else float('nan'):.2f}x)"
+                     f"   {mt:9.3f} ms (torch, {mt / p if p else float('nan'):.2f}x)")
     sh = res["share_of_step"]
     ref = sh["reference"]
     note = "" if ref["costs_measured_on"].startswith("cuda") else (

@@ -8,6 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers.margin import cases as _cases
+from helpers.margin import damaged_rows
 
 from tracerl.errors import HintCodingError
 from tracerl.hints import compact as C
@@ -105,34 +107,6 @@ def unpack_rows_reference(packed: C.PackedRows) -> C.MarginExceptions:
 
 
 # ---- the tests ---------------------------------------------------------------------------------------------
-CODINGS = ["bitmap", "block-bitmap", "gamma", "rice0", "rice1", "rice3", "rice5", "rice8"]
-
-
-def _random_exceptions(rng, t, w, p_value, p_block, payload, full_values=False, full_blocks=False):
-    vm = torch.from_numpy(rng.random((t, w)) < p_value) if not full_values else torch.ones(t, w, dtype=torch.bool)
-    sm = (torch.from_numpy(rng.random((t, w // 16)) < p_block) if not full_blocks
-          else torch.ones(t, w // 16, dtype=torch.bool))
-    hint = torch.from_numpy(rng.integers(0, 2, int(vm.sum()), dtype=np.uint8))
-    top = 2 if payload == "lsb" else 127
-    scale = torch.from_numpy(rng.integers(0, top, int(sm.sum()), dtype=np.uint8))
-    return C.MarginExceptions(vm, hint, sm, scale, 0.1, 0.2, payload)
-
-
-def _cases(seed, n):
-    rng = np.random.default_rng(seed)
-    for i in range(n):
-        w = int(rng.choice([16, 48, 256, 2048]))
-        t = int(rng.choice([0, 1, 3, 17, 64]))
-        values = CODINGS[i % len(CODINGS)] if i % 9 else "all"
-        blocks = CODINGS[(3 * i + 1) % len(CODINGS)] if i % 7 else "all"
-        if blocks == "block-bitmap" and (w // 16) % 16:
-            blocks = "gamma"  # block-bitmap needs a multiple of 16 blocks
-        p = float(rng.choice([0.0, 0.003, 0.05, 0.3, 0.9, 1.0]))
-        enc = _random_exceptions(rng, t, w, p, float(rng.choice([0.0, 0.1, 0.6])), ["byte", "lsb"][i % 2],
-                                 values == "all", blocks == "all")
-        yield rng, enc, C.SiteCoding(values, blocks)
-
-
 @pytest.mark.parametrize("seed", range(4))
 def test_vectorized_unpack_equals_the_row_by_row_reference(seed):
     for _, enc, coding in _cases(seed, 40):
@@ -159,18 +133,7 @@ def test_damaged_rows_fail_in_both_or_decode_alike(seed):
         packed = C.pack_rows(enc, coding)
         if packed.data.size == 0:
             continue
-        damaged = []
-        flip = packed.data.copy()
-        bit = int(rng.integers(0, flip.size * 8))
-        flip[bit // 8] ^= np.uint8(1 << (7 - bit % 8))
-        damaged.append((flip, packed.offsets))
-        r = int(rng.integers(0, len(packed.offsets) - 1))
-        if packed.offsets[r + 1] > packed.offsets[r]:  # row r one byte shorter
-            cut = np.delete(packed.data, packed.offsets[r + 1] - 1)
-            damaged.append((cut, np.concatenate([packed.offsets[: r + 1], packed.offsets[r + 1:] - 1])))
-        extra = np.insert(packed.data, packed.offsets[r + 1], np.uint8(rng.integers(0, 256)))  # row r one longer
-        damaged.append((extra, np.concatenate([packed.offsets[: r + 1], packed.offsets[r + 1:] + 1])))
-        for data, offsets in damaged:
+        for data, offsets in damaged_rows(rng, packed):
             bad = C.PackedRows(data, offsets, packed.width, coding, 0.1, 0.2, enc.scale_payload)
             a, b = _outcome(C.unpack_rows, bad), _outcome(unpack_rows_reference, bad)
             assert (a is HintCodingError) == (b is HintCodingError), (coding, a if a is HintCodingError else b)

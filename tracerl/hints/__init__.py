@@ -15,7 +15,10 @@ trainer.
 - Margin exceptions (`tracerl.hints.compact`, issue 23): a store site of hint encoding ``margin`` keeps hints and
   scales only where the trainer could round differently (`store_site`, `pack_rows` / `unpack_rows`,
   `packed_from_store`); the feed hands them out as ``FeedBatch.margin`` and `patch_model` / tracerl's trainer quantize
-  such a site with `MarginSites` (scales and hints reconstructed from the forward's own activation).
+  such a site with `MarginSites` (scales and hints reconstructed from the forward's own activation). The same rows
+  are packed and decoded on the tensors' device by `tracerl.hints.compact_device` (`pack_rows_torch`,
+  `pack_marks_torch`, `unpack_rows_torch`, `unpack_sites_torch`: torch, byte for byte the numpy codec), which the
+  rollout recorder and the feed use on CUDA.
 - The packing and slicing they share (`tracerl.hints.packing`) and the record source that reads a trajectory's
   committed records without a log index (`tracerl.hints.source`).
 """
@@ -23,6 +26,8 @@ trainer.
 from tracerl.hints.compact import (MarginExceptions, PackedRows, Reconstruction, SiteCoding, choose_coding,
                                    encode_margin_exceptions, exceptions_from_marks, fake_quantize_compact, margin_stats,
                                    pack_rows, packed_from_store, reconstruct, store_rows, store_site, unpack_rows)
+from tracerl.hints.compact_device import (pack_marks_on_device, pack_marks_torch, pack_rows_torch, unpack_rows_torch,
+                                          unpack_sites_torch)
 from tracerl.hints.feed import FeedBatch, HintFeed
 from tracerl.hints.packing import (MicroBatch, PackedHints, Segment, concat_margin_rows, cp_shard, cp_zigzag_ranges,
                                    dp_shard, pack_micro_batches, read_packed, tp_feature_range)
@@ -35,6 +40,7 @@ __all__ = [
     "MarginExceptions", "Reconstruction", "encode_margin_exceptions", "fake_quantize_compact", "reconstruct",
     "SiteCoding", "PackedRows", "choose_coding", "exceptions_from_marks", "margin_stats", "pack_rows", "unpack_rows",
     "store_site", "store_rows", "packed_from_store",
+    "pack_rows_torch", "pack_marks_torch", "pack_marks_on_device", "unpack_rows_torch", "unpack_sites_torch",
     "FeedBatch", "HintFeed",
     "MicroBatch", "PackedHints", "Segment", "cp_shard", "cp_zigzag_ranges", "dp_shard", "pack_micro_batches",
     "read_packed", "tp_feature_range", "concat_margin_rows",

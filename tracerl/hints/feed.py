@@ -20,10 +20,15 @@ The feed imports nothing of tracerl's own trainer: `tracerl.hints.patch_model` i
 the hint-guided quantization in the trainer's model and takes a `FeedBatch`'s tensors in its forward.
 
 **Margin sites.** A site the store keeps as margin-exception rows (hint encoding margin, tracestore format 5) has no
-``hints``/``scales`` entry: the reading thread decodes its rows (`tracerl.hints.compact.unpack_rows`, in the site's
-coding) into ``FeedBatch.margin[site]`` (`compact.MarginExceptions` on the device), and the forward works out the
-scales and hints from its own activation with `FeedBatch.reconstruct` (`compact.reconstruct`), then rounds with
-today's hint-guided kernels. Such a site is read whole (no tensor-parallel feature slice).
+``hints``/``scales`` entry: its rows are decoded into ``FeedBatch.margin[site]`` (`compact.MarginExceptions` on the
+device), and the forward works out the scales and hints from its own activation with `FeedBatch.reconstruct`
+(`compact.reconstruct`), then rounds with today's hint-guided kernels. Where they are decoded is ``margin_decode``:
+on a CUDA feed device (``"auto"``, the default; ``"device"`` on any device) the reading thread hands over the raw
+rows and they are decoded on the device when the batch is handed out (`compact_device.unpack_sites_torch`, on a
+side stream: its syncs wait for the decode's own kernels, not for the trainer's queued work); otherwise
+(``"host"``, or ``"auto"`` on the CPU) the reading thread decodes them with numpy (`compact.unpack_rows`) and the
+masks and bytes are copied over. Both give equal exceptions. Such a site is read whole (no tensor-parallel feature
+slice).
 """
 
 from __future__ import annotations
@@ -41,11 +46,15 @@ import tracestore as ts
 from tracerl.artifacts.codes import RolloutCodes
 from tracerl.errors import ConfigError
 from tracerl.hints import compact
+from tracerl.hints.compact_device import unpack_sites_torch
 from tracerl.hints.packing import MicroBatch, PackedHints, Segment, cp_shard, dp_shard, read_packed, tp_feature_range
 from tracerl.hints.source import RecordSource, packed_nbytes
 from tracerl.util import to_device
 
-__all__ = ["FeedBatch", "HintFeed"]
+__all__ = ["FeedBatch", "HintFeed", "MARGIN_DECODES"]
+
+#: where a feed decodes margin rows (`HintFeed`'s ``margin_decode``)
+MARGIN_DECODES = ("auto", "device", "host")
 
 
 @dataclasses.dataclass
@@ -158,14 +167,20 @@ class HintFeed:
         global_scales: site -> g the rollout divided by (default: the store's model metadata ``global_scales``;
             a store written by SGLang records them per policy version: `tracerl.sglang`).
         codes: also hand out the rollout's recorded codes (``FeedBatch.codes``), where it recorded them.
+        margin_decode: where margin sites' rows are decoded (`MARGIN_DECODES`, module docstring): "auto" on the
+            device when it is a CUDA device, else on the host; "device" on the device (CPU too); "host" on the host.
 
-    Raises `ConfigError` for unknown sites, bad ranks, or sites whose width does not split into ``tp`` slices.
+    Raises `ConfigError` for unknown sites, bad ranks, sites whose width does not split into ``tp`` slices, or an
+    unknown ``margin_decode``.
     """
 
     def __init__(self, store: ts.Store, *, sites: Sequence[str] | None = None, device: str | torch.device = "cpu",
                  dp: tuple[int, int] | None = None, cp: tuple[int, int] | None = None,
                  tp: tuple[int, int] | None = None, read_ahead_bytes: int = 256 << 20,
-                 global_scales: Mapping[str, float] | None = None, codes: bool = False):
+                 global_scales: Mapping[str, float] | None = None, codes: bool = False,
+                 margin_decode: str = "auto"):
+        if margin_decode not in MARGIN_DECODES:
+            raise ConfigError(f"margin_decode must be one of {list(MARGIN_DECODES)}; got {margin_decode!r}")
         self.store = store
         self.sites = list(store.sites) if sites is None else list(sites)
         unknown = [s for s in self.sites if s not in store.sites]
@@ -173,6 +188,8 @@ class HintFeed:
             raise ConfigError(f"sites {unknown[:4]} are not declared by {store.url} (it declares "
                               f"{list(store.sites)[:6]})")
         self.device = torch.device(device)
+        #: decode margin rows on the device (when a batch is handed out) rather than in the reading thread
+        self.margin_on_device = margin_decode == "device" or (margin_decode == "auto" and self.device.type == "cuda")
         self.dp, self.cp, self.tp = _rank("dp", dp), _rank("cp", cp), _rank("tp", tp)
         self.margin_sites = [s for s in self.sites if getattr(store.sites[s], "hint_encoding", "bits") == "margin"]
         if self.margin_sites and self.tp is not None:
@@ -204,8 +221,11 @@ class HintFeed:
             first.margin.update(p.margin)
         return first
 
-    def _decode_margin(self, packed: PackedHints) -> dict[str, compact.MarginExceptions]:
-        """The margin sites' rows of ``packed`` decoded (host tensors), on the reading thread."""
+    def _decode_margin(self, packed: PackedHints) -> dict[str, compact.MarginExceptions] | None:
+        """The margin sites' rows of ``packed`` decoded (host tensors), on the reading thread; None when they are
+        decoded on the device instead (`_on_device`)."""
+        if self.margin_on_device:
+            return None
         return {s: compact.unpack_rows(compact.packed_from_store(self.store.sites[s], rows))
                 for s, rows in packed.margin.items()}
 
@@ -280,6 +300,9 @@ class HintFeed:
     def _on_device(self, packed: PackedHints, codes: dict, loaded: float, secs: float, result,
                    margin: dict | None = None) -> FeedBatch:
         dev = self.device
+        if margin is None and self.margin_on_device and packed.margin:  # decoded here, on the device
+            margin = unpack_sites_torch({s: compact.packed_from_store(self.store.sites[s], rows)
+                                         for s, rows in packed.margin.items()}, dev)
 
         def put(a: np.ndarray, dtype=None) -> torch.Tensor:
             t = torch.from_numpy(np.ascontiguousarray(a))

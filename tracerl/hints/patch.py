@@ -48,8 +48,9 @@ from torch import nn
 
 import tracefp4
 import tracestore as ts
-from tracerl.errors import HintMismatchError, PatchError
+from tracerl.errors import ConfigError, HintMismatchError, PatchError
 from tracerl.hints import compact
+from tracerl.hints.compact_device import unpack_sites_torch
 from tracerl.hints.scalehints import scale_encodings as _encodings_of
 from tracerl.hints.scalehints import use_store_scale_encodings
 from tracerl.policy import FP4Runtime, SitePlan, check_mode, effective_codes, routed_experts
@@ -117,13 +118,28 @@ class MarginSites:
         return y
 
 
-def decode_margin(store: ts.Store, packed: Any, device: str | torch.device = "cpu"
+def decode_margin(store: ts.Store, packed: Any, device: str | torch.device = "cpu", *, decode: str = "host"
                   ) -> dict[str, compact.MarginExceptions]:
     """The margin exceptions of a `PackedHints`' margin rows (``packed.margin``: site -> (data uint8 [n], offsets
-    int64 [T + 1])), decoded in each site's coding (``store.sites``) and moved to ``device``. Raises
-    `HintCodingError` for rows that do not decode, `ConfigError` for a site that is not a margin site."""
+    int64 [T + 1])), decoded in each site's coding (``store.sites``), on ``device``.
+
+    ``decode``: "host" decodes with numpy (`compact.unpack_rows`) and copies the masks and bytes to ``device``;
+    "device" copies the raw rows and decodes them there (`compact_device.unpack_sites_torch`: one or two syncs per
+    site, on a side stream of a CUDA device, so they do not wait for the caller's queued work); "auto" is "device"
+    for a CUDA device, else "host". The default stays "host" for callers that have not opted in. The results are
+    equal either way.
+
+    Raises `HintCodingError` for rows that do not decode, `ConfigError` for a site that is not a margin site or an
+    unknown ``decode``."""
+    if decode not in ("auto", "device", "host"):
+        raise ConfigError(f"decode must be one of ['auto', 'device', 'host']; got {decode!r}")
+    device = torch.device(device)
+    rows_of = getattr(packed, "margin", None) or {}
+    if decode == "device" or (decode == "auto" and device.type == "cuda"):
+        return unpack_sites_torch({site: compact.packed_from_store(store.sites[site], rows)
+                                   for site, rows in rows_of.items()}, device)
     out = {}
-    for site, rows in (getattr(packed, "margin", None) or {}).items():
+    for site, rows in rows_of.items():
         enc = compact.unpack_rows(compact.packed_from_store(store.sites[site], rows))
         out[site] = dataclasses.replace(enc, **{f: getattr(enc, f).to(device, non_blocking=True)
                                                 for f in ("value_mask", "hint_bits", "scale_mask", "scale_bytes")})

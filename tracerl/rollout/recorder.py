@@ -37,9 +37,12 @@ byte: the trainer computes its own scale at such a row, a token whose activation
 activation ``x`` [N, W] and its ``global_scale``, and computes the value and block marks on their device
 (``tracefp4.margin_marks``, no host sync) with the site's margins; marks, hints and scale bytes are staged and
 copied like every other field, and when rows are written the recorder gathers the kept bits and bytes
-(`compact.exceptions_from_marks`) and packs them in the site's coding (`compact.pack_rows`), on the host. Unfilled
-rows carry no marks (the trainer rounds to nearest there with its own scales). The engine passes ``x`` only when
-asked (`RolloutEngine(margin_capture=True)`).
+(`compact.exceptions_from_marks`) and packs them in the site's coding (`compact.pack_rows`), on the host. When the
+marks were computed on a CUDA device (``margin_pack="auto"``, the default; ``"device"`` does it on any device, ``"host"``
+never) the staged rows are packed there instead (`compact_device.pack_marks_on_device`: the rows go over from pinned
+memory, are packed on a side stream of the device with one sync for the packed size, and only the packed bytes come
+back, data and offsets in one copy), the same bytes as on the host. Unfilled rows carry no marks (the trainer rounds
+to nearest there with its own scales). The engine passes ``x`` only when asked (`RolloutEngine(margin_capture=True)`).
 """
 
 from __future__ import annotations
@@ -55,9 +58,12 @@ import tracefp4
 from tracefp4.constants import HINTS_PER_BYTE, NVFP4_BLOCK_SIZE
 from tracerl.errors import RecorderError
 from tracerl.hints import compact
+from tracerl.hints.compact_device import pack_marks_on_device
 from tracerl.hints.scalehints import SCALE_ENCODINGS, pack_scale_lsb, scale_lsb_bytes
 
 NO_EXPERT = 255
+#: where margin-site rows are packed (module docstring)
+MARGIN_PACKS = ("auto", "device", "host")
 
 
 class TraceSink(Protocol):
@@ -205,8 +211,11 @@ class RolloutRecorder:
     block_size: the FP4 block (16 for NVFP4); a site's scale row has width / block_size bytes, or with scale
         encoding lsb ceil(width / block_size / 8).
     scale_encodings: {site: "bytes" | "lsb"} (module docstring); default: the sink's (`sink_scale_encodings`).
+    margin_pack: where margin-site rows are packed when written (`MARGIN_PACKS`): "auto" on the marks' device when
+        it is a CUDA device, else on the host; "device" on the marks' device (CPU too); "host" always on the host
+        (numpy). The bytes are the same.
 
-    Raises `RecorderError` for bad sizes or an unknown scale encoding.
+    Raises `RecorderError` for bad sizes, an unknown scale encoding or an unknown ``margin_pack``.
     """
 
     def __init__(
@@ -220,9 +229,15 @@ class RolloutRecorder:
         drain_every: int = 32,
         block_size: int = NVFP4_BLOCK_SIZE,
         scale_encodings: Mapping[str, str] | None = None,
+        margin_pack: str = "auto",
     ):
         if flush_tokens < 1 or drain_every < 1:
             raise RecorderError(f"flush_tokens={flush_tokens} and drain_every={drain_every} must be >= 1")
+        if margin_pack not in MARGIN_PACKS:
+            raise RecorderError(f"margin_pack must be one of {list(MARGIN_PACKS)}; got {margin_pack!r}")
+        self.margin_pack = margin_pack
+        #: margin site -> the device its marks were computed on (where "auto" / "device" pack its rows)
+        self._margin_devices: dict[str, torch.device] = {}
         self.sink = sink
         self.site_widths = dict(site_widths)
         self.moe_layers = list(moe_layers)
@@ -342,6 +357,7 @@ class RolloutRecorder:
             hints, scales = torch.as_tensor(hints), torch.as_tensor(scales)
             value_marks, block_marks = tracefp4.margin_marks(x, global_scale, scales, hints, msite.margin,
                                                              msite.scale_margin, backend="auto")
+            self._margin_devices[site] = value_marks.device
             self._stage(("site", site), request_ids, positions, hints, scales, value_marks, block_marks)
             return
         if self.scale_encodings[site] == "lsb":
@@ -461,12 +477,17 @@ class RolloutRecorder:
 
     # ---- writes ---------------------------------------------------------------------------------------
     def _margin_rows(self, site: str, hints, scales, value_marks, block_marks) -> tuple[np.ndarray, np.ndarray]:
-        """The margin-exception rows (data uint8 [n], offsets int64 [T + 1]) of T recorded rows of ``site``."""
+        """The margin-exception rows (data uint8 [n], offsets int64 [T + 1]) of T recorded rows of ``site``, packed
+        on the host or on the marks' device (``margin_pack``)."""
         ms = self.margin_sites[site]
+        coding = compact.SiteCoding(ms.value_coding, ms.block_coding)
+        dev = self._margin_devices.get(site, torch.device("cpu"))
+        if self.margin_pack == "device" or (self.margin_pack == "auto" and dev.type == "cuda"):
+            return pack_marks_on_device(dev, value_marks, block_marks, hints, scales, coding, ms.scale_payload)
         enc = compact.exceptions_from_marks(torch.from_numpy(value_marks), torch.from_numpy(block_marks),
                                             torch.from_numpy(hints), torch.from_numpy(scales), ms.margin,
                                             ms.scale_margin, ms.scale_payload)
-        return compact.store_rows(compact.pack_rows(enc, compact.SiteCoding(ms.value_coding, ms.block_coding)))
+        return compact.store_rows(compact.pack_rows(enc, coding))
 
     def _complete_rows(self, slot: int) -> int:
         n = int(self._hi[slot] - self._start[slot])
