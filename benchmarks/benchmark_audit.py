@@ -14,7 +14,9 @@ breakdown, and the last run's result (modes, attribution, planner, replay, integ
 coverage's HTML report and its plots as PNG files. Each coverage is saved as soon as it finishes.
 ``--scale-encodings bytes,lsb`` records each coverage once per store scale encoding (FORMAT §2.4; the same seed, so
 the same rollout) and audits each: today's layout and scale hints side by side (keys ``<coverage>`` and
-``<coverage>/lsb``).
+``<coverage>/lsb``). ``--margins 0.05:0.05,0.1:0.1:lsb`` (``tracerl audit --margins``) also measures margin-exception
+encodings at those points (issue 23): per point the stored bytes per token, code agreement and excess, with own
+routes and with routing replay (the JSON's ``margin`` per coverage).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import tracefp4  # noqa: E402
 from tracerl.audit import AuditConfig, run_audit  # noqa: E402
 from tracerl.audit.plan import curve_rows  # noqa: E402
-from tracerl.config import DemoConfig  # noqa: E402
+from tracerl.config import MARGIN_SITES, DemoConfig, parse_margins  # noqa: E402
 from tracerl.demo import record_store  # noqa: E402
 
 GPU_SPEC = dict(hidden_size=2048, num_layers=40, num_heads=16, num_kv_heads=4, head_dim=128, num_experts=32,
@@ -83,7 +85,7 @@ def save_html(result: dict, path: str) -> list[str]:
 
 def summary(result: dict) -> dict:
     """What the benchmark keeps of a result beside the timing (the whole result is large at 80 sites)."""
-    keep = ("store", "integrity", "replay", "modes", "attribution", "planner", "timing", "config", "machine")
+    keep = ("store", "integrity", "replay", "modes", "attribution", "planner", "margin", "timing", "config", "machine")
     out = {k: result[k] for k in keep}
     out["per_site_fp4_hints"] = result["detail"]["fp4_hints"]["per_site"]
     out["per_layer_fp4_hints"] = result["detail"]["fp4_hints"]["per_layer"]
@@ -110,7 +112,12 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/audit-<config>.json; "
                                                "smoke: audit-smoke.json in a temporary directory)")
     p.add_argument("--html-dir", default=None, help="keep each coverage's HTML report and PNG plots here")
+    p.add_argument("--margins", default=None, metavar="M:MS[:lsb],...",
+                   help="margin-exception points to measure too (tracerl audit --margins; default: none)")
+    p.add_argument("--margin-sites", choices=MARGIN_SITES, default="hinted",
+                   help="the sites the margin points encode (default: the store's hinted sites)")
     args = p.parse_args(argv)
+    margins = parse_margins(args.margins) if args.margins else ()
     name = "smoke" if args.smoke else args.config
     coverages = args.coverage.split(",")
     bad = [c for c in coverages if c not in COVERAGES]
@@ -157,7 +164,8 @@ def main(argv=None) -> int:
             runs, result = [], None
             for rep in range(args.reps):
                 load_before = os.getloadavg()[0]
-                result = run_audit(AuditConfig(store=store, bands=args.bands))
+                result = run_audit(AuditConfig(store=store, bands=args.bands, margins=margins,
+                                               margin_sites=args.margin_sites))
                 # the 1-minute load average around the run: other jobs on a shared machine stretch the time
                 runs.append({**result["timing"], "loadavg_1min": [load_before, os.getloadavg()[0]]})
                 t = runs[-1]
@@ -233,6 +241,16 @@ def print_coverage(cov: str, e: dict) -> None:
     if lsb is not None:
         print(f"  with scale hints: k={lsb['k']}, {lsb['bytes_per_token_by_encoding']['lsb']} B/token, "
               f"{lsb['excess_vs_rne']:.2f}x RNE's excess (measured with scale bytes)")
+    mg = e["result"].get("margin")
+    if mg is not None:
+        print(f"margin exceptions at {len(mg['site_names'])} {mg['sites']} site(s) (bits: {mg['bits_bytes_per_token']} "
+              f"B/token): point, B/token, marked values, code agr., unmarked mismatches, x RNE (routes replayed)")
+        for q in mg["points"]:
+            ca = "-" if q["code_agreement"] is None else f"{100 * q['code_agreement']:.3f}%"
+            rr = q["with_routing_replay"]["excess_vs_rne"]
+            print(f"  {q['name']:20s} {q['bytes_per_token']:9.1f} {100 * q['marked_value_fraction']:7.3f}% {ca:>9s} "
+                  f"{q['unmarked_mismatch']:10d} {q['excess_vs_rne'] or float('nan'):6.3f}x "
+                  f"({rr or float('nan'):.3f}x)")
 
 
 if __name__ == "__main__":

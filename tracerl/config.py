@@ -405,6 +405,38 @@ class LoopConfig:
             raise ConfigError(f"scale_encoding={self.scale_encoding!r}; supported: {', '.join(SCALE_ENCODINGS)}")
 
 
+#: ``tracerl audit --margins``: the scale payloads of a margin point (a marked block's whole E4M3 byte or its LSB)
+MARGIN_PAYLOADS = ("byte", "lsb")
+#: ``tracerl audit --margin-sites``: the sites the margin passes encode (the store's hinted ones, or every FP4
+#: activation site the replay observes)
+MARGIN_SITES = ("hinted", "all")
+#: the most margin points one audit measures (each is two recompute passes and a mark buffer per site)
+MAX_MARGINS = 8
+
+
+def parse_margins(text: str) -> tuple[tuple[float, float, str], ...]:
+    """``"M:MS[:PAYLOAD],..."`` (value margin in ladder steps, scale margin in E4M3 steps, each a number >= 0 or
+    ``inf``; payload ``byte`` (default) or ``lsb``) -> ``((m, m_s, payload), ...)``. Raises `ConfigError` naming the
+    item that does not parse."""
+    out = []
+    for item in (t.strip() for t in text.split(",")):
+        parts = item.split(":")
+        if not item or len(parts) not in (2, 3):
+            raise ConfigError(f"margin point {item!r}: expected M:MS or M:MS:PAYLOAD (e.g. 0.03:0.3 or 0.1:inf:lsb)")
+        try:
+            m, ms = float(parts[0]), float(parts[1])
+        except ValueError:
+            raise ConfigError(f"margin point {item!r}: M and MS must be numbers >= 0 or inf") from None
+        out.append((m, ms, parts[2] if len(parts) == 3 else "byte"))
+    return tuple(out)
+
+
+def margin_name(point: Sequence[Any]) -> str:
+    """The pass / JSON name of a margin point: ``m=0.03 ms=0.3`` (``lsb`` appended for scale hints)."""
+    m, ms, payload = point
+    return f"m={m:g} ms={ms:g}" + (" lsb" if payload == "lsb" else "")
+
+
 @dataclasses.dataclass
 class AuditConfig:
     """What `run_audit` audits and how (the ``tracerl audit`` options)."""
@@ -423,9 +455,25 @@ class AuditConfig:
     storage_options: dict | None = None
     verify: bool = True
     concurrent_decode: str = "auto"  # replay and floor decodes side by side: CONCURRENT_DECODE (auto: CUDA graphs)
+    #: margin points ((m, m_s, payload), `parse_margins`): each one encodes `margin_sites` as margin exceptions from
+    #: the replay's activations and recomputes the tokens with the trainer's reconstruction (own routes, and with
+    #: routing replay); empty: no margin passes. Non-empty: the replay decodes on the hf path (margin capture)
+    margins: tuple = ()
+    margin_sites: str = "hinted"
 
     def check(self) -> None:
         """Raise `ConfigError` for values that cannot run (what arrived, what is allowed)."""
+        self.margins = tuple(tuple(p) if isinstance(p, (list, tuple)) else p for p in self.margins)
+        for p in self.margins:
+            ok = (isinstance(p, tuple) and len(p) == 3 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                                 and v >= 0 for v in p[:2]) and p[2] in MARGIN_PAYLOADS)
+            if not ok:  # NaN fails v >= 0
+                raise ConfigError(f"margin point {p!r}: must be (m, m_s, payload) with m, m_s numbers >= 0 or inf "
+                                  f"and payload one of {', '.join(MARGIN_PAYLOADS)}")
+        if len(set(self.margins)) != len(self.margins) or len(self.margins) > MAX_MARGINS:
+            raise ConfigError(f"margins: {len(self.margins)} point(s) given; at most {MAX_MARGINS}, each once")
+        if self.margin_sites not in MARGIN_SITES:
+            raise ConfigError(f"margin_sites={self.margin_sites!r}: must be one of {', '.join(MARGIN_SITES)}")
         for name, lo in (("micro_batch_tokens", 1), ("bands", 1), ("position_bucket", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:

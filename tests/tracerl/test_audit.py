@@ -165,6 +165,13 @@ def test_corrupt_chunk_is_reported_with_the_object(audited, tmp_path):
     (["--model", "/nonexistent.safetensors"], "--model"),
     (["--storage-options", "{not json"], "--storage-options"),
     (["--html", "/nonexistent/dir/report.html"], "does not exist"),
+    (["--margins", "0.1"], "expected M:MS"),
+    (["--margins", "a:0.1"], "numbers >= 0"),
+    (["--margins", "nan:0"], "numbers >= 0"),
+    (["--margins=-1:0"], "numbers >= 0"),
+    (["--margins", "0.1:0.1:bits"], "payload one of byte, lsb"),
+    (["--margins", "0.1:0.1,0.1:0.1"], "each once"),
+    (["--margin-sites", "all"], "--margin-sites needs --margins"),
 ])
 def test_bad_arguments_one_line_exit_2(audited, argv, message):
     _, _, url, _ = audited
@@ -426,3 +433,115 @@ def test_routing_replay_has_its_own_round_to_nearest_reference(audited):
     assert set(cov) == {"excess", "rne_excess", "excess_vs_rne"}
     assert cov["excess"] == hints_rr["excess_over_floor"] and cov["rne_excess"] == rr["excess_over_floor"]
     assert cov["excess_vs_rne"] == pytest.approx(cov["excess"] / cov["rne_excess"], rel=1e-12)
+
+
+MARGIN_KEYS = {"sites", "site_names", "decode_path", "bits_bytes_per_token", "rne_excess",
+               "rne_excess_with_routing_replay", "points", "frontier", "target"}
+POINT_KEYS = {"name", "margin", "scale_margin", "scale_payload", "bytes_per_token", "vs_bits", "marked_value_fraction",
+              "marked_block_fraction", "marked_mismatch", "unmarked_mismatch", "code_agreement", "scale_agreement",
+              "mean_abs_dlogp", "excess", "excess_vs_rne", "with_routing_replay", "site_bytes"}
+
+
+@pytest.fixture(scope="module")
+def margin_audit(audited):
+    _, _, url, tmp = audited
+    html = ["--html", str(tmp / "margin.html")] if importlib.util.find_spec("matplotlib") else []
+    rc, out, err = _cli("audit", url, "--json", "--threads", "2", "--bands", "2", "--no-attribution",
+                        "--margins", "0:0,0.1:0.1:lsb,inf:inf", "--target-excess", "1", *html)
+    assert rc == 0, err
+    return json.loads(out), tmp
+
+
+def test_margin_points_span_round_to_nearest_to_the_stored_hints(audited, margin_audit):
+    """Margin 0 stores nothing and is round-to-nearest with own scales, to the last bit; margin inf stores every
+    hint and scale and is the store's fp4_hints, to the last bit, at the bytes of today's layout; a point between
+    costs bytes between. The margin marks come from the recorded decode path (static here), which the replay still
+    reproduces, and the audit's other figures do not change."""
+    _, plain, _, _ = audited
+    res, _ = margin_audit
+    assert res["replay"]["reproduced"] and res["replay"]["decode_path"] == res["replay"]["recorded_decode_path"]
+    for mode in MODE_NAMES:
+        assert res["modes"][mode] == plain["modes"][mode]
+    mg = res["margin"]
+    assert set(mg) == MARGIN_KEYS and mg["site_names"] == res["store"]["hinted_sites"]
+    zero, mid, full = mg["points"]
+    assert all(set(p) == POINT_KEYS for p in mg["points"])
+    assert [p["name"] for p in mg["points"]] == ["m=0 ms=0", "m=0.1 ms=0.1 lsb", "m=inf ms=inf"]
+    modes = res["modes"]
+    for point, own, routed in ((zero, "fp4_rne_own_scales", "fp4_rne_replay_routes"),
+                               (full, "fp4_hints", "fp4_hints_replay_routes")):
+        assert point["mean_abs_dlogp"] == modes[own]["mean_abs_dlogp"]
+        assert point["code_agreement"] == modes[own]["code_agreement"]
+        assert point["with_routing_replay"]["mean_abs_dlogp"] == modes[routed]["mean_abs_dlogp"]
+    n_sites = len(mg["site_names"])
+    assert full["bytes_per_token"] == mg["bits_bytes_per_token"] == res["store"]["hint_bytes_per_token"]
+    assert zero["bytes_per_token"] == n_sites  # two empty position sets: one byte per token and site
+    assert zero["bytes_per_token"] < mid["bytes_per_token"] < full["bytes_per_token"]
+    assert (zero["marked_value_fraction"], full["marked_value_fraction"]) == (0.0, 1.0)
+    assert 0 < mid["marked_value_fraction"] < 1 and 0 < mid["marked_block_fraction"] < 1
+    assert full["unmarked_mismatch"] == 0 and zero["marked_mismatch"] == 0
+    assert zero["unmarked_mismatch"] > mid["unmarked_mismatch"] > 0  # fewer values left to the trainer's rounding
+    assert modes["fp4_rne_own_scales"]["code_agreement"] < mid["code_agreement"] < full["code_agreement"]
+    for p in mg["points"]:
+        sb = p["site_bytes"]
+        assert set(sb) == set(mg["site_names"])
+        assert sum(v["bytes_per_token"] for v in sb.values()) == pytest.approx(p["bytes_per_token"], rel=1e-12)
+        values = sum(v["values"] for v in sb.values())  # the same mismatches as the pass's code agreement
+        assert sum(v["marked_mismatch"] + v["unmarked_mismatch"] for v in sb.values()) == round(
+            (1 - p["code_agreement"]) * values)
+        assert all(v["tokens"] == v["priced_tokens"] == res["store"]["response_tokens"] for v in sb.values())
+    front = mg["frontier"]
+    assert [p["bytes_per_token"] for p in front] == sorted(p["bytes_per_token"] for p in front)
+    assert all(a["excess"] > b["excess"] for a, b in zip(front, front[1:]))
+    assert {p["encoding"] for p in front} <= {"bits", "margin"}
+    t = mg["target"]
+    assert t["meets"] and t["point"]["bytes_per_token"] == 0  # excess <= 1: round-to-nearest already reaches it
+
+
+def test_margin_report_and_html(margin_audit):
+    from tracerl.audit import render_terminal
+    from rich.console import Console
+
+    res, tmp = margin_audit
+    con = Console(width=200, record=True)
+    for item in render_terminal(res):
+        con.print(item)
+    text = con.export_text()
+    assert "margin exceptions" in text and "m=0.1 ms=0.1 lsb" in text and "Frontier of every measured" in text
+    if importlib.util.find_spec("matplotlib"):
+        page = (tmp / "margin.html").read_text(encoding="utf-8")
+        assert "<h2>Margin exceptions</h2>" in page and "m=inf ms=inf" in page
+    with open(README, encoding="utf-8") as f:
+        section = f.read().split("## Audit", 1)[1]
+    for key in [*MARGIN_KEYS, *POINT_KEYS, "--margins", "--margin-sites"]:
+        assert key in section, f"README's Audit section does not document {key}"
+
+
+def test_margin_tally_prices_rows_as_the_packer_writes_them():
+    """MarginTally's bytes are the bytes `compact.pack_rows` writes for the same marks in the chosen coding, and
+    with ``every`` it prices every k-th row across micro-batches while counting all of them."""
+    import torch
+
+    import tracefp4
+    from tracerl.audit.passes import MarginTally
+    from tracerl.hints import compact
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 256, generator=gen) * torch.exp(torch.randn(40, 1, generator=gen))
+    q = tracefp4.quantize(x, "nvfp4", global_scale=1.0)
+    g = torch.tensor(1.0)
+    vm, bm = tracefp4.margin_marks(x, g, q.scales, q.hints, 0.1, 0.1)
+    codes = tracefp4.unpack_codes(q.codes)
+    for every, rows in ((1, range(40)), (3, range(0, 40, 3))):
+        tally = MarginTally((0.1, 0.1, "lsb"), every)
+        tally.add("s", vm[:17], bm[:17], codes[:17], q.codes[:17])  # two micro-batches
+        tally.add("s", vm[17:], bm[17:], codes[17:], q.codes[17:])
+        got = tally.site_bytes({"s": 256})["s"]
+        idx = torch.tensor(list(rows))
+        enc = compact.exceptions_from_marks(vm[idx], bm[idx], q.hints[idx], q.scales[idx], 0.1, 0.1, "lsb")
+        coding, _ = compact.choose_coding(enc)
+        packed = compact.pack_rows(enc, coding)
+        assert got["coding"] == coding.to_json() and got["priced_tokens"] == len(idx) and got["tokens"] == 40
+        assert got["bytes_per_token"] * len(idx) == packed.nbytes
+        assert got["values"] == 40 * 256 and got["marked_values"] == int(tracefp4.unpack_hints(vm).sum())
+        assert got["marked_mismatch"] == got["unmarked_mismatch"] == 0  # the rollout's own codes

@@ -141,6 +141,14 @@ def plot_curve(plt, result: Mapping[str, Any]) -> str:
                 ms=8, label="unit set aside (measured)")
     sc = p["store_coverage"]
     ax.plot([sc["bytes_per_token"]], [sc["excess"]], "*", ms=14, color="#2ca02c", label="the store's coverage")
+    mg = result.get("margin")
+    if mg is not None and mg["points"]:
+        pts = sorted(mg["points"], key=lambda q: q["bytes_per_token"])
+        ax.plot([q["bytes_per_token"] for q in pts], [q["excess"] for q in pts], "D--", ms=5, color="#9467bd",
+                label=f"margin exceptions ({mg['sites']} sites, measured)")
+        for q in pts:
+            ax.annotate(q["name"], (q["bytes_per_token"], q["excess"]), fontsize=6, xytext=(3, 3),
+                        textcoords="offset points")
     ax.axhline(p["rne_excess"], color=COLORS["fp4_rne_own_scales"], ls=":", label="round-to-nearest")
     ax.axhline(0, color="#999999", lw=0.8)
     budget = p["budget"]["bytes_per_token"]
@@ -242,6 +250,22 @@ def _sections(result: Mapping[str, Any], plt) -> list[str]:
                  "floor carries to the logits.")
         out.append("<h2>Coverage planner</h2>" + _table(["k", "unit added", "B/token", "mean |dlogp|", "excess",
                                                          "vs RNE"], rows) + f"<p class='note'>{note}</p>")
+    mg = result.get("margin")
+    if mg is not None:
+        rows = [[q["name"], f"{q['bytes_per_token']:,.1f}", fmt(q["vs_bits"], "x"),
+                 fmt(q["marked_value_fraction"], "pct"), fmt(q["marked_block_fraction"], "pct"),
+                 fmt(q["code_agreement"], "pct"), f"{q['unmarked_mismatch']:,}", fmt(q["excess"]),
+                 fmt(q["excess_vs_rne"], "x"), fmt(q["with_routing_replay"]["excess_vs_rne"], "x")]
+                for q in mg["points"]]
+        front = "; ".join(f"{html.escape(q['encoding'])} {html.escape(q['name'])}: {q['bytes_per_token']:,.0f} "
+                          f"B/token, excess {fmt(q['excess'])}" for q in mg["frontier"])
+        out.append("<h2>Margin exceptions</h2>" + _table(
+            ["point", "B/token", "vs bits", "marked values", "marked blocks", "code agr.", "unmarked mism.",
+             "excess", "vs RNE", "routes replayed: vs RNE"], rows) +
+            f"<p class='note'>{len(mg['site_names'])} site(s) ({html.escape(mg['sites'])}) encoded as margin "
+            f"exceptions of the replay (m: value margin in ladder steps, ms: scale margin in E4M3 steps); the bits "
+            f"encoding of the same sites stores {mg['bits_bytes_per_token']:,} B/token. Frontier of every measured "
+            f"coverage (bits: the planner's points): {front}.</p>")
     mode = result["audited_mode"]
     d = result["detail"][mode]
     out.append(f"<h2>Per site ({html.escape(mode)})</h2>" + _table(

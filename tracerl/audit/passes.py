@@ -17,7 +17,7 @@ from tracerl.audit import metrics as am
 from tracerl.audit import plan as ap
 from tracerl.audit.replay import ReplayBatch
 from tracerl.audit.setup import Setup, StoredTrajectory
-from tracerl.hints import PackedHints
+from tracerl.hints import PackedHints, compact
 from tracerl.hints.scalehints import pack_scale_lsb, reconstruct_scales
 from tracerl.policy import SitePlan, effective_codes
 from tracerl.train import QATTrainer
@@ -30,14 +30,17 @@ DETAIL_KEYS = ("per_site", "per_layer", "per_trajectory", "per_policy_version", 
 @dataclasses.dataclass(frozen=True)
 class PassSpec:
     """One trainer recompute of every audited token: which FP4 sites do what (``actions``: site ->
-    ``scales`` | ``hints`` (the store's) | ``replay_hints`` | ``exact`` (the replay's); absent: own RNE), routing
-    replay, and whether code metrics are taken (``observe``). ``fp4=False``: the bf16 trainer."""
+    ``scales`` | ``hints`` (the store's) | ``replay_hints`` | ``exact`` (the replay's) | ``margin`` (margin
+    exceptions of the replay at point ``margin``); absent: own RNE), routing replay, and whether code metrics are
+    taken (``observe``). ``fp4=False``: the bf16 trainer. ``margin``: (index, (m, m_s, payload)) of the margin point
+    (`ReplayBatch.marks`) the ``margin`` sites are encoded at."""
 
     name: str
     fp4: bool = True
     actions: Mapping[str, str] = dataclasses.field(default_factory=dict)
     replay_routes: bool = False
     observe: bool = False
+    margin: tuple[int, tuple[float, float, str]] | None = None
 
 
 def mode_passes(plan: SitePlan) -> list[PassSpec]:
@@ -66,6 +69,76 @@ def attribution_passes(plan: SitePlan, groups: Sequence[ap.SiteGroup]) -> list[P
 
 def hint_pass(name: str, units: Sequence[ap.SiteGroup]) -> PassSpec:
     return PassSpec(name, actions={s: "replay_hints" for u in units for s in u.sites})
+
+
+def margin_passes(margins: Sequence[tuple[float, float, str]], sites: Sequence[str]) -> list[PassSpec]:
+    """Per margin point: ``margin:<point>`` (``sites`` as margin exceptions, the other FP4 sites RNE with own
+    scales, own routes) and ``margin_replay_routes:<point>`` (the same with the rollout's routes)."""
+    from tracerl.config import margin_name
+
+    out = []
+    for j, point in enumerate(margins):
+        acts = {s: "margin" for s in sites}
+        out += [PassSpec(f"margin:{margin_name(point)}", actions=acts, observe=True, margin=(j, tuple(point))),
+                PassSpec(f"margin_replay_routes:{margin_name(point)}", actions=acts, replay_routes=True,
+                         observe=True, margin=(j, tuple(point)))]
+    return out
+
+
+class MarginTally:
+    """What one margin pass would store and how its codes agree with the rollout's, per site, over the response
+    tokens: the counts ``[values, marked values, code mismatches among marked, among unmarked, blocks, marked
+    blocks]`` (+0 and -0 count equal) over every response row, and the value and block marks (packed, on the host) of every ``every``-th
+    response row, from which `site_bytes` prices the coding (numpy: `compact.choose_coding` over a few thousand
+    rows of width 2,048 takes seconds; over an audit of 32k tokens, minutes)."""
+
+    def __init__(self, point: tuple[float, float, str], every: int = 1):
+        self.point = point
+        self.every = max(1, int(every))
+        self.marks: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+        self.counts: dict[str, torch.Tensor] = {}
+        self._seen: dict[str, int] = {}
+
+    def add(self, site: str, vm: torch.Tensor, bm: torch.Tensor, codes_t: torch.Tensor, codes_r_packed: torch.Tensor
+            ) -> None:
+        """Response rows of one micro-batch: value marks uint8 [R, W/8], block marks uint8 [R, ceil(W/128)],
+        the trainer's codes uint8 [R, W] (unpacked) and the rollout's packed uint8 [R, W/2]."""
+        seen = self._seen.get(site, 0)
+        self._seen[site] = seen + len(vm)
+        keep = torch.arange((-seen) % self.every, len(vm), self.every, device=vm.device)  # every-th row overall
+        self.marks.setdefault(site, []).append((vm.index_select(0, keep).cpu().numpy(),
+                                                bm.index_select(0, keep).cpu().numpy()))
+        mask = tracefp4.unpack_hints(vm).bool()
+        r = tracefp4.unpack_codes(codes_r_packed)
+        differ = (codes_t != r) & (((codes_t & 7) != 0) | ((r & 7) != 0))
+        nb = codes_t.shape[1] // 16
+        blocks = tracefp4.unpack_hints(bm)[:, :nb]
+        c = torch.stack([torch.tensor(mask.numel(), device=mask.device), mask.sum(), (differ & mask).sum(),
+                         (differ & ~mask).sum(), torch.tensor(blocks.numel(), device=mask.device),
+                         blocks.sum().to(torch.int64)])
+        self.counts[site] = self.counts[site] + c if site in self.counts else c
+
+    def site_bytes(self, width_of: Mapping[str, int]) -> dict[str, dict[str, Any]]:
+        """Per site: the bytes `compact.pack_rows` writes for its rows in the cheapest coding (`choose_coding`),
+        per token, over the priced rows (``priced_tokens``: every ``every``-th response token), the coding, and
+        the mark and mismatch counts (every response token)."""
+        m, ms, payload = self.point
+        out = {}
+        for site, parts in self.marks.items():
+            vm = torch.from_numpy(np.concatenate([p[0] for p in parts]))
+            bm = torch.from_numpy(np.concatenate([p[1] for p in parts]))
+            w = width_of[site]
+            enc = compact.exceptions_from_marks(vm, bm, torch.zeros(len(vm), w // 8, dtype=torch.uint8),
+                                                torch.zeros(len(vm), w // 16, dtype=torch.uint8), m, ms, payload)
+            coding, _ = compact.choose_coding(enc)
+            total = int(compact.packed_row_bytes(enc, coding).sum())
+            values, marked, mm, um, blocks, marked_blocks = (int(v) for v in self.counts[site].cpu())
+            out[site] = {"width": w, "bytes_per_token": total / len(vm) if len(vm) else None,
+                         "coding": coding.to_json(), "priced_tokens": len(vm), "tokens": self._seen[site],
+                         "values": values, "marked_values": marked,
+                         "blocks": blocks, "marked_blocks": marked_blocks,
+                         "marked_mismatch": mm, "unmarked_mismatch": um}
+        return out
 
 
 class AuditMicroBatch:
@@ -97,6 +170,12 @@ class AuditMicroBatch:
 
     def replay_scales(self, site: str) -> torch.Tensor:  # uint8 [T, W/16]
         return self._get((site, "rs"), lambda: self.rep.scales[site][self.b_dev, self.pos_dev])
+
+    def replay_marks(self, site: str, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Margin point ``j``'s marks at ``site``: value marks uint8 [T, W/8], block marks uint8 [T, ceil(W/128)]."""
+        vm, bm = self.rep.marks[site]
+        return (self._get((site, f"vm{j}"), lambda: vm[j][self.b_dev, self.pos_dev]),
+                self._get((site, f"bm{j}"), lambda: bm[j][self.b_dev, self.pos_dev]))
 
     def stored(self, site: str, what: str) -> torch.Tensor:  # what: "hints" [T, W/8] | "scales" [T, W/16]
         return self._get((site, what), lambda: to_device(torch.as_tensor(
@@ -131,7 +210,8 @@ class AuditMicroBatch:
         return out
 
 
-def substitute_hook(mb: AuditMicroBatch, spec: PassSpec, tally: am.CodeTally | None):
+def substitute_hook(mb: AuditMicroBatch, spec: PassSpec, tally: am.CodeTally | None,
+                    margin_tally: MarginTally | None = None):
     """The `FP4Runtime.substitute` hook of one pass over one micro-batch (the pass's site actions; with a
     ``tally``, code metrics at every observable site). The runtime's mode is ``fp4_rne_own_scales``, so a site
     the hook leaves alone (None) is rounded to nearest with its own scales, as it would be here too."""
@@ -143,6 +223,27 @@ def substitute_hook(mb: AuditMicroBatch, spec: PassSpec, tally: am.CodeTally | N
         if site not in observable or (act is None and tally is None):
             return None
         g = rt.global_scale_on(site, x.device)
+        if act == "margin":  # the rollout's margin exceptions at the pass's point, the trainer's reconstruction
+            j, (m, ms, payload) = spec.margin
+            vm = mb.forward_rows((site, f"vm{j}"), lambda: mb.replay_marks(site, j)[0])
+            bm = mb.forward_rows((site, f"bm{j}"), lambda: mb.replay_marks(site, j)[1])
+            rh = mb.forward_rows((site, "rh"), lambda: tracefp4.hints_from_codes(mb.replay_codes(site)))
+            rs = mb.forward_rows((site, "rs"), lambda: mb.replay_scales(site))
+            enc = compact.exceptions_from_marks(vm, bm, rh, rs, m, ms, payload)
+            rec = compact.reconstruct(enc, x.detach(), g, backend=rt.backend)
+            y = tracefp4.fake_quantize(x, fmt="nvfp4", global_scale=g, scales=rec.scales_e4m3, hints=rec.hints_packed,
+                                       backend=rt.backend)
+            if tally is not None or margin_tally is not None:
+                used = rec.scales_e4m3.index_select(0, mb.rows)
+                codes = effective_codes(y.detach().index_select(0, mb.rows), used, g)
+                if tally is not None:
+                    tally.add(site, codes, mb.replay_codes(site), used, mb.reference_scales(site))
+                if margin_tally is not None:
+                    resp = mb.resp_dev
+                    vt, bt = mb.replay_marks(site, j)
+                    margin_tally.add(site, vt.index_select(0, resp), bt.index_select(0, resp),
+                                     codes.index_select(0, resp), mb.replay_codes(site).index_select(0, resp))
+            return y
         if act == "exact":  # the rollout's quantized values, as its forward used them
             scales = mb.forward_rows((site, "rs"), lambda: mb.replay_scales(site))
             y = tracefp4.dequantize(mb.forward_rows((site, "rc"), lambda: mb.replay_codes(site)), scales,
@@ -188,6 +289,7 @@ class PassState:
     layer_tokens: int = 0
     seconds: float = 0.0
     floor_log: am.TokenLog | None = None  # the bf16 pass: also against the floor decode
+    margin: MarginTally | None = None  # a margin pass (own routes): what it stores, how its codes agree
 
 
 def run_pass(s: Setup, mb: AuditMicroBatch, st: PassState) -> None:
@@ -197,7 +299,7 @@ def run_pass(s: Setup, mb: AuditMicroBatch, st: PassState) -> None:
     if st.tally is not None:
         st.tally.begin(mb.resp_dev)
     if spec.fp4:
-        with s.train.using(substitute=substitute_hook(mb, spec, st.tally)):
+        with s.train.using(substitute=substitute_hook(mb, spec, st.tally, st.margin)):
             r = s.trainer.recompute(mb.packed, "fp4_rne_own_scales", observe=False, replay_routes=spec.replay_routes)
     else:
         r = s.trainer.recompute(mb.packed, "bf16", observe=False, replay_routes=spec.replay_routes)

@@ -1,5 +1,6 @@
 """The replay decode (FP4, the stored tokens forced, every FP4 activation site's codes captured into device
-buffers) and the bf16 floor decode of one recorded batch, one after the other or side by side."""
+buffers; with margin points also each point's margin marks, computed from the replay's activations) and the bf16
+floor decode of one recorded batch, one after the other or side by side."""
 
 from __future__ import annotations
 
@@ -25,16 +26,24 @@ from tracerl.util import swapped, to_device
 
 class ReplayEngine(RolloutEngine):
     """A `RolloutEngine` whose captured codes and scales go into dense device buffers ``{site: (codes uint8
-    [B, L, W/2], scales uint8 [B, L, W/16])}`` indexed by (batch row, position): nothing goes to the host."""
+    [B, L, W/2], scales uint8 [B, L, W/16])}`` indexed by (batch row, position): nothing goes to the host.
+
+    With ``marks`` (``{site: (value marks uint8 [M, B, L, W/8], block marks uint8 [M, B, L, ceil(W/128)])}``) and
+    ``margins`` (M points ``(m, m_s, payload)``), the engine's ``mark_points`` give each point's
+    ``tracefp4.margin_marks`` of the site's activation, scales and hints on every decode path (the marks the
+    rollout's recorder would store at that margin), written into ``marks``."""
 
     def __init__(self, model, runtime, buffers: dict[str, tuple[torch.Tensor, torch.Tensor]], rids: Sequence[str],
+                 marks: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None, margins: Sequence = (),
                  **kwargs):
-        super().__init__(model, runtime, keep_codes=True, **kwargs)
+        super().__init__(model, runtime, keep_codes=True,
+                         mark_points=[(m, ms) for m, ms, _ in margins] if marks else (), **kwargs)
         self._buffers = buffers
+        self._marks = marks or {}
         self._row_of = {r: i for i, r in enumerate(rids)}
         self._last: tuple | None = None
 
-    def _deliver_site(self, rids, pos, site, hints, scales, codes) -> None:
+    def _deliver_site(self, rids, pos, site, hints, scales, codes, x=None, marks=None) -> None:
         buf = self._buffers.get(site)
         if buf is None:
             return
@@ -47,6 +56,11 @@ class ReplayEngine(RolloutEngine):
             last = self._last = (rids, pos, to_device(b, codes.device), to_device(p, codes.device))
         buf[0][last[2], last[3]] = codes
         buf[1][last[2], last[3]] = scales
+        out = self._marks.get(site)
+        if out is not None and marks is not None:
+            for j, (vm, bm) in enumerate(marks):
+                out[0][j, last[2], last[3]] = vm
+                out[1][j, last[2], last[3]] = bm
 
 
 @dataclasses.dataclass
@@ -63,6 +77,8 @@ class ReplayBatch:
     floor_experts: dict[int, np.ndarray]  # layer -> uint8 [B, L, top_k] by position
     decode_path: str
     weights: str
+    #: site -> (value marks uint8 [M, B, L, W/8], block marks uint8 [M, B, L, ceil(W/128)]) of the margin points
+    marks: dict[str, tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=dict)
 
 
 def dense(per_request: Sequence[np.ndarray], length: int, fill) -> np.ndarray:
@@ -125,8 +141,10 @@ def concurrent_decode(cfg_value: str, device: torch.device, path: str) -> bool:
 
 
 def replay_batch(s: Setup, chunk: list[StoredTrajectory], weights: str, step: StepFn, done: dict[str, int],
-            totals: dict[str, int], concurrency: str = "auto") -> tuple[ReplayBatch, dict[str, Any]]:
-    """The replay decode (FP4) and the floor decode (bf16) of one recorded batch, the stored tokens forced.
+            totals: dict[str, int], concurrency: str = "auto", margins: Sequence = (),
+            margin_sites: Sequence[str] = ()) -> tuple[ReplayBatch, dict[str, Any]]:
+    """The replay decode (FP4) and the floor decode (bf16) of one recorded batch, the stored tokens forced; with
+    ``margins`` (points ``(m, m_s, payload)``) also their marks at ``margin_sites`` (`ReplayEngine`).
 
     With `concurrent_decode` the floor runs in a second thread (its own CUDA stream on a GPU) while the replay
     runs in this one: each decode is the same computation as alone (the same captured graph per step, the same
@@ -143,12 +161,16 @@ def replay_batch(s: Setup, chunk: list[StoredTrajectory], weights: str, step: St
     buffers = {n: (torch.zeros(len(chunk), length, by[n].width // 2, dtype=torch.uint8, device=s.device),
                    torch.zeros(len(chunk), length, by[n].width // NVFP4_BLOCK_SIZE, dtype=torch.uint8,
                                device=s.device)) for n in s.observable}
+    marks = {n: (torch.zeros(len(margins), len(chunk), length, by[n].width // 8, dtype=torch.uint8, device=s.device),
+                 torch.zeros(len(margins), len(chunk), length, -(-by[n].width // 128), dtype=torch.uint8,
+                             device=s.device)) for n in (margin_sites if margins else ())}
     temperature = float(s.rollout.get("temperature") or 1.0)
     phases = (("replay decode (FP4, tokens forced)", "fp4_rne_own_scales"),
               ("floor decode (bf16, tokens forced)", "bf16"))
     # The engines leave the model's attention implementation alone (two threads swapping it would race).
     with bound_runtime(s.model, s.replay), swapped(s.model.config, _attn_implementation="sdpa"):
-        engines = {"fp4_rne_own_scales": ReplayEngine(s.model, s.replay, buffers, rids, attn_implementation=None),
+        engines = {"fp4_rne_own_scales": ReplayEngine(s.model, s.replay, buffers, rids, marks, margins,
+                                                      attn_implementation=None),
                    "bf16": ReplayEngine(s.model, s.replay, {}, rids, attn_implementation=None)}
         path = replay_decode_path(s, engines["fp4_rne_own_scales"])
         engines["bf16"].decode = engines["fp4_rne_own_scales"].decode
@@ -187,5 +209,5 @@ def replay_batch(s: Setup, chunk: list[StoredTrajectory], weights: str, step: St
     rep = ReplayBatch(chunk, {k: v[0] for k, v in buffers.items()}, {k: v[1] for k, v in buffers.items()},
                   [lp[: len(t.response)] for lp, t in zip(roll.logprobs, chunk)], roll.experts,
                   dense([lp[: len(t.response)] for lp, t in zip(floor.logprobs, chunk)], max_new, np.nan),
-                  {la: dense(per, length, 0) for la, per in floor.experts.items()}, path, weights)
+                  {la: dense(per, length, 0) for la, per in floor.experts.items()}, path, weights, marks)
     return rep, {"replay_s": replay_s, "floor_s": floor_s, "decode_s": decode_s, "concurrent": side_by_side}

@@ -151,6 +151,27 @@ def planner_table(result: Mapping[str, Any]):
                   cols, rows, caption)
 
 
+def margin_table(result: Mapping[str, Any]):
+    mg = result["margin"]
+    cols = [("point", None), ("B/token", "int"), ("vs bits", "x"), ("marked values", "pct"), ("marked blocks", "pct"),
+            ("code agr.", "pct"), ("unmarked mism.", "int"), ("excess", "sci"), ("vs RNE", "x"),
+            ("routes replayed: vs RNE", "x")]
+    rows = [[p["name"], p["bytes_per_token"], p["vs_bits"], p["marked_value_fraction"], p["marked_block_fraction"],
+             p["code_agreement"], p["unmarked_mismatch"], p["excess"], p["excess_vs_rne"],
+             p["with_routing_replay"]["excess_vs_rne"]] for p in mg["points"]]
+    front = ", ".join(f"{p['encoding']} {p['name']} ({p['bytes_per_token']:,.0f} B/token, excess {fmt(p['excess'])})"
+                      for p in mg["frontier"])
+    caption = (f"{len(mg['site_names'])} site(s) ({mg['sites']}); bits encoding of the same sites: "
+               f"{mg['bits_bytes_per_token']:,} B/token. Frontier of every measured coverage: {front}.")
+    t = mg.get("target")
+    if t is not None:
+        caption += (f" Cheapest with excess <= {t['target_excess']:g}: " +
+                    (f"{t['point']['encoding']} {t['point']['name']}, {t['point']['bytes_per_token']:,.0f} B/token"
+                     if t["meets"] else "none measured"))
+    return _table("margin exceptions: stored bytes, agreement and excess per margin point (m: value margin in "
+                  "ladder steps, ms: scale margin in E4M3 steps)", cols, rows, caption)
+
+
 def render_terminal(result: Mapping[str, Any]) -> list[Any]:
     """The report as a list of rich renderables (strings and tables), in print order."""
     out: list[Any] = list(summary_lines(result))
@@ -165,6 +186,8 @@ def render_terminal(result: Mapping[str, Any]) -> list[Any]:
         out.append(attribution_table(result))
     if result["planner"] is not None:
         out.append(planner_table(result))
+    if result.get("margin") is not None:
+        out.append(margin_table(result))
     t = result["timing"]
     decodes = (f"replay and floor decodes side by side {t['decode_s']:.1f}s (replay {t['replay_s']:.1f}s, floor "
                f"{t['floor_s']:.1f}s)" if t["concurrent_decode"] else

@@ -85,17 +85,19 @@ from tracerl.audit import metrics as am
 from tracerl.audit import plan as ap
 from tracerl.audit.passes import (
     AuditMicroBatch,
+    MarginTally,
     PassState,
     attribution_passes,
     detail_of,
     hint_pass,
+    margin_passes,
     mode_passes,
     mode_summary,
     run_pass,
 )
 from tracerl.audit.replay import ReplayBatch, replay_batch
 from tracerl.audit.setup import check_metadata, load_setup, read_trajectories, replay_chunks, use_weights
-from tracerl.config import AuditConfig
+from tracerl.config import AuditConfig, margin_name
 from tracerl.hints import pack_micro_batches, read_packed
 from tracerl.runlog import StepFn, json_ready, machine_info
 
@@ -106,9 +108,11 @@ AUDITED_MODE = "fp4_hints"
 MODE_NAMES = ("floor", "bf16", "fp4_rne_own_scales", "fp4_rne_rollout_scales", "fp4_hints",
               "fp4_hints_replay_routes", "fp4_rne_replay_routes")
 TOP_KEYS = ("audit_format", "store", "integrity", "replay", "modes", "audited_mode", "detail", "histogram",
-            "attribution", "planner", "timing", "config", "machine")
+            "attribution", "planner", "margin", "timing", "config", "machine")
 #: the planner's reference budget: the paper's default coverage (20 MoE inputs of width 2048)
 REFERENCE_BUDGET = 7680
+#: about how many response tokens a margin point's bytes are priced over (every k-th token; all of a smaller audit)
+MARGIN_PRICED_TOKENS = 4096
 
 
 
@@ -178,12 +182,21 @@ class _Audit:
         if cfg.attribution:
             specs += attribution_passes(s.plan, self.groups)
         specs += [hint_pass(f"hint:{u.name}", [u]) for u in self.units]
+        by = s.plan.by_name
+        self.margin_sites = (list(s.plan.hinted) if cfg.margin_sites == "hinted" else
+                             [n for n in s.observable if by[n].kind != "kv"]) if cfg.margins else []
+        specs += margin_passes(cfg.margins, self.margin_sites)
         self.mbs = [(c, pack_micro_batches({t.traj_id: t.num_tokens for t in c if t.data_ok}, cfg.micro_batch_tokens))
                     for c in self.chunks]
         n_mb = sum(len(m) for _, m in self.mbs)
         hinted = set(s.plan.hinted)
-        self.states = {sp.name: PassState(sp, am.TokenLog(), am.CodeTally(s.observable, hinted, s.device)
-                                           if sp.observe else None, {}) for sp in specs}
+        n_resp = sum(len(t.response) for t in self.trajs if t.data_ok)
+        every = -(-n_resp // MARGIN_PRICED_TOKENS)
+        counted = {sp.name: set(self.margin_sites) if sp.margin is not None else hinted for sp in specs}
+        self.states = {sp.name: PassState(sp, am.TokenLog(), am.CodeTally(s.observable, counted[sp.name], s.device)
+                                           if sp.observe else None, {},
+                                           margin=MarginTally(sp.margin[1], every) if sp.margin is not None
+                                           and not sp.replay_routes else None) for sp in specs}
         self.states["bf16"].floor_log = am.TokenLog()
         totals = {"replay decode (FP4, tokens forced)": sum(max(len(t.response) for t in c) for c in self.chunks),
                   "floor decode (bf16, tokens forced)": sum(max(len(t.response) for t in c) for c in self.chunks),
@@ -197,7 +210,8 @@ class _Audit:
         for chunk, mbs in self.mbs:
             version = chunk[0].version
             self.weights[version] = use_weights(s, self.store.url, version, self.published, cfg.storage_options)
-            rep, secs = replay_batch(s, chunk, self.weights[version], self.step, done, totals, cfg.concurrent_decode)
+            rep, secs = replay_batch(s, chunk, self.weights[version], self.step, done, totals, cfg.concurrent_decode,
+                                     cfg.margins, self.margin_sites)
             for key in ("replay_s", "floor_s", "decode_s"):
                 self.timing[key] += secs[key]
             self.timing["concurrent_decode"] |= secs["concurrent"]
@@ -278,6 +292,7 @@ class _Audit:
                            **ap.attribute(states[AUDITED_MODE].log.column("dlogp"), floor_d, steps),
                            "exact_code_agreement": check["code_agreement"] if check else None}
         planner = self._planner(modes) if cfg.planner else None
+        margin = self._margin(modes, planner) if cfg.margins else None
         n_resp = int(sum(len(t.response) for t in self.trajs if t.data_ok))
         rep_lp = [np.array_equal(r.logprobs[b], t.logprobs, equal_nan=True) for r, _ in self.replays
                   for b, t in enumerate(r.trajs)]
@@ -326,7 +341,9 @@ class _Audit:
             "histogram": hist,
             "attribution": attribution,
             "planner": planner,
+            "margin": margin,
             "config": {**dataclasses.asdict(cfg), "device": str(s.device), "storage_options": None,
+                       "margins": [margin_name(p) for p in cfg.margins],
                        "kernels_backend": tracefp4.resolve_backend(cfg.backend, s.device)},
             "machine": machine_info(),
         }
@@ -363,6 +380,60 @@ class _Audit:
                 "target": target}
 
 
+    def _margin(self, modes: dict, planner: dict | None) -> dict[str, Any]:
+        """The margin points (`margin_passes`): stored bytes per token (the coding `compact.choose_coding` picks
+        per site over every audited row), marks, code agreement and mismatches, excess with own routes and with
+        routing replay; and every measured coverage (the planner's bits points and these) as one frontier."""
+        s, cfg = self.s, self.cfg
+        by = s.plan.by_name
+        sites = self.margin_sites
+        rne, rr_rne = (modes[k]["excess_over_floor"] for k in ("fp4_rne_own_scales", "fp4_rne_replay_routes"))
+        today = sum(ap.site_bytes_per_token(by[x].width) for x in sites)
+        points = []
+        for point in cfg.margins:
+            name = margin_name(point)
+            st, rr = self.states[f"margin:{name}"], self.states[f"margin_replay_routes:{name}"]
+            own, routed = (mode_summary(x.log, x.tally, set(sites)) for x in (st, rr))
+            sb = st.margin.site_bytes({x: by[x].width for x in sites})
+            tot = {k: sum(v[k] for v in sb.values()) for k in ("values", "marked_values", "blocks", "marked_blocks",
+                                                                "marked_mismatch", "unmarked_mismatch")}
+            nbytes = sum(v["bytes_per_token"] or 0.0 for v in sb.values())
+            excess, rr_excess = own["mean_abs_dlogp"] - self.floor_mean, routed["mean_abs_dlogp"] - self.floor_mean
+            m, ms, payload = point
+            points.append({
+                "name": name, "margin": m if math.isfinite(m) else "inf",
+                "scale_margin": ms if math.isfinite(ms) else "inf", "scale_payload": payload,
+                "bytes_per_token": nbytes, "vs_bits": nbytes / today if today else None,
+                "marked_value_fraction": tot["marked_values"] / tot["values"] if tot["values"] else None,
+                "marked_block_fraction": tot["marked_blocks"] / tot["blocks"] if tot["blocks"] else None,
+                "marked_mismatch": tot["marked_mismatch"], "unmarked_mismatch": tot["unmarked_mismatch"],
+                "code_agreement": own["code_agreement"], "scale_agreement": own["scale_agreement"],
+                "mean_abs_dlogp": own["mean_abs_dlogp"], "excess": excess, "excess_vs_rne": ap.excess_ratio(excess, rne),
+                "with_routing_replay": {"code_agreement": routed["code_agreement"],
+                                        "mean_abs_dlogp": routed["mean_abs_dlogp"], "excess": rr_excess,
+                                        "excess_vs_rne": ap.excess_ratio(rr_excess, rr_rne)},
+                "site_bytes": sb})
+        measured = [{"encoding": "margin", "name": p["name"], "sites": len(sites), "bytes_per_token":
+                     p["bytes_per_token"], "excess": p["excess"], "excess_vs_rne": p["excess_vs_rne"]} for p in points]
+        if planner is not None:
+            measured += [{"encoding": "bits", "name": f"k={c['k']}", "sites": len(c["sites"]),
+                          "bytes_per_token": c["bytes_per_token"], "excess": c["excess"],
+                          "excess_vs_rne": c["excess_vs_rne"]} for c in planner["curve"]]
+        measured.sort(key=lambda p: (p["bytes_per_token"], p["excess"]))
+        frontier, best = [], math.inf
+        for p in measured:  # cheapest first: a point is on the frontier when it lowers the excess of every cheaper one
+            if p["excess"] < best:
+                frontier.append(p)
+                best = p["excess"]
+        target = None
+        if cfg.target_excess is not None:
+            ok = [p for p in measured if p["excess"] <= cfg.target_excess]
+            target = {"target_excess": cfg.target_excess, "meets": bool(ok), "point": ok[0] if ok else None}
+        return {"sites": cfg.margin_sites, "site_names": sites, "decode_path": "hf", "bits_bytes_per_token": today,
+                "rne_excess": rne, "rne_excess_with_routing_replay": rr_rne, "points": points,
+                "frontier": frontier, "target": target}
+
+
 def run_audit(cfg: AuditConfig, on_step: StepFn | None = None) -> dict[str, Any]:
     """Audit the store at ``cfg.store``; returns the JSON-ready result described in the module docstring.
 
@@ -397,7 +468,8 @@ def _integrity_only(audit: _Audit, t_start: float) -> dict[str, Any]:
                       "site_bytes": None,
                       "policy_versions": [], "model": dataclasses.asdict(s.spec)},
             "integrity": audit.integrity, "replay": None, "modes": {}, "audited_mode": AUDITED_MODE, "detail": {},
-            "histogram": None, "attribution": None, "planner": None,
+            "histogram": None, "attribution": None, "planner": None, "margin": None,
             "timing": {"seconds": time.perf_counter() - t_start, **audit.timing, "passes": 0, "micro_batches": 0},
-            "config": {**dataclasses.asdict(audit.cfg), "device": str(s.device), "storage_options": None},
+            "config": {**dataclasses.asdict(audit.cfg), "device": str(s.device), "storage_options": None,
+                       "margins": [margin_name(p) for p in audit.cfg.margins]},
             "machine": machine_info()}

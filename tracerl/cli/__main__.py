@@ -1,5 +1,4 @@
-import sys
-
 from tracerl.cli import main
+from tracerl.cli.args import exit_process
 
-sys.exit(main())
+exit_process(main())

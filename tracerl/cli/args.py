@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
+from typing import NoReturn
 
 from tracerl.config import LOOP_PARENT_ENV, check_store_exists
 from tracestore.cliargs import (
@@ -28,7 +29,7 @@ from tracestore.cliargs import (
 __all__ = ["add_storage_arguments", "finite_float", "float_above", "float_at_least", "int_at_least",
            "storage_options", "existing_store_options", "add_process_arguments", "add_model_size_arguments",
            "start_process", "init_distributed",
-           "end_distributed",
+           "end_distributed", "exit_process",
            "stop_on_signals", "stop_with_parent"]
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,28 @@ def init_distributed(device: str) -> str:
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo")
+    global _JOINED
+    _JOINED = True
     return device
+
+
+#: whether this process joined a process group (`init_distributed`): `exit_process` then skips finalization
+_JOINED = False
+
+
+def exit_process(rc: int) -> NoReturn:
+    """End the ``python -m tracerl.cli`` process with exit status ``rc``. A process that joined a process group
+    (a torchrun rank) leaves with ``os._exit`` once its output and logs are flushed: with gloo, a rank's process
+    sometimes aborted *after* its work was done and the group destroyed ("terminate called without an active
+    exception", SIGABRT, once in CI, not reproduced in 32 runs here), the known PyTorch teardown race of c10d's C++
+    threads and interpreter finalization (pytorch/pytorch#179291); skipping finalization removes the window. Every
+    command has committed, published and joined its threads before it returns, so nothing is lost."""
+    if _JOINED:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(rc)
+    sys.exit(rc)
 
 
 def end_distributed() -> None:

@@ -12,7 +12,7 @@ import json
 import sys
 
 from tracerl.cli.args import add_storage_arguments, finite_float, int_at_least, storage_options
-from tracerl.config import CONCURRENT_DECODE, AuditConfig, check_store_exists
+from tracerl.config import CONCURRENT_DECODE, MARGIN_SITES, AuditConfig, check_store_exists, parse_margins
 from tracerl.errors import ConfigError
 from tracestore.cliargs import check_local_store
 
@@ -32,6 +32,7 @@ EXAMPLES = [
     "tracerl audit ./demo-store --html report.html --json > audit.json",
     "tracerl audit s3://bucket/run1 --endpoint-url http://127.0.0.1:9000 --no-planner",
     "tracerl audit ./demo-store --target-excess 1e-3 --plan-out sites.json   # then tracestore create --site-table",
+    "tracerl audit ./demo-store --margins 0.03:0.3,0.1:1,0.1:1:lsb --margin-sites all   # sub-bit hint encodings",
 ]
 
 
@@ -72,6 +73,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run the replay decode (FP4) and the floor decode (bf16) side by side, the floor in a "
                         "second thread on its own CUDA stream (default auto: with CUDA-graph decodes on a GPU; the "
                         "results are the same bits either way)")
+    p.add_argument("--margins", metavar="M:MS[:lsb],...",
+                   help="also measure margin-exception encodings (hint encoding margin, FORMAT §2.5) at these "
+                        "points: value margin M (ladder steps) and scale margin MS (E4M3 steps), numbers >= 0 or "
+                        "inf, ':lsb' for scale hints instead of whole scale bytes; per point the stored bytes per "
+                        "token, code agreement and excess with own routes and with routing replay (two passes "
+                        "each; the replay then decodes on the hf path, which captures the activations)")
+    p.add_argument("--margin-sites", choices=MARGIN_SITES, default="hinted",
+                   help="the sites the margin points encode: the store's hinted sites (default) or every FP4 "
+                        "activation site")
     p.add_argument("--threads", type=nonneg, default=0, metavar="N",
                    help="torch CPU threads (default 0: torch's choice)")
 
@@ -89,6 +99,8 @@ def config_from_args(args: argparse.Namespace) -> AuditConfig:
         folder = os.path.dirname(os.path.abspath(args.html))
         if not os.path.isdir(folder):
             raise ConfigError(f"--html {args.html}: folder {folder} does not exist")
+    if args.margin_sites != "hinted" and not args.margins:
+        raise ConfigError("--margin-sites needs --margins")
     if args.plan_out and args.target_excess is None:
         raise ConfigError("--plan-out needs --target-excess")
     if args.target_excess is not None and args.no_planner:
@@ -98,7 +110,8 @@ def config_from_args(args: argparse.Namespace) -> AuditConfig:
                       micro_batch_tokens=args.micro_batch_tokens, bands=args.bands,
                       position_bucket=args.position_bucket, attribution=not args.no_attribution,
                       planner=not args.no_planner, target_excess=args.target_excess, storage_options=opts,
-                      verify=not args.no_verify, concurrent_decode=args.concurrent_decode)
+                      verify=not args.no_verify, concurrent_decode=args.concurrent_decode,
+                      margins=parse_margins(args.margins) if args.margins else (), margin_sites=args.margin_sites)
     cfg.check()
     check_local_store(cfg.store, opts)  # without numpy, pyarrow, zarr
     check_store_exists(cfg.store, opts)

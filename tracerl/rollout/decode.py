@@ -28,12 +28,13 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+import tracefp4
 from tracerl.errors import ConfigError
 from tracerl.policy import FP4Runtime, has_linear_attention
 
@@ -84,6 +85,9 @@ class StaticDecoder:
     capture: record hinted sites (hint bits and scales, plus codes when ``keep_codes``).
     routes: record routed expert ids of every MoE layer (uint8 [B, top_k] per step).
     use_graph: capture the step as a CUDA graph (CUDA only).
+    marks: (value margin, scale margin) points: with ``capture``, also each captured site's
+        ``tracefp4.margin_marks`` at every point (value marks uint8 [B, W/8], block marks uint8 [B, ceil(W/128)],
+        after the codes in the site's ring parts), computed in the step from its activation (no host sync).
 
     Raises `ConfigError` for an unsupported model or ``use_graph`` off CUDA.
     """
@@ -100,6 +104,7 @@ class StaticDecoder:
         keep_codes: bool = False,
         routes: bool = False,
         use_graph: bool = False,
+        marks: Sequence[tuple[float, float]] = (),
     ):
         if not supports_static_decode(model):
             raise ConfigError("static decode supports full-attention decoder models (qwen3-moe); "
@@ -113,6 +118,8 @@ class StaticDecoder:
         self.model, self.runtime, self.device = model, runtime, device
         self.batch, self.max_len, self.ring = batch, max_len, ring
         self.capture, self.keep_codes, self.routes, self.use_graph = capture, keep_codes, routes, use_graph
+        self.marks = [(float(m), float(ms)) for m, ms in marks]
+        self._x: dict[str, torch.Tensor] = {}  # site -> this step's activation (with marks)
         self.num_layers = cfg.num_hidden_layers
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -160,6 +167,8 @@ class StaticDecoder:
     def _stage_for(self, site: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`FP4Runtime` ``capture_into``: the stage views (scales [B, W/16], hints [B, W/8]) that the fused kernel
         writes ``site``'s capture into; None before the stage exists or for a shape it was not built for."""
+        if self.marks:
+            self._x[site] = x
         views = self._views.get(("site", site))
         if views is None or views[0].shape[0] != x.shape[0]:
             return None
@@ -168,8 +177,14 @@ class StaticDecoder:
 
     def _on_capture(self, site: str, q) -> None:
         direct, self._served = self._served == site, None
-        parts = (None, None) if direct else (q.hints, q.scales)
-        self._ring_write(("site", site), parts + ((q.codes,) if self.keep_codes else ()))
+        parts = ((None, None) if direct else (q.hints, q.scales)) + ((q.codes,) if self.keep_codes else ())
+        x = self._x.pop(site, None)
+        if x is not None:
+            rt = self.runtime
+            g = rt.global_scale_on(site, x.device)
+            for m, ms in self.marks:
+                parts += tracefp4.margin_marks(x, g, q.scales, q.hints, m, ms, backend=rt.backend)
+        self._ring_write(("site", site), parts)
 
     def _on_route(self, layer: int, idx: torch.Tensor) -> None:
         self._ring_write(("route", str(layer)), (idx,))

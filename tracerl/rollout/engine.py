@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+import tracefp4
 from tracerl.config import DECODE_PATHS
 from tracerl.errors import ConfigError
 from tracerl.policy import FP4Runtime, cache_kwarg, check_mode, fp4_kv_cache, moe_layer_name
@@ -110,6 +111,9 @@ class RolloutEngine:
     margin_capture: hand each hinted site's activation to the recorder, which a site the store declares with hint
       encoding ``margin`` needs (its margin-exception rows are computed from it: `RolloutRecorder`); ``hf`` decode
       path only. Without it, a recorder with margin sites is refused.
+    mark_points: (value margin, scale margin) points: every captured site's ``tracefp4.margin_marks`` at each
+      point, computed from its activation on every decode path (the static/graph paths in the step, into their
+      ring) and handed to `_deliver_site` as ``marks`` (the audit's replay: `tracerl.audit.replay`).
 
     Raises `ConfigError` for an unknown decode path here, and from `generate` for a path the model or device
     cannot run (``graph`` off CUDA, ``static``/``graph`` with linear attention), for a recorder with margin sites
@@ -130,6 +134,7 @@ class RolloutEngine:
         decode: str = "auto",
         ring: int = 32,
         margin_capture: bool = False,
+        mark_points: Sequence[tuple[float, float]] = (),
     ):
         if decode not in DECODE_PATHS:
             raise ConfigError(f"unknown decode path {decode!r}; supported: {', '.join(DECODE_PATHS)}")
@@ -144,6 +149,7 @@ class RolloutEngine:
         self.decode = decode
         self.ring = ring
         self.margin_capture = bool(margin_capture)
+        self.mark_points = [(float(m), float(ms)) for m, ms in mark_points]
         self._x: dict[str, torch.Tensor] = {}  # site -> the activation of the current forward (margin_capture)
         self._cache_kw = cache_kwarg(model)
         self._rows: tuple[list[str], np.ndarray, torch.Tensor] | None = None
@@ -156,9 +162,17 @@ class RolloutEngine:
         rids, pos, rows = self._rows
         pick = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
         x = self._x.pop(site, None)
-        # x only with margin_capture: subclasses (tracerl.audit.replay) keep the six-argument signature
-        self._deliver_site(rids, pos, site, pick(q.hints), pick(q.scales), pick(q.codes) if self.keep_codes else None,
-                           **({} if x is None else {"x": pick(x)}))
+        hints, scales = pick(q.hints), pick(q.scales)
+        extra = {}
+        if x is not None:
+            x = pick(x)
+            if self.margin_capture:  # x only with margin_capture, marks only with mark_points
+                extra["x"] = x
+            if self.mark_points:
+                g = self.runtime.global_scale_on(site, x.device)
+                extra["marks"] = [tracefp4.margin_marks(x, g, scales, hints, m, ms, backend=self.runtime.backend)
+                                  for m, ms in self.mark_points]
+        self._deliver_site(rids, pos, site, hints, scales, pick(q.codes) if self.keep_codes else None, **extra)
 
     def _stash_x(self, site: str, x: torch.Tensor) -> None:
         """``capture_into`` of the runtime (margin_capture): keep the activation its capture of ``site`` is of; no
@@ -170,7 +184,7 @@ class RolloutEngine:
         rids, pos, rows = self._rows
         self._deliver_route(rids, pos, layer, (idx if rows is None else idx.index_select(0, rows)).to(torch.uint8))
 
-    def _deliver_site(self, rids, pos, site: str, hints, scales, codes, x=None) -> None:
+    def _deliver_site(self, rids, pos, site: str, hints, scales, codes, x=None, marks=None) -> None:
         if self.recorder is not None:
             if x is not None and site in self.recorder.margin_sites:
                 self.recorder.record_sites(rids, pos, site, hints, scales, x=x,
@@ -193,7 +207,9 @@ class RolloutEngine:
         prid, ppos = rids * n, np.concatenate(window)  # ring row = step * B + batch row
         for (kind, name), bufs in dec.take(n).items():
             if kind == "site":
-                self._deliver_site(prid, ppos, name, bufs[0], bufs[1], bufs[2] if self.keep_codes else None)
+                rest = bufs[3 if self.keep_codes else 2:]  # the margin marks of mark_points, in pairs
+                extra = {"marks": list(zip(rest[0::2], rest[1::2]))} if rest else {}
+                self._deliver_site(prid, ppos, name, bufs[0], bufs[1], bufs[2] if self.keep_codes else None, **extra)
             else:
                 self._deliver_route(prid, ppos, int(name), bufs[0])
 
@@ -276,7 +292,7 @@ class RolloutEngine:
         with swapped(self.model.config, **attn), swapped(self, _rows=None), self.runtime.using(
             mode=mode,
             capture=self._on_capture if capture else None,
-            capture_into=self._stash_x if capture and self.margin_capture else None,
+            capture_into=self._stash_x if capture and (self.margin_capture or self.mark_points) else None,
             on_route=self._on_route if capture or self.collect_routes else None,
         ):
             tp = time.perf_counter()
@@ -318,7 +334,7 @@ class RolloutEngine:
         rt = self.runtime
         dec = StaticDecoder(self.model, rt, batch=len(b.rids), max_len=b.ids.shape[1] + b.n_fed, ring=self.ring,
                             capture=rt.capture is not None, keep_codes=self.keep_codes,
-                            routes=rt.on_route is not None, use_graph=b.path == "graph")
+                            routes=rt.on_route is not None, use_graph=b.path == "graph", marks=self.mark_points)
         dec.prepare()
         return dec
 
