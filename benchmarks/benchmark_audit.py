@@ -244,7 +244,8 @@ def print_coverage(cov: str, e: dict) -> None:
     mg = e["result"].get("margin")
     if mg is not None:
         print(f"margin exceptions at {len(mg['site_names'])} {mg['sites']} site(s) (bits: {mg['bits_bytes_per_token']} "
-              f"B/token): point, B/token, marked values, code agr., unmarked mismatches, x RNE (routes replayed)")
+              f"B/token; entropy floor {mg['entropy_floor']['bytes_per_token']:.1f} B/token): point, B/token, marked "
+              f"values, code agr., unmarked mismatches, x RNE (routes replayed)")
         for q in mg["points"]:
             ca = "-" if q["code_agreement"] is None else f"{100 * q['code_agreement']:.3f}%"
             rr = q["with_routing_replay"]["excess_vs_rne"]

@@ -436,7 +436,7 @@ def test_routing_replay_has_its_own_round_to_nearest_reference(audited):
 
 
 MARGIN_KEYS = {"sites", "site_names", "decode_path", "bits_bytes_per_token", "rne_excess",
-               "rne_excess_with_routing_replay", "points", "frontier", "target"}
+               "rne_excess_with_routing_replay", "entropy_floor", "points", "frontier", "target"}
 POINT_KEYS = {"name", "margin", "scale_margin", "scale_payload", "bytes_per_token", "vs_bits", "marked_value_fraction",
               "marked_block_fraction", "marked_mismatch", "unmarked_mismatch", "code_agreement", "scale_agreement",
               "mean_abs_dlogp", "excess", "excess_vs_rne", "with_routing_replay", "site_bytes"}
@@ -496,11 +496,15 @@ def test_margin_points_span_round_to_nearest_to_the_stored_hints(audited, margin
     assert {p["encoding"] for p in front} <= {"bits", "margin"}
     t = mg["target"]
     assert t["meets"] and t["point"]["bytes_per_token"] == 0  # excess <= 1: round-to-nearest already reaches it
+    floor = mg["entropy_floor"]
+    assert set(floor["sites"]) == set(mg["site_names"]) and 0 < floor["bytes_per_token"] < full["bytes_per_token"]
+    assert all(v["tokens"] == res["store"]["response_tokens"] for v in floor["sites"].values())
 
 
 def test_margin_report_and_html(margin_audit):
-    from tracerl.audit import render_terminal
     from rich.console import Console
+
+    from tracerl.audit import render_terminal
 
     res, tmp = margin_audit
     con = Console(width=200, record=True)
@@ -545,3 +549,28 @@ def test_margin_tally_prices_rows_as_the_packer_writes_them():
         assert got["bytes_per_token"] * len(idx) == packed.nbytes
         assert got["values"] == 40 * 256 and got["marked_values"] == int(tracefp4.unpack_hints(vm).sum())
         assert got["marked_mismatch"] == got["unmarked_mismatch"] == 0  # the rollout's own codes
+
+
+def test_entropy_floor_is_zero_for_the_rollouts_own_values_and_grows_with_noise():
+    """EntropyTally: a trainer holding the rollout's own values needs nothing (the bins' edges are the rounding
+    boundaries); one whose values moved needs more the more they moved, at most 4 bits per value and 8 per block."""
+    import torch
+
+    import tracefp4
+    from tracerl.audit.passes import EntropyTally
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 256, generator=gen) * torch.exp(torch.randn(64, 1, generator=gen))
+    g = torch.tensor(0.5)
+    q = tracefp4.quantize(x, "nvfp4", global_scale=g)
+    bits = []
+    for noise in (0.0, 0.01, 0.1):
+        t = EntropyTally(["s"])
+        xt = x * (1 + noise * torch.randn(x.shape, generator=gen))
+        t.add("s", xt[:30], g, q.codes[:30], q.scales[:30])
+        t.add("s", xt[30:], g, q.codes[30:], q.scales[30:])
+        f = t.site_floor()["s"]
+        assert f["tokens"] == 64 and f["bytes_per_token"] == (f["code_bits_per_token"] + f["scale_bits_per_token"]) / 8
+        bits.append((f["code_bits_per_token"], f["scale_bits_per_token"]))
+    assert bits[0] == (0.0, 0.0)
+    assert 0 < bits[1][0] < bits[2][0] < 4 * 256 and 0 <= bits[1][1] <= bits[2][1] < 8 * 16

@@ -85,6 +85,69 @@ def margin_passes(margins: Sequence[tuple[float, float, str]], sites: Sequence[s
     return out
 
 
+#: bins per ladder step (values) and per E4M3 step (scales) of the trainer's own positions in `EntropyTally`
+CODE_BINS, SCALE_BINS = 32, 16
+_U_MAX = 16  # ladder positions past this share the last bin (saturated values)
+_W_MAX = 128  # E4M3 positions are in [1, 126]
+
+
+class EntropyTally:
+    """The floor any hint encoding can reach at a site (issue 23): the entropy of the rollout's scale bytes and
+    codes given what the trainer computes itself, estimated from joint counts over the response tokens of the
+    round-to-nearest pass. Scales: ``H(S_r | w_t)``, the trainer's own E4M3 position ``w_t`` of each block
+    (`compact.scale_position` of its amax) in bins of 1/16 step. Codes, once the scales are known: ``H(C_r | sign,
+    u_t)``, the trainer's ladder position under the rollout's scale in bins of 1/32 step (Slepian-Wolf: the rate
+    the rollout needs when the trainer holds its own values). The bin edges fall on the rounding boundaries, so a
+    trainer whose values are the rollout's gets 0 bits (ties aside). Binning only coarsens what the trainer knows
+    (an upper bound of the true conditional entropy) but the plug-in estimate is biased low when bins hold few
+    values: `site_floor` gives the values per occupied bin to judge it by (millions per site on the H200 model,
+    a few on the CPU demo)."""
+
+    def __init__(self, sites: Sequence[str]):
+        self.sites = set(sites)
+        self.codes: dict[str, torch.Tensor] = {}  # site -> int64 [2 * U bins * 16]
+        self.scales: dict[str, torch.Tensor] = {}  # site -> int64 [W bins * 256]
+        self.tokens: dict[str, int] = {}
+
+    def add(self, site: str, x: torch.Tensor, g: torch.Tensor, codes_r_packed: torch.Tensor,
+            scales_r: torch.Tensor) -> None:
+        """Response rows: the trainer's activation [R, W], its global scale, the rollout's packed codes uint8
+        [R, W/2] and scale bytes uint8 [R, W/16]."""
+        xf = x.float()
+        w = compact.scale_position(compact.block_scale_t(xf, g))
+        wb = (w * SCALE_BINS).floor().clamp(0, _W_MAX * SCALE_BINS - 1).long()
+        js = (wb * 256 + scales_r.long()).flatten()
+        u = compact.ladder_position(compact.scaled_values(xf, scales_r, g))
+        ub = (u.abs() * CODE_BINS).floor().nan_to_num(0).clamp(0, _U_MAX * CODE_BINS - 1).long()
+        ub = ub + torch.signbit(u).long() * (_U_MAX * CODE_BINS)
+        jc = (ub * 16 + tracefp4.unpack_codes(codes_r_packed).long()).flatten()
+        nc, ns = 2 * _U_MAX * CODE_BINS * 16, _W_MAX * SCALE_BINS * 256
+        c, sc = torch.bincount(jc, minlength=nc), torch.bincount(js, minlength=ns)
+        self.codes[site] = self.codes[site] + c if site in self.codes else c
+        self.scales[site] = self.scales[site] + sc if site in self.scales else sc
+        self.tokens[site] = self.tokens.get(site, 0) + len(x)
+
+    @staticmethod
+    def _bits(joint: torch.Tensor, k: int) -> float:
+        """Total conditional entropy in bits, sum over bins of n_b H(Y | b), of counts [bins * k]."""
+        n = joint.double().reshape(-1, k)
+        rows = n.sum(1, keepdim=True)
+        p = torch.where(n > 0, n / rows.clamp(min=1), torch.ones_like(n))
+        return float(-(n * torch.log2(p)).sum())
+
+    def site_floor(self) -> dict[str, dict[str, float]]:
+        """Per site: code_bits_per_token, scale_bits_per_token, bytes_per_token (their sum / 8), tokens,
+        values_per_code_bin (values per occupied bin of the trainer's ladder position)."""
+        out = {}
+        for site, c in self.codes.items():
+            t = self.tokens[site]
+            cb, sb = self._bits(c, 16) / t, self._bits(self.scales[site], 256) / t
+            values = int(c.sum())
+            out[site] = {"code_bits_per_token": cb, "scale_bits_per_token": sb, "bytes_per_token": (cb + sb) / 8,
+                         "tokens": t, "values_per_code_bin": values / max(1, int((c.reshape(-1, 16).sum(1) > 0).sum()))}
+        return out
+
+
 class MarginTally:
     """What one margin pass would store and how its codes agree with the rollout's, per site, over the response
     tokens: the counts ``[values, marked values, code mismatches among marked, among unmarked, blocks, marked
@@ -211,7 +274,7 @@ class AuditMicroBatch:
 
 
 def substitute_hook(mb: AuditMicroBatch, spec: PassSpec, tally: am.CodeTally | None,
-                    margin_tally: MarginTally | None = None):
+                    margin_tally: MarginTally | None = None, entropy: EntropyTally | None = None):
     """The `FP4Runtime.substitute` hook of one pass over one micro-batch (the pass's site actions; with a
     ``tally``, code metrics at every observable site). The runtime's mode is ``fp4_rne_own_scales``, so a site
     the hook leaves alone (None) is rounded to nearest with its own scales, as it would be here too."""
@@ -273,6 +336,10 @@ def substitute_hook(mb: AuditMicroBatch, spec: PassSpec, tally: am.CodeTally | N
         y, q = tracefp4.quantize_fake(x, "nvfp4", global_scale=g, backend=rt.backend)
         tally.add(site, tracefp4.unpack_codes(q.codes.index_select(0, mb.rows)), mb.replay_codes(site),
                   q.scales.index_select(0, mb.rows), mb.reference_scales(site))
+        if entropy is not None and site in entropy.sites:
+            resp = mb.resp_dev
+            entropy.add(site, x.detach().index_select(0, mb.rows.index_select(0, resp)), g,
+                        mb.replay_codes(site).index_select(0, resp), mb.replay_scales(site).index_select(0, resp))
         return y
 
     return sub
@@ -290,6 +357,7 @@ class PassState:
     seconds: float = 0.0
     floor_log: am.TokenLog | None = None  # the bf16 pass: also against the floor decode
     margin: MarginTally | None = None  # a margin pass (own routes): what it stores, how its codes agree
+    entropy: EntropyTally | None = None  # the RNE pass with margin points: the floor of any hint encoding
 
 
 def run_pass(s: Setup, mb: AuditMicroBatch, st: PassState) -> None:
@@ -299,7 +367,7 @@ def run_pass(s: Setup, mb: AuditMicroBatch, st: PassState) -> None:
     if st.tally is not None:
         st.tally.begin(mb.resp_dev)
     if spec.fp4:
-        with s.train.using(substitute=substitute_hook(mb, spec, st.tally, st.margin)):
+        with s.train.using(substitute=substitute_hook(mb, spec, st.tally, st.margin, st.entropy)):
             r = s.trainer.recompute(mb.packed, "fp4_rne_own_scales", observe=False, replay_routes=spec.replay_routes)
     else:
         r = s.trainer.recompute(mb.packed, "bf16", observe=False, replay_routes=spec.replay_routes)

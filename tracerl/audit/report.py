@@ -162,7 +162,9 @@ def margin_table(result: Mapping[str, Any]):
     front = ", ".join(f"{p['encoding']} {p['name']} ({p['bytes_per_token']:,.0f} B/token, excess {fmt(p['excess'])})"
                       for p in mg["frontier"])
     caption = (f"{len(mg['site_names'])} site(s) ({mg['sites']}); bits encoding of the same sites: "
-               f"{mg['bits_bytes_per_token']:,} B/token. Frontier of every measured coverage: {front}.")
+               f"{mg['bits_bytes_per_token']:,} B/token; entropy floor (what any encoding needs, given the trainer's "
+               f"own values): {mg['entropy_floor']['bytes_per_token']:,.1f} B/token. Frontier of every measured "
+               f"coverage: {front}.")
     t = mg.get("target")
     if t is not None:
         caption += (f" Cheapest with excess <= {t['target_excess']:g}: " +

@@ -84,7 +84,10 @@ from tracerl.artifacts import weights as tw
 from tracerl.audit import metrics as am
 from tracerl.audit import plan as ap
 from tracerl.audit.passes import (
+    CODE_BINS,
+    SCALE_BINS,
     AuditMicroBatch,
+    EntropyTally,
     MarginTally,
     PassState,
     attribution_passes,
@@ -198,6 +201,8 @@ class _Audit:
                                            margin=MarginTally(sp.margin[1], every) if sp.margin is not None
                                            and not sp.replay_routes else None) for sp in specs}
         self.states["bf16"].floor_log = am.TokenLog()
+        if cfg.margins:
+            self.states["fp4_rne_own_scales"].entropy = EntropyTally(self.margin_sites)
         totals = {"replay decode (FP4, tokens forced)": sum(max(len(t.response) for t in c) for c in self.chunks),
                   "floor decode (bf16, tokens forced)": sum(max(len(t.response) for t in c) for c in self.chunks),
                   "recompute passes (micro-batches x passes)": n_mb * len(specs)}
@@ -429,9 +434,13 @@ class _Audit:
         if cfg.target_excess is not None:
             ok = [p for p in measured if p["excess"] <= cfg.target_excess]
             target = {"target_excess": cfg.target_excess, "meets": bool(ok), "point": ok[0] if ok else None}
-        return {"sites": cfg.margin_sites, "site_names": sites, "decode_path": "hf", "bits_bytes_per_token": today,
-                "rne_excess": rne, "rne_excess_with_routing_replay": rr_rne, "points": points,
-                "frontier": frontier, "target": target}
+        floor = self.states["fp4_rne_own_scales"].entropy.site_floor()
+        return {"sites": cfg.margin_sites, "site_names": sites,
+                "decode_path": self.replays[0][0].decode_path if self.replays else None,
+                "bits_bytes_per_token": today, "rne_excess": rne, "rne_excess_with_routing_replay": rr_rne,
+                "entropy_floor": {"bytes_per_token": sum(v["bytes_per_token"] for v in floor.values()),
+                                  "code_bins_per_step": CODE_BINS, "scale_bins_per_step": SCALE_BINS, "sites": floor},
+                "points": points, "frontier": frontier, "target": target}
 
 
 def run_audit(cfg: AuditConfig, on_step: StepFn | None = None) -> dict[str, Any]:

@@ -229,6 +229,12 @@ def _scaled(x_f32: torch.Tensor, scales_u8: torch.Tensor, g: torch.Tensor) -> to
     return x_f32 * r.repeat_interleave(BLOCK, dim=1)
 
 
+def scaled_values(x_f32: torch.Tensor, scales_u8: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """The scaled values v = x * ((1/g)/s) fp32 [T, W] of x_f32 [T, W] under E4M3 scale bytes uint8 [T, W/16] and
+    the fp32 global scale ``g`` (0-d), exactly as the quantizer computes them (`ladder_position` takes them)."""
+    return _scaled(x_f32, scales_u8, g)
+
+
 def _unpack_bits(hints_packed: torch.Tensor) -> torch.Tensor:
     return tracefp4.unpack_hints(hints_packed).to(torch.uint8)
 
