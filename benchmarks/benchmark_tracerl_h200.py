@@ -14,7 +14,10 @@ one runs):
    without capture, for the hf path and the --decode path; the difference is what capture adds (none by design).
 ``capture``: decode step time of the FP4 rollout at the same batch with and without hint capture (capture =
    `tracefp4.quantize_fake` at the hinted sites instead of `fake_quantize` (one pass: output + codes/scales/hints) + routed-expert ids + ring buffers / recorder staging and
-   asynchronous device-to-host drains; no host sync per step). Runs alternate, median of --reps.
+   asynchronous device-to-host drains; no host sync per step). Runs alternate, median of --reps. With
+   ``--capture-margin M:MS`` (issue 23) a third engine records the same sites as margin-exception rows (a
+   `MemorySink` declaring them with hint encoding margin: marks in the step, rows packed on the device when
+   written), timed alternately with the others (``step_ms_capture_margin``, ``margin_overhead_pct``).
 ``trainer``: forward + backward time of one packed micro-batch in ``fp4_rne_own_scales`` vs ``fp4_hints``
    (hints and scales already on the device, and from host numpy arrays as a reader hands them out).
 ``fidelity``: `tracerl.demo.run_demo` at this size (FP4 rollout of trajectories of >= 4K tokens recorded to a
@@ -76,41 +79,58 @@ def _prompts(spec, batch, prompt, seed, ragged=False):
             for b in range(batch)]
 
 
-def bench_capture(spec, device, batch, prompt, steps, reps, seed, decode="auto"):
-    """Median decode step time (ms) with and without hint capture, same model, batch, prompts and decode path."""
+def bench_capture(spec, device, batch, prompt, steps, reps, seed, decode="auto", margin=None):
+    """Median decode step time (ms) with and without hint capture, same model, batch, prompts and decode path;
+    with ``margin`` (m, m_s), also with the sites recorded as margin-exception rows."""
+    from tracerl.hints import compact
+
     model, rt, widths, layers = _setup(spec, device, seed)
     prompts = _prompts(spec, batch, prompt, seed)
     plain = RolloutEngine(model, rt, collect_routes=False, decode=decode)
     plain.calibrate(prompts)
     cap = RolloutEngine(model, rt, collect_routes=False, decode=decode)
+    mcap = RolloutEngine(model, rt, collect_routes=False, decode=decode, margin_capture=True)
     plain.generate(prompts, 4, seed=seed)  # warm-up: weight cache, kernels' compilation
-    times = {"plain": [], "capture": []}
-    prepare = {"plain": [], "capture": []}
-    bytes_recorded = 0
+    names = ("plain", "capture") + (("capture_margin",) if margin else ())
+    times = {n: [] for n in names}
+    prepare = {n: [] for n in names}
+    bytes_recorded = {}
     path = None
+    coding = compact.SiteCoding("rice3", "rice3")
     for rep in range(reps):
-        for name in ("plain", "capture"):
+        for name in names:
             eng = plain
-            if name == "capture":
-                sink = MemorySink(widths)
-                cap.recorder = RolloutRecorder(sink, widths, moe_layers=layers, top_k=spec.top_k, flush_tokens=1024,
+            if name != "plain":
+                msites = ({s: compact.store_site(s, w, coding, margin[0], margin[1]) for s, w in widths.items()}
+                          if name == "capture_margin" else None)
+                sink = MemorySink(widths, margin_sites=msites)
+                eng = mcap if msites else cap
+                eng.recorder = RolloutRecorder(sink, widths, moe_layers=layers, top_k=spec.top_k, flush_tokens=1024,
                                                drain_every=32)
-                eng = cap
+                if rep == 0 and msites:  # the margin engine's first run compiles its mark kernels
+                    eng.generate(prompts, 4, seed=seed, request_ids=[f"w-{i}" for i in range(batch)])
+                    eng.recorder = RolloutRecorder(sink, widths, moe_layers=layers, top_k=spec.top_k,
+                                                   flush_tokens=1024, drain_every=32)
             ids = [f"r{rep}-{i}" for i in range(batch)]
             res = eng.generate(prompts, steps, seed=seed, request_ids=ids)
             times[name].append(res.decode_s / res.decode_steps * 1e3)
             prepare[name].append(res.prepare_s)
             path = res.decode_path
-            if name == "capture":
-                bytes_recorded = cap.recorder.bytes_written
+            if name != "plain":
+                bytes_recorded[name] = eng.recorder.bytes_written
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {
+    out = {
         "batch": batch, "prompt_tokens": prompt, "decode_steps": steps, "reps": reps, "decode_path": path,
         "prepare_s": prepare,
         "hinted_sites": len(widths), "step_ms_plain": med["plain"], "step_ms_capture": med["capture"],
         "overhead_pct": 100 * (med["capture"] / med["plain"] - 1), "all_ms": times,
-        "hint_bytes_recorded_last_rep": bytes_recorded,
+        "hint_bytes_recorded_last_rep": bytes_recorded["capture"],
     }
+    if margin:
+        out.update({"margin": list(margin), "coding": coding.to_json(), "step_ms_capture_margin": med["capture_margin"],
+                    "margin_overhead_pct": 100 * (med["capture_margin"] / med["plain"] - 1),
+                    "margin_bytes_recorded_last_rep": bytes_recorded["capture_margin"]})
+    return out
 
 
 def sync_check(spec, device, batch, prompt, steps, seed, decode="auto"):
@@ -293,6 +313,9 @@ def main(argv=None) -> int:
     p.add_argument("--sections", default="paths,first_step,sync,capture,trainer,fidelity",
                    help="comma-separated subset of paths,first_step,sync,capture,trainer,fidelity (sync: CUDA only)")
     p.add_argument("--decode", default="auto", help="decode path of capture/sync/fidelity: auto|hf|static|graph")
+    p.add_argument("--capture-margin", default=None, metavar="M:MS",
+                   help="capture: also time recording the sites as margin-exception rows at value margin M and "
+                        "scale margin MS (default: not timed)")
     p.add_argument("--hint-layers", default="latter-half", help="fidelity: hinted layers (latter-half, all, ...)")
     p.add_argument("--hint-sites", default="moe-input", help="fidelity: hinted sites per layer (moe-input, all-fp4)")
     p.add_argument("--replay-routes", action="store_true", help="fidelity: trainer replays the rollout's routes")
@@ -363,11 +386,14 @@ def main(argv=None) -> int:
     def run_capture():
         out["capture"] = []
         for b in batches:
-            c = bench_capture(spec, device, b, 64, cap_steps, reps, args.seed, decode=args.decode)
+            margin = tuple(float(v) for v in args.capture_margin.split(":")) if args.capture_margin else None
+            c = bench_capture(spec, device, b, 64, cap_steps, reps, args.seed, decode=args.decode, margin=margin)
             out["capture"].append(c)
             save()
+            extra = (f", {c['step_ms_capture_margin']:.3f} with margin capture ({c['margin_overhead_pct']:+.2f}%)"
+                     if margin else "")
             say(f"capture B={c['batch']} ({c['decode_path']}): {c['step_ms_plain']:.3f} ms/step plain, "
-                f"{c['step_ms_capture']:.3f} with capture ({c['overhead_pct']:+.2f}%); all {c['all_ms']}")
+                f"{c['step_ms_capture']:.3f} with capture ({c['overhead_pct']:+.2f}%){extra}; all {c['all_ms']}")
 
     def run_trainer():
         out["trainer"] = bench_trainer(spec, device, train_seqs, train_len, reps, args.seed)

@@ -80,12 +80,22 @@ def _setup(seed=0):
     return spec, model, rt, widths, layers
 
 
-def _host_reads(sabotage: bool = False, steps: int = 9, decode: str = "hf") -> dict[str, Counter]:
-    """HostTraffic of one plain and one capturing `generate`, as the benchmark's sync_check runs them."""
+def _host_reads(sabotage: bool = False, steps: int = 9, decode: str = "hf", margin: bool = False
+                ) -> dict[str, Counter]:
+    """HostTraffic of one plain and one capturing `generate`, as the benchmark's sync_check runs them; with
+    ``margin``, the sites are recorded as margin-exception rows (margin capture)."""
+    from tracerl.hints import compact
+
     spec, model, rt, widths, layers = _setup()
-    eng = RolloutEngine(model, rt, collect_routes=False, decode=decode, ring=4)
+    msites = ({s: compact.store_site(s, w, compact.SiteCoding("rice2", "gamma"), 0.1, 0.1) for s, w in widths.items()}
+              if margin else None)
+    eng = RolloutEngine(model, rt, collect_routes=False, decode=decode, ring=4, margin_capture=margin)
     eng.calibrate(PROMPTS)
     eng.generate(PROMPTS, 2, seed=0)  # warm-up, as in the sync check
+    if margin:  # the margin's fp32 intervals: found once per margin by bisection on host tensors, then cached
+        from tracefp4.margin import value_intervals
+
+        value_intervals(0.1)
     if sabotage:
         orig = eng._on_capture
 
@@ -97,7 +107,8 @@ def _host_reads(sabotage: bool = False, steps: int = 9, decode: str = "hf") -> d
     out = {}
     for name in ("plain", "capture"):
         eng.recorder = None if name == "plain" else RolloutRecorder(
-            MemorySink(widths), widths, moe_layers=layers, top_k=spec.top_k, flush_tokens=8, drain_every=4)
+            MemorySink(widths, margin_sites=msites), widths, moe_layers=layers, top_k=spec.top_k, flush_tokens=8,
+            drain_every=4)
         with HostTraffic() as ht:
             res = eng.generate(PROMPTS, steps, seed=0, request_ids=[f"{name}-{i}" for i in range(len(PROMPTS))])
         out[name] = ht.calls
@@ -115,11 +126,17 @@ def _diff(a: Counter, b: Counter) -> str:
     return "\n".join(f"{k}: capture {a[k]} vs plain {b[k]}" for k in keys if a[k] != b[k])
 
 
-@pytest.mark.parametrize("decode", ["hf", "static"])
-def test_generate_capture_adds_no_host_reads(decode):
-    reads = _host_reads(decode=decode)
+@pytest.mark.parametrize("decode, margin", [("hf", False), ("static", False), ("hf", True), ("static", True)])
+def test_generate_capture_adds_no_host_reads(decode, margin):
+    """Also with margin capture: the marks are computed on the device (in the step on the static path) and the
+    rows packed when written, from the drained host buffers (`_margin_rows`, like `_materialize`)."""
+    reads = _host_reads(decode=decode, margin=margin)
     plain = reads["plain"]
-    cap = Counter({k: v for k, v in reads["capture"].items() if k[2] != "_materialize"})
+    written = ("_materialize", "_margin_rows") if margin else ("_materialize",)
+    # the rows' packer (tracerl.hints.compact, called by `_margin_rows` when a request's rows are written, on the
+    # drained host buffers) is not per-step code: nothing of the step calls it
+    cap = Counter({k: v for k, v in reads["capture"].items()
+                   if k[2] not in written and not (margin and k[1].startswith("tracerl/hints/compact"))})
     # The detector sees the engine's one result transfer (tokens, log-probs, routes, codes: `tracerl.util.to_host`)
     # in both runs.
     assert any(k[0] == "cpu" and k[1] == "tracerl/util.py" and k[2] == "to_host" for k in plain), plain

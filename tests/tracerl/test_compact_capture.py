@@ -26,7 +26,7 @@ MARGIN, SCALE_MARGIN = 0.1, 0.3
 NEW = 5
 
 
-def _rollout(tmp_path, hf_only=True):
+def _rollout(tmp_path, decode="hf"):
     spec = TinyMoESpec(family="qwen3-moe", **TINY)
     model = build_model(spec, seed=0, attn_implementation="eager")
     rt = install_fp4(model, plan_sites(model, hint_layers="0,1"))
@@ -34,7 +34,7 @@ def _rollout(tmp_path, hf_only=True):
     store = ts.create_store(str(tmp_path / "s"), [ts.Site(bits_site, 64),
                                                  C.store_site(margin_site, 64, CODING, MARGIN, SCALE_MARGIN, "byte")],
                             model={"global_scales": {}})
-    eng = RolloutEngine(model, rt, decode="hf", margin_capture=True)
+    eng = RolloutEngine(model, rt, decode=decode, margin_capture=True)
     eng.calibrate(PROMPTS)
     seen = spy_on_site(rt, margin_site)
     writer = store.writer("rollout", commit_interval_s=0)
@@ -44,8 +44,12 @@ def _rollout(tmp_path, hf_only=True):
     return store, eng, rt, res, seen, margin_site, bits_site
 
 
-def test_engine_records_margin_rows_equal_to_the_encoding_of_its_activation(tmp_path):
-    store, eng, rt, res, seen, site, bits_site = _rollout(tmp_path)
+@pytest.mark.parametrize("decode", ["hf", "static"])
+def test_engine_records_margin_rows_equal_to_the_encoding_of_its_activation(tmp_path, decode):
+    """On the hf path the recorder marks the activation it is handed; on the static path the step marks it into
+    its capture ring: either way the rows are the encoding of the activation the step quantized."""
+    store, eng, rt, res, seen, site, bits_site = _rollout(tmp_path, decode)
+    assert eng.decode_path(torch.device("cpu")) == decode
     assert eng.recorder.margin_sites == {site: store.sites[site]}
     g = rt.global_scales[site]
     reader = store.reader()
@@ -106,12 +110,16 @@ def test_margin_sites_need_the_explicit_option_and_the_activation(tmp_path):
         eng.calibrate(PROMPTS)
         with pytest.raises(ConfigError, match=r"declares margin sites .* pass margin_capture=True"):
             eng.generate(PROMPTS, 2)
-        with pytest.raises(ConfigError, match="margin_capture needs the hf decode path"):
-            RolloutEngine(model, rt, recorder=rec, decode="static", margin_capture=True).generate(PROMPTS, 2)
+        with pytest.raises(ConfigError, match=r"declares margin sites .* pass margin_capture=True"):
+            RolloutEngine(model, rt, recorder=rec, decode="static").generate(PROMPTS, 2)
         rec.begin("r")
         with pytest.raises(RecorderError, match="needs its activation x"):
             rec.record_sites(["r"], [0], site, torch.zeros(1, 8, dtype=torch.uint8),
                              torch.zeros(1, 4, dtype=torch.uint8))
+        with pytest.raises(RecorderError, match=r"marks \(1, 4\) torch.uint8 .* expected uint8 \(1, 8\)"):
+            rec.record_sites(["r"], [0], site, torch.zeros(1, 8, dtype=torch.uint8),
+                             torch.zeros(1, 4, dtype=torch.uint8),
+                             marks=(torch.zeros(1, 4, dtype=torch.uint8), torch.zeros(1, 1, dtype=torch.uint8)))
     assert store.head() == 0
 
 
@@ -150,3 +158,31 @@ def test_benchmark_smoke_runs(tmp_path):
     res = json.loads(out.read_text())
     assert res["smoke"] and set(res["phases"]) >= {"plain_write", "margin_pack", "margin_unpack", "margin_reconstruct"}
     assert res["per_decode_step"]["margin_ms"] > 0 and res["stores"]["margin"]["bytes"]["margin"] > 0
+
+
+def test_a_memory_sink_keeps_margin_rows_as_a_store_does(tmp_path):
+    """The same rollout (static decode) into a store and into a MemorySink that declares the same margin site: the
+    sink's rows are the store's, byte for byte, whole and sliced; bad declarations and writes are refused."""
+    from tracerl.rollout import MemorySink
+
+    store, eng, rt, res, seen, site, bits_site = _rollout(tmp_path, "static")
+    widths = {bits_site: 64, site: 64}
+    sink = MemorySink(widths, margin_sites={site: store.sites[site]})
+    eng.recorder = RolloutRecorder(sink, widths, flush_tokens=4)
+    eng.generate(PROMPTS, NEW, seed=0)
+    assert eng.recorder.margin_sites == {site: store.sites[site]}
+    reader = store.reader()
+    for b, p in enumerate(PROMPTS):
+        for lo, hi in ((0, None), (2, len(p) + 3)):
+            want = reader.read(f"req-{b}", lo, hi).rows[site]
+            got = sink.read(f"req-{b}", lo, hi)
+            data, off = got.rows[site]
+            n = (hi or sink.num_tokens(f"req-{b}")) - lo
+            assert len(off) == n + 1 and len(got.token_ids) == n
+            assert [bytes(data[off[i]:off[i + 1]]) for i in range(n)] == [want.row(i) for i in range(n)]
+            assert site not in got.hints and bits_site in got.hints
+    with pytest.raises(RecorderError, match="declared with hint encoding margin"):
+        MemorySink(widths, margin_sites={bits_site: ts.Site(bits_site, 64)})
+    with pytest.raises(RecorderError, match="lacks sites"):
+        sink.write("x", 0, hints={bits_site: np.zeros((1, 8), np.uint8)}, scales={bits_site: np.zeros((1, 4), np.uint8)},
+                   token_ids=np.zeros(1, np.int64), logprobs=np.zeros(1, np.float32))

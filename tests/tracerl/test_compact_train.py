@@ -206,15 +206,15 @@ def test_the_audit_refuses_margin_sites_in_one_typed_line(runs):
         check_metadata(runs["finite"][0], "cpu")
 
 
-def test_a_rollout_worker_records_margin_sites_on_the_hf_path_only(runs):
-    from tracerl.errors import ConfigError
-    from tracerl.rollout import RolloutWorker
+def test_a_rollout_worker_records_margin_sites_on_every_decode_path(runs):
+    """The worker turns margin capture on for a store with margin sites, whatever its decode path (the static
+    path's rows: tests/tracerl/test_compact_capture.py)."""
+    import torch
 
     st = runs["finite"][0]
-    with pytest.raises(ConfigError, match="margin-exception rows, which the rollout records on the hf decode path"):
-        RolloutWorker(st, loop.rollout_cfg(decode="static"))
-    with loop.worker(st, decode="hf") as w:
-        assert w.engine.margin_capture
+    for decode in ("static", "hf"):
+        with loop.worker(st, decode=decode) as w:
+            assert w.engine.margin_capture and w.engine.decode_path(torch.device("cpu")) == decode
 
 
 def test_the_margin_helpers_are_public_in_tracerl_hints():

@@ -85,9 +85,10 @@ class StaticDecoder:
     capture: record hinted sites (hint bits and scales, plus codes when ``keep_codes``).
     routes: record routed expert ids of every MoE layer (uint8 [B, top_k] per step).
     use_graph: capture the step as a CUDA graph (CUDA only).
-    marks: (value margin, scale margin) points: with ``capture``, also each captured site's
-        ``tracefp4.margin_marks`` at every point (value marks uint8 [B, W/8], block marks uint8 [B, ceil(W/128)],
-        after the codes in the site's ring parts), computed in the step from its activation (no host sync).
+    marks: site -> its (value margin, scale margin) points (a callable; empty: none): with ``capture``, also
+        each captured site's ``tracefp4.margin_marks`` at its points (value marks uint8 [B, W/8], block marks
+        uint8 [B, ceil(W/128)], after the codes in the site's ring parts), computed in the step from its
+        activation (no host sync).
 
     Raises `ConfigError` for an unsupported model or ``use_graph`` off CUDA.
     """
@@ -104,7 +105,7 @@ class StaticDecoder:
         keep_codes: bool = False,
         routes: bool = False,
         use_graph: bool = False,
-        marks: Sequence[tuple[float, float]] = (),
+        marks: Callable[[str], Sequence[tuple[float, float]]] | None = None,
     ):
         if not supports_static_decode(model):
             raise ConfigError("static decode supports full-attention decoder models (qwen3-moe); "
@@ -118,7 +119,7 @@ class StaticDecoder:
         self.model, self.runtime, self.device = model, runtime, device
         self.batch, self.max_len, self.ring = batch, max_len, ring
         self.capture, self.keep_codes, self.routes, self.use_graph = capture, keep_codes, routes, use_graph
-        self.marks = [(float(m), float(ms)) for m, ms in marks]
+        self.marks = marks or (lambda site: ())
         self._x: dict[str, torch.Tensor] = {}  # site -> this step's activation (with marks)
         self.num_layers = cfg.num_hidden_layers
         self.kv_heads = cfg.num_key_value_heads
@@ -167,7 +168,7 @@ class StaticDecoder:
     def _stage_for(self, site: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`FP4Runtime` ``capture_into``: the stage views (scales [B, W/16], hints [B, W/8]) that the fused kernel
         writes ``site``'s capture into; None before the stage exists or for a shape it was not built for."""
-        if self.marks:
+        if self.marks(site):
             self._x[site] = x
         views = self._views.get(("site", site))
         if views is None or views[0].shape[0] != x.shape[0]:
@@ -182,7 +183,7 @@ class StaticDecoder:
         if x is not None:
             rt = self.runtime
             g = rt.global_scale_on(site, x.device)
-            for m, ms in self.marks:
+            for m, ms in self.marks(site):
                 parts += tracefp4.margin_marks(x, g, q.scales, q.hints, m, ms, backend=rt.backend)
         self._ring_write(("site", site), parts)
 

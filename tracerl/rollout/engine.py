@@ -108,16 +108,18 @@ class RolloutEngine:
     collect_routes: keep routed experts in the result even without a recorder.
     decode: ``auto`` | ``hf`` | ``static`` | ``graph`` (see the module docstring and `decode_path`).
     ring: decode steps per capture ring of the static/graph paths.
-    margin_capture: hand each hinted site's activation to the recorder, which a site the store declares with hint
-      encoding ``margin`` needs (its margin-exception rows are computed from it: `RolloutRecorder`); ``hf`` decode
-      path only. Without it, a recorder with margin sites is refused.
+    margin_capture: record the margin sites of the recorder's store (hint encoding ``margin``), whose
+      margin-exception rows are computed from each site's activation: on the ``hf`` path the recorder gets the
+      activation (`RolloutRecorder.record_sites` ``x=``), on the static and graph paths the step computes the
+      marks at the site's margins into its capture ring (``marks=``). Without it, a recorder with margin sites
+      is refused.
     mark_points: (value margin, scale margin) points: every captured site's ``tracefp4.margin_marks`` at each
       point, computed from its activation on every decode path (the static/graph paths in the step, into their
       ring) and handed to `_deliver_site` as ``marks`` (the audit's replay: `tracerl.audit.replay`).
 
     Raises `ConfigError` for an unknown decode path here, and from `generate` for a path the model or device
-    cannot run (``graph`` off CUDA, ``static``/``graph`` with linear attention), for a recorder with margin sites
-    without ``margin_capture``, and for ``margin_capture`` on another path than ``hf``.
+    cannot run (``graph`` off CUDA, ``static``/``graph`` with linear attention) and for a recorder with margin
+    sites without ``margin_capture``.
     """
 
     def __init__(
@@ -184,9 +186,19 @@ class RolloutEngine:
         rids, pos, rows = self._rows
         self._deliver_route(rids, pos, layer, (idx if rows is None else idx.index_select(0, rows)).to(torch.uint8))
 
-    def _deliver_site(self, rids, pos, site: str, hints, scales, codes, x=None, marks=None) -> None:
+    def _ring_points(self, site: str) -> list[tuple[float, float]]:
+        """The margin points the static/graph step computes marks at for ``site``: the recorder's margin site's
+        own (margin, scale margin) first, with ``margin_capture``, then ``mark_points``."""
+        msite = (getattr(self.recorder, "margin_sites", None) or {}).get(site) if self.margin_capture else None
+        own = [(float(msite.margin), float(msite.scale_margin))] if msite is not None else []
+        return own + self.mark_points
+
+    def _deliver_site(self, rids, pos, site: str, hints, scales, codes, x=None, marks=None,
+                      recorder_marks=None) -> None:
         if self.recorder is not None:
-            if x is not None and site in self.recorder.margin_sites:
+            if recorder_marks is not None:
+                self.recorder.record_sites(rids, pos, site, hints, scales, marks=recorder_marks)
+            elif x is not None and site in self.recorder.margin_sites:
                 self.recorder.record_sites(rids, pos, site, hints, scales, x=x,
                                            global_scale=self.runtime.global_scale_on(site, x.device))
             else:
@@ -207,8 +219,13 @@ class RolloutEngine:
         prid, ppos = rids * n, np.concatenate(window)  # ring row = step * B + batch row
         for (kind, name), bufs in dec.take(n).items():
             if kind == "site":
-                rest = bufs[3 if self.keep_codes else 2:]  # the margin marks of mark_points, in pairs
-                extra = {"marks": list(zip(rest[0::2], rest[1::2]))} if rest else {}
+                rest = bufs[3 if self.keep_codes else 2:]  # the margin marks of `_ring_points`, in pairs
+                pairs = list(zip(rest[0::2], rest[1::2]))
+                extra = {}
+                if len(pairs) > len(self.mark_points):  # the recorder's margin site: its own marks first
+                    extra["recorder_marks"] = pairs.pop(0)
+                if pairs:
+                    extra["marks"] = pairs
                 self._deliver_site(prid, ppos, name, bufs[0], bufs[1], bufs[2] if self.keep_codes else None, **extra)
             else:
                 self._deliver_route(prid, ppos, int(name), bufs[0])
@@ -279,9 +296,6 @@ class RolloutEngine:
         if margin and not self.margin_capture:
             raise ConfigError(f"the recorder's store declares margin sites {margin[:4]} (hint encoding margin): "
                               f"their rows are computed from the activations; pass margin_capture=True")
-        if self.margin_capture and path != "hf":
-            raise ConfigError(f"margin_capture needs the hf decode path (the static/graph paths capture into rings "
-                              f"without the activation); this engine decodes with {path!r}: pass decode='hf'")
         b = self._batch(prompts, request_ids, device, path, max_new_tokens)
         forced = None if forced_tokens is None else to_device(torch.as_tensor(forced_tokens), device)  # once
         sample = _Sampler(forced, torch.Generator(device=device).manual_seed(seed), temperature)
@@ -334,7 +348,7 @@ class RolloutEngine:
         rt = self.runtime
         dec = StaticDecoder(self.model, rt, batch=len(b.rids), max_len=b.ids.shape[1] + b.n_fed, ring=self.ring,
                             capture=rt.capture is not None, keep_codes=self.keep_codes,
-                            routes=rt.on_route is not None, use_graph=b.path == "graph", marks=self.mark_points)
+                            routes=rt.on_route is not None, use_graph=b.path == "graph", marks=self._ring_points)
         dec.prepare()
         return dec
 

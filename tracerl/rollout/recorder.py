@@ -92,6 +92,8 @@ class TracePiece:
     experts: dict[str, np.ndarray]
     policy_version: np.ndarray
     positions: np.ndarray
+    #: margin site -> its margin-exception rows (data uint8 [n], offsets int64 [T + 1]; `MemorySink` margin sites)
+    rows: dict[str, tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=dict)
 
 
 def _check_encodings(encodings: Mapping[str, str], site_widths: Mapping[str, int]) -> dict[str, str]:
@@ -114,7 +116,11 @@ def sink_scale_encodings(sink: Any, site_widths: Mapping[str, int]) -> dict[str,
 
 def sink_margin_sites(sink: Any, site_widths: Mapping[str, int]) -> dict[str, Any]:
     """{site: tracestore Site} of the recorded sites that ``sink``'s store declares with hint encoding ``margin``
-    (a tracestore ``Writer``'s store; none for other sinks)."""
+    (a tracestore ``Writer``'s store, or a sink's own ``margin_sites`` such as `MemorySink`'s; none for other
+    sinks)."""
+    own = getattr(sink, "margin_sites", None)
+    if isinstance(own, Mapping):
+        return {s: own[s] for s in site_widths if s in own}
     store = getattr(sink, "store", None)
     sites = getattr(store, "sites", None)
     if not isinstance(sites, Mapping):
@@ -124,17 +130,30 @@ def sink_margin_sites(sink: Any, site_widths: Mapping[str, int]) -> dict[str, An
 
 class MemorySink:
     """In-memory `TraceSink` with a reader: ``read(traj_id, start, stop, sites=, features=)``; ``scale_encodings``:
-    {site: "bytes" | "lsb"} (default bytes), the scale rows it expects as a store of that declaration does."""
+    {site: "bytes" | "lsb"} (default bytes), the scale rows it expects as a store of that declaration does;
+    ``margin_sites``: {site: tracestore Site of hint encoding margin, e.g. `tracerl.hints.compact.store_site`}, the
+    sites it keeps as margin-exception rows (``rows`` of `write` and of `TracePiece`), as such a store does.
+
+    Raises `RecorderError` for an unknown encoding or a margin site that is not recorded or not of encoding margin."""
 
     def __init__(self, site_widths: Mapping[str, int], block_size: int = NVFP4_BLOCK_SIZE, *,
-                 scale_encodings: Mapping[str, str] | None = None):
+                 scale_encodings: Mapping[str, str] | None = None, margin_sites: Mapping[str, Any] | None = None):
         self.site_widths = dict(site_widths)
         self.block_size = block_size
         self.scale_encodings = _check_encodings(scale_encodings or {}, self.site_widths)
+        self.margin_sites = dict(margin_sites or {})
+        bad = [s for s, site in self.margin_sites.items()
+               if s not in self.site_widths or getattr(site, "hint_encoding", "bits") != "margin"]
+        if bad:
+            raise RecorderError(f"margin sites {bad[:4]}: each must be a recorded site declared with hint encoding "
+                                f"margin (tracerl.hints.compact.store_site)")
         self._pieces: dict[str, list[tuple[int, TracePiece]]] = {}
 
-    def write(self, traj_id, token_start, *, hints, scales, token_ids, logprobs, experts=None, policy_version=0):
-        missing = sorted(set(self.site_widths) - set(hints))
+    def write(self, traj_id, token_start, *, hints, scales, token_ids, logprobs, experts=None, policy_version=0,
+              rows=None):
+        rows = dict(rows or {})
+        missing = sorted((set(self.site_widths) - set(self.margin_sites) - set(hints))
+                         | (set(self.margin_sites) - set(rows)))
         if missing:
             raise RecorderError(f"write for {traj_id!r} lacks sites {missing[:4]}")
         n = len(token_ids)
@@ -146,6 +165,7 @@ class MemorySink:
             experts={k: np.asarray(v) for k, v in (experts or {}).items()},
             policy_version=np.full(n, policy_version, dtype=np.int64),
             positions=np.arange(token_start, token_start + n, dtype=np.int64),
+            rows={s: (np.asarray(d), np.asarray(o)) for s, (d, o) in rows.items()},
         )
         self._pieces.setdefault(traj_id, []).append((token_start, piece))
 
@@ -178,14 +198,25 @@ class MemorySink:
         def per_scale(s: str) -> int:  # values one stored scale byte covers
             return self.block_size * (HINTS_PER_BYTE if self.scale_encodings[s] == "lsb" else 1)
 
+        def rows_of(s: str) -> tuple[np.ndarray, np.ndarray]:  # the pieces' rows joined, then [start, stop)
+            data, ends = [], [np.zeros(1, np.int64)]
+            for _, p in pieces:
+                d, o = p.rows[s]
+                ends.append(np.asarray(o[1:], np.int64) + ends[-1][-1])
+                data.append(d)
+            off = np.concatenate(ends)[start:stop + 1]
+            return np.concatenate(data)[off[0]:off[-1]], off - off[0]
+
+        plain = [s for s in sites if s not in self.margin_sites]
         return TracePiece(
-            hints={s: feat(cat(lambda p, s=s: p.hints[s]), HINTS_PER_BYTE) for s in sites},
-            scales={s: feat(cat(lambda p, s=s: p.scales[s]), per_scale(s)) for s in sites},
+            hints={s: feat(cat(lambda p, s=s: p.hints[s]), HINTS_PER_BYTE) for s in plain},
+            scales={s: feat(cat(lambda p, s=s: p.scales[s]), per_scale(s)) for s in plain},
             token_ids=cat(lambda p: p.token_ids),
             logprobs=cat(lambda p: p.logprobs),
             experts={k: cat(lambda p, k=k: p.experts[k]) for k in pieces[0][1].experts},
             policy_version=cat(lambda p: p.policy_version),
             positions=cat(lambda p: p.positions),
+            rows={s: rows_of(s) for s in sites if s in self.margin_sites},
         )
 
 
@@ -339,16 +370,33 @@ class RolloutRecorder:
             )
         self._staged.append((key, slots, pos, tuple(torch.as_tensor(p).detach() for p in payload)))
 
-    def record_sites(self, request_ids, positions, site: str, hints, scales, *, x=None, global_scale=None) -> None:
+    def record_sites(self, request_ids, positions, site: str, hints, scales, *, x=None, global_scale=None,
+                     marks=None) -> None:
         """Hint bits uint8 [N, width/8] and block scales uint8 [N, width/block] (the quantizer's E4M3 bytes) of
         ``site`` for N tokens; at a site of scale encoding lsb the scales are packed to their LSBs here, on their
         device. At a margin site (module docstring) also the activation ``x`` [N, width] (bf16/fp16/fp32) that was
         quantized and its ``global_scale`` (fp32 0-d tensor or float): the marks are computed here, on x's device;
-        elsewhere ``x`` is not used. Raises `RecorderError` for an unknown site, scales of another width, or a
-        margin site without ``x``."""
+        or, instead, ``marks``: (value marks uint8 [N, width/8], block marks uint8 [N, ceil(width/128)]) that
+        ``tracefp4.margin_marks`` gave for them at the site's margins (a static/graph decode computes them in its
+        step). Elsewhere ``x`` and ``marks`` are not used. Raises `RecorderError` for an unknown site, scales of
+        another width, a margin site without ``x`` or ``marks``, or marks of another shape."""
         if site not in self.site_widths:
             raise RecorderError(f"site {site!r} is not recorded; recorded sites: {sorted(self.site_widths)[:4]}...")
         msite = self.margin_sites.get(site)
+        if msite is not None and marks is not None:
+            w = self.site_widths[site]
+            value_marks, block_marks = (torch.as_tensor(m) for m in marks)
+            n = torch.as_tensor(hints).shape[0]
+            want = ((n, w // 8), (n, -(-w // 128)))
+            if (tuple(value_marks.shape), tuple(block_marks.shape)) != want or value_marks.dtype != torch.uint8 \
+                    or block_marks.dtype != torch.uint8:
+                raise RecorderError(f"site {site!r}: marks {tuple(value_marks.shape)} {value_marks.dtype} and "
+                                    f"{tuple(block_marks.shape)} {block_marks.dtype}; expected uint8 {want[0]} and "
+                                    f"{want[1]}")
+            self._margin_devices[site] = value_marks.device
+            self._stage(("site", site), request_ids, positions, torch.as_tensor(hints), torch.as_tensor(scales),
+                        value_marks, block_marks)
+            return
         if msite is not None:
             if x is None or global_scale is None:
                 raise RecorderError(f"site {site!r} is stored as margin-exception rows (hint encoding margin): "

@@ -40,7 +40,7 @@ import tracestore as ts
 from tracerl.artifacts import weights
 from tracerl.artifacts.codes import CODES_KEY, put_codes
 from tracerl.config import RolloutConfig
-from tracerl.errors import ConfigError, NotReadyError
+from tracerl.errors import NotReadyError
 from tracerl.policy import Policy, build_policy, site_widths
 from tracerl.rollout.engine import RolloutEngine
 from tracerl.rollout.recorder import RolloutRecorder
@@ -74,14 +74,11 @@ class RolloutWorker:
         self.weights_url = weights_url or store.url
         self.storage_options = storage_options
         self.policy: Policy = build_policy(store.model, self.device, backend=backend)
-        # a store with margin sites (hint encoding margin) is recorded from the activations: the hf decode path
+        # a store with margin sites (hint encoding margin) is recorded from the activations (margin capture)
         margin = sorted(n for n, s in store.sites.items() if getattr(s, "hint_encoding", "bits") == "margin")
         self.engine = RolloutEngine(self.policy.model, self.policy.runtime, keep_codes=cfg.record_codes,
                                     decode=cfg.decode, collect_routes=False, margin_capture=bool(margin))
-        path = self.engine.decode_path(self.device)  # an unusable decode path fails here
-        if margin and path != "hf":
-            raise ConfigError(f"the store keeps sites {margin[:4]} as margin-exception rows, which the rollout records "
-                              f"on the hf decode path only; decode={cfg.decode!r} takes {path!r} (set decode='hf')")
+        self.engine.decode_path(self.device)  # an unusable decode path fails here
         self.widths = site_widths(self.policy.plan)
         self.version: int | None = None
         self.batches_done = 0  # by this worker (this process)
