@@ -494,12 +494,14 @@ def row_bits(mask: np.ndarray, coding: str) -> np.ndarray:
     if coding == "block-bitmap":
         groups = mask.reshape(t_, n // GROUP, GROUP).any(axis=2).sum(axis=1)
         return n // GROUP + GROUP * groups.astype(np.int64)
-    count = mask.sum(axis=1).astype(np.int64)
-    out = _gamma_len(count + 1)
-    rows, gaps = _gaps(mask)
+    return _gap_bits(mask.sum(axis=1).astype(np.int64), *_gaps(mask), k)
+
+
+def _gap_bits(count: np.ndarray, rows: np.ndarray, gaps: np.ndarray, k: int | None) -> np.ndarray:
+    """Bits per row of a gap coding (gamma: ``k`` None; rice<k>) from the rows' counts and `_gaps`."""
     per = _gamma_len(gaps) if k is None else ((gaps - 1) >> k) + 1 + k
-    np.add.at(out, rows, per)
-    return out
+    # summed per row exactly (float64 holds integers below 2^53; np.add.at is an order of magnitude slower)
+    return _gamma_len(count + 1) + np.bincount(rows, weights=per, minlength=len(count)).astype(np.int64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -522,7 +524,9 @@ def candidate_bits(mask: np.ndarray, rice_max: int = 8) -> dict[str, np.ndarray]
     names = ["all"] if mask.all() else []
     names += ["bitmap", "gamma", *(f"rice{k}" for k in range(rice_max + 1))]
     names += ["block-bitmap"] if mask.shape[1] % GROUP == 0 else []
-    return {c: row_bits(mask, c) for c in names}
+    count, (rows, gaps) = mask.sum(axis=1).astype(np.int64), _gaps(mask)  # once for every gap coding
+    return {c: _gap_bits(count, rows, gaps, _check_coding(c, mask.shape[1])) if c == "gamma" or c.startswith("rice")
+            else row_bits(mask, c) for c in names}
 
 
 def choose_coding(enc: MarginExceptions, rice_max: int = 8) -> tuple[SiteCoding, dict[str, dict[str, int]]]:
