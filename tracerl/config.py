@@ -457,7 +457,7 @@ class AuditConfig:
     concurrent_decode: str = "auto"  # replay and floor decodes side by side: CONCURRENT_DECODE (auto: CUDA graphs)
     #: margin points ((m, m_s, payload), `parse_margins`): each one encodes `margin_sites` as margin exceptions from
     #: the replay's activations and recomputes the tokens with the trainer's reconstruction (own routes, and with
-    #: routing replay); empty: no margin passes. Non-empty: the replay decodes on the hf path (margin capture)
+    #: routing replay); empty: no margin passes. The marks come from the replay's decode on its recorded path
     margins: tuple = ()
     margin_sites: str = "hinted"
 

@@ -435,7 +435,7 @@ def test_routing_replay_has_its_own_round_to_nearest_reference(audited):
     assert cov["excess_vs_rne"] == pytest.approx(cov["excess"] / cov["rne_excess"], rel=1e-12)
 
 
-MARGIN_KEYS = {"sites", "site_names", "decode_path", "bits_bytes_per_token", "rne_excess",
+MARGIN_KEYS = {"sites", "site_names", "bits_bytes_per_token", "rne_excess",
                "rne_excess_with_routing_replay", "entropy_floor", "points", "frontier", "target"}
 POINT_KEYS = {"name", "margin", "scale_margin", "scale_payload", "bytes_per_token", "vs_bits", "marked_value_fraction",
               "marked_block_fraction", "marked_mismatch", "unmarked_mismatch", "code_agreement", "scale_agreement",

@@ -186,3 +186,28 @@ def test_a_memory_sink_keeps_margin_rows_as_a_store_does(tmp_path):
     with pytest.raises(RecorderError, match="lacks sites"):
         sink.write("x", 0, hints={bits_site: np.zeros((1, 8), np.uint8)}, scales={bits_site: np.zeros((1, 4), np.uint8)},
                    token_ids=np.zeros(1, np.int64), logprobs=np.zeros(1, np.float32))
+
+
+@pytest.mark.parametrize("decode", ["hf", "static"])
+def test_mark_points_mark_only_their_sites(decode):
+    """`RolloutEngine(mark_points=, mark_sites=)` hands marks for the sites named and no others (no mark kernels
+    for the rest), on both paths, one pair per point in order (margin inf marks every value, scale margin 0 no
+    block)."""
+    spec = TinyMoESpec(family="qwen3-moe", **TINY)
+    model = build_model(spec, seed=0, attn_implementation="eager")
+    rt = install_fp4(model, plan_sites(model, hint_layers="0,1"))
+    marked, other = moe_input_site(1), moe_input_site(0)
+    got = {}
+
+    class Spy(RolloutEngine):
+        def _deliver_site(self, rids, pos, site, hints, scales, codes, x=None, marks=None, recorder_marks=None):
+            got.setdefault(site, []).append(marks)
+
+    eng = Spy(model, rt, decode=decode, keep_codes=True, mark_points=[(0.1, 0.1), (float("inf"), 0.0)],
+              mark_sites={marked})
+    eng.calibrate(PROMPTS)
+    eng.generate(PROMPTS, NEW, seed=0)
+    assert got[other] and all(m is None for m in got[other])
+    assert got[marked] and all(len(m) == 2 for m in got[marked])
+    for vm, bm in (m[1] for m in got[marked]):  # margin inf: every value marked, scale margin 0: no block
+        assert bool((vm == 255).all()) and not bool(bm.any())

@@ -36,13 +36,18 @@ def _signed(codes_u8: torch.Tensor) -> torch.Tensor:
     return torch.where((codes_u8 & 8) != 0, -mag, mag)
 
 
+def codes_match(codes_t: torch.Tensor, codes_r: torch.Tensor) -> torch.Tensor:
+    """bool, the shape of the unpacked uint8 codes ``codes_t`` and ``codes_r``: equal codes, +0 and -0 counted
+    equal (the audit's code agreement)."""
+    return (codes_t == codes_r) | (((codes_t & 7) == 0) & ((codes_r & 7) == 0))
+
+
 def code_counters(codes_t: torch.Tensor, codes_r: torch.Tensor, scales_t: torch.Tensor,
                   scales_r: torch.Tensor) -> torch.Tensor:
     """Per-row counters int64 [R, 5] (values, mismatching codes, one-step mismatches, blocks, equal scales) of
     trainer codes ``codes_t`` uint8 [R, W] against rollout codes ``codes_r`` uint8 [R, W] (both unpacked) and
     scale bytes [R, W/16]; on their device."""
-    match = (codes_t == codes_r) | (((codes_t & 7) == 0) & ((codes_r & 7) == 0))
-    mism = ~match
+    mism = ~codes_match(codes_t, codes_r)
     one = mism & ((_signed(codes_t) - _signed(codes_r)).abs() == 1)
     r, w = codes_t.shape
     nb = scales_t.shape[1]

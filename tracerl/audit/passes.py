@@ -17,6 +17,7 @@ from tracerl.audit import metrics as am
 from tracerl.audit import plan as ap
 from tracerl.audit.replay import ReplayBatch
 from tracerl.audit.setup import Setup, StoredTrajectory
+from tracerl.config import margin_name
 from tracerl.hints import PackedHints, compact
 from tracerl.hints.scalehints import pack_scale_lsb, reconstruct_scales
 from tracerl.policy import SitePlan, effective_codes
@@ -74,8 +75,6 @@ def hint_pass(name: str, units: Sequence[ap.SiteGroup]) -> PassSpec:
 def margin_passes(margins: Sequence[tuple[float, float, str]], sites: Sequence[str]) -> list[PassSpec]:
     """Per margin point: ``margin:<point>`` (``sites`` as margin exceptions, the other FP4 sites RNE with own
     scales, own routes) and ``margin_replay_routes:<point>`` (the same with the rollout's routes)."""
-    from tracerl.config import margin_name
-
     out = []
     for j, point in enumerate(margins):
         acts = {s: "margin" for s in sites}
@@ -151,9 +150,10 @@ class EntropyTally:
 class MarginTally:
     """What one margin pass would store and how its codes agree with the rollout's, per site, over the response
     tokens: the counts ``[values, marked values, code mismatches among marked, among unmarked, blocks, marked
-    blocks]`` (+0 and -0 count equal) over every response row, and the value and block marks (packed, on the host) of every ``every``-th
-    response row, from which `site_bytes` prices the coding (numpy: `compact.choose_coding` over a few thousand
-    rows of width 2,048 takes seconds; over an audit of 32k tokens, minutes)."""
+    blocks]`` (`metrics.codes_match`) over every response row, and the value and block marks (packed, on the
+    host) of every ``every``-th response row, from which `site_bytes` prices the coding (numpy:
+    `compact.choose_coding` over a few thousand rows of width 2,048 takes seconds; over an audit of 32k tokens,
+    minutes)."""
 
     def __init__(self, point: tuple[float, float, str], every: int = 1):
         self.point = point
@@ -172,8 +172,7 @@ class MarginTally:
         self.marks.setdefault(site, []).append((vm.index_select(0, keep).cpu().numpy(),
                                                 bm.index_select(0, keep).cpu().numpy()))
         mask = tracefp4.unpack_hints(vm).bool()
-        r = tracefp4.unpack_codes(codes_r_packed)
-        differ = (codes_t != r) & (((codes_t & 7) != 0) | ((r & 7) != 0))
+        differ = ~am.codes_match(codes_t, tracefp4.unpack_codes(codes_r_packed))
         nb = codes_t.shape[1] // 16
         blocks = tracefp4.unpack_hints(bm)[:, :nb]
         c = torch.stack([torch.tensor(mask.numel(), device=mask.device), mask.sum(), (differ & mask).sum(),

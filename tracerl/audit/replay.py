@@ -30,20 +30,21 @@ class ReplayEngine(RolloutEngine):
 
     With ``marks`` (``{site: (value marks uint8 [M, B, L, W/8], block marks uint8 [M, B, L, ceil(W/128)])}``) and
     ``margins`` (M points ``(m, m_s, payload)``), the engine's ``mark_points`` give each point's
-    ``tracefp4.margin_marks`` of the site's activation, scales and hints on every decode path (the marks the
-    rollout's recorder would store at that margin), written into ``marks``."""
+    ``tracefp4.margin_marks`` of the activation, scales and hints of each site of ``marks`` on every decode path
+    (the marks the rollout's recorder would store at that margin), written into ``marks``."""
 
     def __init__(self, model, runtime, buffers: dict[str, tuple[torch.Tensor, torch.Tensor]], rids: Sequence[str],
                  marks: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None, margins: Sequence = (),
                  **kwargs):
         super().__init__(model, runtime, keep_codes=True,
-                         mark_points=[(m, ms) for m, ms, _ in margins] if marks else (), **kwargs)
+                         mark_points=[(m, ms) for m, ms, _ in margins] if marks else (), mark_sites=set(marks or ()),
+                         **kwargs)
         self._buffers = buffers
         self._marks = marks or {}
         self._row_of = {r: i for i, r in enumerate(rids)}
         self._last: tuple | None = None
 
-    def _deliver_site(self, rids, pos, site, hints, scales, codes, x=None, marks=None) -> None:
+    def _deliver_site(self, rids, pos, site, hints, scales, codes, x=None, marks=None, recorder_marks=None) -> None:
         buf = self._buffers.get(site)
         if buf is None:
             return

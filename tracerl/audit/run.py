@@ -387,8 +387,9 @@ class _Audit:
 
     def _margin(self, modes: dict, planner: dict | None) -> dict[str, Any]:
         """The margin points (`margin_passes`): stored bytes per token (the coding `compact.choose_coding` picks
-        per site over every audited row), marks, code agreement and mismatches, excess with own routes and with
-        routing replay; and every measured coverage (the planner's bits points and these) as one frontier."""
+        per site, priced over about `MARGIN_PRICED_TOKENS` response tokens), marks, code agreement and mismatches
+        (every response token), excess with own routes and with routing replay; the entropy floor of the sites;
+        and every measured coverage (the planner's bits points and these) as one frontier."""
         s, cfg = self.s, self.cfg
         by = s.plan.by_name
         sites = self.margin_sites
@@ -432,12 +433,10 @@ class _Audit:
                 best = p["excess"]
         target = None
         if cfg.target_excess is not None:
-            ok = [p for p in measured if p["excess"] <= cfg.target_excess]
-            target = {"target_excess": cfg.target_excess, "meets": bool(ok), "point": ok[0] if ok else None}
+            point = ap.plan_for_target(measured, cfg.target_excess)
+            target = {"target_excess": cfg.target_excess, "meets": point is not None, "point": point}
         floor = self.states["fp4_rne_own_scales"].entropy.site_floor()
-        return {"sites": cfg.margin_sites, "site_names": sites,
-                "decode_path": self.replays[0][0].decode_path if self.replays else None,
-                "bits_bytes_per_token": today, "rne_excess": rne, "rne_excess_with_routing_replay": rr_rne,
+        return {"sites": cfg.margin_sites, "site_names": sites, "bits_bytes_per_token": today, "rne_excess": rne, "rne_excess_with_routing_replay": rr_rne,
                 "entropy_floor": {"bytes_per_token": sum(v["bytes_per_token"] for v in floor.values()),
                                   "code_bins_per_step": CODE_BINS, "scale_bins_per_step": SCALE_BINS, "sites": floor},
                 "points": points, "frontier": frontier, "target": target}

@@ -32,7 +32,7 @@ EXAMPLES = [
     "tracerl audit ./demo-store --html report.html --json > audit.json",
     "tracerl audit s3://bucket/run1 --endpoint-url http://127.0.0.1:9000 --no-planner",
     "tracerl audit ./demo-store --target-excess 1e-3 --plan-out sites.json   # then tracestore create --site-table",
-    "tracerl audit ./demo-store --margins 0.03:0.3,0.1:1,0.1:1:lsb --margin-sites all   # sub-bit hint encodings",
+    "tracerl audit ./demo-store --margins 0.05:0.05,0.1:0.1:lsb --margin-sites all   # sub-bit hint encodings",
 ]
 
 
@@ -78,7 +78,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "points: value margin M (ladder steps) and scale margin MS (E4M3 steps), numbers >= 0 or "
                         "inf, ':lsb' for scale hints instead of whole scale bytes; per point the stored bytes per "
                         "token, code agreement and excess with own routes and with routing replay (two passes "
-                        "each; the replay then decodes on the hf path, which captures the activations)")
+                        "each; the marks come from the replay's own activations on its recorded decode path). A "
+                        "scale margin >= 0.5 marks every block; only inf marks every value")
     p.add_argument("--margin-sites", choices=MARGIN_SITES, default="hinted",
                    help="the sites the margin points encode: the store's hinted sites (default) or every FP4 "
                         "activation site")

@@ -72,6 +72,16 @@ def _cache_layer(cache, i: int) -> tuple[torch.Tensor, torch.Tensor]:
     return cache.key_cache[i], cache.value_cache[i]
 
 
+def margin_marks_at(runtime: FP4Runtime, site: str, x: torch.Tensor, scales: torch.Tensor, hints: torch.Tensor,
+                    points: Sequence[tuple[float, float]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``tracefp4.margin_marks`` of ``site``'s activation x [N, W] with the scales uint8 [N, W/16] and hints uint8
+    [N, W/8] it was quantized to, at each (value margin, scale margin) of ``points``, on x's device with the
+    runtime's global scale and backend (no host sync): [(value marks uint8 [N, W/8], block marks uint8
+    [N, ceil(W/128)])]."""
+    g = runtime.global_scale_on(site, x.device)
+    return [tracefp4.margin_marks(x, g, scales, hints, m, ms, backend=runtime.backend) for m, ms in points]
+
+
 class StaticDecoder:
     """One decode step of ``model`` over a preallocated KV cache; optionally captured as a CUDA graph.
 
@@ -181,10 +191,8 @@ class StaticDecoder:
         parts = ((None, None) if direct else (q.hints, q.scales)) + ((q.codes,) if self.keep_codes else ())
         x = self._x.pop(site, None)
         if x is not None:
-            rt = self.runtime
-            g = rt.global_scale_on(site, x.device)
-            for m, ms in self.marks(site):
-                parts += tracefp4.margin_marks(x, g, q.scales, q.hints, m, ms, backend=rt.backend)
+            for pair in margin_marks_at(self.runtime, site, x, q.scales, q.hints, self.marks(site)):
+                parts += pair
         self._ring_write(("site", site), parts)
 
     def _on_route(self, layer: int, idx: torch.Tensor) -> None:

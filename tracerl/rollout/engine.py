@@ -27,16 +27,15 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
 import torch
 
-import tracefp4
 from tracerl.config import DECODE_PATHS
 from tracerl.errors import ConfigError
 from tracerl.policy import FP4Runtime, cache_kwarg, check_mode, fp4_kv_cache, moe_layer_name
-from tracerl.rollout.decode import StaticDecoder, supports_static_decode
+from tracerl.rollout.decode import StaticDecoder, margin_marks_at, supports_static_decode
 from tracerl.rollout.recorder import RolloutRecorder
 from tracerl.util import swapped, sync, to_device, to_host
 
@@ -113,9 +112,10 @@ class RolloutEngine:
       activation (`RolloutRecorder.record_sites` ``x=``), on the static and graph paths the step computes the
       marks at the site's margins into its capture ring (``marks=``). Without it, a recorder with margin sites
       is refused.
-    mark_points: (value margin, scale margin) points: every captured site's ``tracefp4.margin_marks`` at each
-      point, computed from its activation on every decode path (the static/graph paths in the step, into their
-      ring) and handed to `_deliver_site` as ``marks`` (the audit's replay: `tracerl.audit.replay`).
+    mark_points: (value margin, scale margin) points: the ``tracefp4.margin_marks`` of each captured site of
+      ``mark_sites`` (None: every captured site) at each point, computed from its activation on every decode path
+      (the static/graph paths in the step, into their ring) and handed to `_deliver_site` as ``marks`` (the
+      audit's replay: `tracerl.audit.replay`).
 
     Raises `ConfigError` for an unknown decode path here, and from `generate` for a path the model or device
     cannot run (``graph`` off CUDA, ``static``/``graph`` with linear attention) and for a recorder with margin
@@ -137,6 +137,7 @@ class RolloutEngine:
         ring: int = 32,
         margin_capture: bool = False,
         mark_points: Sequence[tuple[float, float]] = (),
+        mark_sites: Collection[str] | None = None,
     ):
         if decode not in DECODE_PATHS:
             raise ConfigError(f"unknown decode path {decode!r}; supported: {', '.join(DECODE_PATHS)}")
@@ -152,6 +153,7 @@ class RolloutEngine:
         self.ring = ring
         self.margin_capture = bool(margin_capture)
         self.mark_points = [(float(m), float(ms)) for m, ms in mark_points]
+        self.mark_sites = None if mark_sites is None else frozenset(mark_sites)
         self._x: dict[str, torch.Tensor] = {}  # site -> the activation of the current forward (margin_capture)
         self._cache_kw = cache_kwarg(model)
         self._rows: tuple[list[str], np.ndarray, torch.Tensor] | None = None
@@ -168,12 +170,11 @@ class RolloutEngine:
         extra = {}
         if x is not None:
             x = pick(x)
-            if self.margin_capture:  # x only with margin_capture, marks only with mark_points
+            if self.margin_capture:  # x only with margin_capture, marks only at mark_points' sites
                 extra["x"] = x
-            if self.mark_points:
-                g = self.runtime.global_scale_on(site, x.device)
-                extra["marks"] = [tracefp4.margin_marks(x, g, scales, hints, m, ms, backend=self.runtime.backend)
-                                  for m, ms in self.mark_points]
+            points = self._extra_points(site)
+            if points:
+                extra["marks"] = margin_marks_at(self.runtime, site, x, scales, hints, points)
         self._deliver_site(rids, pos, site, hints, scales, pick(q.codes) if self.keep_codes else None, **extra)
 
     def _stash_x(self, site: str, x: torch.Tensor) -> None:
@@ -186,12 +187,20 @@ class RolloutEngine:
         rids, pos, rows = self._rows
         self._deliver_route(rids, pos, layer, (idx if rows is None else idx.index_select(0, rows)).to(torch.uint8))
 
-    def _ring_points(self, site: str) -> list[tuple[float, float]]:
-        """The margin points the static/graph step computes marks at for ``site``: the recorder's margin site's
-        own (margin, scale margin) first, with ``margin_capture``, then ``mark_points``."""
+    def _recorder_points(self, site: str) -> list[tuple[float, float]]:
+        """[(margin, scale margin)] of ``site`` when the recorder keeps it as a margin site (with
+        ``margin_capture``), else []."""
         msite = (getattr(self.recorder, "margin_sites", None) or {}).get(site) if self.margin_capture else None
-        own = [(float(msite.margin), float(msite.scale_margin))] if msite is not None else []
-        return own + self.mark_points
+        return [(float(msite.margin), float(msite.scale_margin))] if msite is not None else []
+
+    def _extra_points(self, site: str) -> list[tuple[float, float]]:
+        """``mark_points`` at a site of ``mark_sites``, else []."""
+        return self.mark_points if self.mark_sites is None or site in self.mark_sites else []
+
+    def _ring_points(self, site: str) -> list[tuple[float, float]]:
+        """The margin points the static/graph step computes marks at for ``site``: the recorder's first, then
+        ``mark_points``'."""
+        return self._recorder_points(site) + self._extra_points(site)
 
     def _deliver_site(self, rids, pos, site: str, hints, scales, codes, x=None, marks=None,
                       recorder_marks=None) -> None:
@@ -222,7 +231,7 @@ class RolloutEngine:
                 rest = bufs[3 if self.keep_codes else 2:]  # the margin marks of `_ring_points`, in pairs
                 pairs = list(zip(rest[0::2], rest[1::2]))
                 extra = {}
-                if len(pairs) > len(self.mark_points):  # the recorder's margin site: its own marks first
+                if self._recorder_points(name):  # the recorder's margin site: its own marks first
                     extra["recorder_marks"] = pairs.pop(0)
                 if pairs:
                     extra["marks"] = pairs

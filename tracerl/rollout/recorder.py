@@ -42,7 +42,8 @@ marks were computed on a CUDA device (``margin_pack="auto"``, the default; ``"de
 never) the staged rows are packed there instead (`compact_device.pack_marks_on_device`: the rows go over from pinned
 memory, are packed on a side stream of the device with one sync for the packed size, and only the packed bytes come
 back, data and offsets in one copy), the same bytes as on the host. Unfilled rows carry no marks (the trainer rounds
-to nearest there with its own scales). The engine passes ``x`` only when asked (`RolloutEngine(margin_capture=True)`).
+to nearest there with its own scales). The engine passes ``x`` (hf decode path) or the marks its static/graph step
+computed into its capture ring (``marks=``) only when asked (`RolloutEngine(margin_capture=True)`).
 """
 
 from __future__ import annotations
@@ -383,28 +384,24 @@ class RolloutRecorder:
         if site not in self.site_widths:
             raise RecorderError(f"site {site!r} is not recorded; recorded sites: {sorted(self.site_widths)[:4]}...")
         msite = self.margin_sites.get(site)
-        if msite is not None and marks is not None:
-            w = self.site_widths[site]
-            value_marks, block_marks = (torch.as_tensor(m) for m in marks)
-            n = torch.as_tensor(hints).shape[0]
-            want = ((n, w // 8), (n, -(-w // 128)))
-            if (tuple(value_marks.shape), tuple(block_marks.shape)) != want or value_marks.dtype != torch.uint8 \
-                    or block_marks.dtype != torch.uint8:
-                raise RecorderError(f"site {site!r}: marks {tuple(value_marks.shape)} {value_marks.dtype} and "
-                                    f"{tuple(block_marks.shape)} {block_marks.dtype}; expected uint8 {want[0]} and "
-                                    f"{want[1]}")
-            self._margin_devices[site] = value_marks.device
-            self._stage(("site", site), request_ids, positions, torch.as_tensor(hints), torch.as_tensor(scales),
-                        value_marks, block_marks)
-            return
         if msite is not None:
-            if x is None or global_scale is None:
+            hints, scales = torch.as_tensor(hints), torch.as_tensor(scales)
+            if marks is not None:
+                value_marks, block_marks = (torch.as_tensor(m) for m in marks)
+                w, n = self.site_widths[site], hints.shape[0]
+                want = ((n, w // 8), (n, -(-w // 128)))
+                if ((tuple(value_marks.shape), tuple(block_marks.shape)) != want or value_marks.dtype != torch.uint8
+                        or block_marks.dtype != torch.uint8):
+                    raise RecorderError(f"site {site!r}: marks {tuple(value_marks.shape)} {value_marks.dtype} and "
+                                        f"{tuple(block_marks.shape)} {block_marks.dtype}; expected uint8 {want[0]} "
+                                        f"and {want[1]}")
+            elif x is None or global_scale is None:
                 raise RecorderError(f"site {site!r} is stored as margin-exception rows (hint encoding margin): "
                                     f"record_sites needs its activation x [N, {self.site_widths[site]}] and "
                                     f"global_scale (RolloutEngine(margin_capture=True))")
-            hints, scales = torch.as_tensor(hints), torch.as_tensor(scales)
-            value_marks, block_marks = tracefp4.margin_marks(x, global_scale, scales, hints, msite.margin,
-                                                             msite.scale_margin, backend="auto")
+            else:
+                value_marks, block_marks = tracefp4.margin_marks(x, global_scale, scales, hints, msite.margin,
+                                                                 msite.scale_margin, backend="auto")
             self._margin_devices[site] = value_marks.device
             self._stage(("site", site), request_ids, positions, hints, scales, value_marks, block_marks)
             return
