@@ -16,7 +16,9 @@ coverage's HTML report and its plots as PNG files. Each coverage is saved as soo
 the same rollout) and audits each: today's layout and scale hints side by side (keys ``<coverage>`` and
 ``<coverage>/lsb``). ``--margins 0.05:0.05,0.1:0.1:lsb`` (``tracerl audit --margins``) also measures margin-exception
 encodings at those points (issue 23): per point the stored bytes per token, code agreement and excess, with own
-routes and with routing replay (the JSON's ``margin`` per coverage).
+routes and with routing replay (the JSON's ``margin`` per coverage); with ``--margin-planner`` also the joint
+planner over sites x encoding x margin (``margin.planner``: its curve, and its best point at <= 7,680 B/token with
+and without routing replay against the goal, ``goal_met_by_joint_planner``).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import tracefp4  # noqa: E402
 from tracerl.audit import AuditConfig, run_audit  # noqa: E402
-from tracerl.audit.plan import curve_rows  # noqa: E402
+from tracerl.audit.plan import curve_rows, joint_rows  # noqa: E402
 from tracerl.config import MARGIN_SITES, DemoConfig, parse_margins  # noqa: E402
 from tracerl.demo import record_store  # noqa: E402
 
@@ -116,6 +118,9 @@ def main(argv=None) -> int:
                    help="margin-exception points to measure too (tracerl audit --margins; default: none)")
     p.add_argument("--margin-sites", choices=MARGIN_SITES, default="hinted",
                    help="the sites the margin points encode (default: the store's hinted sites)")
+    p.add_argument("--margin-planner", action="store_true",
+                   help="also run the joint planner over sites x encoding x margin (tracerl audit --margin-planner; "
+                        "needs --margins)")
     args = p.parse_args(argv)
     margins = parse_margins(args.margins) if args.margins else ()
     name = "smoke" if args.smoke else args.config
@@ -125,6 +130,8 @@ def main(argv=None) -> int:
         p.error(f"coverage {bad} unknown (choose from {', '.join(COVERAGES)}) or reps {args.reps} < 1")
     if args.bands < 1:
         p.error(f"--bands {args.bands}: must be >= 1")
+    if args.margin_planner and not margins:
+        p.error("--margin-planner needs --margins")
     encodings = args.scale_encodings.split(",")
     if not encodings or any(e not in ("bytes", "lsb") for e in encodings):
         p.error(f"--scale-encodings {args.scale_encodings!r}: a comma-separated list of bytes, lsb")
@@ -165,7 +172,7 @@ def main(argv=None) -> int:
             for rep in range(args.reps):
                 load_before = os.getloadavg()[0]
                 result = run_audit(AuditConfig(store=store, bands=args.bands, margins=margins,
-                                               margin_sites=args.margin_sites))
+                                               margin_sites=args.margin_sites, margin_planner=args.margin_planner))
                 # the 1-minute load average around the run: other jobs on a shared machine stretch the time
                 runs.append({**result["timing"], "loadavg_1min": [load_before, os.getloadavg()[0]]})
                 t = runs[-1]
@@ -194,6 +201,13 @@ def main(argv=None) -> int:
                 sc["bytes_per_token"] <= GOAL_BYTES and sc["excess_vs_rne"] is not None
                 and sc["excess_vs_rne"] <= GOAL_RATIO and sc["with_routing_replay"]["excess_vs_rne"] is not None
                 and sc["with_routing_replay"]["excess_vs_rne"] <= GOAL_RATIO)
+            jp = (result.get("margin") or {}).get("planner")
+            if jp is not None:  # the joint planner's best at the budget, without and with routing replay
+                jb = jp["budget"]["best"]
+                jrr = (jb or {}).get("with_routing_replay") or {}
+                entry["goal_met_by_joint_planner"] = bool(
+                    jb is not None and jb["excess_vs_rne"] is not None and jb["excess_vs_rne"] <= GOAL_RATIO
+                    and jrr.get("excess_vs_rne") is not None and jrr["excess_vs_rne"] <= GOAL_RATIO)
             lsb = result["planner"]["budget"]["best_by_encoding"]["lsb"]
             entry["goal_met_with_scale_hints"] = bool(lsb is not None and lsb["excess_vs_rne"] is not None
                                                       and lsb["excess_vs_rne"] <= GOAL_RATIO)
@@ -252,6 +266,22 @@ def print_coverage(cov: str, e: dict) -> None:
             print(f"  {q['name']:20s} {q['bytes_per_token']:9.1f} {100 * q['marked_value_fraction']:7.3f}% {ca:>9s} "
                   f"{q['unmarked_mismatch']:10d} {q['excess_vs_rne'] or float('nan'):6.3f}x "
                   f"({rr or float('nan'):.3f}x)")
+        jp = mg.get("planner")
+        if jp is not None:
+            print("joint planner curve (k, move: unit: option, B/token, excess, x RNE; moves set aside last):")
+            for k, label, b, _, exc, r in joint_rows(jp):
+                ratio = "-" if r is None else f"{r:.2f}x"
+                print(f"  {k:3d} {label:44s} {b:9.1f} {exc:10.3e} {ratio:>7s}")
+            jb = jp["budget"]["best"]
+            if jb is not None:
+                jrr = jb["with_routing_replay"] or {}
+                met = e.get("goal_met_by_joint_planner")
+                ratio, rr_ratio = (v if v is not None else float("nan")
+                                   for v in (jb["excess_vs_rne"], jrr.get("excess_vs_rne")))
+                print(f"joint best at <= {jp['budget']['bytes_per_token']} B/token: k={jb['k']}, "
+                      f"{jb['bytes_per_token']:.1f} B/token, {ratio:.2f}x RNE's excess; with routing replay "
+                      f"{rr_ratio:.2f}x RNE's with routing replay (goal <= {GOAL_RATIO:.2f}x both: "
+                      f"{'met' if met else 'missed'})")
 
 
 if __name__ == "__main__":

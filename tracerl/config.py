@@ -460,6 +460,9 @@ class AuditConfig:
     #: routing replay); empty: no margin passes. The marks come from the replay's decode on its recorded path
     margins: tuple = ()
     margin_sites: str = "hinted"
+    #: the joint planner over sites x encoding x margin (`tracerl.audit.plan`): per planner unit not hinted, bits, or
+    #: margin exceptions at one of ``margins``; needs ``margins`` and ``planner``
+    margin_planner: bool = False
 
     def check(self) -> None:
         """Raise `ConfigError` for values that cannot run (what arrived, what is allowed)."""
@@ -489,3 +492,11 @@ class AuditConfig:
                               f"{', '.join(CONCURRENT_DECODE)}")
         if self.target_excess is not None and not self.planner:
             raise ConfigError("target_excess needs the planner (planner=False given)")
+        if not isinstance(self.margin_planner, bool):
+            raise ConfigError(f"margin_planner={self.margin_planner!r}: must be True or False")
+        if self.margin_planner and not self.margins:
+            raise ConfigError("margin_planner needs margin points (margins=() given): its options are bits and "
+                              "margin exceptions at each of them")
+        if self.margin_planner and not self.planner:
+            raise ConfigError("margin_planner needs the planner (planner=False given): its units and bits options "
+                              "are the planner's")

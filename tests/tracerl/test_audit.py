@@ -172,6 +172,8 @@ def test_corrupt_chunk_is_reported_with_the_object(audited, tmp_path):
     (["--margins", "0.1:0.1:bits"], "payload one of byte, lsb"),
     (["--margins", "0.1:0.1,0.1:0.1"], "each once"),
     (["--margin-sites", "all"], "--margin-sites needs --margins"),
+    (["--margin-planner"], "--margin-planner needs --margins"),
+    (["--margins", "0:0", "--margin-planner"], "--margin-planner needs the planner"),
 ])
 def test_bad_arguments_one_line_exit_2(audited, argv, message):
     _, _, url, _ = audited
@@ -436,7 +438,11 @@ def test_routing_replay_has_its_own_round_to_nearest_reference(audited):
 
 
 MARGIN_KEYS = {"sites", "site_names", "bits_bytes_per_token", "rne_excess",
-               "rne_excess_with_routing_replay", "entropy_floor", "points", "frontier", "target"}
+               "rne_excess_with_routing_replay", "entropy_floor", "points", "planner", "frontier", "target"}
+#: the joint planner's keys (margin.planner; tracerl/audit/run.py's docstring)
+JOINT_KEYS = {"options", "moves", "curve", "rejected", "rne_excess", "budget", "site_prices"}
+JOINT_POINT_KEYS = {"k", "move", "assignment", "units", "sites", "bytes_per_token", "mean_abs_dlogp", "excess",
+                    "excess_vs_rne", "with_routing_replay"}
 POINT_KEYS = {"name", "margin", "scale_margin", "scale_payload", "bytes_per_token", "vs_bits", "marked_value_fraction",
               "marked_block_fraction", "marked_mismatch", "unmarked_mismatch", "code_agreement", "scale_agreement",
               "mean_abs_dlogp", "excess", "excess_vs_rne", "with_routing_replay", "site_bytes"}
@@ -444,10 +450,12 @@ POINT_KEYS = {"name", "margin", "scale_margin", "scale_payload", "bytes_per_toke
 
 @pytest.fixture(scope="module")
 def margin_audit(audited):
+    """The margin points m=0, 0.1 (scale hints) and inf at the hinted sites, and the joint planner over every
+    planner unit (whose sites are mostly not hinted: priced from the replay's marks alone)."""
     _, _, url, tmp = audited
     html = ["--html", str(tmp / "margin.html")] if importlib.util.find_spec("matplotlib") else []
     rc, out, err = _cli("audit", url, "--json", "--threads", "2", "--bands", "2", "--no-attribution",
-                        "--margins", "0:0,0.1:0.1:lsb,inf:inf", "--target-excess", "1", *html)
+                        "--margins", "0:0,0.1:0.1:lsb,inf:inf", "--margin-planner", "--target-excess", "1", *html)
     assert rc == 0, err
     return json.loads(out), tmp
 
@@ -474,8 +482,10 @@ def test_margin_points_span_round_to_nearest_to_the_stored_hints(audited, margin
         assert point["code_agreement"] == modes[own]["code_agreement"]
         assert point["with_routing_replay"]["mean_abs_dlogp"] == modes[routed]["mean_abs_dlogp"]
     n_sites = len(mg["site_names"])
-    assert full["bytes_per_token"] == mg["bits_bytes_per_token"] == res["store"]["hint_bytes_per_token"]
-    assert zero["bytes_per_token"] == n_sites  # two empty position sets: one byte per token and site
+    # every value and block: today's bytes, plus each row's end in the store (FORMAT §2.5)
+    assert full["bytes_per_token"] == mg["bits_bytes_per_token"] + 4 * n_sites
+    assert mg["bits_bytes_per_token"] == res["store"]["hint_bytes_per_token"]
+    assert zero["bytes_per_token"] == 5 * n_sites  # two empty position sets: one byte per token and site, + its end
     assert zero["bytes_per_token"] < mid["bytes_per_token"] < full["bytes_per_token"]
     assert (zero["marked_value_fraction"], full["marked_value_fraction"]) == (0.0, 1.0)
     assert 0 < mid["marked_value_fraction"] < 1 and 0 < mid["marked_block_fraction"] < 1
@@ -493,18 +503,153 @@ def test_margin_points_span_round_to_nearest_to_the_stored_hints(audited, margin
     front = mg["frontier"]
     assert [p["bytes_per_token"] for p in front] == sorted(p["bytes_per_token"] for p in front)
     assert all(a["excess"] > b["excess"] for a, b in zip(front, front[1:]))
-    assert {p["encoding"] for p in front} <= {"bits", "margin"}
+    assert {p["encoding"] for p in front} <= {"bits", "margin", "mixed"}
     t = mg["target"]
     assert t["meets"] and t["point"]["bytes_per_token"] == 0  # excess <= 1: round-to-nearest already reaches it
+    assert t["site_table"] is None  # nothing to declare
     floor = mg["entropy_floor"]
     assert set(floor["sites"]) == set(mg["site_names"]) and 0 < floor["bytes_per_token"] < full["bytes_per_token"]
     assert all(v["tokens"] == res["store"]["response_tokens"] for v in floor["sites"].values())
 
 
+def test_margin_planner_options_curve_and_anchors(audited, margin_audit):
+    """The joint planner over sites x encoding x margin. Anchors: a unit's option at m = ms = inf costs exactly its
+    bits bytes and its alone pass is the unit's bits pass to the last bit; at m = 0 it is round-to-nearest to the
+    last bit and no move; the curve starts at round-to-nearest (fp4_rne_own_scales) and each kept move lowers the
+    measured mean |dlogp|; every point's bytes are the sum of its units' option prices, and an option's price the
+    sum of its sites' prices, every unit site priced at every point whether the margin passes encode it or not."""
+    _, plain, _, _ = audited
+    res, _ = margin_audit
+    mg, modes, planner = res["margin"], res["modes"], res["planner"]
+    jp = mg["planner"]
+    assert set(jp) == JOINT_KEYS
+    units = {u["name"]: u for u in planner["units"]}
+    assert list(jp["options"]) == list(units)
+    rne = modes["fp4_rne_own_scales"]["mean_abs_dlogp"]
+    hint_mean = {r["unit"]: rne - r["gain"] for r in planner["ranking"]}  # the planner's hint:<unit> passes
+    names = [p["name"] for p in mg["points"]]
+    assert set(jp["site_prices"]) == set(names)
+    all_sites = {x for u in units.values() for x in u["sites"]}
+    assert not all_sites <= set(mg["site_names"])  # units beyond the margin sites: priced from the marks alone
+    for name in names:
+        prices = jp["site_prices"][name]
+        assert set(prices) == all_sites
+        for x in mg["site_names"]:  # the margin pass's own price, the same number
+            assert prices[x]["bytes_per_token"] == next(p for p in mg["points"]
+                                                        if p["name"] == name)["site_bytes"][x]["bytes_per_token"]
+        assert all(v["tokens"] == v["priced_tokens"] == res["store"]["response_tokens"] for v in prices.values())
+    for unit, opts in jp["options"].items():
+        by = {o["option"]: o for o in opts}
+        assert list(by) == ["bits", *(f"margin:{n}" for n in names)]
+        bits, zero, full = by["bits"], by["margin:m=0 ms=0"], by["margin:m=inf ms=inf"]
+        assert bits["bytes_per_token"] == units[unit]["bytes_per_token"]
+        assert bits["mean_abs_dlogp"] == pytest.approx(hint_mean[unit], rel=1e-12)
+        # every value and block: today's bytes, plus the rows' ends in the store
+        assert full["bytes_per_token"] == bits["bytes_per_token"] + 4 * len(units[unit]["sites"])
+        assert full["mean_abs_dlogp"] == bits["mean_abs_dlogp"]  # the unit's hint:<unit> pass, to the last bit
+        assert zero["mean_abs_dlogp"] == rne and zero["gain"] == 0  # nothing marked: round-to-nearest
+        assert zero["bytes_per_token"] == 5 * len(units[unit]["sites"])  # two empty position sets + a row end
+        for o in opts:
+            name = o["option"].removeprefix("margin:")
+            if name != o["option"]:
+                assert o["bytes_per_token"] == pytest.approx(
+                    sum(jp["site_prices"][name][x]["bytes_per_token"] for x in units[unit]["sites"]), rel=1e-12)
+            assert o["gain"] == rne - o["mean_abs_dlogp"]
+    moves = jp["moves"]
+    assert moves and all(m["option"] != "margin:m=0 ms=0" and m["delta_gain"] > 0 for m in moves)
+    for unit in units:  # each unit's moves climb its hull: more bytes, more gain, less gain per byte
+        own = [m for m in moves if m["unit"] == unit]
+        assert [m["from"] for m in own] == [None, *(m["option"] for m in own[:-1])]
+        assert all(b["bytes_per_token"] > a["bytes_per_token"] and b["gain"] > a["gain"]
+                   and b["gain_per_kb"] <= a["gain_per_kb"] * (1 + 1e-12) for a, b in zip(own, own[1:]))
+    curve, rejected = jp["curve"], jp["rejected"]
+    assert all(set(c) == JOINT_POINT_KEYS for c in curve + rejected)
+    assert curve[0]["assignment"] == {} and curve[0]["mean_abs_dlogp"] == rne
+    assert curve[0]["excess"] == modes["fp4_rne_own_scales"]["excess_over_floor"]
+    assert len(curve) + len(rejected) == len(moves) + 1  # every move tried once
+    assert all(b["mean_abs_dlogp"] < a["mean_abs_dlogp"] for a, b in zip(curve, curve[1:]))
+    assert [c["k"] for c in curve] == list(range(len(curve)))
+    for c in curve + rejected:
+        opt = {u: {o["option"]: o for o in jp["options"][u]} for u in c["assignment"]}
+        assert c["bytes_per_token"] == pytest.approx(
+            sum(opt[u][o]["bytes_per_token"] for u, o in c["assignment"].items()), rel=1e-12, abs=0)
+        assert [e["site"] for e in c["sites"]] == [x for u in c["assignment"] for x in units[u]["sites"]]
+        assert all(e["encoding"] == c["assignment"][u] for u in c["assignment"] for e in c["sites"]
+                   if e["site"] in units[u]["sites"])
+        if len(c["assignment"]) == 1:  # one unit: its alone pass
+            (u, o), = c["assignment"].items()
+            assert c["mean_abs_dlogp"] == opt[u][o]["mean_abs_dlogp"]
+    for r in rejected:  # measured on top of the moves kept before it, and no better
+        before = curve[r["k"] - 1]
+        assert r["assignment"] == {**before["assignment"], r["move"]["unit"]: r["move"]["option"]}
+        assert r["mean_abs_dlogp"] >= before["mean_abs_dlogp"]
+    best = jp["budget"]["best"]
+    assert jp["budget"]["bytes_per_token"] == 7680 and best is not None
+    assert best["excess"] == min(c["excess"] for c in curve if c["bytes_per_token"] <= 7680)
+    rr = best["with_routing_replay"]
+    assert rr["rne_excess"] == modes["fp4_rne_replay_routes"]["excess_over_floor"]
+    assert rr["excess_vs_rne"] == pytest.approx(rr["excess"] / rr["rne_excess"], rel=1e-12)
+    assert sum(c["with_routing_replay"] is not None for c in curve + rejected) == 1
+    mixed = [p for p in mg["frontier"] if p["encoding"] == "mixed"]
+    assert all(any(c["bytes_per_token"] == p["bytes_per_token"] and c["excess"] == p["excess"] for c in curve)
+               for p in mixed)
+    # marks at every unit's site leave the replay and every mode as they were
+    assert res["replay"]["reproduced"] and res["modes"] == plain["modes"]
+
+
+def test_margin_planner_site_table_creates_a_store(margin_audit, tmp_path):
+    """A joint point with margin-encoded units as a site table: margin sites declared with the keys of their point
+    and the coding they were priced in; `tracestore create --site-table` makes the store, the rollout side's site
+    plan hints exactly those sites."""
+    from tracestore.cli.main import main as tracestore_main
+    from tracerl.audit.plan import hint_sites_from_table, joint_site_table
+    from tracerl.policy import SitePlan
+
+    res, tmp = margin_audit
+    mg, jp = res["margin"], res["margin"]["planner"]
+    store = ts.open_store(res["store"]["url"])
+    measured = jp["curve"] + jp["rejected"]
+    # a measured point with margin-encoded units, mixed with bits ones when there is one
+    with_margin = [c for c in measured if any(e["encoding"] != "bits" for e in c["sites"])]
+    point = next((c for c in with_margin if any(e["encoding"] == "bits" for e in c["sites"])),
+                 with_margin[0] if with_margin else None)
+    if point is None:  # no margin option on any unit's hull here: the last point plus one unit at a margin point
+        units = {u["name"]: u for u in res["planner"]["units"]}
+        last = jp["curve"][-1]
+        free = next(u for u in units if u not in last["assignment"])
+        point = {"sites": last["sites"] + [{"site": x, "encoding": f"margin:{mg['points'][1]['name']}"}
+                                           for x in units[free]["sites"]]}
+    points = {p["name"]: (p["margin"], p["scale_margin"], p["scale_payload"]) for p in mg["points"]}
+    table = joint_site_table(point["sites"], jp["site_prices"], points, SitePlan.from_json(store.model["site_plan"]),
+                             store.model, moe_layers=store.moe_layers, top_k=store.top_k,
+                             num_experts=store.num_experts)
+    path = tmp_path / "mixed.json"
+    path.write_text(json.dumps(table))
+    new = str(tmp_path / "mixed")
+    assert tracestore_main(["create", new, "--site-table", str(path)]) == 0
+    made = ts.open_store(new)
+    want = {e["site"]: e["encoding"] for e in point["sites"]}
+    assert sorted(made.sites) == sorted(want) and sorted(hint_sites_from_table(table)) == sorted(want)
+    for name, enc in want.items():
+        site = made.sites[name]
+        if enc == "bits":
+            assert site.hint_encoding == "bits"
+            continue
+        m, ms, payload = points[enc.removeprefix("margin:")]
+        coding = jp["site_prices"][enc.removeprefix("margin:")][name]["coding"]
+        assert site.hint_encoding == "margin" and site.scale_payload == payload
+        assert (site.margin, site.scale_margin) == tuple(float(v) for v in (m, ms))
+        assert (site.value_coding, site.block_coding) == (coding["values"], coding["blocks"])
+    assert made.model["site_plan"]["hinted"] == [s for s in res["store"]["fp4_sites"] if s in want]
+
+
 def test_margin_report_and_html(margin_audit):
     from rich.console import Console
 
+    import html
+
     from tracerl.audit import render_terminal
+    from tracerl.audit.plan import joint_rows
 
     res, tmp = margin_audit
     con = Console(width=200, record=True)
@@ -512,9 +657,16 @@ def test_margin_report_and_html(margin_audit):
         con.print(item)
     text = con.export_text()
     assert "margin exceptions" in text and "m=0.1 ms=0.1 lsb" in text and "Frontier of every measured" in text
+    jp = res["margin"]["planner"]
+    assert "joint planner" in text and "with routing replay" in text.split("joint planner", 1)[1]
+    moved = [c["move"]["unit"] for c in jp["curve"][1:]]
+    assert all(u in text for u in moved) and text.count("set aside:") >= len(jp["rejected"])
     if importlib.util.find_spec("matplotlib"):
         page = (tmp / "margin.html").read_text(encoding="utf-8")
         assert "<h2>Margin exceptions</h2>" in page and "m=inf ms=inf" in page
+        assert "<h2>Joint planner: sites x encoding x margin</h2>" in page
+        joint = page.split("<h2>Joint planner", 1)[1].split("<h2>", 1)[0]
+        assert all(html.escape(r[1]) in joint for r in joint_rows(jp)) and "with routing replay" in joint
     with open(README, encoding="utf-8") as f:
         section = f.read().split("## Audit", 1)[1]
     for key in [*MARGIN_KEYS, *POINT_KEYS, "--margins", "--margin-sites"]:
@@ -546,7 +698,8 @@ def test_margin_tally_prices_rows_as_the_packer_writes_them():
         coding, _ = compact.choose_coding(enc)
         packed = compact.pack_rows(enc, coding)
         assert got["coding"] == coding.to_json() and got["priced_tokens"] == len(idx) and got["tokens"] == 40
-        assert got["bytes_per_token"] * len(idx) == packed.nbytes
+        assert got["row_bytes_per_token"] * len(idx) == packed.nbytes
+        assert got["bytes_per_token"] == got["row_bytes_per_token"] + compact.ROW_END_BYTES  # + the row's end
         assert got["values"] == 40 * 256 and got["marked_values"] == int(tracefp4.unpack_hints(vm).sum())
         assert got["marked_mismatch"] == got["unmarked_mismatch"] == 0  # the rollout's own codes
 
@@ -574,3 +727,27 @@ def test_entropy_floor_is_zero_for_the_rollouts_own_values_and_grows_with_noise(
         bits.append((f["code_bits_per_token"], f["scale_bits_per_token"]))
     assert bits[0] == (0.0, 0.0)
     assert 0 < bits[1][0] < bits[2][0] < 4 * 256 and 0 <= bits[1][1] <= bits[2][1] < 8 * 16
+
+
+def test_joint_pass_encodes_each_unit_at_its_own_point():
+    """A joint planner configuration as a pass: bits units as hints from the replay, margin units as margin
+    exceptions each at its own point (`PassSpec.site_margins`); passes of one point are unchanged."""
+    from tracerl.audit.passes import PassSpec, joint_pass, margin_alone_pass
+    from tracerl.audit.plan import SiteGroup
+    from tracerl.errors import ConfigError
+
+    units = {n: SiteGroup(n, "moe_input", None, (0, 0), (f"{n}.a", f"{n}.b"), 48) for n in "ABC"}
+    margins = [(0.05, 0.05, "byte"), (float("inf"), 0.5, "lsb")]
+    spec = joint_pass("joint:3", {"A": "bits", "B": "margin:m=inf ms=0.5 lsb", "C": "margin:m=0.05 ms=0.05"}, units,
+                      margins, replay_routes=True)
+    assert spec.replay_routes and spec.margin is None
+    assert spec.actions == {"A.a": "replay_hints", "A.b": "replay_hints", "B.a": "margin", "B.b": "margin",
+                            "C.a": "margin", "C.b": "margin"}
+    assert spec.margin_of("B.a") == (1, margins[1]) and spec.margin_of("C.b") == (0, margins[0])
+    alone = margin_alone_pass(units["C"], 0, margins[0])
+    assert alone.name == "hint:C@m=0.05 ms=0.05" and alone.site_margins == {}
+    assert alone.margin_of("C.a") == (0, margins[0]) and alone.actions == {"C.a": "margin", "C.b": "margin"}
+    with pytest.raises(ConfigError, match="no margin point"):
+        PassSpec("x", actions={"s": "margin"}).margin_of("s")
+    with pytest.raises(ConfigError, match="option 'margin:m=1 ms=1'"):
+        joint_pass("joint:1", {"A": "margin:m=1 ms=1"}, units, margins)

@@ -1,10 +1,29 @@
 """The arithmetic of `tracerl.audit.plan` on hand-made inputs: layer bands, groups, the attribution's parts, the
-planner's ranking and choice of a point, site tables."""
+planner's ranking and choice of a point, site tables, and the joint planner's hulls, move order and walk."""
 
 import numpy as np
 import pytest
 
-from tracerl.audit.plan import attribute, attribution_groups, attribution_order, SiteGroup, best_under_budget, curve_rows, greedy_curve, hint_sites_from_table, layer_bands, plan_for_target, planner_units, rank_units, site_bytes_per_token
+from tracerl.audit.plan import (
+    SiteGroup,
+    attribute,
+    attribution_groups,
+    attribution_order,
+    best_under_budget,
+    curve_rows,
+    greedy_curve,
+    hint_sites_from_table,
+    hull_moves,
+    joint_curve,
+    joint_rows,
+    joint_site_table,
+    layer_bands,
+    option_hull,
+    plan_for_target,
+    planner_units,
+    rank_units,
+    site_bytes_per_token,
+)
 from tracerl.errors import ConfigError
 from tracerl.policy import SitePlan, SiteSpec
 
@@ -122,3 +141,204 @@ def test_greedy_curve_sets_aside_a_unit_that_adds_nothing_after_the_kept_ones():
     assert asked == [("A",), ("A", "B"), ("A", "B", "C")] and rejected == []
     assert [c["units"] for c in curve][-1] == ["A", "B", "C"]
     assert [r[1] for r in curve_rows({"curve": curve, "rejected": []})][-1] == "C"
+
+
+def _opts(*items):
+    return [{"option": o, "bytes_per_token": b, "gain": g} for o, b, g in items]
+
+
+def test_option_hull_keeps_the_upper_concave_hull_from_the_origin():
+    """Options that gain nothing, cost more for no more gain, or lie strictly under the segment between their
+    neighbours are not on the hull; of equal options the first given stays (bits before margin at inf); a vertex on
+    a straight segment stays (a finer step at the same gain per byte)."""
+    opts = _opts(("bits", 384, 6.0), ("m=0", 20, 0.0), ("m=0.02", 100, -1.0), ("m=0.05", 160, 4.0),
+                 ("m=0.1", 250, 4.5), ("m=inf", 384, 6.0), ("m=0.2", 300, 3.0), ("nan", 50, float("nan")))
+    hull = option_hull(opts)
+    # m=0.1 (250, 4.5) lies under the segment (160, 4) - (384, 6) (4.80 there): dropped; m=0.2 gains less than
+    # m=0.1 for more bytes: dropped; m=inf ties with bits: the first given (bits) stays
+    assert [h["option"] for h in hull] == ["m=0.05", "bits"]
+    assert hull[0] is not opts[3] and hull[0] == opts[3]  # copies
+    slopes = [g / b for b, g in [(160, 4.0), (384 - 160, 2.0)]]
+    assert slopes == sorted(slopes, reverse=True)
+    # collinear vertices stay; a move that gains nothing is no vertex
+    line = option_hull(_opts(("a", 10, 1.0), ("b", 20, 2.0), ("c", 30, 3.0), ("d", 40, 3.0)))
+    assert [h["option"] for h in line] == ["a", "b", "c"]
+    # equal bytes: the larger gain; order of the input does not matter otherwise
+    assert [h["option"] for h in option_hull(_opts(("x", 10, 1.0), ("y", 10, 2.0)))] == ["y"]
+    assert [h["option"] for h in option_hull(_opts(("m=inf", 10, 2.0), ("bits", 10, 2.0)))] == ["m=inf"]
+    assert option_hull(_opts(("a", 10, 0.0), ("b", 5, -1.0))) == []
+    with pytest.raises(ConfigError, match="bytes_per_token"):
+        option_hull(_opts(("a", -1, 1.0)))
+    with pytest.raises(ConfigError, match="bytes_per_token"):
+        option_hull(_opts(("a", float("inf"), 1.0)))
+
+
+def test_option_hull_is_concave_and_covers_every_option():
+    """On random options: gains rise strictly along the hull, gains per byte never rise, and every option lies on
+    or under the hull's piecewise-linear curve from (0, 0), flat past its last vertex."""
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        n = int(rng.integers(1, 9))
+        b = rng.integers(1, 40, n).astype(float) * (1 if trial % 2 else 7.5)
+        g = rng.normal(1.0, 1.0, n)
+        opts = _opts(*[(f"o{i}", b[i], g[i]) for i in range(n)])
+        hull = option_hull(opts)
+        xs = [0.0] + [h["bytes_per_token"] for h in hull]
+        ys = [0.0] + [h["gain"] for h in hull]
+        assert all(y1 > y0 for y0, y1 in zip(ys, ys[1:]))
+        slopes = [(y1 - y0) / (x1 - x0) for x0, x1, y0, y1 in zip(xs, xs[1:], ys, ys[1:])]
+        assert all(s1 <= s0 * (1 + 1e-12) for s0, s1 in zip(slopes, slopes[1:]))
+        for o in opts:
+            on = float(np.interp(o["bytes_per_token"], xs, ys))  # np.interp is flat past the last vertex
+            assert o["gain"] <= on + 1e-9 * max(1.0, abs(on)), (trial, o, hull)
+
+
+def test_hull_moves_merge_units_by_gain_per_byte_keeping_each_units_order():
+    """Moves of all units, best gain per byte first; a unit's upgrade comes after its first step whatever the
+    other units offer; ties between units: the unit given first."""
+    options = {"A": _opts(("m=0.05", 10, 5.0), ("bits", 30, 7.0)),   # slopes 0.5, then 0.1
+               "B": _opts(("bits", 10, 3.0)),                        # 0.3
+               "C": _opts(("bits", 20, 2.0), ("m=0.1", 10, 1.0)),    # (10, 1) then (20, 2): collinear, 0.1 each
+               "D": _opts(("bits", 10, 1.0))}                        # 0.1, ties with A's upgrade and C's moves
+    moves = hull_moves(options)
+    assert [(m["unit"], m["option"], m["from"]) for m in moves] == [
+        ("A", "m=0.05", None), ("B", "bits", None), ("A", "bits", "m=0.05"), ("C", "m=0.1", None),
+        ("C", "bits", "m=0.1"), ("D", "bits", None)]
+    up = moves[2]
+    assert (up["delta_bytes"], up["delta_gain"], up["bytes_per_token"], up["gain"]) == (20, 2.0, 30, 7.0)
+    assert up["gain_per_kb"] == pytest.approx(2.0 / 20 * 1024)
+    # a unit's own moves keep their order even when rounding would put a later one ahead
+    tricky = {"U": _opts(("a", 3, 0.3), ("b", 6, 0.6), ("c", 9, 0.9))}
+    assert [m["option"] for m in hull_moves(tricky)] == ["a", "b", "c"]
+    assert hull_moves({"Z": _opts(("bits", 10, -1.0))}) == []
+
+
+def _units(*names, bits=100):
+    return [SiteGroup(n, "moe_input", None, (0, 0), (f"{n}.s0", f"{n}.s1"), bits) for n in names]
+
+
+def test_joint_curve_keeps_moves_that_lower_the_measured_excess():
+    """The walk applies each move on top of the kept assignment: kept when the measured mean |dlogp| falls, set
+    aside otherwise (measured on top of the moves kept before it); a configuration of one unit is its alone pass
+    (not measured again); bytes are the sum of the units' option prices."""
+    units = _units("A", "B")
+    prices = {"A": {"bits": 100, "margin:m=0.05": 40.5}, "B": {"bits": 100, "margin:m=0.05": 30.25}}
+    alone = {"A": {"bits": 6.0, "margin:m=0.05": 7.0}, "B": {"bits": 8.0, "margin:m=0.05": 9.0}}
+    rne = 10.0
+    options = {u: _opts(*[(o, prices[u][o], rne - alone[u][o]) for o in prices[u]]) for u in prices}
+    moves = hull_moves(options)
+    assert [(m["unit"], m["option"]) for m in moves] == [("A", "margin:m=0.05"), ("B", "margin:m=0.05"),
+                                                         ("A", "bits"), ("B", "bits")]
+    value = {(("A", "margin:m=0.05"), ("B", "margin:m=0.05")): 5.0,
+             (("A", "bits"), ("B", "margin:m=0.05")): 5.5,  # the upgrade of A does not help after B
+             (("A", "margin:m=0.05"), ("B", "bits")): 4.0}
+    asked = []
+
+    def measure(assignment):
+        asked.append(tuple(assignment.items()))
+        return value[tuple(assignment.items())]
+
+    curve, rejected = joint_curve(moves, units, prices, rne, 1.0, measure, alone)
+    assert asked == list(value)  # the first move is A's alone pass
+    assert [(c["k"], c["assignment"], c["mean_abs_dlogp"]) for c in curve] == [
+        (0, {}, 10.0), (1, {"A": "margin:m=0.05"}, 7.0), (2, {"A": "margin:m=0.05", "B": "margin:m=0.05"}, 5.0),
+        (3, {"A": "margin:m=0.05", "B": "bits"}, 4.0)]
+    assert [c["bytes_per_token"] for c in curve] == [0, 40.5, 70.75, 140.5]
+    assert curve[3]["move"] == {"unit": "B", "option": "bits", "from": "margin:m=0.05"}
+    assert curve[3]["sites"] == [{"site": "A.s0", "encoding": "margin:m=0.05"},
+                                 {"site": "A.s1", "encoding": "margin:m=0.05"},
+                                 {"site": "B.s0", "encoding": "bits"}, {"site": "B.s1", "encoding": "bits"}]
+    assert curve[1]["excess"] == 6.0 and curve[1]["excess_vs_rne"] == pytest.approx(6 / 9)
+    assert [(r["k"], r["assignment"], r["mean_abs_dlogp"], r["bytes_per_token"]) for r in rejected] == [
+        (3, {"A": "bits", "B": "margin:m=0.05"}, 5.5, 130.25)]
+    assert all(c["with_routing_replay"] is None for c in curve + rejected)
+    labels = [r[1] for r in joint_rows({"curve": curve, "rejected": rejected})]
+    assert labels == ["(none: round-to-nearest)", "A: m=0.05", "B: m=0.05", "B: m=0.05 -> bits",
+                      "set aside: A: m=0.05 -> bits"]
+    # a move whose earlier step was set aside applies on top of what was kept (from: not hinted)
+    value2 = {(("A", "margin:m=0.05"), ("B", "margin:m=0.05")): 7.5, (("A", "bits"),): 6.0,
+              (("A", "bits"), ("B", "margin:m=0.05")): 9.0, (("A", "bits"), ("B", "bits")): 5.0}
+    asked.clear()
+    value.clear()
+    value.update(value2)
+    curve, rejected = joint_curve(moves, units, prices, rne, 1.0, measure, alone)
+    assert [c["assignment"] for c in curve] == [{}, {"A": "margin:m=0.05"}, {"A": "bits"},
+                                                {"A": "bits", "B": "bits"}]
+    assert [r["move"] for r in rejected] == [{"unit": "B", "option": "margin:m=0.05", "from": None}]
+    assert curve[3]["move"] == {"unit": "B", "option": "bits", "from": None}
+    assert asked == [(("A", "margin:m=0.05"), ("B", "margin:m=0.05")), (("A", "bits"), ("B", "bits"))]
+    with pytest.raises(ConfigError, match="no such unit"):
+        joint_curve([{"unit": "X", "option": "bits"}], units, prices, rne, 1.0, measure)
+
+
+def test_joint_curve_with_one_option_per_unit_is_the_greedy_curve():
+    """Units with only the bits option: the joint walk asks for the same sets and gives the same points and units
+    set aside as `greedy_curve` on the same numbers (without greedy_curve's last every-unit point)."""
+    units = _units("A", "B", "C", "D")
+    units[3] = SiteGroup("D", "moe_down", None, (0, 0), ("D.s0",), 50)
+    rne = 10.0
+    alone = {"A": 7.0, "B": 8.0, "C": 9.5, "D": 9.0}
+    together = {("A",): 7.0, ("A", "B"): 7.5, ("A", "D"): 6.0, ("A", "D", "C"): 5.0}
+    greedy_asked, joint_asked = [], []
+
+    def g_measure(us):
+        greedy_asked.append(tuple(u.name for u in us))
+        return together.get(tuple(u.name for u in us), 4.9)
+
+    def j_measure(assignment):
+        joint_asked.append(tuple(assignment))
+        return together[tuple(assignment)]
+
+    order = {u.name: u for u in units}
+    ranking = rank_units(units, rne, alone)
+    g_curve, g_rej = greedy_curve([order[r["unit"]] for r in ranking], rne, 1.0, alone[ranking[0]["unit"]],
+                                  g_measure)
+    moves = hull_moves({u.name: _opts(("bits", u.bytes_per_token, rne - alone[u.name])) for u in units})
+    assert [m["unit"] for m in moves] == [r["unit"] for r in ranking]
+    j_curve, j_rej = joint_curve(moves, units, {u.name: {"bits": u.bytes_per_token} for u in units}, rne, 1.0,
+                                 j_measure, {u: {"bits": v} for u, v in alone.items()})
+    assert g_rej and g_curve[-1]["units"] == [r["unit"] for r in ranking]  # greedy's extra every-unit point
+    assert joint_asked == greedy_asked[:-1]
+    for g, j in zip(g_curve[:-1], j_curve, strict=True):
+        assert (g["k"], g["units"], g["sites"], g["bytes_per_token"], g["mean_abs_dlogp"], g["excess"],
+                g["excess_vs_rne"]) == (j["k"], j["units"], [e["site"] for e in j["sites"]], j["bytes_per_token"],
+                                        j["mean_abs_dlogp"], j["excess"], j["excess_vs_rne"])
+    assert [(r["unit"], r["units"], r["mean_abs_dlogp"]) for r in g_rej] == [
+        (r["move"]["unit"], r["units"], r["mean_abs_dlogp"]) for r in j_rej]
+
+
+def test_joint_site_table_declares_margin_sites_with_their_keys(tmp_path):
+    """A mixed point's site table: bits sites as today, margin sites with the keys a margin site declares
+    (FORMAT §2.5; margin inf as "inf"); `tracestore create --site-table` makes a version-5 store of it."""
+    import json
+
+    import tracestore as ts
+    from tracestore.cli.main import main as tracestore_main
+
+    plan = _plan()
+    a, b, c = (s.name for s in plan.sites[:3])
+    prices = {"m=0.05 ms=0.05": {b: {"coding": {"values": "gamma", "blocks": "bitmap"}}},
+              "m=inf ms=0.5 lsb": {c: {"coding": {"values": "all", "blocks": "all"}}}}
+    points = {"m=0.05 ms=0.05": (0.05, 0.05, "byte"), "m=inf ms=0.5 lsb": (float("inf"), 0.5, "lsb")}
+    sites = [{"site": a, "encoding": "bits"}, {"site": b, "encoding": "margin:m=0.05 ms=0.05"},
+             {"site": c, "encoding": "margin:m=inf ms=0.5 lsb"}]
+    table = joint_site_table(sites, prices, points, plan, {"spec": {}, "rollout": {"x": 1}}, moe_layers=["l0"],
+                             top_k=2, num_experts=4)
+    rows = {r["name"]: r for r in table["sites"]}
+    assert rows[a] == {"name": a, "width": 256}
+    assert rows[c] == {"name": c, "width": 256, "hint_encoding": "margin", "margin": "inf", "scale_margin": 0.5,
+                       "value_coding": "all", "block_coding": "all", "scale_payload": "lsb"}
+    assert table["model"]["site_plan"]["hinted"] == [s.name for s in plan.sites if s.name in (a, b, c)]
+    assert "rollout" not in table["model"]
+    path = tmp_path / "sites.json"
+    path.write_text(json.dumps(table))
+    assert tracestore_main(["create", str(tmp_path / "mixed"), "--site-table", str(path)]) == 0
+    store = ts.open_store(str(tmp_path / "mixed"))
+    assert store.sites[b].hint_encoding == "margin" and store.sites[b].margin == 0.05
+    assert store.sites[c].margin == float("inf") and store.sites[a].hint_encoding == "bits"
+    with pytest.raises(ConfigError, match="no such margin point"):
+        joint_site_table([{"site": a, "encoding": "margin:m=9 ms=9"}], prices, points, plan, {}, moe_layers=[],
+                         top_k=1, num_experts=1)
+    bad = {"m=0.05 ms=0.05": {b: {"coding": {"values": "zigzag", "blocks": "bitmap"}}}}
+    with pytest.raises(ConfigError, match="refused by the store"):
+        joint_site_table(sites[1:2], bad, points, plan, {}, moe_layers=[], top_k=1, num_experts=1)

@@ -3,7 +3,9 @@
 One file, no external references: CSS inline, plots as PNG data URIs (matplotlib, Agg backend). The page holds the
 integrity result of `tracestore verify` for the store, the replay's verdict, the fidelity table per mode, four
 plots (code agreement by layer, the |dlogp| histogram against the floor, mismatch by token position, excess vs
-hint bytes per token), the attribution, the planner's curve, and the per-site and per-trajectory tables.
+hint bytes per token, with the margin points and the joint planner's curve when measured), the attribution, the
+planner's curve, the margin points and the joint planner's curve (with ``--margins`` / ``--margin-planner``), and
+the per-site and per-trajectory tables.
 Like `tracerl.audit.report`, it reads the result dict only.
 """
 
@@ -17,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tracerl.audit import plan as ap
-from tracerl.audit.report import fmt
+from tracerl.audit.report import fmt, joint_caption
 from tracerl.errors import ConfigError
 
 PLOT_MODES = ("fp4_rne_own_scales", "fp4_rne_rollout_scales", "fp4_hints", "fp4_hints_replay_routes")
@@ -149,6 +151,13 @@ def plot_curve(plt, result: Mapping[str, Any]) -> str:
         for q in pts:
             ax.annotate(q["name"], (q["bytes_per_token"], q["excess"]), fontsize=6, xytext=(3, 3),
                         textcoords="offset points")
+    jp = (mg or {}).get("planner")
+    if jp is not None:
+        ax.plot([c["bytes_per_token"] for c in jp["curve"]], [c["excess"] for c in jp["curve"]], "s-", ms=5,
+                color="#ff7f0e", label="joint planner: bits / margin per unit (measured)")
+        if jp["rejected"]:
+            ax.plot([r["bytes_per_token"] for r in jp["rejected"]], [r["excess"] for r in jp["rejected"]], "+",
+                    color="#ff7f0e", ms=9, label="joint move set aside (measured)")
     ax.axhline(p["rne_excess"], color=COLORS["fp4_rne_own_scales"], ls=":", label="round-to-nearest")
     ax.axhline(0, color="#999999", lw=0.8)
     budget = p["budget"]["bytes_per_token"]
@@ -266,6 +275,15 @@ def _sections(result: Mapping[str, Any], plt) -> list[str]:
             f"exceptions of the replay (m: value margin in ladder steps, ms: scale margin in E4M3 steps); the bits "
             f"encoding of the same sites stores {mg['bits_bytes_per_token']:,} B/token. Frontier of every measured "
             f"coverage (bits: the planner's points): {front}.</p>")
+        jp = mg.get("planner")
+        if jp is not None:
+            rows = [[k, label, f"{b:,.1f}", fmt(m), fmt(e), fmt(r, "x")] for k, label, b, m, e, r in ap.joint_rows(jp)]
+            out.append("<h2>Joint planner: sites x encoding x margin</h2>" + _table(
+                ["k", "move (unit: option)", "B/token", "mean |dlogp|", "excess", "vs RNE"], rows, left=2) +
+                f"<p class='note'>Per planner unit the options bits and margin exceptions at each point, each "
+                f"measured alone; the moves are the steps along each unit's upper concave hull of (bytes, gain), "
+                f"best gain per byte first, each kept only when the measured mean |dlogp| falls (moves set aside "
+                f"last). {html.escape(joint_caption(jp))}</p>")
     mode = result["audited_mode"]
     d = result["detail"][mode]
     out.append(f"<h2>Per site ({html.escape(mode)})</h2>" + _table(

@@ -18,6 +18,7 @@ from tracerl.audit import plan as ap
 from tracerl.audit.replay import ReplayBatch
 from tracerl.audit.setup import Setup, StoredTrajectory
 from tracerl.config import margin_name
+from tracerl.errors import ConfigError
 from tracerl.hints import PackedHints, compact
 from tracerl.hints.scalehints import pack_scale_lsb, reconstruct_scales
 from tracerl.policy import SitePlan, effective_codes
@@ -34,7 +35,8 @@ class PassSpec:
     ``scales`` | ``hints`` (the store's) | ``replay_hints`` | ``exact`` (the replay's) | ``margin`` (margin
     exceptions of the replay at point ``margin``); absent: own RNE), routing replay, and whether code metrics are
     taken (``observe``). ``fp4=False``: the bf16 trainer. ``margin``: (index, (m, m_s, payload)) of the margin point
-    (`ReplayBatch.marks`) the ``margin`` sites are encoded at."""
+    (`ReplayBatch.marks`) the ``margin`` sites are encoded at; ``site_margins``: {site: (index, point)} for
+    ``margin`` sites encoded at a point of their own (a joint planner pass mixes points), overriding ``margin``."""
 
     name: str
     fp4: bool = True
@@ -42,6 +44,16 @@ class PassSpec:
     replay_routes: bool = False
     observe: bool = False
     margin: tuple[int, tuple[float, float, str]] | None = None
+    site_margins: Mapping[str, tuple[int, tuple[float, float, str]]] = dataclasses.field(default_factory=dict)
+
+    def margin_of(self, site: str) -> tuple[int, tuple[float, float, str]]:
+        """(index, (m, m_s, payload)) of the margin point ``site`` is encoded at. Raises `ConfigError` when the
+        spec names none for it (a ``margin`` action without a point)."""
+        got = self.site_margins.get(site, self.margin)
+        if got is None:
+            raise ConfigError(f"pass {self.name!r}: site {site!r} has action 'margin' but no margin point (give "
+                              "margin= or site_margins=)")
+        return got
 
 
 def mode_passes(plan: SitePlan) -> list[PassSpec]:
@@ -82,6 +94,35 @@ def margin_passes(margins: Sequence[tuple[float, float, str]], sites: Sequence[s
                 PassSpec(f"margin_replay_routes:{margin_name(point)}", actions=acts, replay_routes=True,
                          observe=True, margin=(j, tuple(point)))]
     return out
+
+
+def margin_alone_pass(unit: ap.SiteGroup, j: int, point: tuple[float, float, str]) -> PassSpec:
+    """``hint:<unit>@<point>``: the unit's sites as margin exceptions at margin point ``j`` (``point``), every
+    other FP4 site RNE with own scales, own routes: the joint planner's value of that option."""
+    return PassSpec(f"hint:{unit.name}@{margin_name(point)}", actions={s: "margin" for s in unit.sites},
+                    margin=(j, tuple(point)))
+
+
+def joint_pass(name: str, assignment: Mapping[str, str], units: Mapping[str, ap.SiteGroup],
+               margins: Sequence[tuple[float, float, str]], replay_routes: bool = False) -> PassSpec:
+    """A joint planner configuration as a pass: ``assignment`` {unit: option} with option ``bits`` (hints and
+    scales from the replay, as `hint_pass`) or ``margin:<point name>`` (margin exceptions at that point of
+    ``margins``, each site at its own point); the other FP4 sites RNE with own scales. Raises `ConfigError` for
+    an unknown unit or option."""
+    points = {ap.margin_option(margin_name(p)): (j, tuple(p)) for j, p in enumerate(margins)}
+    actions: dict[str, str] = {}
+    site_margins: dict[str, tuple[int, tuple[float, float, str]]] = {}
+    for unit, option in assignment.items():
+        if unit not in units or (option != ap.BITS_OPTION and option not in points):
+            raise ConfigError(f"joint pass {name!r}: unit {unit!r} with option {option!r}; units are "
+                              f"{sorted(units)[:4]}..., options {[ap.BITS_OPTION, *points]}")
+        for s in units[unit].sites:
+            if option == ap.BITS_OPTION:
+                actions[s] = "replay_hints"
+            else:
+                actions[s] = "margin"
+                site_margins[s] = points[option]
+    return PassSpec(name, actions=actions, replay_routes=replay_routes, site_margins=site_margins)
 
 
 #: bins per ladder step (values) and per E4M3 step (scales) of the trainer's own positions in `EntropyTally`
@@ -153,7 +194,8 @@ class MarginTally:
     blocks]`` (`metrics.codes_match`) over every response row, and the value and block marks (packed, on the
     host) of every ``every``-th response row, from which `site_bytes` prices the coding (numpy:
     `compact.choose_coding` over a few thousand rows of width 2,048 takes seconds; over an audit of 32k tokens,
-    minutes)."""
+    minutes). Fed with `add_marks` alone it only prices (`prices`): the joint planner's price of a site that no
+    margin pass encodes."""
 
     def __init__(self, point: tuple[float, float, str], every: int = 1):
         self.point = point
@@ -162,15 +204,20 @@ class MarginTally:
         self.counts: dict[str, torch.Tensor] = {}
         self._seen: dict[str, int] = {}
 
-    def add(self, site: str, vm: torch.Tensor, bm: torch.Tensor, codes_t: torch.Tensor, codes_r_packed: torch.Tensor
-            ) -> None:
-        """Response rows of one micro-batch: value marks uint8 [R, W/8], block marks uint8 [R, ceil(W/128)],
-        the trainer's codes uint8 [R, W] (unpacked) and the rollout's packed uint8 [R, W/2]."""
+    def add_marks(self, site: str, vm: torch.Tensor, bm: torch.Tensor) -> None:
+        """Response rows of one micro-batch: value marks uint8 [R, W/8], block marks uint8 [R, ceil(W/128)]; keeps
+        every ``every``-th row (counted across calls) on the host."""
         seen = self._seen.get(site, 0)
         self._seen[site] = seen + len(vm)
         keep = torch.arange((-seen) % self.every, len(vm), self.every, device=vm.device)  # every-th row overall
         self.marks.setdefault(site, []).append((vm.index_select(0, keep).cpu().numpy(),
                                                 bm.index_select(0, keep).cpu().numpy()))
+
+    def add(self, site: str, vm: torch.Tensor, bm: torch.Tensor, codes_t: torch.Tensor, codes_r_packed: torch.Tensor
+            ) -> None:
+        """Response rows of one micro-batch: value marks uint8 [R, W/8], block marks uint8 [R, ceil(W/128)],
+        the trainer's codes uint8 [R, W] (unpacked) and the rollout's packed uint8 [R, W/2]."""
+        self.add_marks(site, vm, bm)
         mask = tracefp4.unpack_hints(vm).bool()
         differ = ~am.codes_match(codes_t, tracefp4.unpack_codes(codes_r_packed))
         nb = codes_t.shape[1] // 16
@@ -180,10 +227,11 @@ class MarginTally:
                          blocks.sum().to(torch.int64)])
         self.counts[site] = self.counts[site] + c if site in self.counts else c
 
-    def site_bytes(self, width_of: Mapping[str, int]) -> dict[str, dict[str, Any]]:
-        """Per site: the bytes `compact.pack_rows` writes for its rows in the cheapest coding (`choose_coding`),
-        per token, over the priced rows (``priced_tokens``: every ``every``-th response token), the coding, and
-        the mark and mismatch counts (every response token)."""
+    def prices(self, width_of: Mapping[str, int]) -> dict[str, dict[str, Any]]:
+        """Per site: ``width``, the bytes a store spends per token (``bytes_per_token``; None without rows): what
+        `compact.pack_rows` writes for its priced rows in the cheapest coding (`choose_coding`; ``row_bytes_per_token``)
+        plus the row's end (`compact.ROW_END_BYTES`), the ``coding`` ({values, blocks}), ``priced_tokens`` (every
+        ``every``-th response token) and ``tokens`` (every response token)."""
         m, ms, payload = self.point
         out = {}
         for site, parts in self.marks.items():
@@ -194,12 +242,20 @@ class MarginTally:
                                                 torch.zeros(len(vm), w // 16, dtype=torch.uint8), m, ms, payload)
             coding, _ = compact.choose_coding(enc)
             total = int(compact.packed_row_bytes(enc, coding).sum())
+            row = total / len(vm) if len(vm) else None
+            out[site] = {"width": w, "bytes_per_token": None if row is None else row + compact.ROW_END_BYTES,
+                         "row_bytes_per_token": row,
+                         "coding": coding.to_json(), "priced_tokens": len(vm), "tokens": self._seen[site]}
+        return out
+
+    def site_bytes(self, width_of: Mapping[str, int]) -> dict[str, dict[str, Any]]:
+        """Per site: `prices`, and the mark and mismatch counts (every response token): values, marked_values,
+        blocks, marked_blocks, marked_mismatch, unmarked_mismatch."""
+        out = self.prices(width_of)
+        for site, row in out.items():
             values, marked, mm, um, blocks, marked_blocks = (int(v) for v in self.counts[site].cpu())
-            out[site] = {"width": w, "bytes_per_token": total / len(vm) if len(vm) else None,
-                         "coding": coding.to_json(), "priced_tokens": len(vm), "tokens": self._seen[site],
-                         "values": values, "marked_values": marked,
-                         "blocks": blocks, "marked_blocks": marked_blocks,
-                         "marked_mismatch": mm, "unmarked_mismatch": um}
+            row.update({"values": values, "marked_values": marked, "blocks": blocks, "marked_blocks": marked_blocks,
+                        "marked_mismatch": mm, "unmarked_mismatch": um})
         return out
 
 
@@ -286,7 +342,7 @@ def substitute_hook(mb: AuditMicroBatch, spec: PassSpec, tally: am.CodeTally | N
             return None
         g = rt.global_scale_on(site, x.device)
         if act == "margin":  # the rollout's margin exceptions at the pass's point, the trainer's reconstruction
-            j, (m, ms, payload) = spec.margin
+            j, (m, ms, payload) = spec.margin_of(site)
             vm = mb.forward_rows((site, f"vm{j}"), lambda: mb.replay_marks(site, j)[0])
             bm = mb.forward_rows((site, f"bm{j}"), lambda: mb.replay_marks(site, j)[1])
             rh = mb.forward_rows((site, "rh"), lambda: tracefp4.hints_from_codes(mb.replay_codes(site)))

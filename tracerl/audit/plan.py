@@ -55,6 +55,24 @@ unit. Each point is a measured excess, not an estimate (one recompute pass per u
 X`` picks the cheapest measured point with excess <= X and prints its sites as a site table (`site_table`) that
 ``tracestore create --site-table`` accepts and that the rollout side turns into a site plan with
 `hint_sites_from_table` (``plan_sites(model, hint_sites=hint_sites_from_table(table))``).
+
+Joint planner over sites x encoding x margin (`option_hull`, `hull_moves`, `joint_curve`; ``--margin-planner``)
+---------------------------------------------------------------------------------------------------------------
+The same units, but each may be stored in one of several encodings: not hinted, ``bits`` (today's layout, the
+unit's ``bytes_per_token``) or ``margin:<point>`` (margin exceptions at one of the audit's margin points, priced
+at the bytes `tracerl.hints.compact.pack_rows` writes for the replay's marks in the cheapest coding per site).
+Each option's value is measured alone: mean |dlogp| with only that unit encoded that way and every other FP4 site
+round to nearest with own scales (gain = RNE's mean |dlogp| minus it). Per unit, the options that gain something
+and lie on the upper concave hull of (bytes, gain) from (0, 0) give the unit's *moves* (``none -> e1 -> e2 ...``,
+each with its gain per byte); an option under the hull (more bytes for less gain per byte than a mix of its
+neighbours) is never a move. The moves of every unit are merged by gain per byte, best first, a unit's own moves
+staying in hull order (its later moves are upgrades: they gain less per byte). The curve is then walked like
+`greedy_curve`: each move sets its unit to its option on top of the kept assignment, the configuration is
+measured (one recompute pass; a configuration of one unit is that option's alone pass) and the move is kept when
+the mean |dlogp| falls, else set aside. With one option per unit this is `greedy_curve` without its last
+every-unit point (units that gain nothing alone are not tried: they have no move). Every point is measured.
+`joint_site_table` turns a point into a site table whose margin sites carry the store keys of their point and the
+coding they were priced in (FORMAT §2.5), for ``tracestore create --site-table``.
 """
 
 from __future__ import annotations
@@ -66,6 +84,7 @@ from typing import Any
 
 import numpy as np
 
+import tracestore as ts
 from tracefp4.constants import HINTS_PER_BYTE
 from tracerl.config import SCALE_ENCODINGS
 from tracerl.errors import ConfigError
@@ -256,6 +275,149 @@ def curve_rows(planner: Mapping[str, Any]) -> list[tuple[int, str, int, float, f
     return rows
 
 
+#: the joint planner's option of a unit in today's layout (hint bits and scale bytes)
+BITS_OPTION = "bits"
+#: `option_hull`: a vertex counts as under the segment between its neighbours only by more than this (relative)
+HULL_RTOL = 1e-12
+
+
+def margin_option(point_name: str) -> str:
+    """The joint planner's option name of margin exceptions at margin point ``point_name`` (`margin_name`)."""
+    return f"margin:{point_name}"
+
+
+def option_hull(options: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The upper concave hull of one unit's options in (bytes, gain), from (0, 0) (the unit not hinted).
+
+    ``options``: ``[{"option", "bytes_per_token", "gain"}, ...]`` (gain: RNE's mean |dlogp| minus the option's
+    alone). Returns the hull's vertices past the origin, cheapest first (copies of the options): gains rise
+    strictly and gains per byte never rise. Left out: options that gain nothing (gain <= 0 or NaN); an option with
+    no more gain than a cheaper (or equally priced) one; an option strictly under the segment between its
+    neighbours. Of options with the same bytes and gain the first given is kept (so ``bits`` before an equal
+    ``margin`` point at m = inf); a vertex *on* the segment between its neighbours is kept (a finer step at the
+    same gain per byte). Raises `ConfigError` for bytes that are negative or not finite."""
+    for o in options:
+        b = o["bytes_per_token"]
+        if not (isinstance(b, (int, float)) and math.isfinite(b) and b >= 0):
+            raise ConfigError(f"option {o.get('option')!r}: bytes_per_token must be a finite number >= 0, got {b!r}")
+    gaining = [(i, o) for i, o in enumerate(options) if o["gain"] > 0]  # NaN > 0 is False
+    gaining.sort(key=lambda io: (io[1]["bytes_per_token"], -io[1]["gain"], io[0]))
+    hull: list[tuple[float, float, Mapping | None]] = [(0.0, 0.0, None)]
+    for _, o in gaining:
+        b, g = float(o["bytes_per_token"]), float(o["gain"])
+        if g <= hull[-1][1]:  # the last vertex has the most gain so far, for no more bytes
+            continue
+        while len(hull) >= 2:
+            (b0, g0, _), (b1, g1, _) = hull[-2], hull[-1]
+            # the last vertex strictly under the segment from the one before it to this option: not on the hull
+            # (under by more than rounding: a vertex on the segment, as computed in floats, stays)
+            up, across = (b1 - b0) * (g - g0), (g1 - g0) * (b - b0)
+            if up - across > HULL_RTOL * (abs(up) + abs(across)):
+                hull.pop()
+            else:
+                break
+        hull.append((b, g, o))
+    return [dict(o) for _, _, o in hull[1:]]
+
+
+def hull_moves(options: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[dict[str, Any]]:
+    """Every unit's hull moves (`option_hull`), merged best gain per byte first.
+
+    ``options``: ``{unit: [{"option", "bytes_per_token", "gain"}, ...]}``; its order breaks ties between units.
+    A move sets its unit from the previous hull vertex (``from``: None for not hinted) to ``option``: ``{"unit",
+    "option", "from", "bytes_per_token", "gain"`` (the option's), ``"delta_bytes", "delta_gain", "gain_per_kb"}``.
+    A unit's moves stay in hull order whatever the rounding of their gains per byte (the lists are merged, not
+    sorted); a move that costs no bytes comes first. Raises `ConfigError` as `option_hull`."""
+    seqs = []
+    for unit, opts in options.items():
+        prev_b, prev_g, prev_o, seq = 0.0, 0.0, None, []
+        for v in option_hull(opts):
+            db, dg = v["bytes_per_token"] - prev_b, v["gain"] - prev_g
+            seq.append({"unit": unit, "option": v["option"], "from": prev_o, "bytes_per_token": v["bytes_per_token"],
+                        "gain": v["gain"], "delta_bytes": db, "delta_gain": dg,
+                        "gain_per_kb": dg / db * 1024 if db > 0 else math.inf})
+            prev_b, prev_g, prev_o = v["bytes_per_token"], v["gain"], v["option"]
+        seqs.append(seq)
+    heads, out = [0] * len(seqs), []
+    while True:
+        live = [i for i, seq in enumerate(seqs) if heads[i] < len(seq)]
+        if not live:
+            return out
+        best = max(live, key=lambda i: (seqs[i][heads[i]]["gain_per_kb"], -i))  # ties: the unit given first
+        out.append(seqs[best][heads[best]])
+        heads[best] += 1
+
+
+def joint_point(k: int, assignment: Mapping[str, str], units: Mapping[str, SiteGroup],
+                prices: Mapping[str, Mapping[str, float]], mean_abs: float, floor: float, rne_excess: float,
+                move: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """One measured point of the joint curve: ``assignment`` ({unit: option}, in the order the units were first
+    encoded), its sites with their option (``[{"site", "encoding"}]``), bytes per token (the sum of the units'
+    option ``prices``: {unit: {option: bytes}}), mean |dlogp|, excess and its ratio to RNE's, the ``move`` that
+    led here (``{"unit", "option", "from"}``; None at k = 0) and ``with_routing_replay`` (None: not measured)."""
+    return {"k": k, "move": dict(move) if move is not None else None, "assignment": dict(assignment),
+            "units": list(assignment),
+            "sites": [{"site": s, "encoding": o} for u, o in assignment.items() for s in units[u].sites],
+            "bytes_per_token": sum(prices[u][o] for u, o in assignment.items()), "mean_abs_dlogp": mean_abs,
+            "excess": mean_abs - floor, "excess_vs_rne": excess_ratio(mean_abs - floor, rne_excess),
+            "with_routing_replay": None}
+
+
+def joint_curve(moves: Sequence[Mapping[str, Any]], units: Sequence[SiteGroup],
+                prices: Mapping[str, Mapping[str, float]], rne: float, floor: float,
+                measure: Callable[[dict[str, str]], float],
+                alone: Mapping[str, Mapping[str, float]] | None = None) -> tuple[list[dict], list[dict]]:
+    """The measured joint curve (module docstring): ``moves`` (`hull_moves`) applied one at a time on top of the
+    kept assignment; a move is kept when ``measure(assignment)`` (mean |dlogp| of ``{unit: option}``) falls below
+    the last kept point's, else set aside. ``alone``: {unit: {option: mean |dlogp|}} of the options' alone passes,
+    used (not measured again) for an assignment of one unit. ``rne``: mean |dlogp| with nothing hinted; ``floor``:
+    the floor's; ``prices``: {unit: {option: bytes per token}}. Returns (curve points from k = 0, moves set aside:
+    `joint_point` keys, measured on top of the moves kept before them). Raises `ConfigError` for a move whose unit
+    is not in ``units`` or whose option has no price."""
+    by = {u.name: u for u in units}
+    for mv in moves:
+        if mv["unit"] not in by or mv["option"] not in prices.get(mv["unit"], {}):
+            raise ConfigError(f"move {mv['unit']!r} -> {mv['option']!r}: no such unit or no price for that option")
+    points = [joint_point(0, {}, by, prices, rne, floor, rne - floor)]
+    rejected: list[dict] = []
+    kept: dict[str, str] = {}
+    for mv in moves:
+        unit, option = mv["unit"], mv["option"]
+        cand = {**kept, unit: option}
+        step = {"unit": unit, "option": option, "from": kept.get(unit)}
+        m = alone[unit][option] if alone is not None and len(cand) == 1 and option in alone.get(unit, {}) \
+            else measure(dict(cand))
+        point = joint_point(len(points), cand, by, prices, m, floor, rne - floor, step)
+        if m < points[-1]["mean_abs_dlogp"]:
+            kept = cand
+            points.append(point)
+        else:
+            rejected.append(point)
+    return points, rejected
+
+
+def joint_label(point: Mapping[str, Any]) -> str:
+    """What a joint curve point changed: ``"moe-in L0-9: bits"``, ``"moe-in L0-9: m=0.1 ms=0.1 -> bits"``."""
+    mv = point.get("move")
+    if mv is None:
+        return "(none: round-to-nearest)"
+    def name(o: str | None) -> str:
+        return "none" if o is None else o.removeprefix("margin:")
+
+    return f"{mv['unit']}: {name(mv['option'])}" if mv["from"] is None else \
+        f"{mv['unit']}: {name(mv['from'])} -> {name(mv['option'])}"
+
+
+def joint_rows(planner: Mapping[str, Any]) -> list[tuple[int, str, float, float, float, float | None]]:
+    """The joint planner's measured points as table rows (k, the move, bytes per token, mean |dlogp|, excess,
+    excess / RNE's): the curve, then each move set aside (measured on top of the moves kept before it)."""
+    rows = [(c["k"], joint_label(c), c["bytes_per_token"], c["mean_abs_dlogp"], c["excess"], c["excess_vs_rne"])
+            for c in planner["curve"]]
+    rows += [(r["k"], "set aside: " + joint_label(r), r["bytes_per_token"], r["mean_abs_dlogp"], r["excess"],
+              r["excess_vs_rne"]) for r in planner.get("rejected") or []]
+    return rows
+
+
 def plan_for_target(curve: Sequence[Mapping], target_excess: float) -> Mapping | None:
     """The cheapest measured curve point (fewest bytes per token, then lowest excess) whose excess is at most
     ``target_excess``; None when no measured point reaches it."""
@@ -281,21 +443,71 @@ def best_under_budget(curve: Sequence[Mapping], bytes_per_token: int, encoding: 
 
 
 def site_table(sites: Sequence[str], plan: SitePlan, store_model: Mapping[str, Any], *, moe_layers: Sequence[str],
-               top_k: int, num_experts: int) -> dict[str, Any]:
-    """A site table for ``sites`` (hinted FP4 site names of ``plan``): ``{"sites": [{"name", "width"}], "model",
-    "moe_layers", "top_k", "num_experts"}``, the object ``tracestore create --site-table FILE`` reads. ``model``
-    is the audited store's model metadata with the site plan's hinted set replaced (and no ``rollout`` entry: a
-    new rollout records its own). Raises `ConfigError` for an empty list or a name that is not a non-KV FP4 site."""
+               top_k: int, num_experts: int, encodings: Mapping[str, Mapping[str, Any]] | None = None
+               ) -> dict[str, Any]:
+    """A site table for ``sites`` (hinted FP4 site names of ``plan``): ``{"sites": [{"name", "width", ...}],
+    "model", "moe_layers", "top_k", "num_experts"}``, the object ``tracestore create --site-table FILE`` reads.
+    ``model`` is the audited store's model metadata with the site plan's hinted set replaced (and no ``rollout``
+    entry: a new rollout records its own). ``encodings``: per site the store keys of its hint encoding when it is
+    not today's bits (a margin site: ``hint_encoding="margin"``, ``margin``, ``scale_margin`` (numbers or
+    ``"inf"``), ``value_coding``, ``block_coding``, ``scale_payload``; FORMAT §2.5), checked as
+    `tracestore.Site.from_dict` checks them. Raises `ConfigError` for an empty list, a name that is not a non-KV
+    FP4 site, an encoding for a site not in ``sites`` or one the store would refuse."""
     by = plan.by_name
     bad = [s for s in sites if s not in by or by[s].kind == "kv"]
     if bad or not sites:
         raise ConfigError(f"site table: {'no sites' if not sites else f'not hintable FP4 sites: {bad[:4]}'}")
+    encodings = dict(encodings or {})
+    stray = sorted(set(encodings) - set(sites))
+    if stray:
+        raise ConfigError(f"site table: encodings given for sites not in the table: {stray[:4]}")
     order = [s.name for s in plan.sites if s.name in set(sites)]
+    rows = [{"name": n, "width": by[n].width, **encodings.get(n, {})} for n in order]
+    for r in rows:  # the store's own check of a site's keys, before a user hands the table to tracestore create
+        try:
+            ts.Site.from_dict(r)
+        except (ts.TraceStoreError, ValueError, TypeError) as e:
+            raise ConfigError(f"site table: site {r['name']!r} as declared ({r}) is refused by the store: "
+                              f"{e}") from None
     new_plan = dataclasses.replace(plan, hinted=tuple(order))
     model = {k: v for k, v in store_model.items() if k != "rollout"}
     model["site_plan"] = new_plan.to_json()
-    return {"sites": [{"name": n, "width": by[n].width} for n in order], "model": model,
-            "moe_layers": list(moe_layers), "top_k": top_k, "num_experts": num_experts}
+    return {"sites": rows, "model": model, "moe_layers": list(moe_layers), "top_k": top_k,
+            "num_experts": num_experts}
+
+
+def margin_site_keys(point: Sequence[Any], coding: Mapping[str, str]) -> dict[str, Any]:
+    """The store keys of a margin site (`site_table`'s ``encodings``) at margin point ``point`` ((m, m_s,
+    payload); a margin may be ``math.inf`` or the JSON's ``"inf"``) in position ``coding`` (``{"values",
+    "blocks"}``, `compact.SiteCoding.to_json`); a margin of inf is ``"inf"`` (JSON has no infinity)."""
+    m, ms, payload = point
+
+    def margin(v: Any) -> Any:
+        return "inf" if v == "inf" or (isinstance(v, float) and math.isinf(v)) else v
+
+    return {"hint_encoding": "margin", "margin": margin(m), "scale_margin": margin(ms),
+            "value_coding": coding["values"], "block_coding": coding["blocks"], "scale_payload": payload}
+
+
+def joint_site_table(sites: Sequence[Mapping[str, str]], site_prices: Mapping[str, Mapping[str, Mapping[str, Any]]],
+                     points: Mapping[str, Sequence[Any]], plan: SitePlan, store_model: Mapping[str, Any], *,
+                     moe_layers: Sequence[str], top_k: int, num_experts: int) -> dict[str, Any]:
+    """The `site_table` of a joint planner point: ``sites`` its ``[{"site", "encoding"}]`` (encoding ``bits`` or
+    ``margin:<point name>``), each margin site declared at its point (``points``: {point name: (m, m_s,
+    payload)}) in the coding it was priced in (``site_prices``: {point name: {site: {"coding", ...}}}, the JSON's
+    ``margin.planner.site_prices``). Raises `ConfigError` for an encoding that names no given point or a site
+    without a price there, and as `site_table`."""
+    names, enc = [e["site"] for e in sites], {}
+    for e in sites:
+        if e["encoding"] == BITS_OPTION:
+            continue
+        name = e["encoding"].removeprefix("margin:")
+        if name not in points or e["site"] not in site_prices.get(name, {}):
+            raise ConfigError(f"site table: site {e['site']!r} with encoding {e['encoding']!r}: no such margin point "
+                              f"(points: {list(points)}) or no price of the site there")
+        enc[e["site"]] = margin_site_keys(points[name], site_prices[name][e["site"]]["coding"])
+    return site_table(names, plan, store_model, moe_layers=moe_layers, top_k=top_k, num_experts=num_experts,
+                      encodings=enc)
 
 
 def hint_sites_from_table(table: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> list[str]:

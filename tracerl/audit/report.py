@@ -17,13 +17,16 @@ MAX_TRAJECTORY_ROWS = 8
 
 
 def fmt(v: Any, kind: str = "sci") -> str:
-    """A cell: ``pct`` (percent, 3 decimals), ``sci`` (3 significant digits, scientific), ``int``, ``x`` (ratio)."""
+    """A cell: ``pct`` (percent, 3 decimals), ``sci`` (3 significant digits, scientific), ``int``, ``round`` (a
+    number rounded to an integer: bytes per token priced over rows), ``x`` (ratio)."""
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
     if kind == "pct":
         return f"{100 * v:.3f}%"
     if kind == "int":
         return f"{int(v):,}"
+    if kind == "round":
+        return f"{v:,.0f}"
     if kind == "x":
         return f"{v:.2f}x"
     return f"{v:.3e}"
@@ -174,6 +177,29 @@ def margin_table(result: Mapping[str, Any]):
                   "ladder steps, ms: scale margin in E4M3 steps)", cols, rows, caption)
 
 
+def joint_caption(jp: Mapping[str, Any]) -> str:
+    """The joint planner's best point at <= the reference budget, without and with routing replay."""
+    best, budget = jp["budget"]["best"], jp["budget"]["bytes_per_token"]
+    if best is None:
+        return f"No measured point at <= {budget:,} B/token."
+    rr = best.get("with_routing_replay") or {}
+    units = ", ".join(f"{u} {o.removeprefix('margin:')}" for u, o in best["assignment"].items()) or "nothing encoded"
+    return (f"Best measured at <= {budget:,} B/token: k={best['k']} ({units}), {best['bytes_per_token']:,.0f} "
+            f"B/token, excess {fmt(best['excess'])} ({fmt(best['excess_vs_rne'], 'x')} RNE's); with routing replay "
+            f"{fmt(rr.get('excess'))} ({fmt(rr.get('excess_vs_rne'), 'x')} of RNE's with routing replay).")
+
+
+def joint_table(result: Mapping[str, Any]):
+    """The joint planner's curve (`tracerl.audit.plan.joint_rows`): each kept move, then the moves set aside."""
+    jp = result["margin"]["planner"]
+    cols = [("k", None), ("move (unit: option)", None), ("B/token", "round"), ("mean |dlogp|", "sci"),
+            ("excess", "sci"), ("vs RNE", "x")]
+    rows = [list(r) for r in ap.joint_rows(jp)]
+    caption = (f"{len(jp['moves'])} move(s) on the units' hulls of (bytes, gain), best gain per byte first, each kept "
+               f"if it lowers the measured excess. " + joint_caption(jp))
+    return _table("joint planner: sites x encoding (bits or margin exceptions) x margin", cols, rows, caption)
+
+
 def render_terminal(result: Mapping[str, Any]) -> list[Any]:
     """The report as a list of rich renderables (strings and tables), in print order."""
     out: list[Any] = list(summary_lines(result))
@@ -190,6 +216,8 @@ def render_terminal(result: Mapping[str, Any]) -> list[Any]:
         out.append(planner_table(result))
     if result.get("margin") is not None:
         out.append(margin_table(result))
+        if result["margin"].get("planner") is not None:
+            out.append(joint_table(result))
     t = result["timing"]
     decodes = (f"replay and floor decodes side by side {t['decode_s']:.1f}s (replay {t['replay_s']:.1f}s, floor "
                f"{t['floor_s']:.1f}s)" if t["concurrent_decode"] else

@@ -19,7 +19,10 @@ them), loads the policy version each trajectory was generated with when it is pu
    in each configuration, a `PassSpec`: the FP4 sites are driven by `FP4Runtime.substitute` (own rounding,
    the store's scales, the store's hints, hints from the replay, or the replay's exact values), so one
    runtime serves every pass. Metrics are taken on the device per micro-batch (`tracerl.audit.metrics`).
-5. **Attribution** and **coverage planner**: `tracerl.audit.plan` (definitions there).
+5. **Attribution**, **coverage planner** and, with ``margin_planner``, the **joint planner** over sites x encoding
+   x margin: `tracerl.audit.plan` (definitions there). The joint planner needs margin marks at every planner unit's
+   site, so the replay marks those too, and prices each site at each margin point once: from the margin pass's
+   tally at the margin sites, from the replay's marks of the same response rows elsewhere.
 
 Passes (names as in the JSON ``modes``, ``detail`` and ``attribution``):
 
@@ -34,6 +37,10 @@ Passes (names as in the JSON ``modes``, ``detail`` and ``attribution``):
 | ``exact:<group>`` | as fp4_hints, this and every earlier group exact (`audit_plan.attribution_order`) | the rollout's |
 | ``hint:<unit>`` | RNE everywhere, the unit's sites hinted (replay) | own |
 | ``curve:<k>`` | RNE everywhere, k units hinted: the kept ones and the next in the ranking (or all) | own |
+| ``margin:<point>`` | RNE elsewhere, the margin sites as margin exceptions at the point (``--margins``) | own |
+| ``margin_replay_routes:<point>`` | as margin:<point> | the rollout's |
+| ``hint:<unit>@<point>`` | RNE everywhere, the unit's sites margin exceptions at the point (joint planner) | own |
+| ``joint:<n>`` | RNE everywhere, n units each in its option: bits (replay) or margin at its point | own (and rollout's) |
 
 JSON (``run_audit``'s result, ``tracerl audit --json``; stable keys, ``audit_format`` 1):
 
@@ -63,8 +70,28 @@ JSON (``run_audit``'s result, ``tracerl audit --json``; stable keys, ``audit_for
   them), rne_excess, store_coverage (bytes_per_token, excess, excess_vs_rne, and with_routing_replay: excess,
   rne_excess, excess_vs_rne, both passes replaying the rollout's routes), budget (bytes_per_token, best), target
   (null, or target_excess, meets, point, site_table).
+- ``margin`` (null without ``margins``): sites (hinted | all), site_names, bits_bytes_per_token, rne_excess,
+  rne_excess_with_routing_replay, entropy_floor, points (per margin point: name, margin, scale_margin,
+  scale_payload, bytes_per_token, vs_bits, marked_value_fraction, marked_block_fraction, marked_mismatch,
+  unmarked_mismatch, code_agreement, scale_agreement, mean_abs_dlogp, excess, excess_vs_rne, with_routing_replay,
+  site_bytes), planner (below), frontier (every measured coverage, ``{encoding: bits | margin | mixed, name, sites,
+  bytes_per_token, excess, excess_vs_rne}``, cheapest first, each lowering the excess of all cheaper ones), target
+  (null, or target_excess, meets, point (a frontier-style entry), site_table: `plan.site_table` of that point, its
+  margin sites declared with their store keys; null when it has no sites).
+- ``margin.planner`` (null without ``margin_planner``; `tracerl.audit.plan`'s joint planner): options (per unit:
+  ``[{option: bits | margin:<point>, bytes_per_token, mean_abs_dlogp (alone), gain}]``), moves (`plan.hull_moves`:
+  unit, option, from, bytes_per_token, gain, delta_bytes, delta_gain, gain_per_kb, in the order tried), curve
+  (``[{k, move: {unit, option, from}, assignment: {unit: option}, units, sites: [{site, encoding}],
+  bytes_per_token (the sum of the units' option prices), mean_abs_dlogp, excess, excess_vs_rne,
+  with_routing_replay}]`` from k = 0, round-to-nearest; with_routing_replay is null but on the budget point:
+  mean_abs_dlogp, excess, rne_excess (``fp4_rne_replay_routes``'), excess_vs_rne), rejected (moves set aside: the
+  same keys, measured on top of the moves kept before them), rne_excess, budget (bytes_per_token: 7,680, best),
+  site_prices (per margin point, per priced site: bytes_per_token, row_bytes_per_token, coding, priced_tokens,
+  tokens). A margin site's bytes per token (points, options, site_prices) are what a store spends: its rows in the
+  cheapest coding plus each row's end (4 B, ``margin_ends.<site>``, FORMAT §2.5).
 - ``timing``: seconds, verify_s, setup_s, replay_s, floor_s, decode_s (wall time of both decodes: their sum, or
-  less when they ran side by side), concurrent_decode (bool), passes_s, curve_s, passes, micro_batches.
+  less when they ran side by side), concurrent_decode (bool), passes_s, curve_s (the planner's and the joint
+  planner's curve passes), passes, micro_batches.
 - ``config``, ``machine``.
 """
 
@@ -89,10 +116,13 @@ from tracerl.audit.passes import (
     AuditMicroBatch,
     EntropyTally,
     MarginTally,
+    PassSpec,
     PassState,
     attribution_passes,
     detail_of,
     hint_pass,
+    joint_pass,
+    margin_alone_pass,
     margin_passes,
     mode_passes,
     mode_summary,
@@ -149,6 +179,7 @@ class _Audit:
         self.cfg, self.step = cfg, step
         self.timing: dict[str, Any] = {"verify_s": 0.0, "setup_s": 0.0, "replay_s": 0.0, "floor_s": 0.0,
                                        "decode_s": 0.0, "concurrent_decode": False, "passes_s": 0.0, "curve_s": 0.0}
+        self.curve_passes = 0  # passes measured after the main loop (the planners' curves)
 
     def open(self) -> None:
         cfg = self.cfg
@@ -188,18 +219,29 @@ class _Audit:
         by = s.plan.by_name
         self.margin_sites = (list(s.plan.hinted) if cfg.margin_sites == "hinted" else
                              [n for n in s.observable if by[n].kind != "kv"]) if cfg.margins else []
-        specs += margin_passes(cfg.margins, self.margin_sites)
+        margin_specs = margin_passes(cfg.margins, self.margin_sites)
+        specs += margin_specs
+        # the joint planner: each unit alone at each margin point; marks (and prices) at every unit's sites
+        self.mark_sites = list(self.margin_sites)
+        if cfg.margin_planner:
+            specs += [margin_alone_pass(u, j, p) for u in self.units for j, p in enumerate(cfg.margins)]
+            encoded = set(self.margin_sites)
+            self.mark_sites += [x for u in self.units for x in u.sites if x not in encoded]
+        # sites whose bytes no margin pass's tally prices: priced from the replay's marks alone
+        self.price_sites = self.mark_sites[len(self.margin_sites):]
         self.mbs = [(c, pack_micro_batches({t.traj_id: t.num_tokens for t in c if t.data_ok}, cfg.micro_batch_tokens))
                     for c in self.chunks]
         n_mb = sum(len(m) for _, m in self.mbs)
         hinted = set(s.plan.hinted)
         n_resp = sum(len(t.response) for t in self.trajs if t.data_ok)
         every = -(-n_resp // MARGIN_PRICED_TOKENS)
-        counted = {sp.name: set(self.margin_sites) if sp.margin is not None else hinted for sp in specs}
+        self.pricers = [MarginTally(tuple(p), every) for p in cfg.margins] if self.price_sites else []
+        tallied = {sp.name for sp in margin_specs if not sp.replay_routes}
+        counted = {sp.name: hinted for sp in specs} | {sp.name: set(self.margin_sites) for sp in margin_specs}
         self.states = {sp.name: PassState(sp, am.TokenLog(), am.CodeTally(s.observable, counted[sp.name], s.device)
                                            if sp.observe else None, {},
-                                           margin=MarginTally(sp.margin[1], every) if sp.margin is not None
-                                           and not sp.replay_routes else None) for sp in specs}
+                                           margin=MarginTally(sp.margin[1], every) if sp.name in tallied else None)
+                       for sp in specs}
         self.states["bf16"].floor_log = am.TokenLog()
         if cfg.margins:
             self.states["fp4_rne_own_scales"].entropy = EntropyTally(self.margin_sites)
@@ -216,7 +258,7 @@ class _Audit:
             version = chunk[0].version
             self.weights[version] = use_weights(s, self.store.url, version, self.published, cfg.storage_options)
             rep, secs = replay_batch(s, chunk, self.weights[version], self.step, done, totals, cfg.concurrent_decode,
-                                     cfg.margins, self.margin_sites)
+                                     cfg.margins, self.mark_sites)
             for key in ("replay_s", "floor_s", "decode_s"):
                 self.timing[key] += secs[key]
             self.timing["concurrent_decode"] |= secs["concurrent"]
@@ -229,6 +271,10 @@ class _Audit:
                     run_pass(s, mb, self.states[spec.name])
                     done[phase] += 1
                     self.step(phase, done[phase], totals[phase])
+                for j, pricer in enumerate(self.pricers):  # the same response rows a margin pass's tally prices
+                    for site in self.price_sites:
+                        vm, bm = mb.replay_marks(site, j)
+                        pricer.add_marks(site, vm.index_select(0, mb.resp_dev), bm.index_select(0, mb.resp_dev))
                 light.append(dataclasses.replace(packed, hints={}, scales={}))
             self.replays.append((rep, light))
         self.timing["passes_s"] = sum(st.seconds for st in self.states.values())
@@ -237,7 +283,6 @@ class _Audit:
         """The planner's ranking and its measured curve: the units are tried in ranking order, each on top of the
         units kept so far (one pass per unit); a unit whose pass does not lower the mean |dlogp| is set aside
         (``self.rejected``), and when any was, one last pass hints every unit (the full-coverage point)."""
-        s = self.s
         mean_abs = {name: am.dlogp_summary(st.log.column("dlogp"))["mean_abs_dlogp"]
                     for name, st in self.states.items()}
         floor = self.floor_mean
@@ -250,25 +295,32 @@ class _Audit:
         self.step(phase, 0, max(total, 1))
         done = 0
         t0 = time.perf_counter()
-        self.curve_passes = 0
 
         def measure(units: list[ap.SiteGroup]) -> float:
             nonlocal done
-            st = PassState(hint_pass(f"curve:{len(units)}", units), am.TokenLog(), None, {})
-            for rep, light in self.replays:
-                use_weights(s, self.store.url, rep.trajs[0].version, self.published, self.cfg.storage_options)
-                for packed in light:
-                    run_pass(s, AuditMicroBatch(s, rep, packed), st)
-                    done += 1
-                    self.step(phase, done, total)
-            self.curve_passes += 1
-            return am.dlogp_summary(st.log.column("dlogp"))["mean_abs_dlogp"]
+            m = self._recompute(hint_pass(f"curve:{len(units)}", units), phase, done, total)
+            done += self.n_mb
+            return m
 
         first = mean_abs[f"hint:{order[0].name}"] if order else None
         points, self.rejected = ap.greedy_curve(order, rne, floor, first, measure)
         self.step(phase, max(done, 1), max(done, 1))
         self.timing["curve_s"] = time.perf_counter() - t0
         return points
+
+    def _recompute(self, spec: PassSpec, phase: str, done: int, total: int) -> float:
+        """Mean |dlogp| of one more pass ``spec`` over every audited micro-batch (the kept replays), reporting
+        progress ``done + i`` of ``total`` in ``phase``; counts it in ``curve_passes``."""
+        s = self.s
+        st = PassState(spec, am.TokenLog(), None, {})
+        for rep, light in self.replays:
+            use_weights(s, self.store.url, rep.trajs[0].version, self.published, self.cfg.storage_options)
+            for packed in light:
+                run_pass(s, AuditMicroBatch(s, rep, packed), st)
+                done += 1
+                self.step(phase, done, total)
+        self.curve_passes += 1
+        return am.dlogp_summary(st.log.column("dlogp"))["mean_abs_dlogp"]
 
     def result(self) -> dict[str, Any]:
         s, cfg = self.s, self.cfg
@@ -385,22 +437,38 @@ class _Audit:
                 "target": target}
 
 
+    def _point_prices(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """Per margin point name: per site that any margin pass encodes or the joint planner prices, what
+        `MarginTally.site_bytes` gives (the margin passes' sites, with their counts) or `MarginTally.prices` (the
+        other sites, priced from the replay's marks alone); each site priced once."""
+        by = self.s.plan.by_name
+        widths = {x: by[x].width for x in self.mark_sites}
+        out = {}
+        for j, point in enumerate(self.cfg.margins):
+            name = margin_name(point)
+            out[name] = self.states[f"margin:{name}"].margin.site_bytes(widths)
+            if self.pricers:
+                out[name].update(self.pricers[j].prices(widths))
+        return out
+
     def _margin(self, modes: dict, planner: dict | None) -> dict[str, Any]:
         """The margin points (`margin_passes`): stored bytes per token (the coding `compact.choose_coding` picks
         per site, priced over about `MARGIN_PRICED_TOKENS` response tokens), marks, code agreement and mismatches
         (every response token), excess with own routes and with routing replay; the entropy floor of the sites;
-        and every measured coverage (the planner's bits points and these) as one frontier."""
+        the joint planner over sites x encoding x margin (`_joint`, with ``margin_planner``); and every measured
+        coverage (the planner's bits points, these, the joint planner's) as one frontier."""
         s, cfg = self.s, self.cfg
         by = s.plan.by_name
         sites = self.margin_sites
         rne, rr_rne = (modes[k]["excess_over_floor"] for k in ("fp4_rne_own_scales", "fp4_rne_replay_routes"))
         today = sum(ap.site_bytes_per_token(by[x].width) for x in sites)
+        prices = self._point_prices()
         points = []
         for point in cfg.margins:
             name = margin_name(point)
             st, rr = self.states[f"margin:{name}"], self.states[f"margin_replay_routes:{name}"]
             own, routed = (mode_summary(x.log, x.tally, set(sites)) for x in (st, rr))
-            sb = st.margin.site_bytes({x: by[x].width for x in sites})
+            sb = {x: prices[name][x] for x in sites}
             tot = {k: sum(v[k] for v in sb.values()) for k in ("values", "marked_values", "blocks", "marked_blocks",
                                                                 "marked_mismatch", "unmarked_mismatch")}
             nbytes = sum(v["bytes_per_token"] or 0.0 for v in sb.values())
@@ -419,12 +487,17 @@ class _Audit:
                                         "mean_abs_dlogp": routed["mean_abs_dlogp"], "excess": rr_excess,
                                         "excess_vs_rne": ap.excess_ratio(rr_excess, rr_rne)},
                 "site_bytes": sb})
+        joint = self._joint(modes, prices) if cfg.margin_planner else None
         measured = [{"encoding": "margin", "name": p["name"], "sites": len(sites), "bytes_per_token":
                      p["bytes_per_token"], "excess": p["excess"], "excess_vs_rne": p["excess_vs_rne"]} for p in points]
-        if planner is not None:
-            measured += [{"encoding": "bits", "name": f"k={c['k']}", "sites": len(c["sites"]),
-                          "bytes_per_token": c["bytes_per_token"], "excess": c["excess"],
-                          "excess_vs_rne": c["excess_vs_rne"]} for c in planner["curve"]]
+        sources: dict[tuple[str, str], Any] = {("margin", p["name"]): p for p in points}
+        for encoding, curve in (("bits", planner["curve"] if planner is not None else []),
+                                ("mixed", joint["curve"] if joint is not None else [])):
+            for c in curve:
+                measured.append({"encoding": encoding, "name": f"k={c['k']}", "sites": len(c["sites"]),
+                                 "bytes_per_token": c["bytes_per_token"], "excess": c["excess"],
+                                 "excess_vs_rne": c["excess_vs_rne"]})
+                sources[(encoding, f"k={c['k']}")] = c
         measured.sort(key=lambda p: (p["bytes_per_token"], p["excess"]))
         frontier, best = [], math.inf
         for p in measured:  # cheapest first: a point is on the frontier when it lowers the excess of every cheaper one
@@ -434,12 +507,91 @@ class _Audit:
         target = None
         if cfg.target_excess is not None:
             point = ap.plan_for_target(measured, cfg.target_excess)
-            target = {"target_excess": cfg.target_excess, "meets": point is not None, "point": point}
+            table = (self._site_table(point, sources[(point["encoding"], point["name"])], prices)
+                     if point is not None and point["sites"] else None)
+            target = {"target_excess": cfg.target_excess, "meets": point is not None, "point": point,
+                      "site_table": table}
         floor = self.states["fp4_rne_own_scales"].entropy.site_floor()
-        return {"sites": cfg.margin_sites, "site_names": sites, "bits_bytes_per_token": today, "rne_excess": rne, "rne_excess_with_routing_replay": rr_rne,
+        return {"sites": cfg.margin_sites, "site_names": sites, "bits_bytes_per_token": today, "rne_excess": rne,
+                "rne_excess_with_routing_replay": rr_rne,
                 "entropy_floor": {"bytes_per_token": sum(v["bytes_per_token"] for v in floor.values()),
                                   "code_bins_per_step": CODE_BINS, "scale_bins_per_step": SCALE_BINS, "sites": floor},
-                "points": points, "frontier": frontier, "target": target}
+                "points": points, "planner": joint, "frontier": frontier, "target": target}
+
+    def _site_table(self, summary: dict, point: dict, prices: dict) -> dict[str, Any]:
+        """The site table (`ap.site_table`) of a measured coverage of any encoding: ``summary`` its frontier entry
+        (``encoding`` bits, margin or mixed), ``point`` the planner's curve point, the margin point or the joint
+        curve point it names; margin sites carry the store keys of their point and the coding they were priced in."""
+        s = self.s
+        points = {margin_name(p): p for p in self.cfg.margins}
+        if summary["encoding"] == "bits":
+            sites = [{"site": x, "encoding": ap.BITS_OPTION} for x in point["sites"]]
+        elif summary["encoding"] == "margin":
+            sites = [{"site": x, "encoding": ap.margin_option(point["name"])} for x in self.margin_sites]
+        else:
+            sites = point["sites"]
+        return ap.joint_site_table(sites, prices, points, s.plan, self.store.model, moe_layers=self.store.moe_layers,
+                                   top_k=self.store.top_k, num_experts=self.store.num_experts)
+
+    def _joint(self, modes: dict, prices: dict) -> dict[str, Any]:
+        """The joint planner over sites x encoding x margin (`ap.hull_moves`, `ap.joint_curve`): per planner unit
+        the options bits (its ``hint:<unit>`` pass) and margin exceptions at each point (``hint:<unit>@<point>``,
+        priced at the sum of its sites' bytes at that point), their hull moves, the measured curve (one pass per
+        move tried, but those of one unit), and the best point at <= `REFERENCE_BUDGET` B/token measured once more
+        with routing replay."""
+        cfg = self.cfg
+        floor = self.floor_mean
+
+        def mean(name: str) -> float:
+            return am.dlogp_summary(self.states[name].log.column("dlogp"))["mean_abs_dlogp"]
+
+        rne = mean("fp4_rne_own_scales")
+        options, unit_prices, alone = {}, {}, {}
+        for u in self.units:
+            opts = [(ap.BITS_OPTION, u.bytes_per_token, mean(f"hint:{u.name}"))]
+            for point in cfg.margins:
+                name = margin_name(point)
+                site_b = [prices[name][x]["bytes_per_token"] for x in u.sites]
+                if any(b is None for b in site_b):  # no response rows priced: an option without a price
+                    log.warning("joint planner: %s at %s has no priced rows; option left out", u.name, name)
+                    continue
+                opts.append((ap.margin_option(name), sum(site_b), mean(f"hint:{u.name}@{name}")))
+            options[u.name] = [{"option": o, "bytes_per_token": b, "mean_abs_dlogp": m, "gain": rne - m}
+                               for o, b, m in opts]
+            unit_prices[u.name] = {o: b for o, b, _ in opts}
+            alone[u.name] = {o: m for o, _, m in opts}
+        moves = ap.hull_moves(options)
+        phase = "joint planner (moves tried on top of the kept ones, the budget point with routing replay)"
+        total = max(self.n_mb * (len(moves) + 1), 1)  # at most: moves of one unit reuse its alone passes
+        self.step(phase, 0, total)
+        done = 0
+        t0 = time.perf_counter()
+        by = {u.name: u for u in self.units}
+
+        def measure(assignment: dict[str, str], replay_routes: bool = False) -> float:
+            nonlocal done
+            spec = joint_pass(f"joint:{len(assignment)}", assignment, by, cfg.margins, replay_routes=replay_routes)
+            m = self._recompute(spec, phase, done, total)
+            done += self.n_mb
+            return m
+
+        curve, rejected = ap.joint_curve(moves, self.units, unit_prices, rne, floor, measure, alone)
+        best = ap.best_under_budget(curve, REFERENCE_BUDGET)
+        rr_rne = modes["fp4_rne_replay_routes"]
+        if best is not None:
+            m = (measure(best["assignment"], replay_routes=True) if best["assignment"] else
+                 rr_rne["mean_abs_dlogp"])  # nothing encoded: RNE with the rollout's routes, measured already
+            best["with_routing_replay"] = {
+                "mean_abs_dlogp": m, "excess": m - floor, "rne_excess": rr_rne["excess_over_floor"],
+                "excess_vs_rne": ap.excess_ratio(m - floor, rr_rne["excess_over_floor"])}
+        self.step(phase, max(done, 1), max(done, 1))
+        self.timing["curve_s"] += time.perf_counter() - t0
+        keep = ("bytes_per_token", "coding", "priced_tokens", "tokens")
+        return {"options": options, "moves": moves, "curve": curve, "rejected": rejected,
+                "rne_excess": modes["fp4_rne_own_scales"]["excess_over_floor"],
+                "budget": {"bytes_per_token": REFERENCE_BUDGET, "best": best},
+                "site_prices": {name: {x: {k: v[k] for k in keep} for x, v in per.items()}
+                                for name, per in prices.items()}}
 
 
 def run_audit(cfg: AuditConfig, on_step: StepFn | None = None) -> dict[str, Any]:
@@ -461,7 +613,7 @@ def run_audit(cfg: AuditConfig, on_step: StepFn | None = None) -> dict[str, Any]
     result = audit.result()
     t = audit.timing
     result["timing"] = {"seconds": time.perf_counter() - t_start, **t,
-                        "passes": len(audit.states) + getattr(audit, "curve_passes", 0),
+                        "passes": len(audit.states) + audit.curve_passes,
                         "micro_batches": audit.n_mb}
     return json_ready({k: result[k] for k in TOP_KEYS})
 

@@ -124,6 +124,8 @@ SCALE_PAYLOADS = ("byte", "lsb")
 POSITION_CODINGS = ("all", "bitmap", "block-bitmap", "gamma", "rice<k>")
 #: positions per group of the ``block-bitmap`` coding
 GROUP = 16
+#: bytes a store spends per row beside the row itself: its end in ``margin_ends.<site>`` (uint32, FORMAT §2.5)
+ROW_END_BYTES = 4
 _RICE = re.compile(r"rice([0-9]|[12][0-9]|30)")
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
