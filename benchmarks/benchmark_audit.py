@@ -44,6 +44,7 @@ from tracerl.audit import AuditConfig, run_audit  # noqa: E402
 from tracerl.audit.plan import curve_rows, joint_rows  # noqa: E402
 from tracerl.config import MARGIN_SITES, DemoConfig, parse_margins  # noqa: E402
 from tracerl.demo import record_store  # noqa: E402
+from tracestore.cliargs import ProgressLog  # noqa: E402
 
 GPU_SPEC = dict(hidden_size=2048, num_layers=40, num_heads=16, num_kv_heads=4, head_dim=128, num_experts=32,
                 top_k=4, moe_intermediate_size=512, vocab_size=32768, max_position_embeddings=16384)
@@ -171,8 +172,16 @@ def main(argv=None) -> int:
             runs, result = [], None
             for rep in range(args.reps):
                 load_before = os.getloadavg()[0]
-                result = run_audit(AuditConfig(store=store, bands=args.bands, margins=margins,
-                                               margin_sites=args.margin_sites, margin_planner=args.margin_planner))
+                # a line per phase and at least every 30 s with its count, rate and ETA: a device call's log or a
+                # nohup run shows where an audit of several minutes is
+                progress = ProgressLog(lambda line: print(line, file=sys.stderr, flush=True), unit="steps",
+                                       announce=True)
+                try:
+                    result = run_audit(AuditConfig(store=store, bands=args.bands, margins=margins,
+                                                   margin_sites=args.margin_sites,
+                                                   margin_planner=args.margin_planner), on_step=progress.update)
+                finally:
+                    progress.close()
                 # the 1-minute load average around the run: other jobs on a shared machine stretch the time
                 runs.append({**result["timing"], "loadavg_1min": [load_before, os.getloadavg()[0]]})
                 t = runs[-1]

@@ -56,6 +56,21 @@ def test_a_short_phase_prints_nothing_unless_announced():
     assert lines == ["decode: started, 5 steps", "decode: 5/5 in 2.0s"]
 
 
+def test_the_end_of_a_phase_reported_again_is_not_a_new_phase():
+    """A caller that reports a phase's last count once more after it ended (the audit's verify and curve phases did)
+    prints the end once; the same phase with other counts later is a new phase."""
+    log, lines, clock = _log(every_s=30, announce=True, unit="steps")
+    log.update("verify", 0, 1)
+    clock.now = 1.0
+    log.update("verify", 1, 1)
+    log.update("verify", 1, 1)
+    assert lines == ["verify: started, 1 steps", "verify: 1/1 in 1.0s"]
+    log.update("verify", 0, 2)
+    clock.now = 3.0
+    log.update("verify", 2, 2)
+    assert lines[2:] == ["verify: started, 2 steps", "verify: 2/2 in 2.0s"]
+
+
 def test_unknown_total_what_and_rate_since_the_phase_started():
     log, lines, clock = _log(every_s=10, unit="steps")
     log.update("train", 40, None)  # a trainer resumed at step 40: the rate counts this run's steps

@@ -304,6 +304,7 @@ class ProgressLog:
         self.clock = clock
         self._heartbeat = heartbeat
         self._phases: dict[str, _Phase] = {}  # running phases, in start order
+        self._ended: dict[str, tuple[int, int | None]] = {}  # phase -> (done, total) it ended at
         self._lock = threading.RLock()
         self._wake = threading.Event()
         self._closed = False
@@ -327,6 +328,8 @@ class ProgressLog:
                 return
             now = self.clock()
             p = self._phases.get(phase)
+            if p is None and total is not None and done >= total and self._ended.get(phase) == (done, total):
+                return  # the end of a phase that just ended at these counts, reported again: not a new round
             if p is None:
                 p = self._start(phase, total, now, done)
             elif done < p.done or (p.total is not None and total != p.total):
@@ -383,6 +386,7 @@ class ProgressLog:
         return f"{phase}: started" + ("" if total is None else f", {total:,} {self.unit}".rstrip())
 
     def _start(self, phase: str, total: int | None, now: float, done: int = 0) -> _Phase:
+        self._ended.pop(phase, None)
         p = self._phases[phase] = _Phase(now, total, done)
         if self.announce:
             self._line(self._started(phase, total))
@@ -394,6 +398,7 @@ class ProgressLog:
 
     def _finish(self, phase: str, now: float) -> None:
         p = self._phases.pop(phase)
+        self._ended[phase] = (p.done, p.total)
         if self.announce or p.lines:
             count = f"{p.done:,}" if p.total is None else f"{p.done:,}/{p.total:,}"
             self._line(f"{phase}: {count} in {now - p.began:.1f}s")
