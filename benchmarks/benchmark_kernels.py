@@ -23,6 +23,12 @@ Bytes counted (n values, E bytes per input value, B block size):
 
 Usage: python3 benchmarks/benchmark_kernels.py [--smoke] [--sweep] [--gib 1.0] [--hidden 2048 7168]
        [--dtypes bf16 fp16 fp32] [--fmts nvfp4 mxfp4] [--runs 5] [--out PATH] [--json]
+       [--quantize-variants all|A,B,... [--skip-exactness] [--profile-variants]]
+
+--quantize-variants times only quantize with and without hints, for each named variant (hint packing, pair layout,
+unrolled loop) at each of its configurations, runs interleaved, and prints the hint cost of each variant: its best
+time with hints over the fastest time without hints of the whole case (both sides get every configuration). The
+variants' bits are checked against the reference on the device first (the timed data, ties, special values).
 Writes JSON to --out (default: $OUT/kernels-h200.json when $OUT is set, else benchmarks/results/kernels-<gpu>.json)
 and prints a table. --smoke runs tiny sizes on CPU under TRITON_INTERPRET=1 to check the script itself.
 """
@@ -267,8 +273,8 @@ def op_bytes(n: int, e: int, b: int) -> dict:
 
 
 def cfg_name(c) -> str:
-    if c[0] == "rows":
-        return f"rows{c[1]}_w{c[2]}_" + (f"persist{c[3]}" if c[3] else "grid")
+    if c[0] in ("rows", "pairs"):
+        return f"{c[0]}{c[1]}_w{c[2]}_" + (f"persist{c[3]}" if c[3] else "grid")
     if len(c) == 2:
         return f"BN{c[0]}_w{c[1]}"
     name = f"BN{c[0]}_w{c[1]}_" + (f"persist{c[2]}" if c[2] else "grid")
@@ -367,6 +373,234 @@ def run_case(hidden, dtype_name, fmt, args, device, cuda, sweep, tk, log) -> dic
 
 
 # ---------------------------------------------------------------------------------------------------------
+# quantize variants side by side (--quantize-variants): the hint cost per variant
+# ---------------------------------------------------------------------------------------------------------
+#: configurations each quantize variant is timed at (its best one is its figure): the block layout, the pair
+#: layout ("pairs": two blocks per thread, NVFP4); programs per SM 0 = a plain grid (UNROLL needs a persistent one)
+VARIANT_CONFIGS = {
+    "bf16": [(128, 4, 16), (128, 4, 32), (128, 4, 12), (64, 2, 16), (64, 2, 32), (256, 8, 16), (128, 4, 0),
+             (64, 2, 0)],
+    "fp16": [(64, 2, 0), (128, 4, 0), (128, 4, 16), (64, 2, 16), (128, 4, 32)],
+    "fp32": [(128, 4, 0), (64, 2, 0), (128, 4, 16), (64, 2, 16)],
+}
+VARIANT_CONFIGS_PAIRS = {
+    "bf16": [("pairs", 128, 4, 8), ("pairs", 128, 4, 16), ("pairs", 128, 4, 32), ("pairs", 64, 2, 16),
+             ("pairs", 64, 2, 32), ("pairs", 256, 8, 8)],
+    "fp16": [("pairs", 64, 2, 0), ("pairs", 128, 4, 16), ("pairs", 64, 2, 16)],
+    "fp32": [("pairs", 64, 2, 0), ("pairs", 128, 4, 0), ("pairs", 64, 2, 16)],
+}
+SMOKE_VARIANT_CONFIGS = [(8, 1, 0), (8, 1, 3)]
+SMOKE_VARIANT_CONFIGS_PAIRS = [("pairs", 8, 1, 0), ("pairs", 4, 1, 3)]
+DEFAULT_VARIANTS = ("gather,nibbles,nibbles_x4,gather+unroll,nibbles+unroll,gather+pairs,nibbles+pairs,"
+                    "nibbles+pairs+unroll")
+
+
+def parse_variant(name: str, tk) -> dict:
+    """A quantize variant from its name: tokens joined by "+": a hint packing (one of
+    `tracefp4.triton_kernels.HINT_PACKS`, default the module's HINT_PACK), "pairs" (the pair layout), "unroll" (two
+    tiles per trip of the persistent loop)."""
+    v = {"name": name, "hint_pack": tk.HINT_PACK, "pairs": False, "unroll": False}
+    for t in name.split("+"):
+        if t in tk.HINT_PACKS:
+            v["hint_pack"] = t
+        elif t in ("pairs", "unroll"):
+            v[t] = True
+        else:
+            raise SystemExit(f"unknown token {t!r} in quantize variant {name!r} (hint packings {tk.HINT_PACKS}, "
+                             f"'pairs', 'unroll')")
+    return v
+
+
+def variant_configs(v: dict, dtype_name: str, fmt: str, smoke: bool) -> list:
+    """The configurations variant v is timed at (the pair layout: NVFP4 only; unroll: persistent grids only)."""
+    if v["pairs"]:
+        if fmt != "nvfp4":
+            return []
+        cfgs = SMOKE_VARIANT_CONFIGS_PAIRS if smoke else VARIANT_CONFIGS_PAIRS[dtype_name]
+    else:
+        cfgs = SMOKE_VARIANT_CONFIGS if smoke else VARIANT_CONFIGS[dtype_name]
+    return [c for c in cfgs if not v["unroll"] or c[-1] > 0]
+
+
+def variant_fns(v: dict, cfg, xb, fmt: str, g, tk):
+    """(quantize with hints, quantize without hints) of variant v at cfg. The kernel without hints does not depend
+    on the hint packing: every variant's is launched with the default one (the same binary)."""
+    def with_hints():
+        return tk.quantize_blocks_triton(xb, fmt, g, config=cfg, hint_pack=v["hint_pack"], unroll=v["unroll"])
+
+    def no_hints():
+        return tk.quantize_blocks_triton(xb, fmt, g, emit_hints=False, config=cfg, unroll=v["unroll"])
+
+    return with_hints, no_hints
+
+
+def time_interleaved(fns: dict, runs: int, iters: int, warmup: int, cuda: bool) -> dict:
+    """`time_runs` of several functions with their runs interleaved (run r of each, then run r + 1 of each), so
+    that a drift of the clock or the memory's temperature over the minutes of a sweep lands on all of them."""
+    out = {k: [] for k in fns}
+    for _ in range(runs):
+        for k, fn in fns.items():
+            out[k] += time_runs(fn, 1, iters, warmup, cuda)
+    return out
+
+
+def variant_exactness(variants, xb, fmt: str, g, tk, want=None) -> dict:
+    """Mismatches (codes + scales + hints, and quantize_fake's y) of every variant at every one of its configs
+    against the reference on xb."""
+    if want is None:
+        want = ref.quantize_blocks_ref(xb, fmt, g)
+    y_want = ref.fake_quantize_blocks_ref(xb, fmt, g) if xb.shape[0] <= 1 << 16 else None
+    out = {}
+    for v, cfgs in variants:
+        for c in cfgs:
+            fh, fn = variant_fns(v, c, xb, fmt, g, tk)
+            got, got_nh = fh(), fn()
+            m = sum(mismatches(a, w) for a, w in zip(got, want)) + mismatches(got_nh[0], want[0]) \
+                + mismatches(got_nh[1], want[1])
+            if y_want is not None:
+                y, *q = tk.quantize_fake_blocks_triton(xb, fmt, g, config=c, hint_pack=v["hint_pack"],
+                                                       unroll=v["unroll"])
+                m += mismatches(y, y_want) + sum(mismatches(a, w) for a, w in zip(q, want))
+            out[f"{v['name']}/{cfg_name(c)}"] = m
+    return out
+
+
+def reference_chunked(xb, fmt: str, g, chunks: int = 32):
+    """`reference.quantize_blocks_ref` of a large xb in row chunks (per block, so the same bits; less memory)."""
+    parts = [ref.quantize_blocks_ref(c, fmt, g) for c in xb.chunk(chunks)]
+    return tuple(torch.cat([p[i] for p in parts]) for i in range(3))
+
+
+def run_variants_case(hidden, dtype_name, fmt, args, device, cuda, variant_names, tk, log) -> dict:
+    """Time quantize with and without hints for every variant and configuration on 1 GiB (--gib) of input: the
+    hint cost per variant at each configuration, at the variant's best configuration against the fastest kernel
+    without hints of the whole case (the fair figure: both sides get every configuration), and bit-exactness."""
+    dtype = DTYPES[dtype_name]
+    e = torch.tensor([], dtype=dtype).element_size()
+    rows = 4 if args.smoke else max(1, int(args.gib * 2**30) // (hidden * e))
+    b = BLOCK[fmt]
+    variants = [(v, variant_configs(v, dtype_name, fmt, args.smoke))
+                for v in (parse_variant(n, tk) for n in variant_names)]
+    variants = [(v, c) for v, c in variants if c]
+    res: dict = {"hidden": hidden, "rows": rows, "dtype": dtype_name, "fmt": fmt, "input_bytes": rows * hidden * e}
+    log(f"[variants {dtype_name} {fmt} h{hidden}] x [{rows}, {hidden}]: {', '.join(v['name'] for v, _ in variants)}")
+    x = make_x(rows, hidden, dtype, device, seed=hidden)
+    g = torch.tensor(0.01, dtype=torch.float32, device=device) if fmt == "nvfp4" else None
+    xb = x.reshape(-1, b)
+    n = x.numel()
+    nbytes = op_bytes(n, e, b)
+    res["bytes"] = {k: nbytes[k] for k in ("copy", "quantize", "quantize_no_hints")}
+    # exactness: the timed data (persistent loops of many trips, odd and even), ties and the dtype's special values
+    if not args.skip_exactness:
+        t0 = time.perf_counter()
+        few = 2 if args.smoke else 256  # (the interpreter runs a program at a time)
+        small = [("ties_g1", make_ties(few, hidden, dtype, device, seed=1).reshape(-1, b),
+                  torch.tensor(1.0, device=device) if fmt == "nvfp4" else None),
+                 ("specials", make_specials(dtype, b, device).reshape(-1, b),
+                  torch.tensor(0.37, device=device) if fmt == "nvfp4" else None),
+                 ("random_odd_blocks", make_x(few + 1, hidden, dtype, device, seed=5).reshape(-1, b)[1:], g)]
+        exact = {name: variant_exactness(variants, xx, fmt, gg, tk) for name, xx, gg in small}
+        exact["timed"] = variant_exactness(variants, xb, fmt, g, tk, want=reference_chunked(xb, fmt, g))
+        res["exact_mismatches"] = exact
+        res["bit_exact"] = all(m == 0 for d in exact.values() for m in d.values())
+        log(f"  bit-exact vs reference (every variant and config): {res['bit_exact']} "
+            f"({time.perf_counter() - t0:.1f} s)" + ("" if res["bit_exact"] else f" {exact}"))
+    runs, iters, warm = (args.runs, args.iters, 3) if cuda else (2, 1, 0)
+    y = torch.empty_like(x)
+    res["copy"] = summarize(time_runs(lambda: y.copy_(x), runs, iters, warm, cuda), nbytes["copy"])
+    del y
+    copy_gbps = res["copy"]["gbps_median"]
+    res["variants"] = {}
+    for v, cfgs in variants:
+        d = {}
+        for c in cfgs:
+            fh, fn = variant_fns(v, c, xb, fmt, g, tk)
+            t = time_interleaved({"quantize": fh, "quantize_no_hints": fn}, runs, iters, warm, cuda)
+            q, nh = summarize(t["quantize"], nbytes["quantize"]), summarize(t["quantize_no_hints"],
+                                                                           nbytes["quantize_no_hints"])
+            d[cfg_name(c)] = {"quantize": q, "quantize_no_hints": nh,
+                              "fraction_of_copy": round(q["gbps_median"] / copy_gbps, 4),
+                              "fraction_of_copy_no_hints": round(nh["gbps_median"] / copy_gbps, 4),
+                              "hint_cost_pct": round(100 * (q["ms_median"] / nh["ms_median"] - 1), 2)}
+        res["variants"][v["name"]] = d
+    # the fastest kernel without hints of the whole case (every variant's layout, unroll and configuration)
+    nh_all = [(k, c, r["quantize_no_hints"]["ms_median"]) for k, d in res["variants"].items() for c, r in d.items()]
+    kb, cb, tb = min(nh_all, key=lambda t: t[2])
+    res["fastest_no_hints"] = {"variant": kb, "config": cb, "ms_median": tb,
+                               "fraction_of_copy": res["variants"][kb][cb]["fraction_of_copy_no_hints"]}
+    res["summary"] = {}
+    for k, d in res["variants"].items():
+        c = min(d, key=lambda c: d[c]["quantize"]["ms_median"])
+        r = d[c]
+        own = min(x["quantize_no_hints"]["ms_median"] for x in d.values())  # this variant's layout and loop only
+        res["summary"][k] = {
+            "best_config": c, "ms_median": r["quantize"]["ms_median"], "fraction_of_copy": r["fraction_of_copy"],
+            "hint_cost_pct_vs_fastest_no_hints": round(100 * (r["quantize"]["ms_median"] / tb - 1), 2),
+            "hint_cost_pct_vs_own_fastest_no_hints": round(100 * (r["quantize"]["ms_median"] / own - 1), 2),
+            "hint_cost_pct_same_config": r["hint_cost_pct"],
+            "hint_cost_pct_min_max": [  # the spread: slowest / fastest runs against the fastest no-hints medians
+                round(100 * (r["quantize"]["ms_min"] / tb - 1), 2), round(100 * (r["quantize"]["ms_max"] / tb - 1), 2)],
+        }
+    del x, xb
+    if cuda:
+        torch.cuda.empty_cache()
+    return res
+
+
+def log_variants(results, log, detail: bool = True) -> None:
+    """The variants' table: per case the summary per variant (detail: and every configuration's figures)."""
+    log("")
+    log("quantize variants: hint cost = time with hints / the fastest time without hints of the case (every variant "
+        "and config) - 1; the bytes alone are +{:.2f}% (bf16 NVFP4)".format(
+            100 * (op_bytes(1 << 20, 2, 16)["quantize"] / op_bytes(1 << 20, 2, 16)["quantize_no_hints"] - 1)))
+    for r in results:
+        fn = r["fastest_no_hints"]
+        log(f"{r['dtype']} {r['fmt']} h{r['hidden']}: copy {r['copy']['gbps_median']} GB/s; fastest without hints "
+            f"{fn['variant']} [{fn['config']}] {fn['ms_median']:.4f} ms {100 * fn['fraction_of_copy']:.1f}% of copy; "
+            f"bit-exact {r.get('bit_exact')}")
+        for k, sm in r["summary"].items():
+            log(f"   {k:24s} [{sm['best_config']:22s}] {sm['ms_median']:.4f} ms {100 * sm['fraction_of_copy']:6.1f}%  "
+                f"hint cost {sm['hint_cost_pct_vs_fastest_no_hints']:+6.2f}% "
+                f"({sm['hint_cost_pct_min_max'][0]:+.2f}..{sm['hint_cost_pct_min_max'][1]:+.2f}), "
+                f"vs its own layout {sm['hint_cost_pct_vs_own_fastest_no_hints']:+.2f}%, "
+                f"same config {sm['hint_cost_pct_same_config']:+.2f}%")
+        for k, d in (r["variants"].items() if detail else ()):
+            for c, x in d.items():
+                log(f"      {k:24s} {c:22s} hints {x['quantize']['ms_median']:.4f} ms "
+                    f"({100 * x['fraction_of_copy']:.1f}%)  no hints {x['quantize_no_hints']['ms_median']:.4f} ms "
+                    f"({100 * x['fraction_of_copy_no_hints']:.1f}%)  {x['hint_cost_pct']:+.2f}%")
+
+
+def profile_variants(variant_names, args, device, tk, log) -> None:
+    """One launch of each variant with and without hints at its first configuration (bf16 NVFP4, first hidden size),
+    nothing else of tracefp4 launched: for Nsight Compute (-k regex:_quantize_kernel), in the printed order."""
+    dtype_name, fmt = args.dtypes[0], args.fmts[0]
+    dtype = DTYPES[dtype_name]
+    hidden = args.hidden[0]
+    rows = max(1, int(args.gib * 2**30) // (hidden * torch.tensor([], dtype=dtype).element_size()))
+    xb = make_x(rows, hidden, dtype, device, seed=hidden).reshape(-1, BLOCK[fmt])
+    g = torch.tensor(0.01, dtype=torch.float32, device=device) if fmt == "nvfp4" else None
+    i = 0
+    seen = set()  # kernels without hints already launched (they do not depend on the hint packing)
+    for name in variant_names:
+        v = parse_variant(name, tk)
+        cfgs = variant_configs(v, dtype_name, fmt, args.smoke)
+        if not cfgs:
+            continue
+        c = cfgs[0]
+        fh, fn = variant_fns(v, c, xb, fmt, g, tk)
+        key = (c, v["unroll"])
+        for label, f in (("hints", fh),) + ((("no_hints", fn),) if key not in seen else ()):
+            log(f"profile launch {i}: {name} {label} [{cfg_name(c)}] x [{rows}, {hidden}] {dtype_name} {fmt}")
+            f()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            i += 1
+        seen.add(key)
+
+
+
+# ---------------------------------------------------------------------------------------------------------
 # compile everything first, in parallel processes (Triton's on-disk cache is shared)
 # ---------------------------------------------------------------------------------------------------------
 def _compile_worker(job) -> str:
@@ -383,6 +617,41 @@ def _compile_worker(job) -> str:
         exactness(x, fmt, g, tk)
     torch.cuda.synchronize()
     return f"{dtype_name}/{fmt}/{fwd_cfg}"
+
+
+def _compile_variants_worker(job) -> str:
+    dtype_name, fmt, name, cfg = job
+    from tracefp4 import triton_kernels as tk
+
+    x = make_x(64, 256, DTYPES[dtype_name], "cuda", seed=1)
+    g = torch.tensor(0.01, device="cuda") if fmt == "nvfp4" else None
+    xb = x.reshape(-1, BLOCK[fmt])
+    for f in variant_fns(parse_variant(name, tk), cfg, xb, fmt, g, tk):
+        f()
+    xo = x.reshape(-1, BLOCK[fmt])[1:]  # an odd count of blocks (the pair layout's fallback)
+    for f in variant_fns(parse_variant(name, tk), cfg, xo, fmt, g, tk):
+        f()
+    tk.quantize_fake_blocks_triton(xb, fmt, g, config=cfg, hint_pack=parse_variant(name, tk)["hint_pack"],
+                                   unroll=parse_variant(name, tk)["unroll"])
+    torch.cuda.synchronize()
+    return f"{dtype_name}/{fmt}/{name}/{cfg}"
+
+
+def precompile_variants(cases, variant_names, workers: int, log) -> None:
+    """`precompile` of the quantize variants (each variant at each of its configurations)."""
+    import multiprocessing as mp
+
+    from tracefp4 import triton_kernels as tk
+
+    jobs = []
+    for dtype_name, fmt in cases:
+        for name in variant_names:
+            jobs += [(dtype_name, fmt, name, c) for c in variant_configs(parse_variant(name, tk), dtype_name, fmt,
+                                                                          False)]
+    t0 = time.perf_counter()
+    with cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as ex:
+        list(ex.map(_compile_variants_worker, jobs))
+    log(f"precompiled {len(jobs)} variant jobs of {cases} in {time.perf_counter() - t0:.1f} s ({workers} processes)")
 
 
 def precompile(cases, sweep, workers: int, log) -> None:
@@ -420,6 +689,14 @@ def main() -> None:
                     help="processes that compile the kernels before timing (GPU only)")
     ap.add_argument("--out", type=str, default=None, help="JSON output path")
     ap.add_argument("--json", action="store_true", help="print the JSON summary on stdout (and the table on stderr)")
+    ap.add_argument("--quantize-variants", type=str, default=None, metavar="A,B,...",
+                    help="time only quantize with and without hints for these variants (names: a hint packing of "
+                         "tracefp4.triton_kernels.HINT_PACKS, '+pairs', '+unroll'; 'all' = " + DEFAULT_VARIANTS + ") "
+                         "at each of their configurations, side by side, and check their bits on the device")
+    ap.add_argument("--skip-exactness", action="store_true", help="with --quantize-variants: no bit checks")
+    ap.add_argument("--profile-variants", action="store_true",
+                    help="with --quantize-variants: one launch of each variant with and without hints at its first "
+                         "configuration (first dtype, format and hidden size), nothing else: run under ncu")
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available() and not args.smoke
@@ -442,6 +719,39 @@ def main() -> None:
                   "(CUDA events) after 3 warm-up launches; figure = median over runs, spread = min..max",
     }
     log(json.dumps(meta))
+    if args.quantize_variants:
+        names = [n for n in (DEFAULT_VARIANTS if args.quantize_variants == "all" else args.quantize_variants).split(",")
+                 if n]
+        for n in names:
+            parse_variant(n, tk)  # unknown names fail before anything runs
+        if args.profile_variants:
+            profile_variants(names, args, device, tk, log)
+            return
+        if args.out:
+            vpath = Path(args.out)
+        elif os.environ.get("OUT"):
+            vpath = Path(os.environ["OUT"]) / "kernels-quantize-variants.json"
+        else:
+            vpath = Path(__file__).resolve().parent / "results" / (
+                f"kernels-quantize-variants-{'smoke' if args.smoke else 'gpu'}.json")
+        vpath.parent.mkdir(parents=True, exist_ok=True)
+        cases = [(d, f) for d in args.dtypes for f in args.fmts]
+        meta["timing"] = (f"{args.runs} runs per figure, with and without hints interleaved run by run; a run = mean "
+                          f"of {args.iters} back-to-back launches (CUDA events) after 3 warm-up launches; figure = "
+                          "median over runs, spread = min..max")
+        results = []
+        for dtype_name, fmt in cases:  # compiled case by case: the first case's figures come first
+            if cuda:
+                precompile_variants([(dtype_name, fmt)], names, args.workers, log)
+            for h in args.hidden:
+                results.append(run_variants_case(h, dtype_name, fmt, args, device, cuda, names, tk, log))
+                vpath.write_text(json.dumps({**meta, "variants": names, "partial": True, "results": results},
+                                            indent=1))
+                log_variants(results[-1:], log)  # each case's table as soon as it is measured
+        vpath.write_text(json.dumps({**meta, "variants": names, "results": results}, indent=1))
+        log_variants(results, log, detail=False)
+        log(f"wrote {vpath}")
+        return
     if args.out:
         path = Path(args.out)
     elif os.environ.get("OUT"):

@@ -34,6 +34,12 @@ a thread held 64 or more bytes of a block (MXFP4; NVFP4 fp32) the block layout r
 an H200 and the row layout 91-101% (kernels-h200-rows*.json); the defaults per case (CONFIG_CASES) are what measured
 fastest. Every per-value operation is the same helper in both layouts, so their bits are the same.
 
+Quantize variants, the same bits, timed side by side by `benchmarks/benchmark_kernels.py --quantize-variants` (the
+hint cost: hints are +4.9% of a bf16 NVFP4 quantize's bytes, and the kernel is about as issue- as memory-bound):
+the hint packing (HINT_PACKS: 16, 8 or, through warp shuffles and shared memory, ~40 instructions per block of 16
+values on sm_90), the pair layout (a config ("pairs", pairs per program, num_warps, programs per SM): two blocks per
+thread, so a thread stores 16 code, 4 hint and 2 scale bytes) and UNROLL (two tiles per trip of the persistent loop).
+
 Per-value arithmetic (the reasons are instruction counts: quantize executed 24.3 instructions per value before, 17.7
 now, ncu on an H200):
 - Round to nearest on the E2M1 ladder with ties to the even code, in three floating-point operations: for
@@ -87,6 +93,9 @@ __all__ = [
     "fake_quantize_bwd_blocks_triton",
     "CONFIG",
     "CONFIG_CASES",
+    "HINT_PACK",
+    "HINT_PACKS",
+    "QUANTIZE_UNROLL",
 ]
 
 #: default launch configuration per kernel (bf16 input; NVFP4 and MXFP4): (blocks per program BN, num_warps,
@@ -126,6 +135,15 @@ CONFIG_CASES: dict[tuple[str, str, str], tuple] = {
     ("quantize_fake", "bf16", "mxfp4"): ("rows", 512, 4, 0),
     ("quantize_fake", "fp16", "mxfp4"): ("rows", 128, 4, 0),
 }
+#: how quantize gathers a block's hint bits from its code words (the same bits): "gather" three multiplies per word
+#: of 8 codes (`_gather_hint_bits`), "nibbles" one multiply per word and one high multiply per two words
+#: (`_hint_bytes2`: 8 integer ops per 16 codes instead of 16), "nibbles_x4" as "nibbles" with the 2-byte hints of 4
+#: neighbouring threads summed by warp shuffles into one 8-byte store (`_store_hints_x4`; block layout with 2 code
+#: words per block, a block count divisible by 4, else "nibbles"). HINT_PACK is the default of every launch.
+HINT_PACKS = ("gather", "nibbles", "nibbles_x4")
+HINT_PACK = "gather"
+#: whether quantize's persistent loop takes two tiles per trip by default (`_quantize_kernel`'s UNROLL)
+QUANTIZE_UNROLL = False
 _DTYPE_NAME = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
@@ -267,6 +285,12 @@ def _group_max(v, RB: tl.constexpr):
 
 
 @triton.jit
+def _slow_amax(amax):
+    """1 (int32) where a block's NaN-ignoring max |x| needs the exact path: +-Inf, or in (0, 2^-125) (`_div6`)."""
+    return ((amax == float("inf")) | ((amax > 0.0) & (amax < 2.350988701644575e-38))).to(tl.int32)
+
+
+@triton.jit
 def _block_amax_q(xs, P: tl.constexpr, KIND: tl.constexpr, IS_NV: tl.constexpr, GPU: tl.constexpr,
                   RB: tl.constexpr = 1):
     """(amax, RN(amax / 6) for NVFP4 (else amax)) of each block of a tile. On GPU, a tile with no +-Inf and no
@@ -274,8 +298,7 @@ def _block_amax_q(xs, P: tl.constexpr, KIND: tl.constexpr, IS_NV: tl.constexpr, 
     the plain NaN-ignoring max and `_div6`; otherwise the finite max and a correctly rounded division."""
     if GPU:
         amax = _group_max(_pieces_absmax(xs, P, KIND), RB)
-        slow = (amax == float("inf")) | ((amax > 0.0) & (amax < 2.350988701644575e-38))  # 2^-125
-        if tl.max(slow.to(tl.int32), axis=0) != 0:
+        if tl.max(_slow_amax(amax), axis=0) != 0:
             amax = _group_max(_pieces_amax(xs, P, KIND, GPU), RB)
             q = tl.math.div_rn(amax, 6.0)
         else:
@@ -284,6 +307,41 @@ def _block_amax_q(xs, P: tl.constexpr, KIND: tl.constexpr, IS_NV: tl.constexpr, 
         amax = _group_max(_pieces_amax(xs, P, KIND, GPU), RB)
         q = tl.math.div_rn(amax, 6.0)
     return amax, q
+
+
+@triton.jit
+def _halves(xs, P: tl.constexpr):
+    """The pieces of the pair layout's two blocks: (pieces 0 .. P/2 - 1, pieces P/2 .. P - 1) of a tuple of P."""
+    if P == 2:
+        return (xs[0],), (xs[1],)
+    elif P == 4:
+        return (xs[0], xs[1]), (xs[2], xs[3])
+    else:
+        return (xs[0], xs[1], xs[2], xs[3]), (xs[4], xs[5], xs[6], xs[7])
+
+
+@triton.jit
+def _pair_amax_q(xs, P: tl.constexpr, KIND: tl.constexpr, GPU: tl.constexpr):
+    """`_block_amax_q` of the two blocks of each thread in the pair layout (P pieces, P/2 per block): (amax, q) of
+    the first and of the second block, with one tile-wide branch for both."""
+    xa, xb = _halves(xs, P)
+    if GPU:
+        aa = _pieces_absmax(xa, P // 2, KIND)
+        ab = _pieces_absmax(xb, P // 2, KIND)
+        if tl.max(_slow_amax(aa) | _slow_amax(ab), axis=0) != 0:
+            aa = _pieces_amax(xa, P // 2, KIND, GPU)
+            ab = _pieces_amax(xb, P // 2, KIND, GPU)
+            qa = tl.math.div_rn(aa, 6.0)
+            qb = tl.math.div_rn(ab, 6.0)
+        else:
+            qa = _div6(aa)
+            qb = _div6(ab)
+    else:
+        aa = _pieces_amax(xa, P // 2, KIND, GPU)
+        ab = _pieces_amax(xb, P // 2, KIND, GPU)
+        qa = tl.math.div_rn(aa, 6.0)
+        qb = tl.math.div_rn(ab, 6.0)
+    return aa, qa, ab, qb
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -356,6 +414,12 @@ def _own_scale(xs, g, inv_g, P: tl.constexpr, KIND: tl.constexpr, IS_NV: tl.cons
     """(scale byte int32, s, r) of each block of a tile from its values: v = x * r (row layout, RB > 1: of each
     row, from the amax of its block's RB rows)."""
     amax, q = _block_amax_q(xs, P, KIND, IS_NV, GPU, RB)
+    return _scale_of(amax, q, g, inv_g, IS_NV, RCEIL)
+
+
+@triton.jit
+def _scale_of(amax, q, g, inv_g, IS_NV: tl.constexpr, RCEIL: tl.constexpr):
+    """(scale byte int32, s, r) of blocks from their amax and q = RN(amax / 6) (NVFP4)."""
     if IS_NV:
         sbyte, s, r = _nv_own_scale(q, g, inv_g)
     else:
@@ -492,6 +556,42 @@ def _gather_hint_bits(word):
 
 
 @triton.jit
+def _hint_nibbles(word):
+    """The hint bits of a word of 8 codes (uint32) as two nibbles: codes 0..3 at bits 12..15, codes 4..7 at 28..31,
+    every other bit 0. (word & 0x11111111) * (2^3 + 2^6 + 2^9 + 2^12) puts bit 4i at 4i + 3, 4i + 6, 4i + 9,
+    4i + 12: four distinct residues mod 4, so no two partial products share a bit (no carries), and bit 12 + j
+    (28 + j) is code j's (4 + j's) bit 0 shifted by 12 - 3j. 2 ops (one on the FMA pipe) and the mask."""
+    return ((word.to(tl.uint32, bitcast=True) & 0x11111111) * 4680) & 0xF000F000
+
+
+@triton.jit
+def _hint_bytes2(w0, w1):
+    """The two hint bytes of 16 codes (words w0, w1) in bits 0..15 (w0's byte first; bits 16.. are garbage, cut
+    by the 16-bit store): w1's nibbles at 12..15, 28..31 and w0's moved to 4..7, 20..23, then one high multiply by
+    (1 + 2^12) << 16 moves each low nibble next to its high one (no two partial products share a bit) and the
+    16 bits down. 8 ops for 16 codes instead of 16 (`_gather_hint_bits` twice and their merge)."""
+    x = _hint_nibbles(w1) | (_hint_nibbles(w0) >> 8)
+    return tl.umulhi(x, 0x10010000)
+
+
+@triton.jit
+def _hint_byte1(w0):
+    """The hint byte of 8 codes (word w0) in bits 0..7 (bits 8.. are garbage, cut by the 8-bit store)."""
+    return tl.umulhi(_hint_nibbles(w0), 0x100100)
+
+
+@triton.jit
+def _store_hints_x4(hints_ptr, start, bmask, h):
+    """HPACK 2: the 16-bit hints h [BN] of blocks start .. start + BN - 1 stored as one int64 per 4 consecutive blocks
+    (hints_ptr: int64 view; the launcher takes it for a block count divisible by 4 only, so a group is all valid or
+    all masked): a sum across each 4 neighbouring threads (warp shuffles), then one 8-byte store per group."""
+    h4 = tl.reshape((h & 0xFFFF).to(tl.int64), (h.shape[0] // 4, 4))
+    w = tl.sum(h4 << (16 * tl.arange(0, 4)).to(tl.int64)[None, :], axis=1)
+    m = tl.max(tl.reshape(bmask.to(tl.int32), (h.shape[0] // 4, 4)), axis=1) != 0
+    tl.store(hints_ptr + start // 4 + tl.arange(0, h.shape[0] // 4), w, mask=m)
+
+
+@triton.jit
 def _piece_word(cbe, cbo, se, so, SH0: tl.constexpr, SIGNS: tl.constexpr):
     """Codes of a piece (code << 22 bits of the even/odd elements [BN, J], sign carriers with the sign at bit
     31) packed as nibbles from bit SH0 on: element 2j at nibble 2j, 2j+1 at nibble 2j+1 (int32 [BN]); without
@@ -536,27 +636,43 @@ def _bf16_sign_nibbles(word, raw):
 
 
 @triton.jit
-def _store_codes(codes_ptr, hints_ptr, blk, bmask, words, G: tl.constexpr, EMIT_HINTS: tl.constexpr):
+def _store_codes(codes_ptr, hints_ptr, blk, bmask, words, G: tl.constexpr, EMIT_HINTS: tl.constexpr,
+                 HPACK: tl.constexpr = 0, start=0):
     """Store the G code words of each block (codes_ptr: int64 view, G/2 per block) and its hint bytes
-    (hints_ptr: int16 (G = 2) or int32 (G = 4) view, one per block)."""
+    (hints_ptr: int16 (G = 2) or int32 (G = 4) view, one per block). HPACK: how the hint bits are gathered (0:
+    `_gather_hint_bits` per word, 1: `_hint_bytes2` per two words; 2: as 1, stored 4 blocks per thread by
+    `_store_hints_x4`, G = 2 only, hints_ptr an int64 view); the same bits."""
     if G == 1:  # the row layout: one word (codes_ptr: int32 view) and one hint byte (uint8) per row
         tl.store(codes_ptr + blk, words[0], mask=bmask)
         if EMIT_HINTS:
-            tl.store(hints_ptr + blk, _gather_hint_bits(words[0]).to(tl.uint8), mask=bmask)
+            if HPACK == 1:
+                tl.store(hints_ptr + blk, _hint_byte1(words[0]).to(tl.uint8), mask=bmask)
+            else:
+                tl.store(hints_ptr + blk, _gather_hint_bits(words[0]).to(tl.uint8), mask=bmask)
     elif G == 2:
         w01 = words[0].to(tl.uint32, bitcast=True).to(tl.int64) | (words[1].to(tl.int64) << 32)
         tl.store(codes_ptr + blk, w01, mask=bmask)
         if EMIT_HINTS:
-            h = _gather_hint_bits(words[0]) | (_gather_hint_bits(words[1]) << 8)
-            tl.store(hints_ptr + blk, h.to(tl.int16), mask=bmask)
+            if HPACK == 2:
+                _store_hints_x4(hints_ptr, start, bmask, _hint_bytes2(words[0], words[1]).to(tl.int32, bitcast=True))
+            else:
+                if HPACK == 1:
+                    h = _hint_bytes2(words[0], words[1])
+                else:
+                    h = _gather_hint_bits(words[0]) | (_gather_hint_bits(words[1]) << 8)
+                tl.store(hints_ptr + blk, h.to(tl.int16), mask=bmask)
     else:
         w01 = words[0].to(tl.uint32, bitcast=True).to(tl.int64) | (words[1].to(tl.int64) << 32)
         w23 = words[2].to(tl.uint32, bitcast=True).to(tl.int64) | (words[3].to(tl.int64) << 32)
         tl.store(codes_ptr + 2 * blk, w01, mask=bmask)
         tl.store(codes_ptr + 2 * blk + 1, w23, mask=bmask)
         if EMIT_HINTS:
-            h = (_gather_hint_bits(words[0]) | (_gather_hint_bits(words[1]) << 8)
-                 | (_gather_hint_bits(words[2]) << 16) | (_gather_hint_bits(words[3]) << 24))
+            if HPACK == 1:
+                h = ((_hint_bytes2(words[0], words[1]) & 0xFFFF) | (_hint_bytes2(words[2], words[3]) << 16))
+                h = h.to(tl.int32, bitcast=True)
+            else:
+                h = (_gather_hint_bits(words[0]) | (_gather_hint_bits(words[1]) << 8)
+                     | (_gather_hint_bits(words[2]) << 16) | (_gather_hint_bits(words[3]) << 24))
             tl.store(hints_ptr + blk, h, mask=bmask)
 
 
@@ -620,18 +736,30 @@ def _store_piece(out_ptr, blk, bmask, p: tl.constexpr, P: tl.constexpr, K: tl.co
 # tiles
 # ---------------------------------------------------------------------------------------------------------
 @triton.jit
-def _quantize_tile(xs, blk, bmask, codes_ptr, scales_ptr, hints_ptr, fq_ptr, g, inv_g,
+def _quantize_tile(xs, start, blk, bmask, codes_ptr, scales_ptr, hints_ptr, fq_ptr, g, inv_g,
                    P: tl.constexpr, K: tl.constexpr, KIND: tl.constexpr, IS_NV: tl.constexpr,
                    RCEIL: tl.constexpr, EMIT_HINTS: tl.constexpr, FAKE: tl.constexpr, GPU: tl.constexpr,
-                   RB: tl.constexpr):
+                   RB: tl.constexpr, HPACK: tl.constexpr, PAIR: tl.constexpr):
     """Quantize one tile of BN blocks (pieces xs); with FAKE also store the round-to-nearest fake-quantized
     values (fq_ptr, the input's layout). RB > 1: the row layout (P = 1: blk are rows, RB rows per block; bf16 and
-    fp16 only, whose row is one code word)."""
-    sbyte, s, r = _own_scale(xs, g, inv_g, P, KIND, IS_NV, RCEIL, GPU, RB)
-    if RB == 1:
-        tl.store(scales_ptr + blk, sbyte.to(tl.uint8), mask=bmask)
+    fp16 only, whose row is one code word). PAIR: the pair layout (NVFP4; blk are pairs of consecutive blocks, P
+    pieces per pair, the first P/2 of its first block): a thread stores a pair's 16 code bytes, 4 hint bytes and 2
+    scale bytes (scales_ptr: int16 view, hints_ptr: int32 view)."""
+    if PAIR:
+        aa, qa, ab, qb = _pair_amax_q(xs, P, KIND, GPU)
+        sbyte, s, r = _scale_of(aa, qa, g, inv_g, IS_NV, RCEIL)
+        sbyte_b, s_b, r_b = _scale_of(ab, qb, g, inv_g, IS_NV, RCEIL)
+        tl.store(scales_ptr + blk, (sbyte | (sbyte_b << 8)).to(tl.int16), mask=bmask)
+        r2_b = r_b[:, None]
+        s2_b = s_b[:, None]
     else:
-        tl.store(scales_ptr + blk // RB, sbyte.to(tl.uint8), mask=bmask & (blk % RB == 0))
+        sbyte, s, r = _own_scale(xs, g, inv_g, P, KIND, IS_NV, RCEIL, GPU, RB)
+        if RB == 1:
+            tl.store(scales_ptr + blk, sbyte.to(tl.uint8), mask=bmask)
+        else:
+            tl.store(scales_ptr + blk // RB, sbyte.to(tl.uint8), mask=bmask & (blk % RB == 0))
+        r2_b = r[:, None]
+        s2_b = s[:, None]
     r2 = r[:, None]
     s2 = s[:, None]
     # KIND 2 (fp32): a piece holds 4 values (half a code word); else 8 (one word)
@@ -641,16 +769,22 @@ def _quantize_tile(xs, blk, bmask, codes_ptr, scales_ptr, hints_ptr, fq_ptr, g, 
     w3 = tl.zeros_like(blk).to(tl.int32)
     for p in tl.static_range(P):
         xe, xo, se, so = _unpack(xs[p], KIND)
+        if PAIR and p >= P // 2:  # the pair's second block
+            rp = r2_b
+            sp = s2_b
+        else:
+            rp = r2
+            sp = s2
         if FAKE:
-            rhoe, cbe = _rtn_value(xe, r2, GPU)
-            rhoo, cbo = _rtn_value(xo, r2, GPU)
+            rhoe, cbe = _rtn_value(xe, rp, GPU)
+            rhoo, cbo = _rtn_value(xo, rp, GPU)
             # NaN products (not NaN x) were clamped to 6 above; code bits are <= 7 << 22 here
-            ye = _scaled(rhoe, s2, g, xe, IS_NV)
-            yo = _scaled(rhoo, s2, g, xo, IS_NV)
+            ye = _scaled(rhoe, sp, g, xe, IS_NV)
+            yo = _scaled(rhoo, sp, g, xo, IS_NV)
             _store_piece(fq_ptr, blk, bmask, p, P, K, _out_piece(ye, yo, xs[p], se, so, 0, KIND, GPU))
         else:
-            cbe = _code_bits(xe, r2, GPU)
-            cbo = _code_bits(xo, r2, GPU)
+            cbe = _code_bits(xe, rp, GPU)
+            cbo = _code_bits(xo, rp, GPU)
         if KIND == 0 and GPU:
             wp = _bf16_sign_nibbles(_piece_word(cbe, cbo, se, so, 0, False), xs[p])
         else:
@@ -665,11 +799,11 @@ def _quantize_tile(xs, blk, bmask, codes_ptr, scales_ptr, hints_ptr, fq_ptr, g, 
         else:
             w3 = w3 | wp
     if P == 1:
-        _store_codes(codes_ptr, hints_ptr, blk, bmask, (w0,), 1, EMIT_HINTS)
+        _store_codes(codes_ptr, hints_ptr, blk, bmask, (w0,), 1, EMIT_HINTS, HPACK)
     elif P == 2 or (KIND == 2 and P == 4):
-        _store_codes(codes_ptr, hints_ptr, blk, bmask, (w0, w1), 2, EMIT_HINTS)
+        _store_codes(codes_ptr, hints_ptr, blk, bmask, (w0, w1), 2, EMIT_HINTS, HPACK, start)
     else:
-        _store_codes(codes_ptr, hints_ptr, blk, bmask, (w0, w1, w2, w3), 4, EMIT_HINTS)
+        _store_codes(codes_ptr, hints_ptr, blk, bmask, (w0, w1, w2, w3), 4, EMIT_HINTS, HPACK)
 
 
 @triton.jit
@@ -767,18 +901,37 @@ def _quantize_kernel(
     x_ptr, codes_ptr, scales_ptr, hints_ptr, fq_ptr, g_ptr, NB, n_iter,
     P: tl.constexpr, K: tl.constexpr, KIND: tl.constexpr, BN: tl.constexpr, IS_NV: tl.constexpr,
     RCEIL: tl.constexpr, EMIT_HINTS: tl.constexpr, FAKE: tl.constexpr, BIG: tl.constexpr,
-    PERSIST: tl.constexpr, GPU: tl.constexpr, RB: tl.constexpr,
+    PERSIST: tl.constexpr, GPU: tl.constexpr, RB: tl.constexpr, HPACK: tl.constexpr = 0,
+    PAIR: tl.constexpr = False, UNROLL: tl.constexpr = False,
 ):
-    # RB > 1: the row layout (NB rows of one 16-byte piece each, P = 1, RB rows per block)
+    # RB > 1: the row layout (NB rows of one 16-byte piece each, P = 1, RB rows per block); PAIR: the pair layout
+    # (NB pairs of consecutive blocks, P pieces per pair). UNROLL (with PERSIST): two tiles per trip, their pieces
+    # in two register sets that trade roles, so that no trip copies the next tile's pieces into the current one's
+    # registers (the plain loop ends each trip with a move per 4 loaded bytes)
     g, inv_g = _global(g_ptr, IS_NV)
     start, blk, bmask, xs = _first_tile(x_ptr, NB, BN, P, K, BIG)
-    for _ in range(n_iter if PERSIST else 1):
-        if PERSIST:
+    if PERSIST and UNROLL:
+        for _ in range(n_iter // 2):
+            cur = start  # (the tile's first block, for HPACK 2)
             start, nblk, nmask, nxs = _next_tile(x_ptr, start, NB, BN, P, K)
-        _quantize_tile(xs, blk, bmask, codes_ptr, scales_ptr, hints_ptr, fq_ptr, g, inv_g,
-                       P, K, KIND, IS_NV, RCEIL, EMIT_HINTS, FAKE, GPU, RB)
-        if PERSIST:
-            xs, blk, bmask = nxs, nblk, nmask
+            _quantize_tile(xs, cur, blk, bmask, codes_ptr, scales_ptr, hints_ptr, fq_ptr, g, inv_g,
+                           P, K, KIND, IS_NV, RCEIL, EMIT_HINTS, FAKE, GPU, RB, HPACK, PAIR)
+            cur = start
+            start, blk, bmask, xs = _next_tile(x_ptr, start, NB, BN, P, K)
+            _quantize_tile(nxs, cur, nblk, nmask, codes_ptr, scales_ptr, hints_ptr, fq_ptr, g, inv_g,
+                           P, K, KIND, IS_NV, RCEIL, EMIT_HINTS, FAKE, GPU, RB, HPACK, PAIR)
+        if n_iter % 2 != 0:  # the last tile (no tile after it to load)
+            _quantize_tile(xs, start, blk, bmask, codes_ptr, scales_ptr, hints_ptr, fq_ptr, g, inv_g,
+                           P, K, KIND, IS_NV, RCEIL, EMIT_HINTS, FAKE, GPU, RB, HPACK, PAIR)
+    else:
+        for _ in range(n_iter if PERSIST else 1):
+            cur = start
+            if PERSIST:
+                start, nblk, nmask, nxs = _next_tile(x_ptr, start, NB, BN, P, K)
+            _quantize_tile(xs, cur, blk, bmask, codes_ptr, scales_ptr, hints_ptr, fq_ptr, g, inv_g,
+                           P, K, KIND, IS_NV, RCEIL, EMIT_HINTS, FAKE, GPU, RB, HPACK, PAIR)
+            if PERSIST:
+                xs, blk, bmask = nxs, nblk, nmask
 
 
 @triton.jit(do_not_specialize=["NB", "n_iter"])
@@ -1087,12 +1240,26 @@ def _is_rows(cfg: tuple | None) -> bool:
     return bool(cfg) and cfg[0] == "rows"
 
 
+def _is_pairs(cfg: tuple | None) -> bool:
+    """Whether a config asks for the pair layout: ("pairs", pairs of blocks per program, num_warps, programs per
+    SM); NVFP4 quantization (and quantize_fake) only."""
+    return bool(cfg) and cfg[0] == "pairs"
+
+
 def _fwd_cfg(config: tuple | None, key: str, dtype: torch.dtype, fmt: str) -> tuple[int, int, int, dict]:
     """(BN, num_warps, programs per SM, extra launch options) of a forward kernel. config: (BN, num_warps,
     programs per SM) or with a 4th element, a register cap per thread (0: none); ("rows", rows per program,
     num_warps, programs per SM): the row layout (every forward kernel but fp32 quantization, checked by the
-    caller); None: `default_config`."""
+    caller); ("pairs", pairs per program, num_warps, programs per SM): the pair layout (NVFP4 quantize and
+    quantize_fake); None: `default_config`."""
     cfg = config or default_config(key, dtype, fmt)
+    if _is_pairs(cfg):
+        if key not in ("quantize", "quantize_fake") or fmt != "nvfp4":
+            raise LaunchConfigError(f"the pair layout is for NVFP4 quantize and quantize_fake; got {key} {fmt}")
+        if len(cfg) != 4 or not all(isinstance(v, int) and v >= 0 for v in cfg[1:]) or cfg[1] < 1 or cfg[2] < 1:
+            raise LaunchConfigError(f"a pair-layout config is ('pairs', pairs per program, num_warps, programs per "
+                                    f"SM); got {cfg}")
+        return cfg[1], cfg[2], cfg[3], {}
     if _is_rows(cfg):
         if len(cfg) != 4 or not all(isinstance(v, int) and v >= 0 for v in cfg[1:]) or cfg[1] < 1 or cfg[2] < 1:
             raise LaunchConfigError(f"a row-layout config is ('rows', rows per program, num_warps, programs per SM); "
@@ -1105,7 +1272,8 @@ def _fwd_cfg(config: tuple | None, key: str, dtype: torch.dtype, fmt: str) -> tu
     return cfg[0], cfg[1], cfg[2], opts
 
 
-def _launch_quantize(xb, fmt, g, scale_rule, emit_hints, fake, config, key, scales_out=None, hints_out=None):
+def _launch_quantize(xb, fmt, g, scale_rule, emit_hints, fake, config, key, scales_out=None, hints_out=None,
+                     hint_pack=None, unroll=None):
     xb = xb.contiguous()
     nb, b = xb.shape
     dev = xb.device
@@ -1121,22 +1289,40 @@ def _launch_quantize(xb, fmt, g, scale_rule, emit_hints, fake, config, key, scal
         bn, warps, per_sm, opts = _fwd_cfg(cfg, key, xb.dtype, fmt)
         xv, p, k, kind = _layout(xb)
         rows = _is_rows(cfg)
+        # an odd count of blocks (or caller's buffers not aligned for the int16 / int32 views) takes the block
+        # layout: the same bits
+        pair = (_is_pairs(cfg) and nb % 2 == 0 and scales.storage_offset() % 2 == 0
+                and (hints is None or hints.storage_offset() % 4 == 0))
         if rows and (kind == 2 or bn % p):
             raise LaunchConfigError(f"the row layout of {key} takes bf16 / fp16 input and rows per program divisible "
                                     f"by the {p} rows of a block; got {xb.dtype} and {cfg}")
         rb = p if rows else 1
-        consts = dict(P=1 if rows else p, K=k, KIND=kind, BN=bn, IS_NV=fmt == "nvfp4", RCEIL=scale_rule == "rceil",
-                      EMIT_HINTS=emit_hints, FAKE=fake, BIG=_big(xb), GPU=not _interpreting(), RB=rb)
+        if (hint_pack or HINT_PACK) not in HINT_PACKS:
+            raise LaunchConfigError(f"hint_pack is one of {HINT_PACKS}; got {hint_pack!r}")
+        hpack = HINT_PACKS.index(hint_pack or HINT_PACK)
+        if hpack == 2 and (rows or pair or b // 8 != 2 or nb % 4 or bn % 4 or hints is None
+                           or hints.storage_offset() % 8):
+            hpack = 1  # the 8-byte hint stores need 2-byte hints per block and whole groups of 4 blocks
+        consts = dict(P=1 if rows else (2 * p if pair else p), K=k, KIND=kind, BN=bn, IS_NV=fmt == "nvfp4",
+                      RCEIL=scale_rule == "rceil", EMIT_HINTS=emit_hints, FAKE=fake, BIG=_big(xb),
+                      GPU=not _interpreting(), RB=rb, HPACK=hpack, PAIR=pair,
+                      UNROLL=QUANTIZE_UNROLL if unroll is None else bool(unroll))
         rkey = ("quantize", *consts.values(), warps, *opts.values())
-        progs, n_iter, persist = _grid(nb * rb, bn, per_sm, dev, rkey)
+        units = nb // 2 if pair else nb * rb  # the kernel's "blocks": pairs, rows or blocks
+        progs, n_iter, persist = _grid(units, bn, per_sm, dev, rkey)
         if rows:
             codes_arg, hints_arg = codes.view(torch.int32), hints.view(-1) if emit_hints else scales
+        elif pair:  # per pair: 2 int64 of codes, an int32 of hints, an int16 of scales
+            codes_arg, hints_arg = codes.view(torch.int64), hints.view(-1).view(torch.int32) if emit_hints else scales
+        elif hpack == 2:
+            codes_arg, hints_arg = codes.view(torch.int64), hints.view(-1).view(torch.int64)
         else:
             codes_arg, hints_arg = codes.view(torch.int64), _per_block_view(hints, b // 8) if emit_hints else scales
         fq_arg = (out.view(torch.int32) if kind == 0 else out) if fake else scales
         compiled = _quantize_kernel[(progs,)](
-            xv, codes_arg, scales, hints_arg, fq_arg, _g_arg(g, fmt, dev, scales), nb * rb,
-            _loop_count(n_iter), PERSIST=persist, num_warps=warps, **consts, **opts,
+            xv, codes_arg, scales.view(torch.int16) if pair else scales, hints_arg, fq_arg,
+            _g_arg(g, fmt, dev, scales), units, _loop_count(n_iter), PERSIST=persist, num_warps=warps, **consts,
+            **opts,
         )
         _note_residency(rkey, compiled, warps)
     return codes, scales, hints, out
@@ -1145,12 +1331,14 @@ def _launch_quantize(xb, fmt, g, scale_rule, emit_hints, fake, config, key, scal
 @_on_input_device
 def quantize_blocks_triton(
     xb: torch.Tensor, fmt: str, g: torch.Tensor | None, scale_rule: str = "floor", emit_hints: bool = True,
-    config: tuple | None = None,
+    config: tuple | None = None, hint_pack: str | None = None, unroll: bool | None = None,
 ):
     """Triton twin of `reference.quantize_blocks_ref`: xb [NB, B] -> (codes [NB, B/2], scales [NB],
     hints [NB, B/8] or None). config: (blocks per program, num_warps, programs per SM or 0), or None for
-    `default_config("quantize", xb.dtype, fmt)`."""
-    codes, scales, hints, _ = _launch_quantize(xb, fmt, g, scale_rule, emit_hints, False, config, "quantize")
+    `default_config("quantize", xb.dtype, fmt)`. hint_pack: one of HINT_PACKS (None: HINT_PACK); unroll: two tiles
+    per trip of the persistent loop (None: QUANTIZE_UNROLL). Neither changes a bit."""
+    codes, scales, hints, _ = _launch_quantize(xb, fmt, g, scale_rule, emit_hints, False, config, "quantize",
+                                               hint_pack=hint_pack, unroll=unroll)
     return codes, scales, hints
 
 
@@ -1158,14 +1346,15 @@ def quantize_blocks_triton(
 def quantize_fake_blocks_triton(
     xb: torch.Tensor, fmt: str, g: torch.Tensor | None, scale_rule: str = "floor", emit_hints: bool = True,
     config: tuple | None = None, scales_out: torch.Tensor | None = None, hints_out: torch.Tensor | None = None,
+    hint_pack: str | None = None, unroll: bool | None = None,
 ):
     """One pass over xb [NB, B]: (round-to-nearest fake-quantized values [NB, B] in xb.dtype, codes, scales,
     hints or None), equal to `reference.fake_quantize_blocks_ref(xb, fmt, g)` and
     `reference.quantize_blocks_ref(xb, fmt, g)`. config as for `quantize_blocks_triton` (default:
     `default_config("quantize_fake", ...)`). scales_out (uint8 [NB]) / hints_out (uint8 [NB, B/8]), contiguous:
-    written in place of fresh scales / hints tensors."""
+    written in place of fresh scales / hints tensors. hint_pack, unroll: as for `quantize_blocks_triton`."""
     codes, scales, hints, out = _launch_quantize(xb, fmt, g, scale_rule, emit_hints, True, config,
-                                                 "quantize_fake", scales_out, hints_out)
+                                                 "quantize_fake", scales_out, hints_out, hint_pack, unroll)
     return out, codes, scales, hints
 
 

@@ -584,6 +584,73 @@ def test_triton_row_layout_matches_reference(cfg, dtype, fmt):
     assert_bits_equal(d, ref.dequantize_blocks_ref(tracefp4.unpack_codes(want[0]), want[1], fmt, g, dtype))
 
 
+_BF, _FP, _F32 = torch.bfloat16, torch.float16, torch.float32
+# each variant on the code paths it changes (a hint word per 8 / 16 / 32 values: the row layout, NVFP4, MXFP4; the
+# three input dtypes' piece layouts), not the full product: each case costs seconds under the interpreter
+_VARIANT_CASES = [
+    *[("nibbles", (8, 1, 0), False, d, f) for d in (_BF, _FP, _F32) for f in ("nvfp4", "mxfp4")],
+    *[("nibbles", (4, 1, 3), True, d, "nvfp4") for d in (_BF, _F32)],  # an odd trip count (3): a last tile
+    ("gather", (8, 1, 3), True, _BF, "mxfp4"),  # unrolled persistent loop, an even trip count (2)
+    ("nibbles_x4", (4, 1, 3), True, _BF, "nvfp4"),
+    ("nibbles_x4", (8, 1, 2), False, _FP, "nvfp4"),
+    *[("nibbles", ("pairs", 4, 1, 0), False, d, "nvfp4") for d in (_BF, _F32)],
+    ("gather", ("pairs", 4, 1, 3), True, _FP, "nvfp4"),
+    ("nibbles", ("pairs", 8, 1, 32), False, _BF, "mxfp4"),  # refused: the pair layout is NVFP4's
+    *[("nibbles", ("rows", 16, 1, 3), False, d, "nvfp4") for d in (_BF, _FP, _F32)],  # one hint byte per row
+]
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="no triton")
+@pytest.mark.parametrize("hint_pack,cfg,unroll,dtype,fmt", _VARIANT_CASES)
+def test_triton_quantize_variants_match_reference(hint_pack, cfg, unroll, dtype, fmt):
+    # quantize's variants (tracefp4.triton_kernels.HINT_PACKS, the pair layout, the unrolled persistent loop) on
+    # data with every tie at scale 1: 52 blocks, 50 (no whole groups of 4: "nibbles_x4" falls back) and 51 (odd:
+    # the pair layout falls back); the pair layout is NVFP4's, the row layout bf16 / fp16's
+    from tracefp4 import triton_kernels as tk
+    from tracefp4.errors import LaunchConfigError
+
+    b = BLOCK[fmt]
+    x, g = _ties_x(fmt)
+    xb = x.to(dtype).reshape(-1, b)
+    kw = dict(config=cfg, hint_pack=hint_pack, unroll=unroll)
+    if (cfg[0] == "pairs" and fmt != "nvfp4") or (cfg[0] == "rows" and dtype == torch.float32):
+        with pytest.raises(LaunchConfigError):
+            tk.quantize_blocks_triton(xb, fmt, g, **kw)
+        return
+    for n in ((52, 50, 51) if hint_pack == "nibbles_x4" else (52, 51)):
+        want = ref.quantize_blocks_ref(xb[:n], fmt, g)
+        for a, w in zip(tk.quantize_blocks_triton(xb[:n], fmt, g, **kw), want):
+            assert_bits_equal(a, w)
+    got_nh = tk.quantize_blocks_triton(xb, fmt, g, emit_hints=False, **kw)
+    want = ref.quantize_blocks_ref(xb, fmt, g)
+    assert got_nh[2] is None
+    assert_bits_equal(got_nh[0], want[0])
+    assert_bits_equal(got_nh[1], want[1])
+    y, codes, scales, hints = tk.quantize_fake_blocks_triton(xb, fmt, g, **kw)
+    assert_bits_equal(y, ref.fake_quantize_blocks_ref(xb, fmt, g))
+    for a, w in zip((codes, scales, hints), want):
+        assert_bits_equal(a, w)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="no triton")
+def test_triton_quantize_variant_arguments_are_checked():
+    from tracefp4 import triton_kernels as tk
+    from tracefp4.errors import LaunchConfigError
+
+    x, g = _ties_x("nvfp4")
+    xb = x.reshape(-1, 16)
+    with pytest.raises(LaunchConfigError, match="hint_pack"):
+        tk.quantize_blocks_triton(xb, "nvfp4", g, hint_pack="fast")
+    with pytest.raises(LaunchConfigError, match="pairs per program"):
+        tk.quantize_blocks_triton(xb, "nvfp4", g, config=("pairs", 8, 1))
+    with pytest.raises(LaunchConfigError, match="NVFP4 quantize"):  # the pair layout is quantize's only
+        tk.fake_quantize_blocks_triton(xb, "nvfp4", g, None, None, config=("pairs", 8, 1, 0))
+    # the default hint packing is one of the packings, and the defaults give the reference's bits
+    assert tk.HINT_PACK in tk.HINT_PACKS
+    for a, w in zip(tk.quantize_blocks_triton(xb, "nvfp4", g), ref.quantize_blocks_ref(xb, "nvfp4", g)):
+        assert_bits_equal(a, w)
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="no triton")
 def test_triton_row_layout_refuses_bad_configs_and_takes_a_global_scale_per_matrix():
     from tracefp4 import triton_kernels as tk
