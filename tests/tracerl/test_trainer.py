@@ -256,3 +256,26 @@ def test_own_sdpa_mask_only_where_it_is_hugging_faces(setup, monkeypatch):
             assert model.config._attn_implementation == attention.NAME
             raise ValueError("boom")
     assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_stacked_scatter_equals_scatter_per_array(padded):
+    """The hinted sites' scales and hints go to the device stacked (one host buffer, copy and index copy per dtype
+    and width); each result equals `_scatter` of its own array and is contiguous, whatever mix of widths, dtypes,
+    torch tensors and single arrays arrives."""
+    g = np.random.default_rng(0)
+    t = 7
+    arrays = [g.integers(0, 256, (t, 8), dtype=np.uint8) for _ in range(3)]
+    arrays += [g.integers(0, 256, (t, 4), dtype=np.uint8) for _ in range(2)]
+    arrays += [g.integers(0, 9, (t, 4)).astype(np.int64),  # one of its kind: takes _scatter
+               torch.arange(t * 8, dtype=torch.uint8).reshape(t, 8),  # a tensor: takes _scatter
+               np.asfortranarray(g.integers(0, 256, (t, 8), dtype=np.uint8))]  # not C-contiguous
+    nrows = 12 if padded else t
+    rows = torch.tensor([0, 1, 2, 5, 6, 7, 9] if padded else list(range(t)))
+    cpu = torch.device("cpu")
+    got = QATTrainer._scatter_stacked(arrays, rows, nrows, cpu)
+    for a, y in zip(arrays, got):
+        want = QATTrainer._scatter(a, rows, nrows, cpu)
+        assert y.is_contiguous() and y.dtype == want.dtype and torch.equal(y, want)
+    if padded:  # rows the batch does not cover are 0 (scale 0 -> 0)
+        assert all(int(y[[3, 4, 8, 10, 11]].abs().sum()) == 0 for y in got)
