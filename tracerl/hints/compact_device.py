@@ -35,6 +35,16 @@ bytes, and `pack_rows_torch` of inconsistent exceptions (a hint-bit or scale-byt
 count) raises `HintCodingError` (`compact.reconstruct`'s error) where numpy fails with an IndexError or writes
 garbage.
 
+**Several sites** (`unpack_sites_torch`, `pack_sites_on_device`). On CUDA a call costs its ~60 small ops and its
+syncs whatever its size, so per-site calls are paid in launches and syncs, not bytes. Rows are independent and
+byte-aligned, so the sites that share width, coding and scale payload go through ONE call over their rows stacked
+(data back to back, offsets shifted), and the results are cut back per site: the masks by rows, the kept bits and
+bytes by each site's mark counts, which the decode reads with its last sync (syncs per group: those of one call).
+Calls are capped per device type (`_BATCH_CAPS`): on CUDA by the temporaries' memory; on the CPU, where a call costs
+memory traffic rather than launches, at a few sites (stacking more only leaves the cache). A damaged row makes the
+group's call raise; then every site is decoded (packed) again on its own, in order, so the error is the first
+failing site's own, naming the row within its site.
+
 On CUDA, `unpack_sites_torch` / `pack_marks_on_device` run on a side stream of the device, so their syncs wait for
 their own kernels, not for the work already queued on the caller's stream (a trainer's backward, a decode step).
 
@@ -55,8 +65,8 @@ from tracerl.errors import ConfigError, HintCodingError
 from tracerl.hints.compact import BLOCK, GROUP, MarginExceptions, PackedRows, SiteCoding, _check_coding
 from tracerl.util import to_device, to_host
 
-__all__ = ["pack_rows_torch", "pack_marks_torch", "pack_marks_on_device", "unpack_rows_torch",
-           "unpack_sites_torch"]
+__all__ = ["pack_rows_torch", "pack_marks_torch", "pack_marks_on_device", "pack_sites_on_device", "SiteMarks",
+           "unpack_rows_torch", "unpack_sites_torch"]
 
 log = logging.getLogger(__name__)
 
@@ -166,10 +176,42 @@ class _Bits:
 
 
 def _section_sync(values: Sequence[torch.Tensor]) -> list[int]:
-    """One device-to-host read of int64 scalars (the sync of a call)."""
+    """One device-to-host read of integer scalars or vectors, flattened in order (the sync of a call)."""
     if not values:
         return []
-    return torch.stack([v.reshape(()).to(_I64) for v in values]).tolist()
+    return torch.cat([v.reshape(-1).to(_I64) for v in values]).tolist()
+
+
+#: device type -> the most (row bytes, rows x width) one decode over stacked sites takes, and the most rows x width
+#: one pack takes. A call's temporaries grow with them (a decode: an int64 per bit of the stream for the gamma / Rice
+#: jump tables, 4 MiB of gamma rows peaked at 1.4 GiB on the CPU; a pack: int64 [T, W] gaps and indices, 56 B per
+#: row cell at the peak). On CUDA a call costs its ~60 launches and its syncs, whatever its size, so sites are
+#: stacked up to some 0.7 to 0.9 GiB of temporaries beside the trainer's or the engine's own. On the CPU a call costs
+#: memory traffic, which slows down once the temporaries leave the cache: 20 sites of W 2048 (gamma / bitmap, 10%
+#: marked) decode 3 to 6x faster in one call than one by one at 4 to 16 rows a site, as fast at 64 rows (260 KB of
+#: rows in all), 2x slower at 256 rows, so calls stay small there. Other device types take the CPU's caps.
+_BATCH_CAPS: dict[str, tuple[int, int, int]] = {"cuda": (2 << 20, 1 << 26, 1 << 24),
+                                                "cpu": (64 << 10, 1 << 19, 1 << 19)}
+
+
+def _batch_caps(device: torch.device, what: str) -> tuple[int, int]:
+    """(row bytes, rows x width) of one call over stacked sites on ``device``; ``what``: "decode" or "pack" (which
+    is not capped by bytes: its input is dense)."""
+    max_bytes, decode_cells, pack_cells = _BATCH_CAPS.get(device.type, _BATCH_CAPS["cpu"])
+    return (max_bytes, decode_cells) if what == "decode" else (1 << 62, pack_cells)
+
+
+def _chunks(items: list[tuple[str, int, int]], max_bytes: int, max_cells: int) -> list[list[str]]:
+    """Consecutive runs of ``items`` (name, bytes, cells) within the caps (an item over them goes alone)."""
+    out: list[list[str]] = []
+    nbytes = cells = 0
+    for name, b, c in items:
+        if not out or nbytes + b > max_bytes or cells + c > max_cells:
+            out.append([])
+            nbytes = cells = 0
+        out[-1].append(name)
+        nbytes, cells = nbytes + b, cells + c
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -357,6 +399,74 @@ def pack_marks_on_device(device: torch.device, value_marks: np.ndarray, block_ma
         data, offsets = pack_marks_torch(*args, coding, scale_payload)
         data_h, offsets_h = to_host([data, offsets])
     return data_h, offsets_h
+
+
+#: a site's rows for `pack_sites_on_device`: (value marks, block marks, hints, scale bytes, coding, scale payload),
+#: `pack_marks_on_device`'s arguments
+SiteMarks = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, SiteCoding, str]
+
+
+def _stack_key(marks: SiteMarks) -> tuple | None:
+    """What sites must share to be packed in one call over their rows stacked (coding, scale payload, the arrays'
+    dtypes and row shapes), or None for a site packed on its own: arrays that are not 2-D host arrays of one row
+    count and of one width W (W/8 value marks and hints, W/16 scale bytes, ceil(W/128) block marks), whose rows
+    could not be told apart once stacked."""
+    arrays, coding, payload = marks[:4], marks[4], marks[5]
+    if not all(isinstance(a, np.ndarray) and a.ndim == 2 for a in arrays):
+        return None
+    vm, bm, h, sc = arrays
+    n = h.shape[1]
+    if len({a.shape[0] for a in arrays}) != 1 or vm.shape[1] != n or 2 * sc.shape[1] != n or bm.shape[1] != -(-n // 16):
+        return None
+    return coding.values, coding.blocks, payload, tuple((a.dtype.str, a.shape[1]) for a in arrays)
+
+
+def pack_sites_on_device(device: torch.device, sites: Mapping[str, SiteMarks]
+                         ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """`pack_marks_on_device` of several sites: site -> (value_marks uint8 [T, W/8], block_marks uint8
+    [T, ceil(W/128)], hints_packed uint8 [T, W/8], scales_e4m3 uint8 [T, W/16], coding, scale_payload) host arrays
+    -> (data uint8 [nbytes], offsets int64 [T + 1]) numpy, in ``sites``' order, byte for byte each site's own
+    `pack_marks_on_device`.
+
+    Sites that share width, coding and scale payload are packed in ONE call over their rows stacked (a row's bytes
+    depend on its own marks only, and rows are byte-aligned), so the syncs and copies are those of one pack per
+    such group, not per site; each site's bytes and offsets are cut back out of the group's (its own arrays). A
+    group is cut into several calls past the device's cap on rows x width (`_BATCH_CAPS`).
+
+    Raises as `pack_marks_on_device` does, with the message of the first failing site's own pack: when a group's
+    pack fails, every site is packed again one by one, in ``sites``' order."""
+    device = torch.device(device)
+    groups: dict[tuple, list[tuple[str, int, int]]] = {}
+    plan: list[list[str]] = []
+    for name, marks in sites.items():
+        key = _stack_key(marks)
+        if key is None:
+            plan.append([name])
+        else:
+            h = marks[2]
+            groups.setdefault(key, []).append((name, 0, h.shape[0] * h.shape[1] * 8))
+    plan = [c for items in groups.values() for c in _chunks(items, *_batch_caps(device, "pack"))] + plan
+    out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    try:
+        for names in plan:
+            if len(names) == 1:
+                out[names[0]] = pack_marks_on_device(device, *sites[names[0]])
+                continue
+            coding, payload = sites[names[0]][4:]
+            data, offsets = pack_marks_on_device(device, *(np.concatenate([sites[s][i] for s in names])
+                                                           for i in range(4)), coding, payload)
+            r = 0
+            for s in names:
+                t = sites[s][2].shape[0]
+                off = offsets[r: r + t + 1]
+                out[s] = data[off[0]: off[-1]].copy(), off - off[0]
+                r += t
+    except (ConfigError, HintCodingError):
+        # a stacked pack's message counts the whole stack: packed site by site, in order, the first failing site
+        # raises its own pack's message
+        log.debug("margin rows of %d sites did not pack together; packing them one by one", len(sites))
+        return {s: pack_marks_on_device(device, *m) for s, m in sites.items()}
+    return {s: out[s] for s in sites}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -589,25 +699,14 @@ def _as_device_tensor(a, dtype: torch.dtype, device: torch.device | None) -> tor
     return t if device is None or t.device == device else to_device(t.contiguous(), device)
 
 
-def unpack_rows_torch(data, offsets, width: int, coding: SiteCoding, margin: float, scale_margin: float,
-                      scale_payload: str = "byte", *, device: str | torch.device | None = None) -> MarginExceptions:
-    """The inverse of `pack_rows_torch` / `compact.pack_rows`, on the device: equal to `compact.unpack_rows` of
-    the same bytes (``PackedRows(data, offsets, width, coding, margin, scale_margin, scale_payload)``).
-
-    ``data`` uint8 [nbytes] and ``offsets`` int64 [T + 1] (tensors or numpy arrays); ``device``: where to decode
-    (default: ``data``'s device; host arrays go over from pinned memory without a sync). Returns the
-    `MarginExceptions` there: value_mask bool [T, W], hint_bits uint8 [N], scale_mask bool [T, W/16], scale_bytes
-    uint8 [M].
-
-    Host syncs: one (the mark counts, which size the outputs, and every check), two when the value coding is gamma
-    or Rice (first the number of value codewords). Raises `HintCodingError` exactly where `compact.unpack_rows`
-    does (truncated rows, positions past the row, a present block-bitmap group without marks, non-zero padding or
-    trailing bits, offsets that do not cover the bytes), with its messages; `ConfigError` for an unknown coding (or
-    a block-bitmap over a row length not a multiple of 16), before the bytes are read."""
-    dev = torch.device(device) if device is not None else (data.device if isinstance(data, torch.Tensor)
-                                                          else torch.device("cpu"))
-    data = _as_device_tensor(data, torch.uint8, dev).reshape(-1)
-    offsets = _as_device_tensor(offsets, _I64, dev).reshape(-1)
+def _decode(data: torch.Tensor, offsets: torch.Tensor, width: int, coding: SiteCoding, scale_payload: str,
+            bounds: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[int], list[int]]:
+    """The body of `unpack_rows_torch` on ``data`` uint8 [nbytes] / ``offsets`` int64 [T + 1] (one device):
+    (value_mask bool [T, W], hint_bits uint8 [N], scale_mask bool [T, W/16], scale_bytes uint8 [M]) and the hint
+    bits and scale bytes of each row range ``bounds[i]:bounds[i + 1]`` (``bounds`` int64 [S + 1] there, ascending
+    from 0 to T; None: one range of every row), read with the last sync. Raises as `unpack_rows_torch` does."""
+    dev = data.device
     w = int(width)
     nb = w // BLOCK
     kv = _check_coding(coding.values, w)
@@ -632,29 +731,164 @@ def unpack_rows_torch(data, offsets, width: int, coding: SiteCoding, margin: flo
     trailing = (rest >= 8) | (st.read(cur, rest.clamp(0, 7)) != 0)
     checks.add(trailing, lambda r: f"row {r}: {int(rest[r])} bits after the last field (padding must be < 8 zero "
                                    "bits)")
-    got = _section_sync([vcount.sum(), scount.sum()] + checks.reductions())  # the (last) sync
-    checks.raise_first(got[2:])
-    n_hints, n_scales = got[0], got[1]
-    hints = _gather_payload(st, vmask, vcount, n_hints, hint_at, 1)
-    scales = _gather_payload(st, smask, scount, n_scales, scale_at, per)
+    if bounds is None:
+        ranges = 1
+        sums = [vcount.sum(), scount.sum()]
+    else:  # each range's marks: differences of the running counts at its bounds, read with the same sync
+        ranges = bounds.numel() - 1
+        zero = torch.zeros(1, dtype=_I64, device=dev)
+        sums = [torch.diff(torch.cat([zero, torch.cumsum(c, 0)])[bounds]) for c in (vcount, scount)]
+    got = _section_sync(sums + checks.reductions())  # the (last) sync
+    checks.raise_first(got[2 * ranges:])
+    n_hints, n_scales = got[:ranges], got[ranges: 2 * ranges]
+    hints = _gather_payload(st, vmask, vcount, sum(n_hints), hint_at, 1)
+    scales = _gather_payload(st, smask, scount, sum(n_scales), scale_at, per)
+    return vmask, hints, smask, scales, n_hints, n_scales
+
+
+def unpack_rows_torch(data, offsets, width: int, coding: SiteCoding, margin: float, scale_margin: float,
+                      scale_payload: str = "byte", *, device: str | torch.device | None = None) -> MarginExceptions:
+    """The inverse of `pack_rows_torch` / `compact.pack_rows`, on the device: equal to `compact.unpack_rows` of
+    the same bytes (``PackedRows(data, offsets, width, coding, margin, scale_margin, scale_payload)``).
+
+    ``data`` uint8 [nbytes] and ``offsets`` int64 [T + 1] (tensors or numpy arrays); ``device``: where to decode
+    (default: ``data``'s device; host arrays go over from pinned memory without a sync). Returns the
+    `MarginExceptions` there: value_mask bool [T, W], hint_bits uint8 [N], scale_mask bool [T, W/16], scale_bytes
+    uint8 [M].
+
+    Host syncs: one (the mark counts, which size the outputs, and every check), two when the value coding is gamma
+    or Rice (first the number of value codewords). Raises `HintCodingError` exactly where `compact.unpack_rows`
+    does (truncated rows, positions past the row, a present block-bitmap group without marks, non-zero padding or
+    trailing bits, offsets that do not cover the bytes), with its messages; `ConfigError` for an unknown coding (or
+    a block-bitmap over a row length not a multiple of 16), before the bytes are read."""
+    dev = torch.device(device) if device is not None else (data.device if isinstance(data, torch.Tensor)
+                                                          else torch.device("cpu"))
+    data = _as_device_tensor(data, torch.uint8, dev).reshape(-1)
+    offsets = _as_device_tensor(offsets, _I64, dev).reshape(-1)
+    vmask, hints, smask, scales, _, _ = _decode(data, offsets, width, coding, scale_payload)
     return MarginExceptions(vmask, hints, smask, scales, margin, scale_margin, scale_payload)
 
 
+def _host_rows(p: PackedRows) -> tuple[np.ndarray, np.ndarray] | None:
+    """``p``'s (data uint8 [n], offsets int64 [T + 1]) as host arrays when they can be stacked with other sites'
+    rows: host memory of those dtypes (no copy, no sync) and offsets that cover the bytes (checked here, on the
+    host, as stacking would hide a site's own offsets). None: decode the site on its own."""
+    arrays = []
+    for a, dtype in ((p.data, np.uint8), (p.offsets, np.int64)):
+        if isinstance(a, torch.Tensor):
+            if a.device.type != "cpu":
+                return None
+            a = a.detach().numpy()
+        a = np.asarray(a)
+        if a.dtype != dtype:
+            return None
+        arrays.append(a.reshape(-1))
+    data, offsets = arrays
+    if offsets.size == 0 or offsets[0] != 0 or offsets[-1] != data.size or (np.diff(offsets) < 0).any():
+        return None
+    return data, offsets
+
+
+def _decode_plan(rows: Mapping[str, PackedRows], device: torch.device
+                 ) -> tuple[list[list[str]], dict[str, tuple[np.ndarray, np.ndarray]]] | None:
+    """The decode calls of ``rows`` (runs of sites that share width, coding and scale payload, stacked into one
+    call; single sites otherwise) and the stackable sites' host rows (`_host_rows`); None when a site's coding is
+    unknown (then every site is decoded on its own, so the `ConfigError` comes at that site, after any earlier
+    site's `HintCodingError`, as before)."""
+    groups: dict[tuple, list[tuple[str, int, int]]] = {}
+    alone: list[list[str]] = []
+    hosts: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for name, p in rows.items():
+        try:
+            _check_coding(p.coding.values, int(p.width))
+            _check_coding(p.coding.blocks, int(p.width) // BLOCK)
+        except ConfigError:
+            return None
+        host = _host_rows(p)
+        if host is None:
+            alone.append([name])
+            continue
+        hosts[name] = data, offsets = host
+        key = (int(p.width), p.coding.values, p.coding.blocks, p.scale_payload)
+        groups.setdefault(key, []).append((name, int(data.size), (offsets.size - 1) * int(p.width)))
+    calls = [c for items in groups.values() for c in _chunks(items, *_batch_caps(device, "decode"))]
+    return calls + alone, hosts
+
+
+def _unpack_stacked(parts: Sequence[PackedRows], host: Sequence[tuple[np.ndarray, np.ndarray]],
+                    device: torch.device) -> list[MarginExceptions]:
+    """One decode of several sites' rows (one width, coding and scale payload; ``host``: their `_host_rows`)
+    stacked: data back to back, offsets shifted by the bytes before; the results split back per site (row slices
+    of the masks, the kept bits and bytes by each site's counts, read with the decode's last sync). Rows decode
+    independently, so each site's part is its own decode's result."""
+    t = [o.size - 1 for _, o in host]
+    shift = np.cumsum([0] + [d.size for d, _ in host[:-1]])
+    # the stacked offsets and the sites' row bounds go over in one copy
+    index = np.concatenate([np.zeros(1, np.int64)] + [o[1:] + k for (_, o), k in zip(host, shift)]
+                           + [np.cumsum([0] + t).astype(np.int64)])
+    index_d = _as_device_tensor(index, _I64, device)
+    data_d = _as_device_tensor(np.concatenate([d for d, _ in host]), torch.uint8, device)
+    total = sum(t)
+    p0 = parts[0]
+    vmask, hints, smask, scales, n_hints, n_scales = _decode(data_d, index_d[: total + 1], p0.width, p0.coding,
+                                                             p0.scale_payload, bounds=index_d[total + 1:])
+    return [MarginExceptions(vm, h, sm, sc, p.margin, p.scale_margin, p.scale_payload)
+            for p, vm, h, sm, sc in zip(parts, vmask.split(t), hints.split(n_hints), smask.split(t),
+                                        scales.split(n_scales))]
+
+
+def _unpack_one(p: PackedRows, device: torch.device) -> MarginExceptions:
+    return unpack_rows_torch(p.data, p.offsets, p.width, p.coding, p.margin, p.scale_margin, p.scale_payload,
+                             device=device)
+
+
+def _unpack_sites(rows: Mapping[str, PackedRows], device: torch.device) -> dict[str, MarginExceptions]:
+    planned = _decode_plan(rows, device)
+    if planned is None:
+        return {s: _unpack_one(p, device) for s, p in rows.items()}
+    plan, hosts = planned
+    out: dict[str, MarginExceptions] = {}
+    try:
+        for names in plan:
+            if len(names) == 1:
+                out[names[0]] = _unpack_one(rows[names[0]], device)
+            else:
+                out.update(zip(names, _unpack_stacked([rows[s] for s in names], [hosts[s] for s in names],
+                                                      device)))
+    except HintCodingError:
+        # A stacked decode's message names a row of the stack: decoded site by site, in order, the first damaged
+        # site raises its own decode's message (the error path may be slow).
+        log.debug("margin rows of %d sites did not decode together; decoding them one by one", len(rows))
+        return {s: _unpack_one(p, device) for s, p in rows.items()}
+    log.debug("decoded margin rows of %d sites in %d calls on %s", len(rows), len(plan), device)
+    return {s: out[s] for s in rows}
+
+
 def unpack_sites_torch(rows: Mapping[str, PackedRows], device: str | torch.device) -> dict[str, MarginExceptions]:
-    """`unpack_rows_torch` of each site's `PackedRows` (host bytes) on ``device``: site -> `MarginExceptions` there.
+    """`unpack_rows_torch` of each site's `PackedRows` (host bytes) on ``device``: site -> `MarginExceptions` there,
+    equal to each site's own `unpack_rows_torch` (same dtypes and shapes, contiguous), in ``rows``' order.
+
+    Sites that share width, coding and scale payload are decoded in ONE call over their rows stacked (rows decode
+    independently), so the syncs are those of one decode per such group (one, two with a gamma / Rice value coding),
+    not per site; the masks of a site are row slices of its group's, its kept bits and bytes slices of the group's
+    (views). A group is cut into several calls past the device's caps on row bytes and rows x width (`_BATCH_CAPS`:
+    large on CUDA, a few sites on the CPU), to bound the decode's temporaries. A site whose rows are device tensors,
+    are not uint8 / int64, or whose offsets do not cover its bytes is decoded on its own.
 
     On CUDA the decodes run on a side stream of the device: their syncs wait for the decodes' own kernels, not for
     the work queued on the caller's stream; that stream then waits for the side stream, and the results are marked
-    as used by it (``record_stream``), so they are safe to use there at once. Raises as `unpack_rows_torch` does."""
+    as used by it (``record_stream``), so they are safe to use there at once.
+
+    Raises as `unpack_rows_torch` does, with the message of the first failing site's own decode (which names the row
+    within its site): when a group's decode fails, every site is decoded again one by one, in ``rows``' order;
+    `ConfigError` for an unknown coding (or a block-bitmap over a row length not a multiple of 16)."""
     device = torch.device(device)
     stream = _side_stream(device)
     if stream is None:
-        return {s: unpack_rows_torch(p.data, p.offsets, p.width, p.coding, p.margin, p.scale_margin,
-                                     p.scale_payload, device=device) for s, p in rows.items()}
+        return _unpack_sites(rows, device)
     caller = torch.cuda.current_stream(device)
     with torch.cuda.stream(stream):
-        out = {s: unpack_rows_torch(p.data, p.offsets, p.width, p.coding, p.margin, p.scale_margin,
-                                    p.scale_payload, device=device) for s, p in rows.items()}
+        out = _unpack_sites(rows, device)
     caller.wait_stream(stream)
     for enc in out.values():
         for f in ("value_mask", "hint_bits", "scale_mask", "scale_bytes"):

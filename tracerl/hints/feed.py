@@ -25,7 +25,9 @@ device), and the forward works out the scales and hints from its own activation 
 (`compact.reconstruct`), then rounds with today's hint-guided kernels. Where they are decoded is ``margin_decode``:
 on a CUDA feed device (``"auto"``, the default; ``"device"`` on any device) the reading thread hands over the raw
 rows and they are decoded on the device when the batch is handed out (`compact_device.unpack_sites_torch`, on a
-side stream: its syncs wait for the decode's own kernels, not for the trainer's queued work); otherwise
+side stream: its syncs wait for the decode's own kernels, not for the trainer's queued work; the sites that share a
+width, coding and scale payload are decoded in one call, so a micro-batch costs the syncs of one decode per such
+group, not per site); otherwise
 (``"host"``, or ``"auto"`` on the CPU) the reading thread decodes them with numpy (`compact.unpack_rows`) and the
 masks and bytes are copied over. Both give equal exceptions. Such a site is read whole (no tensor-parallel feature
 slice).

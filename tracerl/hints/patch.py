@@ -124,8 +124,9 @@ def decode_margin(store: ts.Store, packed: Any, device: str | torch.device = "cp
     int64 [T + 1])), decoded in each site's coding (``store.sites``), on ``device``.
 
     ``decode``: "host" decodes with numpy (`compact.unpack_rows`) and copies the masks and bytes to ``device``;
-    "device" copies the raw rows and decodes them there (`compact_device.unpack_sites_torch`: one or two syncs per
-    site, on a side stream of a CUDA device, so they do not wait for the caller's queued work); "auto" is "device"
+    "device" copies the raw rows and decodes them there (`compact_device.unpack_sites_torch`: the sites that share a
+    width, coding and scale payload in one decode over their rows stacked, one or two syncs per such group, on a side
+    stream of a CUDA device, so they do not wait for the caller's queued work); "auto" is "device"
     for a CUDA device, else "host". The default stays "host" for callers that have not opted in. The results are
     equal either way.
 

@@ -39,9 +39,10 @@ activation ``x`` [N, W] and its ``global_scale``, and computes the value and blo
 copied like every other field, and when rows are written the recorder gathers the kept bits and bytes
 (`compact.exceptions_from_marks`) and packs them in the site's coding (`compact.pack_rows`), on the host. When the
 marks were computed on a CUDA device (``margin_pack="auto"``, the default; ``"device"`` does it on any device, ``"host"``
-never) the staged rows are packed there instead (`compact_device.pack_marks_on_device`: the rows go over from pinned
+never) the staged rows are packed there instead (`compact_device.pack_sites_on_device`: the rows go over from pinned
 memory, are packed on a side stream of the device with one sync for the packed size, and only the packed bytes come
-back, data and offsets in one copy), the same bytes as on the host. Unfilled rows carry no marks (the trainer rounds
+back, data and offsets in one copy; the sites of one coding are packed in one call over their rows stacked, so that
+is per write and coding, not per site), the same bytes as on the host. Unfilled rows carry no marks (the trainer rounds
 to nearest there with its own scales). The engine passes ``x`` (hf decode path) or the marks its static/graph step
 computed into its capture ring (``marks=``) only when asked (`RolloutEngine(margin_capture=True)`).
 """
@@ -58,8 +59,7 @@ import torch
 import tracefp4
 from tracefp4.constants import HINTS_PER_BYTE, NVFP4_BLOCK_SIZE
 from tracerl.errors import RecorderError
-from tracerl.hints import compact
-from tracerl.hints.compact_device import pack_marks_on_device
+from tracerl.hints import compact, compact_device
 from tracerl.hints.scalehints import SCALE_ENCODINGS, pack_scale_lsb, scale_lsb_bytes
 
 NO_EXPERT = 255
@@ -521,18 +521,28 @@ class RolloutRecorder:
                 self._flush_complete(int(s))
 
     # ---- writes ---------------------------------------------------------------------------------------
-    def _margin_rows(self, site: str, hints, scales, value_marks, block_marks) -> tuple[np.ndarray, np.ndarray]:
-        """The margin-exception rows (data uint8 [n], offsets int64 [T + 1]) of T recorded rows of ``site``, packed
-        on the host or on the marks' device (``margin_pack``)."""
-        ms = self.margin_sites[site]
-        coding = compact.SiteCoding(ms.value_coding, ms.block_coding)
-        dev = self._margin_devices.get(site, torch.device("cpu"))
-        if self.margin_pack == "device" or (self.margin_pack == "auto" and dev.type == "cuda"):
-            return pack_marks_on_device(dev, value_marks, block_marks, hints, scales, coding, ms.scale_payload)
-        enc = compact.exceptions_from_marks(torch.from_numpy(value_marks), torch.from_numpy(block_marks),
-                                            torch.from_numpy(hints), torch.from_numpy(scales), ms.margin,
-                                            ms.scale_margin, ms.scale_payload)
-        return compact.store_rows(compact.pack_rows(enc, coding))
+    def _margin_rows(self, staged: Mapping[str, tuple[np.ndarray, ...]]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """The margin-exception rows (data uint8 [n], offsets int64 [T + 1]) of T recorded rows of each site of
+        ``staged`` (site -> its staged (hints, scales, value marks, block marks)), in that order, packed on the host
+        or on the marks' device (``margin_pack``); on a device, the sites that share a coding are packed in one
+        call (`compact_device.pack_sites_on_device`: one sync and one copy back per such group, not per site)."""
+        on_device: dict[torch.device, dict[str, compact_device.SiteMarks]] = {}
+        out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        for site, (hints, scales, value_marks, block_marks) in staged.items():
+            ms = self.margin_sites[site]
+            coding = compact.SiteCoding(ms.value_coding, ms.block_coding)
+            dev = self._margin_devices.get(site, torch.device("cpu"))
+            if self.margin_pack == "device" or (self.margin_pack == "auto" and dev.type == "cuda"):
+                on_device.setdefault(dev, {})[site] = (value_marks, block_marks, hints, scales, coding,
+                                                       ms.scale_payload)
+                continue
+            enc = compact.exceptions_from_marks(torch.from_numpy(value_marks), torch.from_numpy(block_marks),
+                                                torch.from_numpy(hints), torch.from_numpy(scales), ms.margin,
+                                                ms.scale_margin, ms.scale_payload)
+            out[site] = compact.store_rows(compact.pack_rows(enc, coding))
+        for dev, sites in on_device.items():
+            out.update(compact_device.pack_sites_on_device(dev, sites))
+        return {s: out[s] for s in staged}
 
     def _complete_rows(self, slot: int) -> int:
         n = int(self._hi[slot] - self._start[slot])
@@ -554,14 +564,15 @@ class RolloutRecorder:
             if not tok.filled[slot, :n].all():
                 raise RecorderError(f"request {rid!r}: token ids missing at offsets "
                                     f"{np.flatnonzero(~tok.filled[slot, :n])[:8].tolist()}")
-            hints, scales, rows = {}, {}, {}
+            hints, scales, staged = {}, {}, {}
             for s in self.site_widths:
                 arrays = self._fields[("site", s)].arrays
                 if s in self.margin_sites:
-                    rows[s] = self._margin_rows(s, *(a[slot, :n] for a in arrays))
+                    staged[s] = tuple(a[slot, :n] for a in arrays)
                     continue
                 h, sc = arrays
                 hints[s], scales[s] = h[slot, :n].copy(), sc[slot, :n].copy()
+            rows = self._margin_rows(staged) if staged else {}
             experts = {la: self._fields[("experts", la)].arrays[0][slot, :n].copy() for la in self.moe_layers}
             self.sink.write(
                 rid,
