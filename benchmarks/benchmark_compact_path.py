@@ -6,9 +6,10 @@ both paths and not counted):
             writer's buffer; the commits of the run are timed apart, per step)
   margin  : tracefp4.margin_marks on x (device), compact.exceptions_from_marks + compact.pack_rows (host numpy,
             what the recorder does on the CPU), Writer.write(rows=) of the packed rows
-  margin_pack_torch: the device packer beside the numpy one, on the same marks: compact_device.pack_marks_on_device
-            (what the recorder does when the marks are on CUDA: the staged host rows over from pinned memory,
-            pack_marks_torch on the device, data + offsets back in one copy); its bytes are checked equal to numpy's
+  margin_pack_torch: the device packer beside the numpy one, on the same marks: compact_device.pack_sites_on_device
+            (what the recorder does when the marks are on CUDA: the staged host rows of every site over from pinned
+            memory, pack_marks_torch on the device over the sites that share a coding stacked, data + offsets back
+            in one copy); its bytes are checked equal to numpy's
 Trainer side, per micro-batch of T tokens:
   plain   : Reader.read of the hints and scales of every site (fmt numpy)
   margin  : Reader.read of the rows, compact.unpack_rows (host numpy, the feed's reading thread on the CPU) and
@@ -140,11 +141,14 @@ def run(args) -> dict:
                     staged = [tuple(t.cpu().numpy() for t in (vm, bm, h, sc)) for (vm, bm), (_, _, _, h, sc)
                               in zip(marks, sites)]
                     t4 = time.perf_counter()
-                    packed_t = [CD.pack_marks_on_device(device, *st, coding, args.payload) for st in staged]
+                    # every site of the step in one call, as the recorder packs a write's margin sites
+                    got_t = CD.pack_sites_on_device(device, {n: (*st, coding, args.payload)
+                                                             for n, st in zip(names, staged)})
+                    packed_t = [got_t[n] for n in names]
                     t5 = time.perf_counter()
                     for (d, o), (dt, ot) in zip(packed, packed_t):
                         if not (np.array_equal(d, dt) and np.array_equal(o, ot)):
-                            raise AssertionError("pack_marks_on_device's rows differ from pack_rows'")
+                            raise AssertionError("pack_sites_on_device's rows differ from pack_rows'")
                     t_m, t_p, t_mw, t_pt = t_m + (t1 - t0), t_p + (t2 - t1), t_mw + (t3 - t2), t_pt + (t5 - t4)
                 t0 = time.perf_counter()
                 wp.flush()
@@ -259,8 +263,8 @@ def run(args) -> dict:
                             "margin_torch_ms": trainer_margin_torch},
         "packers": {
             "margin_pack": "numpy: compact.exceptions_from_marks + compact.pack_rows on the host (marks copied over)",
-            "margin_pack_torch": f"torch: compact_device.pack_marks_on_device on {device} (host rows over, "
-                                 "packed bytes back in one copy)",
+            "margin_pack_torch": f"torch: compact_device.pack_sites_on_device on {device} (host rows of every "
+                                 "site over, the sites of one coding in one pack, bytes back in one copy)",
             "margin_unpack": "numpy: compact.unpack_rows on the host",
             "margin_unpack_torch": f"torch: compact_device.unpack_sites_torch on {device} (raw rows over)",
             "margin_reconstruct": f"torch: compact.reconstruct on {device}",
