@@ -243,7 +243,7 @@ class QATTrainer:
     def _scatter_stacked(arrays, rows: torch.Tensor, nrows: int, device) -> list[torch.Tensor]:
         """`_scatter` of several THD arrays [T, C_i] at once: numpy arrays of one dtype and width are copied into
         one host buffer [S, T, C] (pinned on CUDA), sent in one copy and scattered to forward rows in one index
-        copy; each result is a contiguous [nrows, C] slice of it, equal to `_scatter`'s. Torch tensors and arrays
+        put; each result is a contiguous [nrows, C] slice of it, equal to `_scatter`'s. Torch tensors and arrays
         of other shapes take `_scatter`."""
         device = torch.device(device)
         out: list[torch.Tensor | None] = [None] * len(arrays)
@@ -265,7 +265,8 @@ class QATTrainer:
             src = host.to(device, non_blocking=True)
             if nrows != t:
                 full = torch.zeros((len(idx), nrows, c), dtype=dtype, device=device)
-                src = full.index_copy_(1, rows, src)
+                full[:, rows] = src  # an index put, as `_scatter`'s (deterministic under deterministic algorithms)
+                src = full
             for j, i in enumerate(idx):
                 out[i] = src[j]
         return out
