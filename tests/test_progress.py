@@ -69,6 +69,11 @@ def test_the_end_of_a_phase_reported_again_is_not_a_new_phase():
     clock.now = 3.0
     log.update("verify", 2, 2)
     assert lines[2:] == ["verify: started, 2 steps", "verify: 2/2 in 2.0s"]
+    log.update("curve", 0, 40)  # a total that is an upper bound, settled at the end by the real count
+    clock.now = 5.0
+    log.update("curve", 12, 40)
+    log.update("curve", 36, 36)
+    assert lines[4:] == ["curve: started, 40 steps", "curve: 36/36 in 2.0s"]
 
 
 def test_unknown_total_what_and_rate_since_the_phase_started():

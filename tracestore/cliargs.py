@@ -321,7 +321,8 @@ class ProgressLog:
                printed: bool = False) -> None:
         """``done`` of ``total`` (None: unknown) steps of ``phase`` are done; ``what`` (optional) names the current
         item. A count below the last one or a total other than the one known starts a new round of the phase (its
-        rate and ETA start again). ``printed``: the caller has just written its own line about this phase (the
+        rate and ETA start again), except a final count given as its own total (``done == total``: a phase whose
+        total was an upper bound ends there). ``printed``: the caller has just written its own line about this phase (the
         next one is due ``every_s`` from now)."""
         with self._lock:
             if self._closed:
@@ -332,8 +333,10 @@ class ProgressLog:
                 return  # the end of a phase that just ended at these counts, reported again: not a new round
             if p is None:
                 p = self._start(phase, total, now, done)
-            elif done < p.done or (p.total is not None and total != p.total):
-                p.started, p.first, p.total = now, done, total  # a new round
+            elif done < p.done or (p.total is not None and total != p.total
+                                   and not (total is not None and done == total)):
+                # a new round (a total that only settles at the final count, done == total, ends this one)
+                p.started, p.first, p.total = now, done, total
                 if self.announce:
                     self._line(self._started(phase, total))
             p.done, p.total, p.what = done, total, str(what)

@@ -218,7 +218,7 @@ def _units(*names, bits=100):
 
 
 def test_joint_curve_keeps_moves_that_lower_the_measured_excess():
-    """The walk applies each move on top of the kept assignment: kept when the measured mean |dlogp| falls, set
+    """The plain walk (``lazy=False``) applies each move on top of the kept assignment: kept when the measured mean |dlogp| falls, set
     aside otherwise (measured on top of the moves kept before it); a configuration of one unit is its alone pass
     (not measured again); bytes are the sum of the units' option prices."""
     units = _units("A", "B")
@@ -238,7 +238,7 @@ def test_joint_curve_keeps_moves_that_lower_the_measured_excess():
         asked.append(tuple(assignment.items()))
         return value[tuple(assignment.items())]
 
-    curve, rejected = joint_curve(moves, units, prices, rne, 1.0, measure, alone)
+    curve, rejected = joint_curve(moves, units, prices, rne, 1.0, measure, alone, lazy=False)
     assert asked == list(value)  # the first move is A's alone pass
     assert [(c["k"], c["assignment"], c["mean_abs_dlogp"]) for c in curve] == [
         (0, {}, 10.0), (1, {"A": "margin:m=0.05"}, 7.0), (2, {"A": "margin:m=0.05", "B": "margin:m=0.05"}, 5.0),
@@ -261,7 +261,7 @@ def test_joint_curve_keeps_moves_that_lower_the_measured_excess():
     asked.clear()
     value.clear()
     value.update(value2)
-    curve, rejected = joint_curve(moves, units, prices, rne, 1.0, measure, alone)
+    curve, rejected = joint_curve(moves, units, prices, rne, 1.0, measure, alone, lazy=False)
     assert [c["assignment"] for c in curve] == [{}, {"A": "margin:m=0.05"}, {"A": "bits"},
                                                 {"A": "bits", "B": "bits"}]
     assert [r["move"] for r in rejected] == [{"unit": "B", "option": "margin:m=0.05", "from": None}]
@@ -272,7 +272,7 @@ def test_joint_curve_keeps_moves_that_lower_the_measured_excess():
 
 
 def test_joint_curve_with_one_option_per_unit_is_the_greedy_curve():
-    """Units with only the bits option: the joint walk asks for the same sets and gives the same points and units
+    """Units with only the bits option: the plain joint walk asks for the same sets and gives the same points and units
     set aside as `greedy_curve` on the same numbers (without greedy_curve's last every-unit point)."""
     units = _units("A", "B", "C", "D")
     units[3] = SiteGroup("D", "moe_down", None, (0, 0), ("D.s0",), 50)
@@ -296,7 +296,7 @@ def test_joint_curve_with_one_option_per_unit_is_the_greedy_curve():
     moves = hull_moves({u.name: _opts(("bits", u.bytes_per_token, rne - alone[u.name])) for u in units})
     assert [m["unit"] for m in moves] == [r["unit"] for r in ranking]
     j_curve, j_rej = joint_curve(moves, units, {u.name: {"bits": u.bytes_per_token} for u in units}, rne, 1.0,
-                                 j_measure, {u: {"bits": v} for u, v in alone.items()})
+                                 j_measure, {u: {"bits": v} for u, v in alone.items()}, lazy=False)
     assert g_rej and g_curve[-1]["units"] == [r["unit"] for r in ranking]  # greedy's extra every-unit point
     assert joint_asked == greedy_asked[:-1]
     for g, j in zip(g_curve[:-1], j_curve, strict=True):
@@ -305,6 +305,85 @@ def test_joint_curve_with_one_option_per_unit_is_the_greedy_curve():
                                         j["mean_abs_dlogp"], j["excess"], j["excess_vs_rne"])
     assert [(r["unit"], r["units"], r["mean_abs_dlogp"]) for r in g_rej] == [
         (r["move"]["unit"], r["units"], r["mean_abs_dlogp"]) for r in j_rej]
+
+
+def _overlap_case():
+    """Three units of the H200 model's shape (audit-h200-joint-on-h100.json): A's margin option is the best first move;
+    B gains much alone but little on top of A (A's MoE input fixes most of B's down-projection input); C is
+    independent of both. Mean |dlogp| of an assignment: RNE's minus each unit's gain, B's cut to 0.5 next to A."""
+    units = _units("A", "B", "C")
+    prices = {"A": {"margin:m=0.1": 2500, "bits": 3840}, "B": {"bits": 3840}, "C": {"bits": 3840}}
+    gain = {("A", "margin:m=0.1"): 5.0, ("A", "bits"): 6.0, ("B", "bits"): 5.5, ("C", "bits"): 5.0}
+    rne = 16.0
+
+    def mean(assignment):
+        g = sum(gain[(u, o)] for u, o in assignment.items())
+        if "A" in assignment and "B" in assignment:
+            g -= gain[("B", "bits")] - 0.5
+        return rne - g
+
+    options = {u: _opts(*[(o, b, gain[(u, o)]) for o, b in prices[u].items()]) for u in prices}
+    alone = {u: {o: rne - gain[(u, o)] for o in prices[u]} for u in prices}
+    return units, prices, hull_moves(options), alone, rne, mean
+
+
+def test_lazy_joint_curve_re_ranks_overlapping_units_by_their_gain_in_context():
+    """The lazy walk measures B on top of A, finds it gains 0.5 for 3,840 B where C still promises 5 (its alone
+    key), puts B back with its measured key and keeps C first: at 7,680 B/token A and C in bits (5.0) instead of
+    the plain walk's A's margin + B (10.5)."""
+    units, prices, moves, alone, rne, mean = _overlap_case()
+    assert [(m["unit"], m["option"]) for m in moves][:3] == [("A", "margin:m=0.1"), ("B", "bits"), ("C", "bits")]
+    asked = []
+
+    def measure(assignment):
+        asked.append(dict(assignment))
+        return mean(assignment)
+
+    plain, _ = joint_curve(moves, units, prices, rne, 0.0, measure, alone, lazy=False)
+    assert [c["assignment"] for c in plain[:3]] == [{}, {"A": "margin:m=0.1"}, {"A": "margin:m=0.1", "B": "bits"}]
+    asked.clear()
+    lazy, rejected = joint_curve(moves, units, prices, rne, 0.0, measure, alone)
+    assert [c["assignment"] for c in lazy] == [
+        {}, {"A": "margin:m=0.1"}, {"A": "margin:m=0.1", "C": "bits"},
+        {"A": "bits", "C": "bits"}, {"A": "bits", "C": "bits", "B": "bits"}]
+    assert [c["mean_abs_dlogp"] for c in lazy] == [16.0, 11.0, 6.0, 5.0, 4.5]
+    assert [c["move"]["from"] for c in lazy[1:]] == [None, None, "margin:m=0.1", None]
+    assert rejected == []
+    assert all(mean(c["assignment"]) == c["mean_abs_dlogp"] for c in lazy)  # every point is a measured one
+    assert asked[:2] == [{"A": "margin:m=0.1", "B": "bits"}, {"A": "margin:m=0.1", "C": "bits"}]
+    best = lambda curve: min((c for c in curve if c["bytes_per_token"] <= 7680), key=lambda c: c["excess"])  # noqa: E731
+    assert best(lazy)["mean_abs_dlogp"] == 5.0 and best(plain)["mean_abs_dlogp"] == 10.5  # A + C in bits: 7,680 B
+
+
+def test_lazy_joint_curve_without_overlap_is_the_plain_walk_and_bounded():
+    """Units whose gains add up: the lazy walk keeps the moves in the plain walk's order and measures each once;
+    ``max_passes`` bounds the re-measurements (past it a move that lowers the mean is kept where it stands)."""
+    units = _units("A", "B", "C")
+    prices = {"A": {"bits": 100}, "B": {"bits": 100}, "C": {"bits": 50}}
+    gain = {"A": 3.0, "B": 2.0, "C": 0.5}
+    rne = 10.0
+    moves = hull_moves({u: _opts(("bits", prices[u]["bits"], gain[u])) for u in prices})
+    alone = {u: {"bits": rne - gain[u]} for u in prices}
+    asked: list[dict] = []
+
+    def measure(assignment):
+        asked.append(dict(assignment))
+        return rne - sum(gain[u] for u in assignment)
+
+    lazy, _ = joint_curve(moves, units, prices, rne, 0.0, measure, alone)
+    n_lazy = len(asked)
+    asked.clear()
+    plain, _ = joint_curve(moves, units, prices, rne, 0.0, measure, alone, lazy=False)
+    assert [c["assignment"] for c in lazy] == [c["assignment"] for c in plain]
+    assert n_lazy == len(asked) == 2  # the first move is its alone pass
+    _, _, moves2, alone2, rne2, mean2 = _overlap_case()
+    units2, prices2 = _overlap_case()[:2]
+    asked.clear()
+    bounded, _ = joint_curve(moves2, units2, prices2, rne2, 0.0, lambda a: asked.append(a) or mean2(a), alone2,
+                             max_passes=1)
+    # one measurement allowed to be put back: B is measured on top of A (the one pass) and then kept as the plain
+    # walk would keep it
+    assert [c["assignment"] for c in bounded[:3]] == [{}, {"A": "margin:m=0.1"}, {"A": "margin:m=0.1", "B": "bits"}]
 
 
 def test_joint_site_table_declares_margin_sites_with_their_keys(tmp_path):
