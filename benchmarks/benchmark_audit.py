@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     p.add_argument("--bands", type=int, default=AuditConfig.bands, metavar="N",
                    help=f"layer bands of the attribution groups and planner units (default {AuditConfig.bands}: "
                         "10-layer units on the H200 model; 10 gives 4-layer units, twice the planner passes)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the recorded rollout (default 0)")
     p.add_argument("--workdir", default=None, help="where the stores go (default: a temporary directory)")
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/audit-<config>.json; "
                                                "smoke: audit-smoke.json in a temporary directory)")

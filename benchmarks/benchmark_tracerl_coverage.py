@@ -36,12 +36,13 @@ VARIANTS = {
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trajectories", type=int, default=8)
-    p.add_argument("--tokens", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trajectories", type=int, default=8, help="trajectories recorded (default 8)")
+    p.add_argument("--tokens", type=int, default=128, help="tokens per trajectory (default 128)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and the rollouts (default 0)")
     p.add_argument("--variants", default="", help="comma-separated indices into the variant list (default all)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                 "tracerl-cpu-coverage.json"))
+                                                 "tracerl-cpu-coverage.json"),
+                   help="JSON path (default: benchmarks/results/tracerl-cpu-coverage.json)")
     args = p.parse_args(argv)
     names = list(VARIANTS)
     if args.variants:

@@ -304,12 +304,14 @@ def bench_trainer(spec, device, seqs, seq_len, reps, seed):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU (checks the code paths)")
-    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "tracerl-h200.json"))
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "tracerl-h200.json"),
+                   help="JSON path (default: $OUT/tracerl-h200.json, or ./tracerl-h200.json without $OUT)")
     p.add_argument("--tokens", type=int, default=4096, help="tokens per fidelity trajectory (default 4096)")
-    p.add_argument("--trajectories", type=int, default=4)
-    p.add_argument("--capture-steps", type=int, default=256)
-    p.add_argument("--capture-batches", default="4,16")
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--trajectories", type=int, default=4, help="fidelity: trajectories (default 4)")
+    p.add_argument("--capture-steps", type=int, default=256, help="capture: decode steps timed per run (default 256)")
+    p.add_argument("--capture-batches", default="4,16", metavar="B,...",
+                   help="capture: comma-separated decode batch sizes, each timed apart (default 4,16)")
+    p.add_argument("--reps", type=int, default=5, help="runs per timed figure, the median reported (default 5)")
     p.add_argument("--sections", default="paths,first_step,sync,capture,trainer,fidelity",
                    help="comma-separated subset of paths,first_step,sync,capture,trainer,fidelity (sync: CUDA only)")
     p.add_argument("--decode", default="auto", help="decode path of capture/sync/fidelity: auto|hf|static|graph")
@@ -319,7 +321,7 @@ def main(argv=None) -> int:
     p.add_argument("--hint-layers", default="latter-half", help="fidelity: hinted layers (latter-half, all, ...)")
     p.add_argument("--hint-sites", default="moe-input", help="fidelity: hinted sites per layer (moe-input, all-fp4)")
     p.add_argument("--replay-routes", action="store_true", help="fidelity: trainer replays the rollout's routes")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and the rollouts (default 0)")
     args = p.parse_args(argv)
 
     if args.smoke:
