@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tracerl.errors import ConfigError, HintCodingError
 from tracerl.hints import compact as C
 
 CODINGS = ["bitmap", "block-bitmap", "gamma", "rice0", "rice1", "rice3", "rice5", "rice8"]
@@ -55,3 +56,13 @@ def damaged_rows(rng, packed: C.PackedRows) -> list[tuple[np.ndarray, np.ndarray
     extra = np.insert(packed.data, packed.offsets[r + 1], np.uint8(rng.integers(0, 256)))  # row r one longer
     damaged.append((extra, np.concatenate([packed.offsets[: r + 1], packed.offsets[r + 1:] + 1])))
     return damaged
+
+
+def coding_error(fn, *args):
+    """(type, message) of the `ConfigError` / `HintCodingError` ``fn(*args)`` raises, or None: two codecs (or two
+    paths of one) are compared on what they refuse and how they say it."""
+    try:
+        fn(*args)
+    except (ConfigError, HintCodingError) as e:
+        return type(e), str(e)
+    return None

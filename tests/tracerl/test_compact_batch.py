@@ -11,7 +11,7 @@ import types
 import numpy as np
 import pytest
 import torch
-from helpers.margin import damaged_rows, random_exceptions
+from helpers.margin import coding_error, damaged_rows, random_exceptions
 
 import tracestore as ts
 from tracerl.errors import ConfigError, HintCodingError
@@ -42,18 +42,10 @@ def _alone(p: C.PackedRows) -> C.MarginExceptions:
                                device="cpu")
 
 
-def _error(fn, *args):
-    try:
-        fn(*args)
-    except (ConfigError, HintCodingError) as e:
-        return type(e), str(e)
-    return None
-
-
 def _one_by_one(rows: dict[str, C.PackedRows]):
     """What decoding the sites one after the other raises (the first failing site's error), or None."""
     for p in rows.values():
-        err = _error(_alone, p)
+        err = coding_error(_alone, p)
         if err is not None:
             return err
     return None
@@ -174,9 +166,9 @@ def test_a_damaged_row_in_the_second_site_of_a_group_names_its_own_row(values):
     coding = C.SiteCoding(values, "bitmap")
     rows = {f"s{i}": _site(rng, 6, 256, coding, "byte") for i in range(3)}
     rows["s1"] = _grow_row(rows["s1"], 4)
-    want = _error(_alone, rows["s1"])
+    want = coding_error(_alone, rows["s1"])
     assert want is not None and want[0] is HintCodingError and want[1].startswith("row 4: ")
-    assert _error(D.unpack_sites_torch, rows, "cpu") == want == _error(C.unpack_rows, rows["s1"])
+    assert coding_error(D.unpack_sites_torch, rows, "cpu") == want == coding_error(C.unpack_rows, rows["s1"])
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -194,7 +186,7 @@ def test_damaged_rows_raise_what_decoding_site_by_site_raises(seed):
                 bad[victim] = C.PackedRows(data, offsets, p.width, p.coding, p.margin, p.scale_margin,
                                            p.scale_payload)
                 want = _one_by_one(bad)
-                assert _error(D.unpack_sites_torch, bad, "cpu") == want, (values, victim)
+                assert coding_error(D.unpack_sites_torch, bad, "cpu") == want, (values, victim)
                 if want is None:
                     got = D.unpack_sites_torch(bad, "cpu")
                     assert all(got[s] == _alone(q) for s, q in bad.items())
@@ -210,8 +202,8 @@ def test_the_first_failing_site_in_order_raises():
             "x1": _site(rng, 4, 256, g, "byte")}
     rows["x1"] = _grow_row(rows["x1"], 1)
     rows["y0"] = _grow_row(rows["y0"], 2)
-    err = _error(D.unpack_sites_torch, rows, "cpu")
-    assert err == _error(_alone, rows["y0"]) and err[1].startswith("row 2: ")
+    err = coding_error(D.unpack_sites_torch, rows, "cpu")
+    assert err == coding_error(_alone, rows["y0"]) and err[1].startswith("row 2: ")
 
 
 def test_bad_offsets_and_unknown_codings_as_site_by_site():
@@ -221,7 +213,7 @@ def test_bad_offsets_and_unknown_codings_as_site_by_site():
     shifted = rows["s1"].offsets.copy()
     shifted[0] = 1  # stacked, this would read as the bytes of the site before
     bad = dict(rows, s1=C.PackedRows(rows["s1"].data, shifted, 256, g, 0.1, 0.2))
-    err = _error(D.unpack_sites_torch, bad, "cpu")
+    err = coding_error(D.unpack_sites_torch, bad, "cpu")
     assert err == _one_by_one(bad) and "do not cover" in err[1]
     golomb = dict(rows, s2=C.PackedRows(rows["s2"].data, rows["s2"].offsets, 256, C.SiteCoding("golomb", "bitmap"),
                                         0.1, 0.2))
@@ -229,7 +221,7 @@ def test_bad_offsets_and_unknown_codings_as_site_by_site():
         D.unpack_sites_torch(golomb, "cpu")
     # a damaged site before the one of the unknown coding raises first, as decoding site by site does
     both = dict(golomb, s0=_grow_row(rows["s0"], 0))
-    assert _error(D.unpack_sites_torch, both, "cpu") == _one_by_one(both) == _error(_alone, both["s0"])
+    assert coding_error(D.unpack_sites_torch, both, "cpu") == _one_by_one(both) == coding_error(_alone, both["s0"])
 
 
 # ---- pack ---------------------------------------------------------------------------------------------------
@@ -280,9 +272,9 @@ def test_a_failing_pack_raises_its_own_sites_message():
     vm = sites["s1"][0].copy()
     vm[2, 5] = 0
     sites["s1"] = (vm, *sites["s1"][1:])
-    want = _error(D.pack_marks_on_device, torch.device("cpu"), *sites["s1"])
+    want = coding_error(D.pack_marks_on_device, torch.device("cpu"), *sites["s1"])
     assert want is not None and want[0] is ConfigError and f"of {3 * 256} are not" in want[1]
-    assert _error(D.pack_sites_on_device, torch.device("cpu"), sites) == want
+    assert coding_error(D.pack_sites_on_device, torch.device("cpu"), sites) == want
 
 
 # ---- the recorder and decode_margin -------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.capture import HostTraffic
-from helpers.margin import CODINGS, cases, damaged_rows, random_exceptions
+from helpers.margin import CODINGS, cases, coding_error, damaged_rows, random_exceptions
 
 import tracefp4
 import tracestore as ts
@@ -123,14 +123,6 @@ def test_the_bits_of_a_known_row():
 
 
 # ---- the same errors ----------------------------------------------------------------------------------------
-def _error(fn, *args):
-    try:
-        fn(*args)
-    except (ConfigError, HintCodingError) as e:
-        return type(e), str(e)
-    return None
-
-
 @pytest.mark.parametrize("coding,mask_v,mask_b,match", [
     (C.SiteCoding("golomb", "gamma"), np.zeros((2, 32), bool), np.zeros((2, 2), bool), "position coding"),
     (C.SiteCoding("gamma", "rice31"), np.zeros((2, 32), bool), np.zeros((2, 2), bool), "position coding"),
@@ -143,7 +135,7 @@ def _error(fn, *args):
 ])
 def test_bad_codings_raise_config_error_as_numpy_does(coding, mask_v, mask_b, match):
     enc = _enc_of(mask_v, mask_b)
-    want, got = _error(C.pack_rows, enc, coding), _error(D.pack_rows_torch, enc, coding)
+    want, got = coding_error(C.pack_rows, enc, coding), coding_error(D.pack_rows_torch, enc, coding)
     assert want is not None and got is not None and got[0] is want[0] is ConfigError, (want, got)
     assert match in got[1] and got[1] == want[1]
 
@@ -173,7 +165,7 @@ def test_damaged_rows_raise_the_numpy_decoders_error(seed):
             continue
         for data, offsets in damaged_rows(rng, packed):
             bad = C.PackedRows(data, offsets, packed.width, coding, 0.1, 0.2, enc.scale_payload)
-            want, got = _error(C.unpack_rows, bad), _error(_torch_unpack, bad)
+            want, got = coding_error(C.unpack_rows, bad), coding_error(_torch_unpack, bad)
             assert want == got, coding
             if want is None:
                 assert _torch_unpack(bad) == C.unpack_rows(bad)
@@ -195,7 +187,7 @@ def test_bad_offsets_and_trailing_bits():
                                  (p.data, shifted, ""),
                                  (grown, np.concatenate([p.offsets[:-1], [grown.size]]), "after the last field")):
         bad = C.PackedRows(data, offsets, 64, coding, 0.1, 0.2)
-        want, got = _error(C.unpack_rows, bad), _error(_torch_unpack, bad)
+        want, got = coding_error(C.unpack_rows, bad), coding_error(_torch_unpack, bad)
         assert want is not None and want == got and match in got[1]
     with pytest.raises(ConfigError, match="position coding"):
         D.unpack_rows_torch(p.data, p.offsets, 64, C.SiteCoding("gamma", "golomb"), 0.1, 0.2)
