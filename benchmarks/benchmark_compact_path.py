@@ -16,6 +16,10 @@ Trainer side, per micro-batch of T tokens:
             compact.reconstruct of the trainer's activation x' = x (1 + rel * noise) (device)
   margin_unpack_torch: the device decoder beside the numpy one, on the same rows: compact_device.unpack_sites_torch
             (what the feed does on CUDA: the raw rows over, decoded on the device); checked equal to numpy's
+  margin_unpack_triton + margin_fill: the Triton decoder (compact_triton.unpack_sites_dense: one kernel per site
+            straight into the planes the fill-in reads; checked equal to numpy's laid out) and the trainer's
+            per-forward fill-in on them (compact.fill, what MarginSites runs: one margin_fill per site, no sync);
+            on CUDA, or on the CPU under TRITON_INTERPRET=1 (else not timed: null)
 The torch figures are also timed on the CPU (the torch code runs there too). The JSON's "packers" says which
 implementation each phase timed.
 Each figure is the median over --runs runs of the mean over the steps of one run (min..max given); the stored
@@ -26,8 +30,9 @@ path's cost per token and site, scaled to a reference step of --ref-decode-batch
 tokens at --ref-sites sites, as a percentage of that step's measured time. The defaults are the repo's own H200
 measurements of the 40-layer loop model (hidden 2048, 20 hinted MoE-input sites, the issue's default site plan):
 a decode step of 32 requests at 1,559 generated tokens/s (20.5 ms; loop-cuda-1gpu-dec02.json) and a trainer step
-of 4,256 tokens in 1.414 s (decode-cost-h200.json). Costs measured on another device than the reference steps (the
-CPU run) are printed with that caveat; the figures to read are the H200 run's.
+of 4,256 tokens in 0.649 s (the fp4_hints step at the default mean, trainer-h200-global-scales.json). Costs
+measured on another device than the reference steps (the CPU run) are printed with that caveat; the figures to
+read are the H200 run's.
 
 Usage: python3 benchmarks/benchmark_compact_path.py [--smoke] [--batch 64] [--sites 20] [--width 2048]
        [--steps 16] [--mb-tokens 2048] [--margin 0.03] [--scale-margin inf] [--payload lsb] [--noise 0.02]
@@ -102,7 +107,11 @@ def run(args) -> dict:
     times: dict[str, list[float]] = {k: [] for k in ("plain_write", "plain_commit", "margin_marks", "margin_pack",
                                                      "margin_pack_torch", "margin_write", "margin_commit",
                                                      "plain_read", "margin_read", "margin_unpack",
-                                                     "margin_unpack_torch", "margin_reconstruct")}
+                                                     "margin_unpack_torch", "margin_reconstruct",
+                                                     "margin_unpack_triton", "margin_fill")}
+    triton_on = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    if triton_on:
+        from tracerl.hints import compact_triton as CT
     info = {}
     for r in range(args.runs):
         with tempfile.TemporaryDirectory() as tmp:
@@ -164,7 +173,7 @@ def run(args) -> dict:
             tok = min(args.mb_tokens, n)
             per_mb = max(1, args.mb_tokens // tok)
             rp, rm = plain.reader(), margin.reader()
-            t_pr = t_mr = t_u = t_ut = t_rc = 0.0
+            t_pr = t_mr = t_u = t_ut = t_rc = t_tr = t_fi = 0.0
             mbs = 0
             for start in range(0, args.batch, per_mb):
                 reqs = range(start, min(args.batch, start + per_mb))
@@ -189,6 +198,23 @@ def run(args) -> dict:
                 if any(encs_t[n] != encs[n] for n in names):
                     raise AssertionError("unpack_sites_torch's exceptions differ from unpack_rows'")
                 t_ut += t_cat + (t31 - t30)
+                if triton_on:  # the Triton decoder into dense planes, then the forward's fill-in on them
+                    t40 = time.perf_counter()
+                    dense = CT.unpack_sites_dense(rows, device)
+                    _sync(device)
+                    t41 = time.perf_counter()
+                    if any(dense[n] != C.densify(encs[n]).to(device) for n in names):
+                        raise AssertionError("unpack_sites_dense's planes differ from unpack_rows' laid out")
+                    xs = [torch.cat([torch.stack([data[k][i][1][b] for k in range(tok)]) for b in reqs])
+                          for i in range(len(names))]
+                    _sync(device)
+                    t42 = time.perf_counter()
+                    for i, n in enumerate(names):
+                        C.fill(dense[n], xs[i], data[0][i][2])
+                    _sync(device)
+                    t43 = time.perf_counter()
+                    t_tr += t_cat + (t41 - t40)
+                    t_fi += t43 - t42
                 t4_0 = time.perf_counter()
                 for i, n in enumerate(names):
                     xt = torch.cat([torch.stack([data[k][i][1][b] for k in range(tok)]) for b in reqs])
@@ -201,17 +227,22 @@ def run(args) -> dict:
                 t_pr, t_mr, t_u, t_rc = t_pr + (t1 - t0), t_mr + (t2 - t1), t_u + t_cat + (t3 - t20), t_rc + (t4 - t4_0)
                 mbs += 1
             for key, v in (("plain_read", t_pr), ("margin_read", t_mr), ("margin_unpack", t_u),
-                           ("margin_unpack_torch", t_ut), ("margin_reconstruct", t_rc)):
+                           ("margin_unpack_torch", t_ut), ("margin_reconstruct", t_rc),
+                           *((("margin_unpack_triton", t_tr), ("margin_fill", t_fi)) if triton_on else ())):
                 times[key].append(v / mbs)
             if r == 0:
                 for name, st in (("plain", plain), ("margin", margin)):
                     d = ts.info(st)
                     info[name] = {"bytes_per_token": d["bytes_per_token"], "bytes": d["bytes"],
                                   "tokens": d["tokens"]}
-    stats = {k: _summary(v) for k, v in times.items()}
-    # the trainer's decode proper: unpack + reconstruct (the read is the store's), with either decoder
-    for key, unpack in (("margin_decode", "margin_unpack"), ("margin_decode_torch", "margin_unpack_torch")):
-        stats[key] = _summary([u + c for u, c in zip(times[unpack], times["margin_reconstruct"])])
+    stats = {k: _summary(v) for k, v in times.items() if v}
+    # the trainer's decode proper: unpack + reconstruct (the read is the store's), with either decoder; with the
+    # Triton decoder, unpack + the fill-in the forward runs
+    for key, unpack, rest in (("margin_decode", "margin_unpack", "margin_reconstruct"),
+                              ("margin_decode_torch", "margin_unpack_torch", "margin_reconstruct"),
+                              ("margin_decode_triton", "margin_unpack_triton", "margin_fill")):
+        if times[unpack]:
+            stats[key] = _summary([u + c for u, c in zip(times[unpack], times[rest])])
     rollout_plain = stats["plain_write"]["median_ms"] + stats["plain_commit"]["median_ms"]
     rollout_margin = sum(stats[k]["median_ms"] for k in ("margin_marks", "margin_pack", "margin_write",
                                                          "margin_commit"))
@@ -221,6 +252,8 @@ def run(args) -> dict:
                                                                "margin_commit"))
     trainer_margin_torch = sum(stats[k]["median_ms"] for k in ("margin_read", "margin_unpack_torch",
                                                                "margin_reconstruct"))
+    trainer_margin_triton = (sum(stats[k]["median_ms"] for k in ("margin_read", "margin_unpack_triton", "margin_fill"))
+                             if triton_on else None)
     mb_tok = min(args.mb_tokens, len(data)) * max(1, args.mb_tokens // min(args.mb_tokens, len(data)))
     mb_tok = min(mb_tok, args.batch * min(args.mb_tokens, len(data)))
 
@@ -249,7 +282,10 @@ def run(args) -> dict:
                              "margin_decode": trn(stats["margin_decode"]["median_ms"]),
                              "margin_decode_torch": trn(stats["margin_decode_torch"]["median_ms"]),
                              **{k: trn(stats[k]["median_ms"]) for k in ("plain_read", "margin_read", "margin_unpack",
-                                                                         "margin_unpack_torch", "margin_reconstruct")}},
+                                                                         "margin_unpack_torch", "margin_reconstruct",
+                                                                         "margin_unpack_triton", "margin_fill",
+                                                                         "margin_decode_triton") if k in stats},
+                             **({"margin_triton": trn(trainer_margin_triton)} if triton_on else {})},
     }
     return {
         "benchmark": "compact_path", "smoke": args.smoke, "device": str(device),
@@ -260,7 +296,7 @@ def run(args) -> dict:
         "per_decode_step": {"plain_ms": rollout_plain, "margin_ms": rollout_margin,
                             "margin_torch_ms": rollout_margin_torch},
         "per_micro_batch": {"plain_ms": trainer_plain, "margin_ms": trainer_margin,
-                            "margin_torch_ms": trainer_margin_torch},
+                            "margin_torch_ms": trainer_margin_torch, "margin_triton_ms": trainer_margin_triton},
         "packers": {
             "margin_pack": "numpy: compact.exceptions_from_marks + compact.pack_rows on the host (marks copied over)",
             "margin_pack_torch": f"torch: compact_device.pack_sites_on_device on {device} (host rows of every "
@@ -268,6 +304,10 @@ def run(args) -> dict:
             "margin_unpack": "numpy: compact.unpack_rows on the host",
             "margin_unpack_torch": f"torch: compact_device.unpack_sites_torch on {device} (raw rows over)",
             "margin_reconstruct": f"torch: compact.reconstruct on {device}",
+            "margin_unpack_triton": (f"triton: compact_triton.unpack_sites_dense on {device} (raw rows over, one "
+                                     "kernel per site, one sync)" if triton_on else "not timed (no CUDA, no "
+                                     "TRITON_INTERPRET=1)"),
+            "margin_fill": f"compact.fill on the dense planes on {device} (the trainer's MarginSites)",
             "margin_ms": "numpy packer / decoder", "margin_torch_ms": "torch packer / decoder",
         },
         "packed_equal": True,  # every torch pack and decode was checked equal to numpy's (else the run fails)
@@ -285,8 +325,10 @@ def _table(res: dict) -> str:
         lines.append(f"{k:<34}{v['median_ms']:>12.3f}{v['min_ms']:>11.3f}..{v['max_ms']:<9.3f}")
     for side, key in (("rollout, per decode step", "per_decode_step"), ("trainer, per micro-batch", "per_micro_batch")):
         p, m, mt = res[key]["plain_ms"], res[key]["margin_ms"], res[key]["margin_torch_ms"]
+        tr = res[key].get("margin_triton_ms")
         lines.append(f"{side:<34} plain {p:9.3f} ms   margin {m:9.3f} ms (numpy, {m / p if p else float('nan'):.2f}x)"
-                     f"   {mt:9.3f} ms (torch, {mt / p if p else float('nan'):.2f}x)")
+                     f"   {mt:9.3f} ms (torch, {mt / p if p else float('nan'):.2f}x)"
+                     + (f"   {tr:9.3f} ms (triton, {tr / p if p else float('nan'):.2f}x)" if tr is not None else ""))
     sh = res["share_of_step"]
     ref = sh["reference"]
     note = "" if ref["costs_measured_on"].startswith("cuda") else (
@@ -332,8 +374,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="reference decode step in ms for the share-of-step estimate (default: the one-GPU loop's, B=32)")
     p.add_argument("--ref-decode-batch", type=int, default=32,
                    help='requests of that reference decode step (default 32)')
-    p.add_argument("--ref-trainer-s", type=float, default=1.4138742807499796,
-                   help="reference trainer step in s (default: decode-cost-h200.json's)")
+    p.add_argument("--ref-trainer-s", type=float, default=0.649,
+                   help="reference trainer step in s (default: the fp4_hints step at the trainer's default mean, "
+                        "trainer-h200-global-scales.json; 1.414 in decode-cost-h200.json before the speed round)")
     p.add_argument("--ref-trainer-tokens", type=int, default=4256,
                    help='tokens of that reference trainer step (default 4256)')
     p.add_argument("--ref-sites", type=int, default=20,

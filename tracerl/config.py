@@ -218,6 +218,10 @@ SET_ASIDE_REASONS: dict[str, str] = {
 }
 #: QAT modes of the trainer (`tracerl.policy.runtime.MODES`): here, so that the command line checks them without torch
 QAT_MODES = ("bf16", "fp4_rne_own_scales", "fp4_rne_rollout_scales", "fp4_hints")
+#: where margin-exception rows are decoded (`tracerl.hints.decode_margin`, `HintFeed`): "auto" (on a CUDA device
+#: with the torch codec, else with numpy on the host), "device" (the torch codec on the device), "host" (numpy),
+#: "triton" (one Triton kernel per site straight into the planes the fill-in reads: CUDA, or TRITON_INTERPRET=1)
+MARGIN_DECODES = ("auto", "device", "host", "triton")
 
 
 @dataclasses.dataclass
@@ -276,11 +280,15 @@ class TrainConfig:
     keep_versions: int | None = None
     seed: int = 0
     deterministic: bool = True
+    #: where the micro-batches' margin-exception rows are decoded (`MARGIN_DECODES`)
+    margin_decode: str = "auto"
 
     def check(self) -> None:
         """Raise `ConfigError` (what arrived, what is allowed) for settings the trainer cannot use."""
         if self.mode not in QAT_MODES:
             raise ConfigError(f"mode={self.mode!r}; supported: {', '.join(QAT_MODES)}")
+        if self.margin_decode not in MARGIN_DECODES:
+            raise ConfigError(f"margin_decode={self.margin_decode!r}; supported: {', '.join(MARGIN_DECODES)}")
         for name, lo in (("groups_per_step", 1), ("group_size", 2), ("micro_batch_tokens", 1), ("max_staleness", 0),
                          ("max_open_groups", 1), ("measure_stale_every", 1), ("checkpoint_every", 0), ("read_ahead_bytes", 0), ("seed", 0)):
             value = getattr(self, name)

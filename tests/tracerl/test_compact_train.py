@@ -10,9 +10,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import helpers.fp4  # noqa: F401  (before tracefp4: Triton's interpreter without CUDA, for margin_decode="triton")
 import pytest
 import torch
 from helpers import loop
+from helpers.fp4 import HAS_TRITON
 
 import tracefp4
 import tracestore as ts
@@ -260,3 +262,50 @@ def test_margin_rows_are_read_ahead_in_a_reader_process_byte_for_byte(runs):
                 np.testing.assert_array_equal(x, y)
                 assert x.dtype == y.dtype
         np.testing.assert_array_equal(p.token_ids, q.token_ids)
+
+
+def test_triton_decoded_margin_rows_train_and_patch_as_the_host_decoded(runs, tmp_path):
+    """``margin_decode="triton"`` (`compact_triton`, under TRITON_INTERPRET=1 on the CPU): the feed hands out
+    `DenseExceptions` equal to the host decode laid out, a patched model computes the same logits and codes from
+    them, and a trainer on the same store trains step 1 to the same loss, digest and code agreement."""
+    if not HAS_TRITON:
+        pytest.skip("no triton")
+    st = runs["finite"][0]
+    mb = _mbs(st)[0]
+    (host,) = list(HintFeed(st).iterate([mb]))
+    (dense,) = list(HintFeed(st, margin_decode="triton").iterate([mb]))
+    assert dense.margin.keys() == host.margin.keys()
+    assert all(isinstance(dense.margin[s], C.DenseExceptions) and dense.margin[s] == C.densify(host.margin[s])
+               and torch.equal(dense.margin[s].value_mask, host.margin[s].value_mask) for s in host.margin)
+    got = decode_margin(st, host.host, decode="triton")
+    assert all(got[s] == dense.margin[s] for s in got)
+    stock = build_model(TinyMoESpec(**st.model["spec"]), seed=int(st.model["seed"]))
+    patch = patch_model(stock, st)
+    outs = []
+    for batch in (host, dense):
+        with torch.no_grad(), patch.micro_batch(batch, observe=True):
+            logits = stock(input_ids=batch.token_ids[None], position_ids=batch.positions[None], use_cache=False).logits
+        outs.append((logits, dict(patch.codes)))
+    (la, ca), (lb, cb) = outs
+    assert torch.equal(la, lb) and ca.keys() == cb.keys() and all(torch.equal(ca[s], cb[s]) for s in ca)
+
+    log = MetricsLog(tmp_path / "train.jsonl")
+    trainer, follower = start_or_resume(st, loop.train_cfg(margin_decode="triton"), checkpoints=str(tmp_path / "ck"),
+                                        weights_url=str(tmp_path / "w"), metrics=log)
+    run_training(trainer, follower, checkpoints=str(tmp_path / "ck"), weights_url=str(tmp_path / "w"), metrics=log,
+                 max_steps=1)
+    want, rec = runs["finite"][1], log.records()[0]
+    assert (rec["loss"], rec["digest"]) == (want["loss"], want["digest"])
+    assert rec["mismatch"] == want["mismatch"]
+
+
+def test_margin_decode_is_checked_by_the_config_and_the_decoders():
+    from tracerl.config import TrainConfig
+    from tracerl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="margin_decode='gpu'; supported: auto, device, host, triton"):
+        TrainConfig(margin_decode="gpu").check()
+    with pytest.raises(ConfigError, match="margin_decode must be one of"):
+        HintFeed(ts.create_store("memory://decode-check", [ts.Site("s", 16)]), margin_decode="gpu")
+    with pytest.raises(ConfigError, match="decode must be one of"):
+        decode_margin(None, None, decode="gpu")

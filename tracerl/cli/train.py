@@ -19,7 +19,7 @@ from tracerl.cli.args import (
     stop_with_parent,
 )
 from tracerl.cli.progress import progress_log
-from tracerl.config import QAT_MODES, TrainConfig
+from tracerl.config import MARGIN_DECODES, QAT_MODES, TrainConfig
 
 HELP = "GRPO trainer that follows a live loop store, checkpoints, and publishes policy versions"
 DESCRIPTION = (
@@ -105,6 +105,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--read-next", choices=("auto", "off", "thread", "process"), default="auto",
                    help="read the next step's micro-batches while a step computes: in a reader process, in a thread, "
                         "or not (default auto: a reader process on a GPU, off on the CPU)")
+    p.add_argument("--margin-decode", choices=MARGIN_DECODES, default=_D.margin_decode,
+                   help="where a store's margin-exception rows are decoded: auto (the torch codec on a GPU, numpy on "
+                        "the CPU), device (the torch codec), host (numpy), triton (one Triton kernel per site; a GPU) "
+                        f"(default {_D.margin_decode})")
     p.add_argument("--time-phases", action="store_true",
                    help="time each step's phases (forward, backward, mismatch, optimizer, ...) into the metrics' "
                         "phases_s, waiting for the device at each phase boundary")
@@ -124,7 +128,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         measure_stale=not args.no_measure_stale, measure_stale_every=args.measure_stale_every,
         checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
         keep_versions=args.keep_versions, read_ahead_bytes=args.read_ahead_mb << 20, time_phases=args.time_phases,
-        seed=args.seed, deterministic=not args.no_deterministic)
+        seed=args.seed, deterministic=not args.no_deterministic, margin_decode=args.margin_decode)
     cfg.check()
     return cfg
 

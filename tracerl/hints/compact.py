@@ -89,6 +89,7 @@ from tracerl.errors import ConfigError, HintCodingError
 
 __all__ = [
     "MarginExceptions",
+    "DenseExceptions",
     "Reconstruction",
     "SiteCoding",
     "PackedRows",
@@ -102,6 +103,8 @@ __all__ = [
     "scale_hint_bytes",
     "encode_margin_exceptions",
     "exceptions_from_marks",
+    "densify",
+    "fill",
     "reconstruct",
     "fake_quantize_compact",
     "margin_stats",
@@ -360,7 +363,92 @@ def _dense(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def reconstruct(enc: MarginExceptions, x_hp: torch.Tensor, global_scale, *, backend: str = "auto") -> Reconstruction:
+@dataclasses.dataclass(frozen=True, eq=False)
+class DenseExceptions:
+    """A site's margin exceptions laid out as ``tracefp4.margin_fill`` reads them: fixed-size bit planes, no
+    compact lists, so the trainer's forward fills in scales and hints with one kernel and no host sync
+    (`densify` of a `MarginExceptions`, or `compact_triton.unpack_rows_dense` straight from the stored rows).
+
+    value_marks:   uint8 [T, W/8]           packed (`tracefp4.pack_hints` order), bit i: value i marked
+    hints:         uint8 [T, W/8]           packed, the rollout's hint bit at marked values, 0 elsewhere
+    block_marks:   uint8 [T, ceil(W/128)]   packed, bit k: block k marked
+    stored_scales: ``scale_payload == "byte"``: uint8 [T, W/16], the rollout's E4M3 byte at marked blocks, 0
+                   elsewhere; ``"lsb"``: uint8 [T, ceil(W/128)], packed, its LSB at marked blocks, 0 elsewhere
+    width, margin, scale_margin, scale_payload: as in `MarginExceptions`
+    """
+
+    value_marks: torch.Tensor
+    hints: torch.Tensor
+    block_marks: torch.Tensor
+    stored_scales: torch.Tensor
+    width: int
+    margin: float
+    scale_margin: float
+    scale_payload: str = "byte"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.value_marks.shape[0]), int(self.width))
+
+    @property
+    def value_mask(self) -> torch.Tensor:
+        """bool [T, W]: the marked values (as `MarginExceptions.value_mask`), unpacked from ``value_marks``."""
+        return _unpack_bits(self.value_marks).bool()
+
+    def to(self, device: str | torch.device, non_blocking: bool = False) -> DenseExceptions:
+        """The same planes on ``device``."""
+        return dataclasses.replace(self, **{f: getattr(self, f).to(device, non_blocking=non_blocking)
+                                            for f in ("value_marks", "hints", "block_marks", "stored_scales")})
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, DenseExceptions):
+            return NotImplemented
+        return ((self.width, self.margin, self.scale_margin, self.scale_payload)
+                == (other.width, other.margin, other.scale_margin, other.scale_payload)
+                and all(torch.equal(getattr(self, f).cpu(), getattr(other, f).cpu())
+                        for f in ("value_marks", "hints", "block_marks", "stored_scales")))
+
+    __hash__ = None
+
+
+def densify(enc: MarginExceptions | DenseExceptions) -> DenseExceptions:
+    """``enc`` as `DenseExceptions` on its own device (a `DenseExceptions` is returned as it is).
+
+    Raises `HintCodingError` when ``enc`` is inconsistent (counts of stored bits/bytes not those of its masks):
+    that check reads two counts, a host sync on a GPU; `compact_triton.unpack_rows_dense` makes none."""
+    if isinstance(enc, DenseExceptions):
+        return enc
+    n, nb = int(enc.value_mask.sum()), int(enc.scale_mask.sum())
+    if enc.hint_bits.numel() != n or enc.scale_bytes.numel() != nb:
+        raise HintCodingError(f"margin exceptions mark {n} values and {nb} blocks but hold {enc.hint_bits.numel()} "
+                              f"hint bits and {enc.scale_bytes.numel()} scale bytes")
+    vmask, smask = enc.value_mask, enc.scale_mask
+    stored_scales = _dense(smask, enc.scale_bytes)  # [T, W/16]
+    if enc.scale_payload == "lsb":
+        stored_scales = _pack_blocks(stored_scales & 1)  # [T, ceil(W/128)]
+    return DenseExceptions(tracefp4.pack_hints(vmask.to(torch.uint8)), tracefp4.pack_hints(_dense(vmask, enc.hint_bits)),
+                           _pack_blocks(smask), stored_scales, int(vmask.shape[1]), enc.margin, enc.scale_margin,
+                           enc.scale_payload)
+
+
+def fill(enc: MarginExceptions | DenseExceptions, x_hp: torch.Tensor, global_scale, *,
+         backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """The trainer's scales uint8 [T, W/16] and hints uint8 [T, W/8] for its activation ``x_hp`` [T, W]
+    (`reconstruct`'s first two fields, without its codes): one ``tracefp4.margin_fill`` on ``backend``; no host sync
+    for a `DenseExceptions` on x's device.
+
+    Raises tracefp4's `DTypeError` / `ShapeError` (x of the wrong dtype, or not the shape ``enc`` covers),
+    `HintCodingError` as `densify`."""
+    t_, w = _check_x(x_hp, "x_hp")
+    if enc.shape != (t_, w):
+        raise tracefp4.ShapeError(f"x_hp {[t_, w]} does not match the margin exceptions' shape {list(enc.shape)}")
+    d = densify(enc).to(x_hp.device)
+    return tracefp4.margin_fill(x_hp, _global_scale(global_scale, x_hp.device), d.value_marks, d.block_marks,
+                                d.hints, d.stored_scales, d.scale_payload, backend=backend)
+
+
+def reconstruct(enc: MarginExceptions | DenseExceptions, x_hp: torch.Tensor, global_scale, *,
+                backend: str = "auto") -> Reconstruction:
     """The trainer's rule (module docstring) for its activation ``x_hp`` [T, W] at the site ``enc`` was encoded
     for, with the same fp32 ``global_scale``.
 
@@ -373,20 +461,10 @@ def reconstruct(enc: MarginExceptions, x_hp: torch.Tensor, global_scale, *, back
     t_, w = _check_x(x_hp, "x_hp")
     if enc.shape != (t_, w):
         raise tracefp4.ShapeError(f"x_hp {[t_, w]} does not match the margin exceptions' shape {list(enc.shape)}")
-    n, nb = int(enc.value_mask.sum()), int(enc.scale_mask.sum())
-    if enc.hint_bits.numel() != n or enc.scale_bytes.numel() != nb:
-        raise HintCodingError(f"margin exceptions mark {n} values and {nb} blocks but hold {enc.hint_bits.numel()} "
-                              f"hint bits and {enc.scale_bytes.numel()} scale bytes")
+    d = densify(enc).to(x_hp.device)
+    scales, hints = fill(d, x_hp, global_scale, backend=backend)
     g = _global_scale(global_scale, x_hp.device)
-    dev = x_hp.device
-    vmask = enc.value_mask.to(dev)
-    smask = enc.scale_mask.to(dev)
-    stored_scales = _dense(smask, enc.scale_bytes)  # [T, W/16]
-    if enc.scale_payload == "lsb":
-        stored_scales = _pack_blocks(stored_scales & 1)  # [T, ceil(W/128)]
-    scales, hints = tracefp4.margin_fill(x_hp, g, tracefp4.pack_hints(vmask.to(torch.uint8)), _pack_blocks(smask),
-                                         tracefp4.pack_hints(_dense(vmask, enc.hint_bits)), stored_scales,
-                                         enc.scale_payload, backend=backend)
+    vmask = _unpack_bits(d.value_marks).bool()
     v = _scaled(x_hp.float(), scales, g)
     rtn = ref.e2m1_rne_magnitude(v)
     mag = torch.where(vmask, ref.e2m1_hint_magnitude(v, _unpack_bits(hints)), rtn)
@@ -394,15 +472,14 @@ def reconstruct(enc: MarginExceptions, x_hp: torch.Tensor, global_scale, *, back
     return Reconstruction(scales, hints, codes)
 
 
-def fake_quantize_compact(enc: MarginExceptions, x_hp: torch.Tensor, global_scale, *,
+def fake_quantize_compact(enc: MarginExceptions | DenseExceptions, x_hp: torch.Tensor, global_scale, *,
                           backend: str = "auto") -> torch.Tensor:
-    """The trainer's fake-quantized activation [T, W] (x_hp's dtype) under margin exceptions: `reconstruct`,
-    then today's hint-guided ``tracefp4.fake_quantize`` on the reconstructed scales and hints (both on ``backend``;
+    """The trainer's fake-quantized activation [T, W] (x_hp's dtype) under margin exceptions: `fill`, then
+    today's hint-guided ``tracefp4.fake_quantize`` on the reconstructed scales and hints (both on ``backend``;
     straight-through backward). Raises as `reconstruct` does."""
-    rec = reconstruct(enc, x_hp, global_scale, backend=backend)
+    scales, hints = fill(enc, x_hp, global_scale, backend=backend)
     g = _global_scale(global_scale, x_hp.device)
-    return tracefp4.fake_quantize(x_hp, "nvfp4", global_scale=g, scales=rec.scales_e4m3, hints=rec.hints_packed,
-                                  backend=backend)
+    return tracefp4.fake_quantize(x_hp, "nvfp4", global_scale=g, scales=scales, hints=hints, backend=backend)
 
 
 def margin_stats(enc: MarginExceptions, rec: Reconstruction, codes_rollout: torch.Tensor,

@@ -46,6 +46,7 @@ import torch
 
 import tracestore as ts
 from tracerl.artifacts.codes import RolloutCodes
+from tracerl.config import MARGIN_DECODES as _MARGIN_DECODES
 from tracerl.errors import ConfigError
 from tracerl.hints import compact
 from tracerl.hints.compact_device import unpack_sites_torch
@@ -55,8 +56,15 @@ from tracerl.util import to_device
 
 __all__ = ["FeedBatch", "HintFeed", "MARGIN_DECODES"]
 
-#: where a feed decodes margin rows (`HintFeed`'s ``margin_decode``)
-MARGIN_DECODES = ("auto", "device", "host")
+
+def _margin_on(e, dev: torch.device):
+    """A site's decoded margin exceptions (`compact.MarginExceptions` or `compact.DenseExceptions`) on ``dev``."""
+    fields = (("value_marks", "hints", "block_marks", "stored_scales") if isinstance(e, compact.DenseExceptions)
+              else ("value_mask", "hint_bits", "scale_mask", "scale_bytes"))
+    return dataclasses.replace(e, **{f: to_device(getattr(e, f), dev) for f in fields})
+
+#: where a feed decodes margin rows (`HintFeed`'s ``margin_decode``; `tracerl.config.MARGIN_DECODES`)
+MARGIN_DECODES = _MARGIN_DECODES
 
 
 @dataclasses.dataclass
@@ -87,7 +95,8 @@ class FeedBatch:
     codes: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     #: site -> the store's scale encoding ("bytes" | "lsb"): what ``scales`` rows hold
     scale_encodings: dict[str, str] = dataclasses.field(default_factory=dict)
-    #: margin sites (module docstring): site -> the rollout's `compact.MarginExceptions` of these T rows (masks
+    #: margin sites (module docstring): site -> the rollout's `compact.MarginExceptions` (`compact.DenseExceptions`
+    #: with ``margin_decode="triton"``) of these T rows (masks
     #: bool [T, W] / [T, W/16], kept bits and bytes), on the device
     margin: dict[str, compact.MarginExceptions] = dataclasses.field(default_factory=dict)
     loaded_unix: float = 0.0  # when its reading finished (lag measurements)
@@ -170,7 +179,9 @@ class HintFeed:
             a store written by SGLang records them per policy version: `tracerl.sglang`).
         codes: also hand out the rollout's recorded codes (``FeedBatch.codes``), where it recorded them.
         margin_decode: where margin sites' rows are decoded (`MARGIN_DECODES`, module docstring): "auto" on the
-            device when it is a CUDA device, else on the host; "device" on the device (CPU too); "host" on the host.
+            device when it is a CUDA device, else on the host; "device" on the device (CPU too); "host" on the host;
+            "triton" on the device by `compact_triton.unpack_sites_dense` (``FeedBatch.margin`` then holds
+            `compact.DenseExceptions`).
 
     Raises `ConfigError` for unknown sites, bad ranks, sites whose width does not split into ``tp`` slices, or an
     unknown ``margin_decode``.
@@ -191,7 +202,9 @@ class HintFeed:
                               f"{list(store.sites)[:6]})")
         self.device = torch.device(device)
         #: decode margin rows on the device (when a batch is handed out) rather than in the reading thread
-        self.margin_on_device = margin_decode == "device" or (margin_decode == "auto" and self.device.type == "cuda")
+        self.margin_on_device = margin_decode in ("device", "triton") or (margin_decode == "auto"
+                                                                          and self.device.type == "cuda")
+        self.margin_decode = margin_decode
         self.dp, self.cp, self.tp = _rank("dp", dp), _rank("cp", cp), _rank("tp", tp)
         self.margin_sites = [s for s in self.sites if getattr(store.sites[s], "hint_encoding", "bits") == "margin"]
         if self.margin_sites and self.tp is not None:
@@ -303,8 +316,11 @@ class HintFeed:
                    margin: dict | None = None) -> FeedBatch:
         dev = self.device
         if margin is None and self.margin_on_device and packed.margin:  # decoded here, on the device
-            margin = unpack_sites_torch({s: compact.packed_from_store(self.store.sites[s], rows)
-                                         for s, rows in packed.margin.items()}, dev)
+            unpack = unpack_sites_torch
+            if self.margin_decode == "triton":
+                from tracerl.hints.compact_triton import unpack_sites_dense as unpack
+            margin = unpack({s: compact.packed_from_store(self.store.sites[s], rows)
+                             for s, rows in packed.margin.items()}, dev)
 
         def put(a: np.ndarray, dtype=None) -> torch.Tensor:
             t = torch.from_numpy(np.ascontiguousarray(a))
@@ -326,9 +342,7 @@ class HintFeed:
             features=dict(self.features), scale_encodings=dict(self.scale_encodings), host=packed,
             loaded_unix=loaded, read_s=secs,
             codes={s: put(a) for s, a in codes.items()},
-            margin={s: dataclasses.replace(e, **{f: to_device(getattr(e, f), dev) for f in
-                                                 ("value_mask", "hint_bits", "scale_mask", "scale_bytes")})
-                    for s, e in (margin or {}).items()})
+            margin={s: _margin_on(e, dev) for s, e in (margin or {}).items()})
 
     def close(self) -> None:
         """Nothing to release between iterations (each `iterate` joins its reading thread); kept for symmetry."""

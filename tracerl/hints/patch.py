@@ -48,6 +48,7 @@ from torch import nn
 
 import tracefp4
 import tracestore as ts
+from tracerl.config import MARGIN_DECODES
 from tracerl.errors import ConfigError, HintMismatchError, PatchError
 from tracerl.hints import compact
 from tracerl.hints.compact_device import unpack_sites_torch
@@ -64,8 +65,10 @@ _ROLLOUT_SCALE_MODES = ("fp4_rne_rollout_scales", "fp4_hints")
 class MarginSites:
     """The `FP4Runtime.substitute` hook that quantizes a forward's margin sites (tracestore hint encoding
     ``margin``) from the rollout's margin exceptions: at such a site, in ``fp4_rne_rollout_scales`` / ``fp4_hints``,
-    the scale bytes and hint bits are `compact.reconstruct` of the forward's own activation and the stored exceptions
-    (with the runtime's global scale of the site, the one the rollout divided by), then the site quantizes exactly as
+    the scale bytes and hint bits are `compact.fill` of the forward's own activation and the stored exceptions
+    (`compact.reconstruct`'s rule, with the runtime's global scale of the site, the one the rollout divided by; the
+    exceptions are laid out as `compact.DenseExceptions` once per site, so each forward after the first makes no host
+    sync there), then the site quantizes exactly as
     a bits site does: ``tracefp4.fake_quantize(x, scales=, hints=)`` (hints only in ``fp4_hints``), straight-through
     backward; with the runtime's ``observe`` set, it reports the effective codes and scales as `FP4Runtime.quant`
     does. Every other site, and every site in the other modes, goes on as it would (``chain``, else the runtime's
@@ -74,7 +77,8 @@ class MarginSites:
     Args:
         runtime: the model's `FP4Runtime` (its mode, global scales, backend and ``observe`` are read per call).
         exceptions: site -> `compact.MarginExceptions` of the T THD rows of the micro-batch (masks bool [T, W] and
-            [T, W/16], kept bits / bytes), e.g. ``FeedBatch.margin`` or `decode_margin` of a `PackedHints`.
+            [T, W/16], kept bits / bytes) or `compact.DenseExceptions` (the planes ``tracefp4.margin_fill`` reads),
+            e.g. ``FeedBatch.margin`` or `decode_margin` of a `PackedHints`.
         rows, nrows: for a padded forward, each THD row's row (long [T]) in the forward's [nrows, W] input; rows the
             batch does not cover get scale byte 0 (they quantize to 0, as at a bits site). None: the forward's rows
             are the THD rows.
@@ -83,11 +87,14 @@ class MarginSites:
     A call raises `HintMismatchError` when the activation's rows or width do not fit the exceptions.
     """
 
-    def __init__(self, runtime: FP4Runtime, exceptions: Mapping[str, compact.MarginExceptions], *,
+    def __init__(self, runtime: FP4Runtime,
+                 exceptions: Mapping[str, compact.MarginExceptions | compact.DenseExceptions], *,
                  rows: torch.Tensor | None = None, nrows: int | None = None, chain: Any = None):
         self.runtime = runtime
         self.exceptions = dict(exceptions)
         self.rows, self.nrows, self.chain = rows, nrows, chain
+        #: site -> its exceptions as `compact.DenseExceptions` on the forward's device, made at the site's first call
+        self._dense: dict[str, compact.DenseExceptions] = {}
 
     def __call__(self, site: str, x: torch.Tensor) -> torch.Tensor | None:
         if self.chain is not None:
@@ -106,8 +113,10 @@ class MarginSites:
                                     f"exceptions of shape {list(enc.shape)}")
         g = rt.global_scale_on(site, x.device)
         x_rows = x.detach() if rows is None else x.detach().index_select(0, rows)  # [T, W]
-        rec = compact.reconstruct(enc, x_rows, g, backend=rt.backend)
-        scales, hints = rec.scales_e4m3, rec.hints_packed  # [T, W/16], [T, W/8]
+        dense = self._dense.get(site)
+        if dense is None or dense.value_marks.device != x.device:  # laid out once per site and device
+            dense = self._dense[site] = compact.densify(enc).to(x.device, non_blocking=True)
+        scales, hints = compact.fill(dense, x_rows, g, backend=rt.backend)  # [T, W/16], [T, W/8]
         if rows is not None:
             scales = x.new_zeros((n, w // compact.BLOCK), dtype=torch.uint8).index_copy_(0, rows, scales)
             hints = x.new_zeros((n, w // 8), dtype=torch.uint8).index_copy_(0, rows, hints)
@@ -119,23 +128,30 @@ class MarginSites:
 
 
 def decode_margin(store: ts.Store, packed: Any, device: str | torch.device = "cpu", *, decode: str = "host"
-                  ) -> dict[str, compact.MarginExceptions]:
+                  ) -> dict[str, compact.MarginExceptions | compact.DenseExceptions]:
     """The margin exceptions of a `PackedHints`' margin rows (``packed.margin``: site -> (data uint8 [n], offsets
     int64 [T + 1])), decoded in each site's coding (``store.sites``), on ``device``.
 
     ``decode``: "host" decodes with numpy (`compact.unpack_rows`) and copies the masks and bytes to ``device``;
     "device" copies the raw rows and decodes them there (`compact_device.unpack_sites_torch`: the sites that share a
     width, coding and scale payload in one decode over their rows stacked, one or two syncs per such group, on a side
-    stream of a CUDA device, so they do not wait for the caller's queued work); "auto" is "device"
-    for a CUDA device, else "host". The default stays "host" for callers that have not opted in. The results are
-    equal either way.
+    stream of a CUDA device, so they do not wait for the caller's queued work); "triton" decodes them on the
+    device with one Triton kernel per site straight into `compact.DenseExceptions` (the planes `compact.fill`
+    reads; one sync per call; CUDA, or the CPU under TRITON_INTERPRET=1); "auto" is "device" for a CUDA device, else
+    "host". The default stays "host" for callers that have not opted in. The results are equal either way
+    (`compact.densify` of the others' is the "triton" result).
 
     Raises `HintCodingError` for rows that do not decode, `ConfigError` for a site that is not a margin site or an
     unknown ``decode``."""
-    if decode not in ("auto", "device", "host"):
-        raise ConfigError(f"decode must be one of ['auto', 'device', 'host']; got {decode!r}")
+    if decode not in MARGIN_DECODES:
+        raise ConfigError(f"decode must be one of {list(MARGIN_DECODES)}; got {decode!r}")
     device = torch.device(device)
     rows_of = getattr(packed, "margin", None) or {}
+    if decode == "triton":
+        from tracerl.hints.compact_triton import unpack_sites_dense
+
+        return unpack_sites_dense({site: compact.packed_from_store(store.sites[site], rows)
+                                   for site, rows in rows_of.items()}, device)
     if decode == "device" or (decode == "auto" and device.type == "cuda"):
         return unpack_sites_torch({site: compact.packed_from_store(store.sites[site], rows)
                                    for site, rows in rows_of.items()}, device)

@@ -544,7 +544,7 @@ class GRPOTrainer:
         cfg = self.cfg
         margin = {}
         if packed is not None and self.margin_sites:
-            margin = decode_margin(self.store, packed, self.device, decode="auto")
+            margin = decode_margin(self.store, packed, self.device, decode=cfg.margin_decode)
         run = dict(observe=observe, replay_routes=cfg.replay_routes, temperature=cfg.temperature, routes=False)
         if not margin:
             return self.qat.token_logprobs(packed or self._stand_in(), cfg.mode, **run), margin
