@@ -41,6 +41,8 @@ from tracerl.hints.compact import (
     densify,
     unpack_rows,
 )
+from tracerl.hints.compact_device import _side_stream
+from tracerl.util import to_device
 
 __all__ = ["unpack_rows_dense", "unpack_sites_dense"]
 
@@ -270,8 +272,8 @@ def _launch(p: PackedRows, device: torch.device) -> tuple[DenseExceptions, torch
     lsb = p.scale_payload == "lsb"
     padded = np.zeros(data.size + 8, np.uint8)
     padded[: data.size] = data
-    d = torch.from_numpy(padded).to(device, non_blocking=False)
-    off = torch.from_numpy(offsets).to(device)
+    d = to_device(torch.from_numpy(padded), device)  # pinned, no host sync
+    off = to_device(torch.from_numpy(offsets), device)
     z = {"device": device, "dtype": torch.uint8}
     out = DenseExceptions(torch.zeros((t_, w // 8), **z), torch.zeros((t_, w // 8), **z), torch.zeros((t_, nbb), **z),
                           torch.zeros((t_, nbb if lsb else nb), **z), w, p.margin, p.scale_margin, p.scale_payload)
@@ -285,7 +287,10 @@ def _launch(p: PackedRows, device: torch.device) -> tuple[DenseExceptions, torch
 
 def unpack_sites_dense(rows: Mapping[str, PackedRows], device: str | torch.device) -> dict[str, DenseExceptions]:
     """Each site's rows decoded on ``device`` (CUDA, or the CPU under ``TRITON_INTERPRET=1``) into
-    `compact.DenseExceptions`: one kernel launch per site and one host sync for all of them (the error flags).
+    `compact.DenseExceptions`: one kernel launch per site and one host sync for all of them (the error flags). On
+    CUDA the rows go over from pinned memory and the kernels run on the side stream `compact_device` decodes on, so
+    the sync waits for them alone, not for the caller's queued work; the caller's stream then waits for that stream
+    and the planes are marked as used by it, so they are safe to use there at once.
 
     Equal to ``compact.densify(compact.unpack_rows(p))`` for every site. Raises `HintCodingError` exactly as
     `compact.unpack_rows` does (the first site in order whose rows do not decode), `ConfigError` for an unknown
@@ -294,9 +299,23 @@ def unpack_sites_dense(rows: Mapping[str, PackedRows], device: str | torch.devic
     for p in rows.values():  # every coding checked before any launch
         _code(p.coding.values, p.width)
         _code(p.coding.blocks, p.width // BLOCK)
-    started = {site: _launch(p, device) for site, p in rows.items()}
-    if not started:
+    if not rows:
         return {}
+    stream = _side_stream(device)
+    if stream is None:
+        return _decode(rows, device)
+    caller = torch.cuda.current_stream(device)
+    with torch.cuda.stream(stream):
+        out = _decode(rows, device)
+    caller.wait_stream(stream)
+    for d in out.values():
+        for f in ("value_marks", "hints", "block_marks", "stored_scales"):
+            getattr(d, f).record_stream(caller)
+    return out
+
+
+def _decode(rows: Mapping[str, PackedRows], device: torch.device) -> dict[str, DenseExceptions]:
+    started = {site: _launch(p, device) for site, p in rows.items()}
     flags = torch.stack([bad.any() for _, bad in started.values()]).tolist()  # the one sync
     out = {}
     for (site, (dense, _)), flagged in zip(started.items(), flags):
