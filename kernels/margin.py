@@ -307,6 +307,20 @@ def _check_u8(t: torch.Tensor, name: str, shape: tuple[int, int], device: torch.
     return t.to(device).contiguous()
 
 
+def _check_out(out, shapes: tuple[tuple[int, int], ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """``out`` checked as output tensors of ``shapes`` (uint8, contiguous, on ``device``)."""
+    if not isinstance(out, (tuple, list)) or len(out) != len(shapes):
+        raise ShapeError(f"out must be a pair of tensors (value marks, block marks); got {type(out).__name__}")
+    for t, shape, name in zip(out, shapes, ("value marks", "block marks")):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8:
+            raise DTypeError(f"out {name} must be a uint8 torch.Tensor; got "
+                             f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+        if tuple(t.shape) != shape or t.device != device or not t.is_contiguous():
+            raise ShapeError(f"out {name} must be a contiguous uint8 tensor of shape {list(shape)} on {device}; got "
+                             f"shape {list(t.shape)} on {t.device}" + ("" if t.is_contiguous() else ", not contiguous"))
+    return tuple(out)
+
+
 def _check_margin(value: float, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
         raise FormatError(f"{name} must be a number >= 0 (inf: mark everything); got {value!r}")
@@ -330,7 +344,8 @@ def _g(global_scale, device: torch.device) -> torch.Tensor:
 
 
 def margin_marks(x: torch.Tensor, global_scale: torch.Tensor | float, scales: torch.Tensor, hints: torch.Tensor,
-                 margin: float, scale_margin: float, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+                 margin: float, scale_margin: float, backend: str = "auto",
+                 out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The rollout's margin exceptions at one NVFP4 site, as packed bitmaps (module docstring; exactly the masks
     of `tracerl.hints.compact.encode_margin_exceptions`).
 
@@ -347,12 +362,17 @@ def margin_marks(x: torch.Tensor, global_scale: torch.Tensor | float, scales: to
     marked only by the hint rule (or margin inf), +-Inf likewise; +-0 has distance 1/2.
 
     backend: "auto" (Triton on CUDA when importable), "reference" (or "torch": the pure-torch definition), or
-    "triton" (CUDA, or CPU under TRITON_INTERPRET=1); all give the same bits.
+    "triton" (CUDA, or CPU under TRITON_INTERPRET=1); all give the same bits. out: (value_marks, block_marks)
+    tensors to write the marks into (uint8, exactly those shapes, contiguous, on x's device), e.g. views of a
+    capture buffer, so a caller needs no copy of its own; they are returned.
 
-    Raises DTypeError (x not bf16/fp16/fp32, scales/hints not 1-byte), ShapeError (x not [T, 16k], scales/hints
-    or a global-scale tensor of another shape), FormatError (a margin negative, NaN or not a number, a bad
-    float global scale), BackendError (an unknown backend, or Triton not available here)."""
+    Raises DTypeError (x not bf16/fp16/fp32, scales/hints not 1-byte, out not uint8), ShapeError (x not [T, 16k],
+    scales/hints or a global-scale tensor of another shape, out of another shape or device or not contiguous),
+    FormatError (a margin negative, NaN or not a number, a bad float global scale), BackendError (an unknown
+    backend, or Triton not available here)."""
     t_, w = _check_x(x)
+    if out is not None:
+        out = _check_out(out, ((t_, w // HINTS_PER_BYTE), (t_, -(-(w // BLOCK) // HINTS_PER_BYTE))), x.device)
     m = _check_margin(margin, "margin")
     ms = _check_margin(scale_margin, "scale_margin")
     scales = _check_u8(scales, "scales", (t_, w // BLOCK), x.device)
@@ -364,8 +384,13 @@ def margin_marks(x: torch.Tensor, global_scale: torch.Tensor | float, scales: to
     if be == "triton":
         from .triton_margin import margin_marks_triton
 
-        return margin_marks_triton(x, g, scales, hints, intervals, k_scale)
-    return margin_marks_ref(x, g, scales, hints, intervals, k_scale)
+        return margin_marks_triton(x, g, scales, hints, intervals, k_scale, out=out)
+    marks = margin_marks_ref(x, g, scales, hints, intervals, k_scale)
+    if out is None:
+        return marks
+    for o, m_ in zip(out, marks):
+        o.copy_(m_)
+    return out
 
 
 def margin_fill(x: torch.Tensor, global_scale: torch.Tensor | float, value_marks: torch.Tensor,

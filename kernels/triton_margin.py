@@ -167,13 +167,18 @@ def _x_arg(x: torch.Tensor) -> torch.Tensor:
 
 @_on_input_device
 def margin_marks_triton(x: torch.Tensor, g: torch.Tensor, scales_u8: torch.Tensor, hints_u8: torch.Tensor,
-                        intervals: tuple[tuple[int, int], ...], k_scale: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton twin of `tracefp4.margin.margin_marks_ref` (same arguments, checked by `tracefp4.margin_marks`)."""
+                        intervals: tuple[tuple[int, int], ...], k_scale: int,
+                        out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of `tracefp4.margin.margin_marks_ref` (same arguments, checked by `tracefp4.margin_marks`); the
+    marks go into ``out`` (checked there) when given."""
     t_, w = x.shape
     nb = w // 16
     nbb = -(-nb // 8)
-    vmarks = torch.empty((t_, w // 8), dtype=torch.uint8, device=x.device)
-    bmarks = torch.empty((t_, nbb), dtype=torch.uint8, device=x.device)
+    if out is not None:
+        vmarks, bmarks = out
+    else:
+        vmarks = torch.empty((t_, w // 8), dtype=torch.uint8, device=x.device)
+        bmarks = torch.empty((t_, nbb), dtype=torch.uint8, device=x.device)
     if t_:
         blk = _blocks_per_program(nb)
         flat = [v for lo_hi in intervals for v in lo_hi]

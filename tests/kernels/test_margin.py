@@ -414,3 +414,25 @@ def test_one_byte_dtypes_are_read_as_raw_bits():
     want = tracefp4.margin_marks(x, g, s, h, 0.1, 0.1, backend="reference")
     got = tracefp4.margin_marks(x, g, s.view(torch.float8_e4m3fn), h.view(torch.int8), 0.1, 0.1, backend="reference")
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_triton)])
+def test_marks_into_given_tensors(backend):
+    """``out=``: the marks are written into the caller's tensors (e.g. views of a capture buffer), the same bits."""
+    x = torch.randn(5, 48, generator=torch.Generator().manual_seed(3)).to(DEVICE) * 4
+    q = tracefp4.quantize(x, global_scale=0.02, backend="reference")
+    want = tracefp4.margin_marks(x, 0.02, q.scales, q.hints, 0.1, 0.2, backend="reference")
+    buf = torch.full((2, 64), 7, dtype=torch.uint8, device=DEVICE)
+    out = (buf[0, :30].view(5, 6), buf[1, :5].view(5, 1))
+    got = tracefp4.margin_marks(x, 0.02, q.scales, q.hints, 0.1, 0.2, backend=backend, out=out)
+    assert got[0] is out[0] and got[1] is out[1]
+    assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
+    assert bool((buf[0, 30:] == 7).all()) and bool((buf[1, 5:] == 7).all())  # nothing written past them
+    with pytest.raises(ShapeError, match=r"out value marks must be a contiguous uint8 tensor of shape \[5, 6\]"):
+        tracefp4.margin_marks(x, 0.02, q.scales, q.hints, 0.1, 0.2, out=(out[0][:4], out[1]))
+    with pytest.raises(ShapeError, match="not contiguous"):
+        tracefp4.margin_marks(x, 0.02, q.scales, q.hints, 0.1, 0.2, out=(torch.zeros(6, 5, dtype=torch.uint8, device=DEVICE).t(), out[1]))
+    with pytest.raises(DTypeError, match="out block marks must be a uint8"):
+        tracefp4.margin_marks(x, 0.02, q.scales, q.hints, 0.1, 0.2, out=(out[0], out[1].bool()))
+    with pytest.raises(ShapeError, match="a pair of tensors"):
+        tracefp4.margin_marks(x, 0.02, q.scales, q.hints, 0.1, 0.2, out=out[0])

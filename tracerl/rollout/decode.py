@@ -73,13 +73,17 @@ def _cache_layer(cache, i: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def margin_marks_at(runtime: FP4Runtime, site: str, x: torch.Tensor, scales: torch.Tensor, hints: torch.Tensor,
-                    points: Sequence[tuple[float, float]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                    points: Sequence[tuple[float, float]],
+                    outs: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None
+                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``tracefp4.margin_marks`` of ``site``'s activation x [N, W] with the scales uint8 [N, W/16] and hints uint8
     [N, W/8] it was quantized to, at each (value margin, scale margin) of ``points``, on x's device with the
     runtime's global scale and backend (no host sync): [(value marks uint8 [N, W/8], block marks uint8
-    [N, ceil(W/128)])]."""
+    [N, ceil(W/128)])], written into ``outs`` (one pair per point) when given."""
     g = runtime.global_scale_on(site, x.device)
-    return [tracefp4.margin_marks(x, g, scales, hints, m, ms, backend=runtime.backend) for m, ms in points]
+    outs = outs or [None] * len(points)
+    return [tracefp4.margin_marks(x, g, scales, hints, m, ms, backend=runtime.backend, out=o)
+            for (m, ms), o in zip(points, outs)]
 
 
 class StaticDecoder:
@@ -191,8 +195,17 @@ class StaticDecoder:
         parts = ((None, None) if direct else (q.hints, q.scales)) + ((q.codes,) if self.keep_codes else ())
         x = self._x.pop(site, None)
         if x is not None:
-            for pair in margin_marks_at(self.runtime, site, x, q.scales, q.hints, self.marks(site)):
-                parts += pair
+            points = self.marks(site)
+            views = self._views.get(("site", site))
+            outs = None  # once the stage exists, the marks kernel writes into its views: no copy per site
+            if views is not None and len(views) == len(parts) + 2 * len(points):
+                outs = [tuple(views[len(parts) + 2 * j: len(parts) + 2 * j + 2]) for j in range(len(points))]
+                n, w = x.shape
+                if any((tuple(v.shape), tuple(b.shape)) != ((n, w // 8), (n, -(-w // 128))) for v, b in outs):
+                    outs = None
+            marks = margin_marks_at(self.runtime, site, x, q.scales, q.hints, points, outs)
+            for pair in marks:
+                parts += (None, None) if outs is not None else pair
         self._ring_write(("site", site), parts)
 
     def _on_route(self, layer: int, idx: torch.Tensor) -> None:
