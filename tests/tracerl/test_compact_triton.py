@@ -85,8 +85,8 @@ def test_long_unary_runs_and_far_positions():
 def test_damaged_rows_raise_what_numpy_raises(seed):
     values, blocks = [("gamma", "bitmap"), ("rice2", "gamma"), ("bitmap", "rice0"), ("block-bitmap", "gamma")][seed]
     wide = "block-bitmap" in (values, blocks)
-    rng, enc, p = _case(seed, values, blocks, ["byte", "lsb"][seed % 2], t=3, w=256 if wide else 64,
-                        p_v=0.05 if wide else None)
+    rng, _, p = _case(seed, values, blocks, ["byte", "lsb"][seed % 2], t=3, w=256 if wide else 64,
+                      p_v=0.05 if wide else None)
     for data, offsets in damaged_rows(rng, p):
         bad = C.PackedRows(data, offsets, p.width, p.coding, p.margin, p.scale_margin, p.scale_payload)
         want = coding_error(C.unpack_rows, bad)

@@ -426,9 +426,9 @@ def densify(enc: MarginExceptions | DenseExceptions) -> DenseExceptions:
     stored_scales = _dense(smask, enc.scale_bytes)  # [T, W/16]
     if enc.scale_payload == "lsb":
         stored_scales = _pack_blocks(stored_scales & 1)  # [T, ceil(W/128)]
-    return DenseExceptions(tracefp4.pack_hints(vmask.to(torch.uint8)), tracefp4.pack_hints(_dense(vmask, enc.hint_bits)),
-                           _pack_blocks(smask), stored_scales, int(vmask.shape[1]), enc.margin, enc.scale_margin,
-                           enc.scale_payload)
+    return DenseExceptions(tracefp4.pack_hints(vmask.to(torch.uint8)),
+                           tracefp4.pack_hints(_dense(vmask, enc.hint_bits)), _pack_blocks(smask), stored_scales,
+                           int(vmask.shape[1]), enc.margin, enc.scale_margin, enc.scale_payload)
 
 
 def fill(enc: MarginExceptions | DenseExceptions, x_hp: torch.Tensor, global_scale, *,

@@ -32,15 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tracerl.hints.compact import (
-    BLOCK,
-    GROUP,
-    DenseExceptions,
-    PackedRows,
-    _check_coding,
-    densify,
-    unpack_rows,
-)
+from tracerl.hints.compact import BLOCK, GROUP, DenseExceptions, PackedRows, _check_coding, densify, unpack_rows
 from tracerl.hints.compact_device import _side_stream
 from tracerl.util import to_device
 
