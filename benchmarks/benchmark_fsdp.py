@@ -50,8 +50,10 @@ def _store(url: str, spec: dict, args) -> None:
     from tracerl.rollout import RolloutWorker, run_rollout
 
     task = make_task(**{**TASK, "response_len": args.response_len})
+    margin = getattr(args, "margin", None)  # benchmark_trainer --margin: the hinted sites as margin-exception rows
     store = create_loop_store(url, TinyMoESpec(**spec, vocab_size=task.vocab_size), task, hint_layers=args.hint_layers,
-                              calibration_prompts=32, device=args.device)
+                              calibration_prompts=32, device=args.device, margin=margin,
+                              margin_coding=getattr(args, "margin_coding", "gamma:bitmap"))
     # version 0 as the trainer builds it: on the trainer's device (the seeded init differs between CPU and CUDA)
     weights.publish(url, 0, build_policy(store.model, args.device).model.state_dict())
     cfg = RolloutConfig(groups_per_batch=args.groups, group_size=args.group_size, max_ahead=args.steps,

@@ -25,6 +25,11 @@ operations by device and host time and the Python functions by host time are sav
     python benchmarks/benchmark_trainer.py --device cuda                # the H200 model: fp4_hints and bf16, 3 runs
     python benchmarks/benchmark_trainer.py --device cuda --profile      # plus a profiled step
     python benchmarks/benchmark_trainer.py --smoke                      # tiny, CPU: checks the code paths
+    python benchmarks/benchmark_trainer.py --device cuda --margin 0.05:0.05 --margin-decode triton --modes fp4_hints
+
+``--margin M:MS[:lsb]`` records the hinted sites as margin-exception rows instead (`create_loop_store(margin=)`),
+so a step includes decoding them (``--margin-decode``) and the forward's fill-in: its step time against a run
+without ``--margin`` on the same machine is what the margin encoding costs the trainer.
 
 Saves JSON (machine, versions, sizes, every run's per-step metrics) to --out.
 """
@@ -49,11 +54,23 @@ sys.path.insert(0, os.path.join(_REPO, "benchmarks"))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO, os.environ.get("PYTHONPATH", "")) if p)
 
 from benchmark_fsdp import CPU_SPEC, GPU_SPEC, SMOKE_SPEC, _store  # noqa: E402  the same model and store recipe
-from tracerl.config import TrainConfig  # noqa: E402  (no torch import)
+from tracerl.config import MARGIN_DECODES, TrainConfig  # noqa: E402  (no torch import)
 
 TRAIN_DEFAULTS = TrainConfig()
 
 MODES = ("fp4_hints", "bf16")
+
+
+def _margin_arg(text: str) -> tuple[float, float, str]:
+    """``M:MS[:lsb]`` -> (margin, scale margin, scale payload)."""
+    parts = text.split(":")
+    try:
+        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "lsb"):
+            raise ValueError
+        return float(parts[0]), float(parts[1]), "lsb" if len(parts) == 3 else "byte"
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected M:MS or M:MS:lsb (numbers >= 0, inf allowed); got {text!r}"
+                                         ) from None
 
 
 def _child(args) -> int:
@@ -70,6 +87,7 @@ def _child(args) -> int:
     store = ts.open_store(args.store)
     cfg = TrainConfig(mode=args.mode, groups_per_step=args.groups, group_size=args.group_size,
                       max_staleness=args.max_staleness, checkpoint_every=0, time_phases=args.time_phases,
+                      margin_decode=args.margin_decode,
                       **({"micro_batch_tokens": args.micro_batch_tokens} if args.micro_batch_tokens else {}))
     log = MetricsLog(args.metrics)
     ck = args.metrics + ".ck"
@@ -155,7 +173,8 @@ def _run(label: str, url: str, workdir: Path, args, sampler: _GpuSampler, *, pro
             str(metrics), "--steps", str(args.steps), "--groups", str(args.groups), "--group-size",
             str(args.group_size), "--device", args.device, "--threads", str(args.threads),
             "--max-staleness", str(args.max_staleness), "--unmeasured-from", str(args.unmeasured_from),
-            "--profile-step", str(profile_step), "--read-next", read_next] + (["--time-phases"] if phases else [])
+            "--profile-step", str(profile_step), "--read-next", read_next,
+            "--margin-decode", args.margin_decode] + (["--time-phases"] if phases else [])
     if args.micro_batch_tokens:
         argv += ["--micro-batch-tokens", str(args.micro_batch_tokens)]
     p = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout)
@@ -274,6 +293,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="override the trainer's micro-batch size (default: the trainer's own default)")
     ap.add_argument("--hint-layers", default="latter-half", metavar="WHICH",
                     help="hinted layers of the store (default latter-half: 20 of 40 sites on the H200 model)")
+    ap.add_argument("--margin", type=_margin_arg, default=None, metavar="M:MS[:lsb]",
+                    help="record the store's hinted sites as margin-exception rows at value margin M and scale margin "
+                         "MS (ladder / E4M3 steps; ':lsb' keeps scale LSBs), so the steps include the margin decode "
+                         "and fill-in (default: hint bits and scale bytes)")
+    ap.add_argument("--margin-coding", default="gamma:bitmap", metavar="V:B",
+                    help="value and block position codings of --margin's sites (default gamma:bitmap)")
+    ap.add_argument("--margin-decode", choices=MARGIN_DECODES, default="auto",
+                    help="where the trainer decodes margin rows (TrainConfig.margin_decode; default auto)")
     ap.add_argument("--read-next", choices=("auto", "off", "thread", "process"), default="auto",
                     help="read the next step's data while a step computes: auto (run_training's default: a reader "
                          "process on a GPU, off on the CPU), off, in a thread, or in a reader process")

@@ -309,3 +309,26 @@ def test_margin_decode_is_checked_by_the_config_and_the_decoders():
         HintFeed(ts.create_store("memory://decode-check", [ts.Site("s", 16)]), margin_decode="gpu")
     with pytest.raises(ConfigError, match="decode must be one of"):
         decode_margin(None, None, decode="gpu")
+
+
+def test_a_loop_store_can_keep_its_hinted_sites_as_margin_rows(tmp_path):
+    """`create_loop_store(margin=)` (benchmark_trainer --margin): every hinted site a margin site in the coding
+    asked for, at the margins and payload given; a coding the sites cannot take is tracestore's DeclarationError,
+    and nothing is created."""
+    from tracerl.loop import create_loop_store
+    from tracerl.policy import make_task
+
+    task = make_task(**loop.TASK)
+    spec = TinyMoESpec(**loop.SPEC, vocab_size=task.vocab_size)
+    st = create_loop_store(str(tmp_path / "m"), spec, task, calibration_prompts=4, margin=(0.05, 0.1, "lsb"),
+                           margin_coding="rice2:gamma")
+    plain = create_loop_store(str(tmp_path / "b"), spec, task, calibration_prompts=4)
+    assert list(st.sites) == list(plain.sites) and st.format_version == 5
+    for s in st.sites.values():
+        assert (s.hint_encoding, s.value_coding, s.block_coding, s.margin, s.scale_margin, s.scale_payload) == (
+            "margin", "rice2", "gamma", 0.05, 0.1, "lsb")
+    for coding in ("golomb:bitmap", "gamma:block-bitmap"):  # unknown; rows of 4 blocks are no multiple of 16
+        with pytest.raises(ts.DeclarationError, match="coding"):
+            create_loop_store(str(tmp_path / "x"), spec, task, calibration_prompts=4, margin=(0.05, 0.1, "byte"),
+                              margin_coding=coding)
+        assert not (tmp_path / "x").exists()
