@@ -54,7 +54,9 @@ sys.path.insert(0, os.path.join(_REPO, "benchmarks"))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO, os.environ.get("PYTHONPATH", "")) if p)
 
 from benchmark_fsdp import CPU_SPEC, GPU_SPEC, SMOKE_SPEC, _store  # noqa: E402  the same model and store recipe
-from tracerl.config import MARGIN_DECODES, TrainConfig  # noqa: E402  (no torch import)
+
+from tracerl.config import MARGIN_DECODES, TrainConfig, parse_margins  # noqa: E402  (no torch import)
+from tracerl.errors import ConfigError  # noqa: E402
 
 TRAIN_DEFAULTS = TrainConfig()
 
@@ -62,15 +64,14 @@ MODES = ("fp4_hints", "bf16")
 
 
 def _margin_arg(text: str) -> tuple[float, float, str]:
-    """``M:MS[:lsb]`` -> (margin, scale margin, scale payload)."""
-    parts = text.split(":")
+    """``M:MS[:lsb]`` -> (margin, scale margin, scale payload), one point of `tracerl.config.parse_margins`."""
     try:
-        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "lsb"):
-            raise ValueError
-        return float(parts[0]), float(parts[1]), "lsb" if len(parts) == 3 else "byte"
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected M:MS or M:MS:lsb (numbers >= 0, inf allowed); got {text!r}"
-                                         ) from None
+        points = parse_margins(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if len(points) != 1 or points[0][2] not in ("byte", "lsb"):
+        raise argparse.ArgumentTypeError(f"expected one point M:MS or M:MS:lsb; got {text!r}")
+    return points[0]
 
 
 def _child(args) -> int:

@@ -322,8 +322,8 @@ class ProgressLog:
         """``done`` of ``total`` (None: unknown) steps of ``phase`` are done; ``what`` (optional) names the current
         item. A count below the last one or a total other than the one known starts a new round of the phase (its
         rate and ETA start again), except a final count given as its own total (``done == total``: a phase whose
-        total was an upper bound ends there). ``printed``: the caller has just written its own line about this phase (the
-        next one is due ``every_s`` from now)."""
+        total was an upper bound ends there). ``printed``: the caller has just written its own line about this phase
+        (the next one is due ``every_s`` from now)."""
         with self._lock:
             if self._closed:
                 return

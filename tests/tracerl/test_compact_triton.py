@@ -122,6 +122,9 @@ def test_several_sites_one_call_and_the_first_failing_site_raises():
     parts = {f"s{i}": _case(20 + i, c, "bitmap", "lsb", t=3, w=64)[2] for i, c in enumerate(["gamma", "rice1", "all"])}
     got = unpack_sites_dense(parts, DEVICE)
     assert list(got) == list(parts) and all(got[s] == _want(p) for s, p in parts.items())
+    as_tensors = {s: C.PackedRows(torch.from_numpy(p.data), torch.from_numpy(p.offsets), p.width, p.coding, p.margin,
+                                  p.scale_margin, p.scale_payload) for s, p in parts.items()}  # tensors read as arrays
+    assert all(unpack_sites_dense(as_tensors, DEVICE)[s] == got[s] for s in parts)
     p = parts["s1"]
     cut = C.PackedRows(p.data[:-1], np.minimum(p.offsets, p.data.size - 1), 64, p.coding, p.margin, p.scale_margin,
                        p.scale_payload)

@@ -400,16 +400,17 @@ def joint_curve(moves: Sequence[Mapping[str, Any]], units: Sequence[SiteGroup],
     rejected: list[dict] = []
     kept: dict[str, str] = {}
 
-    def value(cand: dict[str, str], unit: str, option: str) -> float:
+    def value(cand: dict[str, str], unit: str, option: str) -> tuple[float, bool]:
+        """(mean |dlogp| of ``cand``, whether it took a pass: an assignment of one unit reuses its alone pass)."""
         if alone is not None and len(cand) == 1 and option in alone.get(unit, {}):
-            return alone[unit][option]
-        return measure(dict(cand))
+            return alone[unit][option], False
+        return measure(dict(cand)), True
 
     if not lazy:
         for mv in moves:
             unit, option = mv["unit"], mv["option"]
             cand = {**kept, unit: option}
-            m = value(cand, unit, option)
+            m, _ = value(cand, unit, option)
             point = joint_point(len(points), cand, by, prices, m, floor, rne - floor,
                                 {"unit": unit, "option": option, "from": kept.get(unit)})
             if m < points[-1]["mean_abs_dlogp"]:
@@ -440,8 +441,7 @@ def joint_curve(moves: Sequence[Mapping[str, Any]], units: Sequence[SiteGroup],
         cur = points[-1]["mean_abs_dlogp"]
         step = {"unit": unit, "option": option, "from": kept.get(unit)}
         if at != len(points) or m is None:  # not measured since the last kept move
-            fresh = not (alone is not None and len(cand) == 1 and option in alone.get(unit, {}))
-            m = value(cand, unit, option)
+            m, fresh = value(cand, unit, option)
             passes += fresh
             if not m < cur:
                 rejected.append(joint_point(len(points), cand, by, prices, m, floor, rne - floor, step))

@@ -915,6 +915,11 @@ def _mask(marked: tuple[np.ndarray, np.ndarray] | None, t_: int, n: int) -> np.n
     return out
 
 
+def offsets_cover(data: np.ndarray, offsets: np.ndarray) -> bool:
+    """Whether row ``offsets`` (int64 [T + 1]) cover ``data`` (uint8 [n]): from 0, never decreasing, to n."""
+    return bool(offsets.size and offsets[0] == 0 and offsets[-1] == data.size and not (np.diff(offsets) < 0).any())
+
+
 def unpack_rows(packed: PackedRows) -> MarginExceptions:
     """The inverse of `pack_rows`. Raises `HintCodingError` for bytes that do not decode as the coding says
     (truncated, positions past the row, non-zero padding or trailing bits).
@@ -927,7 +932,7 @@ def unpack_rows(packed: PackedRows) -> MarginExceptions:
     offsets = np.asarray(packed.offsets, dtype=np.int64)
     data = np.asarray(packed.data, dtype=np.uint8)
     t_ = len(offsets) - 1
-    if t_ < 0 or offsets[0] != 0 or offsets[-1] != data.size or (np.diff(offsets) < 0).any():
+    if not offsets_cover(data, offsets):
         raise HintCodingError(f"row offsets {offsets[:4].tolist()}... do not cover {data.size} bytes")
     st = _Stream(data, offsets)
     cur = st.start.copy()

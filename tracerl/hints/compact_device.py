@@ -54,6 +54,7 @@ Bit positions are int64 throughout.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping, Sequence
 
@@ -61,11 +62,23 @@ import numpy as np
 import torch
 
 import tracefp4
+from tracerl.config import MARGIN_DECODES
 from tracerl.errors import ConfigError, HintCodingError
-from tracerl.hints.compact import BLOCK, GROUP, MarginExceptions, PackedRows, SiteCoding, _check_coding
+from tracerl.hints.compact import (
+    BLOCK,
+    GROUP,
+    DenseExceptions,
+    MarginExceptions,
+    PackedRows,
+    SiteCoding,
+    _check_coding,
+    offsets_cover,
+    unpack_rows,
+)
 from tracerl.util import to_device, to_host
 
 __all__ = ["pack_rows_torch", "pack_marks_torch", "pack_marks_on_device", "pack_sites_on_device", "SiteMarks",
+           "decode_on_side_stream", "unpack_sites",
            "unpack_rows_torch", "unpack_sites_torch"]
 
 log = logging.getLogger(__name__)
@@ -380,6 +393,24 @@ def _side_stream(device: torch.device):
     if dev not in _SIDE:
         _SIDE[dev] = torch.cuda.Stream(dev)
     return _SIDE[dev]
+
+
+def decode_on_side_stream(device: torch.device, decode: Callable[[], dict], fields: Sequence[str]) -> dict:
+    """``decode()`` (site -> a dataclass of tensors on ``device``) run on the device's side stream when it is CUDA, so
+    its syncs wait for its own kernels, not for the caller's queued work; then the caller's stream waits for the side
+    stream and each result's ``fields`` are marked as used by it (``record_stream``): safe to use there at once. Off
+    CUDA, ``decode()`` as it is."""
+    stream = _side_stream(device)
+    if stream is None:
+        return decode()
+    caller = torch.cuda.current_stream(device)
+    with torch.cuda.stream(stream):
+        out = decode()
+    caller.wait_stream(stream)
+    for item in out.values():
+        for f in fields:
+            getattr(item, f).record_stream(caller)
+    return out
 
 
 def pack_marks_on_device(device: torch.device, value_marks: np.ndarray, block_marks: np.ndarray,
@@ -784,9 +815,7 @@ def _host_rows(p: PackedRows) -> tuple[np.ndarray, np.ndarray] | None:
             return None
         arrays.append(a.reshape(-1))
     data, offsets = arrays
-    if offsets.size == 0 or offsets[0] != 0 or offsets[-1] != data.size or (np.diff(offsets) < 0).any():
-        return None
-    return data, offsets
+    return (data, offsets) if offsets_cover(data, offsets) else None
 
 
 def _decode_plan(rows: Mapping[str, PackedRows], device: torch.device
@@ -864,6 +893,32 @@ def _unpack_sites(rows: Mapping[str, PackedRows], device: torch.device) -> dict[
     return {s: out[s] for s in rows}
 
 
+def unpack_sites(rows: Mapping[str, PackedRows], device: str | torch.device, decode: str = "auto"
+                 ) -> dict[str, MarginExceptions | DenseExceptions]:
+    """Each site's rows decoded where ``decode`` says (`tracerl.config.MARGIN_DECODES`), the results on ``device``:
+    "host" with numpy (`compact.unpack_rows`, the masks and bytes then copied over), "device" with the torch codec
+    there (`unpack_sites_torch`), "triton" with one Triton kernel per site straight into `DenseExceptions`
+    (`compact_triton.unpack_sites_dense`; CUDA, or the CPU under TRITON_INTERPRET=1), "auto": "device" on CUDA, else
+    "host". The results are equal either way (`compact.densify` of the others' is the "triton" result).
+
+    Raises `ConfigError` for an unknown ``decode`` or coding, `HintCodingError` for rows that do not decode."""
+    if decode not in MARGIN_DECODES:
+        raise ConfigError(f"decode must be one of {list(MARGIN_DECODES)}; got {decode!r}")
+    device = torch.device(device)
+    if decode == "triton":
+        from tracerl.hints.compact_triton import unpack_sites_dense
+
+        return unpack_sites_dense(rows, device)
+    if decode == "device" or (decode == "auto" and device.type == "cuda"):
+        return unpack_sites_torch(rows, device)
+    out = {}
+    for site, p in rows.items():
+        enc = unpack_rows(p)
+        out[site] = dataclasses.replace(enc, **{f: getattr(enc, f).to(device, non_blocking=True)
+                                                for f in ("value_mask", "hint_bits", "scale_mask", "scale_bytes")})
+    return out
+
+
 def unpack_sites_torch(rows: Mapping[str, PackedRows], device: str | torch.device) -> dict[str, MarginExceptions]:
     """`unpack_rows_torch` of each site's `PackedRows` (host bytes) on ``device``: site -> `MarginExceptions` there,
     equal to each site's own `unpack_rows_torch` (same dtypes and shapes, contiguous), in ``rows``' order.
@@ -883,15 +938,7 @@ def unpack_sites_torch(rows: Mapping[str, PackedRows], device: str | torch.devic
     within its site): when a group's decode fails, every site is decoded again one by one, in ``rows``' order;
     `ConfigError` for an unknown coding (or a block-bitmap over a row length not a multiple of 16)."""
     device = torch.device(device)
-    stream = _side_stream(device)
-    if stream is None:
-        return _unpack_sites(rows, device)
-    caller = torch.cuda.current_stream(device)
-    with torch.cuda.stream(stream):
-        out = _unpack_sites(rows, device)
-    caller.wait_stream(stream)
-    for enc in out.values():
-        for f in ("value_mask", "hint_bits", "scale_mask", "scale_bytes"):
-            getattr(enc, f).record_stream(caller)
-    log.debug("decoded margin rows of %d sites on %s (side stream)", len(out), device)
+    out = decode_on_side_stream(device, lambda: _unpack_sites(rows, device),
+                                ("value_mask", "hint_bits", "scale_mask", "scale_bytes"))
+    log.debug("decoded margin rows of %d sites on %s", len(out), device)
     return out

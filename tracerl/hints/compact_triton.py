@@ -25,6 +25,7 @@ rice<k>), both scale payloads.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import numpy as np
@@ -32,8 +33,17 @@ import torch
 import triton
 import triton.language as tl
 
-from tracerl.hints.compact import BLOCK, GROUP, DenseExceptions, PackedRows, _check_coding, densify, unpack_rows
-from tracerl.hints.compact_device import _side_stream
+from tracerl.hints.compact import (
+    BLOCK,
+    GROUP,
+    DenseExceptions,
+    PackedRows,
+    _check_coding,
+    densify,
+    offsets_cover,
+    unpack_rows,
+)
+from tracerl.hints.compact_device import decode_on_side_stream
 from tracerl.util import to_device
 
 __all__ = ["unpack_rows_dense", "unpack_sites_dense"]
@@ -254,10 +264,9 @@ def _launch(p: PackedRows, device: torch.device) -> tuple[DenseExceptions, torch
     """Start decoding ``p`` on ``device``: (the planes, being written; bad flags int32 [T] on the device)."""
     vc, vk = _code(p.coding.values, p.width)
     bc, bk = _code(p.coding.blocks, p.width // BLOCK)
-    offsets = np.asarray(p.offsets, dtype=np.int64)
-    data = np.asarray(p.data, dtype=np.uint8)
+    data, offsets = p.data, p.offsets  # host arrays (`_on_host`)
     t_ = offsets.size - 1
-    if t_ < 0 or offsets[0] != 0 or offsets[-1] != data.size or (np.diff(offsets) < 0).any():
+    if not offsets_cover(data, offsets):
         unpack_rows(p)  # raises the numpy decoder's own error
     w, nb = p.width, p.width // BLOCK
     nbb = -(-nb // 8)
@@ -277,6 +286,14 @@ def _launch(p: PackedRows, device: torch.device) -> tuple[DenseExceptions, torch
     return out, bad
 
 
+def _on_host(p: PackedRows) -> PackedRows:
+    """``p`` with its data uint8 [n] and offsets int64 [T + 1] as the numpy decoder reads them: flat host arrays
+    (device tensors come over first)."""
+    data, offsets = (np.asarray(a.cpu() if isinstance(a, torch.Tensor) else a, dtype=dt).reshape(-1)
+                     for a, dt in ((p.data, np.uint8), (p.offsets, np.int64)))
+    return dataclasses.replace(p, data=data, offsets=offsets)
+
+
 def unpack_sites_dense(rows: Mapping[str, PackedRows], device: str | torch.device) -> dict[str, DenseExceptions]:
     """Each site's rows decoded on ``device`` (CUDA, or the CPU under ``TRITON_INTERPRET=1``) into
     `compact.DenseExceptions`: one kernel launch per site and one host sync for all of them (the error flags). On
@@ -293,17 +310,9 @@ def unpack_sites_dense(rows: Mapping[str, PackedRows], device: str | torch.devic
         _code(p.coding.blocks, p.width // BLOCK)
     if not rows:
         return {}
-    stream = _side_stream(device)
-    if stream is None:
-        return _decode(rows, device)
-    caller = torch.cuda.current_stream(device)
-    with torch.cuda.stream(stream):
-        out = _decode(rows, device)
-    caller.wait_stream(stream)
-    for d in out.values():
-        for f in ("value_marks", "hints", "block_marks", "stored_scales"):
-            getattr(d, f).record_stream(caller)
-    return out
+    rows = {s: _on_host(p) for s, p in rows.items()}
+    return decode_on_side_stream(device, lambda: _decode(rows, device),
+                                 ("value_marks", "hints", "block_marks", "stored_scales"))
 
 
 def _decode(rows: Mapping[str, PackedRows], device: torch.device) -> dict[str, DenseExceptions]:

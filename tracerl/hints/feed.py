@@ -46,10 +46,10 @@ import torch
 
 import tracestore as ts
 from tracerl.artifacts.codes import RolloutCodes
-from tracerl.config import MARGIN_DECODES as _MARGIN_DECODES
+from tracerl.config import MARGIN_DECODES
 from tracerl.errors import ConfigError
 from tracerl.hints import compact
-from tracerl.hints.compact_device import unpack_sites_torch
+from tracerl.hints.compact_device import unpack_sites
 from tracerl.hints.packing import MicroBatch, PackedHints, Segment, cp_shard, dp_shard, read_packed, tp_feature_range
 from tracerl.hints.source import RecordSource, packed_nbytes
 from tracerl.util import to_device
@@ -63,8 +63,6 @@ def _margin_on(e, dev: torch.device):
               else ("value_mask", "hint_bits", "scale_mask", "scale_bytes"))
     return dataclasses.replace(e, **{f: to_device(getattr(e, f), dev) for f in fields})
 
-#: where a feed decodes margin rows (`HintFeed`'s ``margin_decode``; `tracerl.config.MARGIN_DECODES`)
-MARGIN_DECODES = _MARGIN_DECODES
 
 
 @dataclasses.dataclass
@@ -98,7 +96,7 @@ class FeedBatch:
     #: margin sites (module docstring): site -> the rollout's `compact.MarginExceptions` (`compact.DenseExceptions`
     #: with ``margin_decode="triton"``) of these T rows (masks
     #: bool [T, W] / [T, W/16], kept bits and bytes), on the device
-    margin: dict[str, compact.MarginExceptions] = dataclasses.field(default_factory=dict)
+    margin: dict[str, compact.MarginExceptions | compact.DenseExceptions] = dataclasses.field(default_factory=dict)
     loaded_unix: float = 0.0  # when its reading finished (lag measurements)
     read_s: float = 0.0  # seconds its reading took
 
@@ -316,11 +314,9 @@ class HintFeed:
                    margin: dict | None = None) -> FeedBatch:
         dev = self.device
         if margin is None and self.margin_on_device and packed.margin:  # decoded here, on the device
-            unpack = unpack_sites_torch
-            if self.margin_decode == "triton":
-                from tracerl.hints.compact_triton import unpack_sites_dense as unpack
-            margin = unpack({s: compact.packed_from_store(self.store.sites[s], rows)
-                             for s, rows in packed.margin.items()}, dev)
+            margin = unpack_sites({s: compact.packed_from_store(self.store.sites[s], rows)
+                                   for s, rows in packed.margin.items()}, dev,
+                                  "triton" if self.margin_decode == "triton" else "device")
 
         def put(a: np.ndarray, dtype=None) -> torch.Tensor:
             t = torch.from_numpy(np.ascontiguousarray(a))

@@ -48,10 +48,9 @@ from torch import nn
 
 import tracefp4
 import tracestore as ts
-from tracerl.config import MARGIN_DECODES
-from tracerl.errors import ConfigError, HintMismatchError, PatchError
+from tracerl.errors import HintMismatchError, PatchError
 from tracerl.hints import compact
-from tracerl.hints.compact_device import unpack_sites_torch
+from tracerl.hints.compact_device import unpack_sites
 from tracerl.hints.scalehints import scale_encodings as _encodings_of
 from tracerl.hints.scalehints import use_store_scale_encodings
 from tracerl.policy import FP4Runtime, SitePlan, check_mode, effective_codes, routed_experts
@@ -132,35 +131,18 @@ def decode_margin(store: ts.Store, packed: Any, device: str | torch.device = "cp
     """The margin exceptions of a `PackedHints`' margin rows (``packed.margin``: site -> (data uint8 [n], offsets
     int64 [T + 1])), decoded in each site's coding (``store.sites``), on ``device``.
 
-    ``decode``: "host" decodes with numpy (`compact.unpack_rows`) and copies the masks and bytes to ``device``;
-    "device" copies the raw rows and decodes them there (`compact_device.unpack_sites_torch`: the sites that share a
-    width, coding and scale payload in one decode over their rows stacked, one or two syncs per such group, on a side
-    stream of a CUDA device, so they do not wait for the caller's queued work); "triton" decodes them on the
-    device with one Triton kernel per site straight into `compact.DenseExceptions` (the planes `compact.fill`
-    reads; one sync per call; CUDA, or the CPU under TRITON_INTERPRET=1); "auto" is "device" for a CUDA device, else
-    "host". The default stays "host" for callers that have not opted in. The results are equal either way
-    (`compact.densify` of the others' is the "triton" result).
+    ``decode``: where (`compact_device.unpack_sites`): "host" (numpy, then copied to ``device``), "device" (the
+    torch codec there: the sites that share a width, coding and scale payload in one decode over their rows stacked,
+    one or two syncs per such group, on a side stream of a CUDA device, so they do not wait for the caller's queued
+    work), "triton" (one Triton kernel per site straight into `compact.DenseExceptions`, the planes `compact.fill`
+    reads; one sync per call), "auto" ("device" on CUDA, else "host"). The default stays "host" for callers that
+    have not opted in. The results are equal either way (`compact.densify` of the others' is the "triton" result).
 
     Raises `HintCodingError` for rows that do not decode, `ConfigError` for a site that is not a margin site or an
     unknown ``decode``."""
-    if decode not in MARGIN_DECODES:
-        raise ConfigError(f"decode must be one of {list(MARGIN_DECODES)}; got {decode!r}")
-    device = torch.device(device)
     rows_of = getattr(packed, "margin", None) or {}
-    if decode == "triton":
-        from tracerl.hints.compact_triton import unpack_sites_dense
-
-        return unpack_sites_dense({site: compact.packed_from_store(store.sites[site], rows)
-                                   for site, rows in rows_of.items()}, device)
-    if decode == "device" or (decode == "auto" and device.type == "cuda"):
-        return unpack_sites_torch({site: compact.packed_from_store(store.sites[site], rows)
-                                   for site, rows in rows_of.items()}, device)
-    out = {}
-    for site, rows in rows_of.items():
-        enc = compact.unpack_rows(compact.packed_from_store(store.sites[site], rows))
-        out[site] = dataclasses.replace(enc, **{f: getattr(enc, f).to(device, non_blocking=True)
-                                                for f in ("value_mask", "hint_bits", "scale_mask", "scale_bytes")})
-    return out
+    return unpack_sites({site: compact.packed_from_store(store.sites[site], rows) for site, rows in rows_of.items()},
+                        device, decode)
 
 
 def _plan_and_scales(source: Any, global_scales: Mapping[str, float] | None) -> tuple[SitePlan, dict[str, float]]:

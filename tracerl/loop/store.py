@@ -35,7 +35,8 @@ def create_loop_store(url: str, spec: TinyMoESpec, task: Task, *, seed: int = 0,
 
     ``margin``: (value margin, scale margin, scale payload "byte" | "lsb") keeps every hinted site as
     margin-exception rows (tracestore hint encoding ``margin``, format 5; `tracerl.hints.compact.store_site`) in
-    ``margin_coding`` ("<value coding>:<block coding>", e.g. "gamma:bitmap") instead of hint bits and scale bytes;
+    ``margin_coding`` ("<value coding>:<block coding>", e.g. "gamma:bitmap"; "bitmap" blocks when left out) instead
+    of hint bits and scale bytes;
     a rollout worker then records them with margin capture on and the trainer reconstructs them.
 
     The model vocabulary must hold the task's ids (``spec.vocab_size >= task.vocab_size``). Global scales come
@@ -52,14 +53,7 @@ def create_loop_store(url: str, spec: TinyMoESpec, task: Task, *, seed: int = 0,
         raise ConfigError(f"model vocabulary {spec.vocab_size} < the task's {task.vocab_size} ids")
     model = build_model(spec, seed=seed, device=device)
     plan = plan_sites(model, fp4=fp4, hint_layers=hint_layers, hint_sites=hint_sites)
-    runtime = install_fp4(model, plan, backend=backend)
-    scales = RolloutEngine(model, runtime).calibrate(task.prompts(calibration_prompts, seed=seed + 7919))
-    meta = {**model_metadata(spec, seed), "fp4": fp4, "site_plan": plan.to_json(), "global_scales": scales,
-            "task": task.config()}
-    layers = [name for _, name, _ in moe_blocks(model)]
-    del model, runtime
-    if torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()  # the rollout and trainer processes need this GPU's memory
+    # the sites declared first: a declaration they cannot take fails before the calibration's prefill
     if margin is not None:
         from tracerl.hints import compact
 
@@ -69,6 +63,14 @@ def create_loop_store(url: str, spec: TinyMoESpec, task: Task, *, seed: int = 0,
                  for n, w in site_widths(plan).items()]
     else:
         sites = [ts.Site(n, w, scale_encoding=scale_encoding) for n, w in site_widths(plan).items()]
+    runtime = install_fp4(model, plan, backend=backend)
+    scales = RolloutEngine(model, runtime).calibrate(task.prompts(calibration_prompts, seed=seed + 7919))
+    meta = {**model_metadata(spec, seed), "fp4": fp4, "site_plan": plan.to_json(), "global_scales": scales,
+            "task": task.config()}
+    layers = [name for _, name, _ in moe_blocks(model)]
+    del model, runtime
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()  # the rollout and trainer processes need this GPU's memory
     return ts.create_store(url, sites, model=meta,
                            moe_layers=layers, top_k=spec.top_k, num_experts=spec.num_experts,
                            storage_options=storage_options)
