@@ -16,9 +16,9 @@ Trainer side, per micro-batch of T tokens:
             compact.reconstruct of the trainer's activation x' = x (1 + rel * noise) (device)
   margin_unpack_torch: the device decoder beside the numpy one, on the same rows: compact_device.unpack_sites_torch
             (what the feed does on CUDA: the raw rows over, decoded on the device); checked equal to numpy's
-  margin_unpack_triton + margin_fill: the Triton decoder (compact_triton.unpack_sites_dense: one kernel per site
-            straight into the planes the fill-in reads; checked equal to numpy's laid out) and the trainer's
-            per-forward fill-in on them (compact.fill, what MarginSites runs: one margin_fill per site, no sync);
+  margin_unpack_triton + margin_fill: the Triton decoder (compact_triton.unpack_sites_dense: one kernel for the
+            sites of one coding, their rows stacked, straight into the planes the fill-in reads; checked equal to
+            numpy's laid out) and the trainer's per-forward fill-in on them (compact.fill, what MarginSites runs: one margin_fill per site, no sync);
             on CUDA, or on the CPU under TRITON_INTERPRET=1 (else not timed: null)
 The torch figures are also timed on the CPU (the torch code runs there too). The JSON's "packers" says which
 implementation each phase timed.
@@ -305,7 +305,7 @@ def run(args) -> dict:
             "margin_unpack_torch": f"torch: compact_device.unpack_sites_torch on {device} (raw rows over)",
             "margin_reconstruct": f"torch: compact.reconstruct on {device}",
             "margin_unpack_triton": (f"triton: compact_triton.unpack_sites_dense on {device} (raw rows over, one "
-                                     "kernel per site, one sync)" if triton_on else "not timed (no CUDA, no "
+                                     "kernel per coding, one sync)" if triton_on else "not timed (no CUDA, no "
                                      "TRITON_INTERPRET=1)"),
             "margin_fill": f"compact.fill on the dense planes on {device} (the trainer's MarginSites)",
             "margin_ms": "numpy packer / decoder", "margin_torch_ms": "torch packer / decoder",

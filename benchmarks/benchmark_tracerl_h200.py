@@ -17,7 +17,9 @@ one runs):
    asynchronous device-to-host drains; no host sync per step). Runs alternate, median of --reps. With
    ``--capture-margin M:MS`` (issue 23) a third engine records the same sites as margin-exception rows (a
    `MemorySink` declaring them with hint encoding margin: marks in the step, rows packed on the device when
-   written), timed alternately with the others (``step_ms_capture_margin``, ``margin_overhead_pct``).
+   written), timed alternately with the others (``step_ms_capture_margin``, ``margin_overhead_pct``); its marks run
+   on a side stream of the step (the default, `StaticDecoder` ``marks_stream``); ``--capture-marks-inline`` also
+   times a fourth engine with the marks in the step's own stream (``step_ms_capture_margin_inline``).
 ``trainer``: forward + backward time of one packed micro-batch in ``fp4_rne_own_scales`` vs ``fp4_hints``
    (hints and scales already on the device, and from host numpy arrays as a reader hands them out).
 ``fidelity``: `tracerl.demo.run_demo` at this size (FP4 rollout of trajectories of >= 4K tokens recorded to a
@@ -79,9 +81,10 @@ def _prompts(spec, batch, prompt, seed, ragged=False):
             for b in range(batch)]
 
 
-def bench_capture(spec, device, batch, prompt, steps, reps, seed, decode="auto", margin=None):
+def bench_capture(spec, device, batch, prompt, steps, reps, seed, decode="auto", margin=None, marks_inline=False):
     """Median decode step time (ms) with and without hint capture, same model, batch, prompts and decode path;
-    with ``margin`` (m, m_s), also with the sites recorded as margin-exception rows."""
+    with ``margin`` (m, m_s), also with the sites recorded as margin-exception rows (and with ``marks_inline``,
+    once more with the marks in the step's stream)."""
     from tracerl.hints import compact
 
     model, rt, widths, layers = _setup(spec, device, seed)
@@ -89,9 +92,12 @@ def bench_capture(spec, device, batch, prompt, steps, reps, seed, decode="auto",
     plain = RolloutEngine(model, rt, collect_routes=False, decode=decode)
     plain.calibrate(prompts)
     cap = RolloutEngine(model, rt, collect_routes=False, decode=decode)
-    mcap = RolloutEngine(model, rt, collect_routes=False, decode=decode, margin_capture=True)
+    mcaps = {"capture_margin": RolloutEngine(model, rt, collect_routes=False, decode=decode, margin_capture=True),
+             "capture_margin_inline": RolloutEngine(model, rt, collect_routes=False, decode=decode,
+                                                    margin_capture=True, marks_stream=False)}
     plain.generate(prompts, 4, seed=seed)  # warm-up: weight cache, kernels' compilation
-    names = ("plain", "capture") + (("capture_margin",) if margin else ())
+    names = (("plain", "capture") + (("capture_margin",) if margin else ())
+             + (("capture_margin_inline",) if margin and marks_inline else ()))
     times = {n: [] for n in names}
     prepare = {n: [] for n in names}
     bytes_recorded = {}
@@ -102,9 +108,9 @@ def bench_capture(spec, device, batch, prompt, steps, reps, seed, decode="auto",
             eng = plain
             if name != "plain":
                 msites = ({s: compact.store_site(s, w, coding, margin[0], margin[1]) for s, w in widths.items()}
-                          if name == "capture_margin" else None)
+                          if name in mcaps else None)
                 sink = MemorySink(widths, margin_sites=msites)
-                eng = mcap if msites else cap
+                eng = mcaps[name] if msites else cap
                 eng.recorder = RolloutRecorder(sink, widths, moe_layers=layers, top_k=spec.top_k, flush_tokens=1024,
                                                drain_every=32)
                 if rep == 0 and msites:  # the margin engine's first run compiles its mark kernels
@@ -130,6 +136,10 @@ def bench_capture(spec, device, batch, prompt, steps, reps, seed, decode="auto",
         out.update({"margin": list(margin), "coding": coding.to_json(), "step_ms_capture_margin": med["capture_margin"],
                     "margin_overhead_pct": 100 * (med["capture_margin"] / med["plain"] - 1),
                     "margin_bytes_recorded_last_rep": bytes_recorded["capture_margin"]})
+    if "capture_margin_inline" in med:
+        out.update({"step_ms_capture_margin_inline": med["capture_margin_inline"],
+                    "margin_inline_overhead_pct": 100 * (med["capture_margin_inline"] / med["plain"] - 1),
+                    "margin_inline_bytes_recorded_last_rep": bytes_recorded["capture_margin_inline"]})
     return out
 
 
@@ -318,6 +328,9 @@ def main(argv=None) -> int:
     p.add_argument("--capture-margin", default=None, metavar="M:MS",
                    help="capture: also time recording the sites as margin-exception rows at value margin M and "
                         "scale margin MS (default: not timed)")
+    p.add_argument("--capture-marks-inline", action="store_true",
+                   help="capture with --capture-margin: also time the marks in the step's own stream instead of "
+                        "the side stream (the default)")
     p.add_argument("--hint-layers", default="latter-half", help="fidelity: hinted layers (latter-half, all, ...)")
     p.add_argument("--hint-sites", default="moe-input", help="fidelity: hinted sites per layer (moe-input, all-fp4)")
     p.add_argument("--replay-routes", action="store_true", help="fidelity: trainer replays the rollout's routes")
@@ -389,11 +402,15 @@ def main(argv=None) -> int:
         out["capture"] = []
         for b in batches:
             margin = tuple(float(v) for v in args.capture_margin.split(":")) if args.capture_margin else None
-            c = bench_capture(spec, device, b, 64, cap_steps, reps, args.seed, decode=args.decode, margin=margin)
+            c = bench_capture(spec, device, b, 64, cap_steps, reps, args.seed, decode=args.decode, margin=margin,
+                              marks_inline=args.capture_marks_inline)
             out["capture"].append(c)
             save()
             extra = (f", {c['step_ms_capture_margin']:.3f} with margin capture ({c['margin_overhead_pct']:+.2f}%)"
                      if margin else "")
+            if "step_ms_capture_margin_inline" in c:
+                extra += (f", {c['step_ms_capture_margin_inline']:.3f} with its marks inline "
+                          f"({c['margin_inline_overhead_pct']:+.2f}%)")
             say(f"capture B={c['batch']} ({c['decode_path']}): {c['step_ms_plain']:.3f} ms/step plain, "
                 f"{c['step_ms_capture']:.3f} with capture ({c['overhead_pct']:+.2f}%){extra}; all {c['all_ms']}")
 

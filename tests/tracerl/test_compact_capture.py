@@ -26,15 +26,15 @@ MARGIN, SCALE_MARGIN = 0.1, 0.3
 NEW = 5
 
 
-def _rollout(tmp_path, decode="hf"):
+def _rollout(tmp_path, decode="hf", marks_stream=True, device="cpu"):
     spec = TinyMoESpec(family="qwen3-moe", **TINY)
-    model = build_model(spec, seed=0, attn_implementation="eager")
+    model = build_model(spec, seed=0, attn_implementation="eager").to(device)
     rt = install_fp4(model, plan_sites(model, hint_layers="0,1"))
     margin_site, bits_site = moe_input_site(1), moe_input_site(0)
     store = ts.create_store(str(tmp_path / "s"), [ts.Site(bits_site, 64),
                                                  C.store_site(margin_site, 64, CODING, MARGIN, SCALE_MARGIN, "byte")],
                             model={"global_scales": {}})
-    eng = RolloutEngine(model, rt, decode=decode, margin_capture=True)
+    eng = RolloutEngine(model, rt, decode=decode, margin_capture=True, marks_stream=marks_stream)
     eng.calibrate(PROMPTS)
     seen = spy_on_site(rt, margin_site)
     writer = store.writer("rollout", commit_interval_s=0)
@@ -71,6 +71,25 @@ def test_engine_records_margin_rows_equal_to_the_encoding_of_its_activation(tmp_
     assert any(C.unpack_rows(C.packed_from_store(store.sites[site], reader.read("req-0").rows[site]))
                .value_mask.any(dim=1))  # something is marked at m = 0.1
     assert ts.verify(store).ok
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the graph path needs CUDA")
+@pytest.mark.parametrize("marks_stream", [True, False])
+def test_graph_decode_records_the_rows_the_static_step_records(tmp_path, marks_stream):
+    """On CUDA, the graph decode (its marks on a side stream of the step, or in the step's stream) records every
+    request's margin and bits rows byte for byte as the eager static step with its marks in the step's stream."""
+    (tmp_path / "static").mkdir()
+    (tmp_path / "graph").mkdir()
+    stores = [_rollout(tmp_path / name, decode, ms, "cuda")[0]
+              for name, decode, ms in (("static", "static", False), ("graph", "graph", marks_stream))]
+    readers = [s.reader() for s in stores]
+    site, bits_site = moe_input_site(1), moe_input_site(0)
+    for b, p in enumerate(PROMPTS):
+        want, got = (r.read(f"req-{b}") for r in readers)
+        for part in ("data", "offsets"):
+            assert np.asarray(getattr(got.rows[site], part)).tobytes() == np.asarray(
+                getattr(want.rows[site], part)).tobytes(), (b, part)
+        assert np.array_equal(np.asarray(got.hints[bits_site]), np.asarray(want.hints[bits_site])), b
 
 
 def test_feed_hands_out_margin_exceptions_and_reconstructs(tmp_path):

@@ -50,7 +50,7 @@ def test_every_value_coding_decodes_as_numpy(values):
         _, enc, p = _case(10 * v + j, values, blocks, ["byte", "lsb"][j % 2], t=3, w=w)
         from tracerl.hints.compact_triton import _launch
 
-        got, flags = _launch(p, torch.device(DEVICE))
+        (got,), flags = _launch([p], torch.device(DEVICE))
         assert not flags.any(), "a row that decodes was flagged (it would take the slow path)"
         assert got == _want(p), (values, blocks)
         assert got.shape == enc.shape and got.value_marks.device.type == torch.device(DEVICE).type
@@ -131,6 +131,24 @@ def test_several_sites_one_call_and_the_first_failing_site_raises():
     want = coding_error(C.unpack_rows, cut)
     assert want is not None and want[0] is HintCodingError
     assert coding_error(unpack_sites_dense, dict(parts, s1=cut), DEVICE) == want
+
+
+def test_sites_of_one_coding_share_a_launch_with_their_own_rows_and_errors():
+    """Sites of one coding and width are stacked into one launch (with different row counts, and an empty site):
+    each gets its own rows back, and a damaged site among them raises what numpy raises for it."""
+    from tracerl.hints.compact_triton import unpack_sites_dense
+
+    parts = {f"s{i}": _case(40 + i, "rice2", "gamma", "lsb", t=t, w=64)[2] for i, t in enumerate([3, 1, 0, 4])}
+    parts["other"] = _case(50, "gamma", "gamma", "lsb", t=2, w=64)[2]
+    got = unpack_sites_dense(parts, DEVICE)
+    assert list(got) == list(parts) and all(got[s] == _want(p) for s, p in parts.items())
+    p = parts["s3"]
+    data = p.data.copy()
+    data[-1] ^= 0x01  # a trailing bit of the last row
+    want = coding_error(C.unpack_rows, C.PackedRows(data, p.offsets, 64, p.coding, p.margin, p.scale_margin, "lsb"))
+    assert want is not None
+    damaged = dict(parts, s3=C.PackedRows(data, p.offsets, 64, p.coding, p.margin, p.scale_margin, "lsb"))
+    assert coding_error(unpack_sites_dense, damaged, DEVICE) == want
 
 
 @pytest.mark.parametrize("payload", ["byte", "lsb"])

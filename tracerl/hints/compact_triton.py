@@ -1,4 +1,4 @@
-"""Margin-exception rows decoded by one Triton kernel per site straight into the planes the trainer's fill-in reads
+"""Margin-exception rows decoded by one Triton kernel straight into the planes the trainer's fill-in reads
 (`compact.DenseExceptions`; issue 23): the same result as the numpy `compact.unpack_rows` followed by
 `compact.densify`, with no jump tables, no compact lists and one host sync per call (the error flags).
 
@@ -26,7 +26,7 @@ rice<k>), both scale payloads.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -260,30 +260,50 @@ def _code(coding: str, n: int) -> tuple[int, int]:
     return {"all": _ALL, "bitmap": _BITMAP, "block-bitmap": _BLOCK_BITMAP, "gamma": _GAMMA}[coding], 0
 
 
-def _launch(p: PackedRows, device: torch.device) -> tuple[DenseExceptions, torch.Tensor]:
-    """Start decoding ``p`` on ``device``: (the planes, being written; bad flags int32 [T] on the device)."""
-    vc, vk = _code(p.coding.values, p.width)
-    bc, bk = _code(p.coding.blocks, p.width // BLOCK)
-    data, offsets = p.data, p.offsets  # host arrays (`_on_host`)
-    t_ = offsets.size - 1
-    if not offsets_cover(data, offsets):
-        unpack_rows(p)  # raises the numpy decoder's own error
-    w, nb = p.width, p.width // BLOCK
-    nbb = -(-nb // 8)
-    lsb = p.scale_payload == "lsb"
-    padded = np.zeros(data.size + 8, np.uint8)
-    padded[: data.size] = data
+def _key(p: PackedRows) -> tuple:
+    """What a launch specializes on: sites with the same key are decoded by one launch."""
+    return (*_code(p.coding.values, p.width), *_code(p.coding.blocks, p.width // BLOCK), p.width,
+            p.scale_payload == "lsb")
+
+
+def _launch(group: Sequence[PackedRows], device: torch.device) -> tuple[list[DenseExceptions], torch.Tensor]:
+    """Start decoding the sites of ``group`` (host arrays, `_on_host`; one `_key`) on ``device`` in one launch:
+    their rows stacked, one lane each, so that every site's rows run at once. Returns (each site's planes, being
+    written: row slices of one allocation per plane; whether each site has a flagged row, bool [S] on the
+    device). Every site's offsets must cover its data (`offsets_cover`)."""
+    vc, vk, bc, bk, w, lsb = _key(group[0])
+    counts = [p.offsets.size - 1 for p in group]
+    t_ = sum(counts)
+    nbytes = sum(p.data.size for p in group)
+    padded = np.zeros(nbytes + 8, np.uint8)  # 8 zero bytes past the end: the kernel's 8-byte windows
+    offsets = np.empty(t_ + 1, np.int64)
+    base = row = 0
+    for p, t in zip(group, counts):
+        padded[base: base + p.data.size] = p.data
+        offsets[row: row + t] = p.offsets[:-1] + base
+        base, row = base + p.data.size, row + t
+    offsets[t_] = nbytes
     d = to_device(torch.from_numpy(padded), device)  # pinned, no host sync
     off = to_device(torch.from_numpy(offsets), device)
+    nb = w // BLOCK
+    nbb = -(-nb // 8)
     z = {"device": device, "dtype": torch.uint8}
-    out = DenseExceptions(torch.zeros((t_, w // 8), **z), torch.zeros((t_, w // 8), **z), torch.zeros((t_, nbb), **z),
-                          torch.zeros((t_, nbb if lsb else nb), **z), w, p.margin, p.scale_margin, p.scale_payload)
-    bad = torch.zeros(max(t_, 0), dtype=torch.int32, device=device)
+    planes = (torch.zeros((t_, w // 8), **z), torch.zeros((t_, w // 8), **z), torch.zeros((t_, nbb), **z),
+              torch.zeros((t_, nbb if lsb else nb), **z))
+    bad = torch.zeros(t_, dtype=torch.int32, device=device)
     if t_:
         _unpack_dense_kernel[(triton.cdiv(t_, ROWS),)](
-            d, off, t_, data.size * 8, out.value_marks, out.hints, out.block_marks, out.stored_scales, bad, w, nb,
-            nbb, VC=vc, VK=vk, BC=bc, BK=bk, LSB=lsb, ROWS_=ROWS, num_warps=1)
-    return out, bad
+            d, off, t_, nbytes * 8, *planes, bad, w, nb, nbb, VC=vc, VK=vk, BC=bc, BK=bk, LSB=lsb, ROWS_=ROWS,
+            num_warps=1)
+    out, row = [], 0
+    for p, t in zip(group, counts):
+        out.append(DenseExceptions(*(a[row: row + t] for a in planes), w, p.margin, p.scale_margin, p.scale_payload))
+        row += t
+    if len(set(counts)) == 1:  # the usual case: every site has the micro-batch's rows
+        flagged = bad.view(len(group), counts[0]).any(dim=1)
+    else:
+        flagged = torch.stack([s.any() for s in torch.split(bad, counts)])
+    return out, flagged
 
 
 def _on_host(p: PackedRows) -> PackedRows:
@@ -296,8 +316,9 @@ def _on_host(p: PackedRows) -> PackedRows:
 
 def unpack_sites_dense(rows: Mapping[str, PackedRows], device: str | torch.device) -> dict[str, DenseExceptions]:
     """Each site's rows decoded on ``device`` (CUDA, or the CPU under ``TRITON_INTERPRET=1``) into
-    `compact.DenseExceptions`: one kernel launch per site and one host sync for all of them (the error flags). On
-    CUDA the rows go over from pinned memory and the kernels run on the side stream `compact_device` decodes on, so
+    `compact.DenseExceptions`: one kernel launch for all sites of one coding and width (their rows stacked: every
+    site's rows run at once; each site's planes are row slices of one allocation) and one host sync for all of them
+    (the error flags). On CUDA the rows go over from pinned memory and the kernels run on the side stream `compact_device` decodes on, so
     the sync waits for them alone, not for the caller's queued work; the caller's stream then waits for that stream
     and the planes are marked as used by it, so they are safe to use there at once.
 
@@ -316,13 +337,21 @@ def unpack_sites_dense(rows: Mapping[str, PackedRows], device: str | torch.devic
 
 
 def _decode(rows: Mapping[str, PackedRows], device: torch.device) -> dict[str, DenseExceptions]:
-    started = {site: _launch(p, device) for site, p in rows.items()}
-    flags = torch.stack([bad.any() for _, bad in started.values()]).tolist()  # the one sync
+    groups: dict[tuple, list[str]] = {}
+    for site, p in rows.items():
+        if not offsets_cover(p.data, p.offsets):
+            unpack_rows(p)  # raises the numpy decoder's own error (the first such site in order)
+        groups.setdefault(_key(p), []).append(site)
+    dense, flags = {}, []
+    for sites in groups.values():
+        out, flagged = _launch([rows[s] for s in sites], device)
+        dense.update(zip(sites, out))
+        flags.append(flagged)
+    flagged = dict(zip((s for sites in groups.values() for s in sites), torch.cat(flags).tolist()))  # the one sync
     out = {}
-    for (site, (dense, _)), flagged in zip(started.items(), flags):
-        if flagged:  # decoded again by numpy: its error, or (a conservative flag) its rows
-            dense = densify(unpack_rows(rows[site])).to(device)
-        out[site] = dense
+    for site in rows:  # the caller's order: its first failing site raises
+        # a flagged site is decoded again by numpy: its error, or (a conservative flag) its rows
+        out[site] = densify(unpack_rows(rows[site])).to(device) if flagged[site] else dense[site]
     return out
 
 

@@ -103,6 +103,10 @@ class StaticDecoder:
         each captured site's ``tracefp4.margin_marks`` at its points (value marks uint8 [B, W/8], block marks
         uint8 [B, ceil(W/128)], after the codes in the site's ring parts), computed in the step from its
         activation (no host sync).
+    marks_stream: on CUDA, run the marks kernels on a side stream forked from the step's stream at each site and
+        joined before the step's ring write (a branch of the graph beside the step's next kernels, instead of 20
+        small kernels in its critical path); the site's activation, scales and hints are held until the join.
+        False: in the step's stream. The same bits either way.
 
     Raises `ConfigError` for an unsupported model or ``use_graph`` off CUDA.
     """
@@ -120,6 +124,7 @@ class StaticDecoder:
         routes: bool = False,
         use_graph: bool = False,
         marks: Callable[[str], Sequence[tuple[float, float]]] | None = None,
+        marks_stream: bool = True,
     ):
         if not supports_static_decode(model):
             raise ConfigError("static decode supports full-attention decoder models (qwen3-moe); "
@@ -135,6 +140,9 @@ class StaticDecoder:
         self.capture, self.keep_codes, self.routes, self.use_graph = capture, keep_codes, routes, use_graph
         self.marks = marks or (lambda site: ())
         self._x: dict[str, torch.Tensor] = {}  # site -> this step's activation (with marks)
+        # the marks' side stream (CUDA) and what its kernels read, held until the step joins it
+        self._marks_stream = torch.cuda.Stream(device) if marks_stream and device.type == "cuda" else None
+        self._held: list[torch.Tensor] = []
         self.num_layers = cfg.num_hidden_layers
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -203,10 +211,28 @@ class StaticDecoder:
                 n, w = x.shape
                 if any((tuple(v.shape), tuple(b.shape)) != ((n, w // 8), (n, -(-w // 128))) for v, b in outs):
                     outs = None
-            marks = margin_marks_at(self.runtime, site, x, q.scales, q.hints, points, outs)
+            marks = self._marks(site, x, q.scales, q.hints, points, outs)
             for pair in marks:
                 parts += (None, None) if outs is not None else pair
         self._ring_write(("site", site), parts)
+
+    def _marks(self, site: str, x: torch.Tensor, scales: torch.Tensor, hints: torch.Tensor,
+               points: Sequence[tuple[float, float]], outs) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`margin_marks_at`, on the marks' side stream when there is one and ``outs`` (the stage views) are given:
+        forked from the step's stream here, joined by `_join_marks` before the ring write."""
+        if self._marks_stream is None or outs is None:
+            return margin_marks_at(self.runtime, site, x, scales, hints, points, outs)
+        self._marks_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._marks_stream):
+            marks = margin_marks_at(self.runtime, site, x, scales, hints, points, outs)
+        self._held += [x, scales, hints]  # not freed (nor reused by the step) before the join
+        return marks
+
+    def _join_marks(self) -> None:
+        """The step's stream waits for the marks' side stream (once per step, before the ring write)."""
+        if self._held:
+            torch.cuda.current_stream(self.device).wait_stream(self._marks_stream)
+            self._held.clear()
 
     def _on_route(self, layer: int, idx: torch.Tensor) -> None:
         self._ring_write(("route", str(layer)), (idx,))
@@ -271,6 +297,7 @@ class StaticDecoder:
             h = h + attn.o_proj(o.reshape(b, 1, kvh * grp * d))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         self.logits = self.model.lm_head(m.norm(h)[:, 0])  # [B, V]
+        self._join_marks()
         if self._pending:
             self._build_stage()
         if self._ring is not None:  # one copy per step puts every capture of the step in its ring slot

@@ -116,6 +116,8 @@ class RolloutEngine:
       ``mark_sites`` (None: every captured site) at each point, computed from its activation on every decode path
       (the static/graph paths in the step, into their ring) and handed to `_deliver_site` as ``marks`` (the
       audit's replay: `tracerl.audit.replay`).
+    marks_stream: the static/graph paths compute the marks on a side stream of the step (`StaticDecoder`
+      ``marks_stream``; CUDA); False: in the step's stream. The same bits either way.
 
     Raises `ConfigError` for an unknown decode path here, and from `generate` for a path the model or device
     cannot run (``graph`` off CUDA, ``static``/``graph`` with linear attention) and for a recorder with margin
@@ -138,6 +140,7 @@ class RolloutEngine:
         margin_capture: bool = False,
         mark_points: Sequence[tuple[float, float]] = (),
         mark_sites: Collection[str] | None = None,
+        marks_stream: bool = True,
     ):
         if decode not in DECODE_PATHS:
             raise ConfigError(f"unknown decode path {decode!r}; supported: {', '.join(DECODE_PATHS)}")
@@ -154,6 +157,7 @@ class RolloutEngine:
         self.margin_capture = bool(margin_capture)
         self.mark_points = [(float(m), float(ms)) for m, ms in mark_points]
         self.mark_sites = None if mark_sites is None else frozenset(mark_sites)
+        self.marks_stream = bool(marks_stream)
         self._x: dict[str, torch.Tensor] = {}  # site -> the activation of the current forward (margin_capture)
         self._cache_kw = cache_kwarg(model)
         self._rows: tuple[list[str], np.ndarray, torch.Tensor] | None = None
@@ -357,7 +361,8 @@ class RolloutEngine:
         rt = self.runtime
         dec = StaticDecoder(self.model, rt, batch=len(b.rids), max_len=b.ids.shape[1] + b.n_fed, ring=self.ring,
                             capture=rt.capture is not None, keep_codes=self.keep_codes,
-                            routes=rt.on_route is not None, use_graph=b.path == "graph", marks=self._ring_points)
+                            routes=rt.on_route is not None, use_graph=b.path == "graph", marks=self._ring_points,
+                            marks_stream=self.marks_stream)
         dec.prepare()
         return dec
 
