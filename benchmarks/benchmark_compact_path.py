@@ -108,7 +108,7 @@ def run(args) -> dict:
                                                      "margin_pack_torch", "margin_write", "margin_commit",
                                                      "plain_read", "margin_read", "margin_unpack",
                                                      "margin_unpack_torch", "margin_reconstruct",
-                                                     "margin_unpack_triton", "margin_fill")}
+                                                     "margin_unpack_triton", "margin_fill", "margin_concat")}
     triton_on = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     if triton_on:
         from tracerl.hints import compact_triton as CT
@@ -173,7 +173,7 @@ def run(args) -> dict:
             tok = min(args.mb_tokens, n)
             per_mb = max(1, args.mb_tokens // tok)
             rp, rm = plain.reader(), margin.reader()
-            t_pr = t_mr = t_u = t_ut = t_rc = t_tr = t_fi = 0.0
+            t_pr = t_mr = t_u = t_ut = t_rc = t_tr = t_fi = t_cc = 0.0
             mbs = 0
             for start in range(0, args.batch, per_mb):
                 reqs = range(start, min(args.batch, start + per_mb))
@@ -186,7 +186,8 @@ def run(args) -> dict:
                 # as the feed does: the micro-batch's rows of a site concatenated, decoded once
                 rows = {n: C.packed_from_store(margin.sites[n], concat_margin_rows([bt.rows[n] for bt in got]))
                         for n in names}
-                t_cat = time.perf_counter() - t2  # the rows' concatenation: counted in both decoders' figures
+                t_cat = time.perf_counter() - t2  # the rows' concatenation: counted in every decoder's figure
+                t_cc += t_cat  # and reported alone (the feed does it in its reading thread or process)
                 t20 = time.perf_counter()
                 encs = {n: C.unpack_rows(p) for n, p in rows.items()}
                 t3 = time.perf_counter()
@@ -227,7 +228,7 @@ def run(args) -> dict:
                 t_pr, t_mr, t_u, t_rc = t_pr + (t1 - t0), t_mr + (t2 - t1), t_u + t_cat + (t3 - t20), t_rc + (t4 - t4_0)
                 mbs += 1
             for key, v in (("plain_read", t_pr), ("margin_read", t_mr), ("margin_unpack", t_u),
-                           ("margin_unpack_torch", t_ut), ("margin_reconstruct", t_rc),
+                           ("margin_unpack_torch", t_ut), ("margin_reconstruct", t_rc), ("margin_concat", t_cc),
                            *((("margin_unpack_triton", t_tr), ("margin_fill", t_fi)) if triton_on else ())):
                 times[key].append(v / mbs)
             if r == 0:
@@ -308,6 +309,8 @@ def run(args) -> dict:
                                      "kernel per coding, one sync)" if triton_on else "not timed (no CUDA, no "
                                      "TRITON_INTERPRET=1)"),
             "margin_fill": f"compact.fill on the dense planes on {device} (the trainer's MarginSites)",
+            "margin_concat": "host: the micro-batch's rows of each site concatenated (concat_margin_rows; included in "
+                             "each margin_unpack* figure; the feed does it in its reading thread or process)",
             "margin_ms": "numpy packer / decoder", "margin_torch_ms": "torch packer / decoder",
         },
         "packed_equal": True,  # every torch pack and decode was checked equal to numpy's (else the run fails)
