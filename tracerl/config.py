@@ -219,9 +219,9 @@ SET_ASIDE_REASONS: dict[str, str] = {
 #: QAT modes of the trainer (`tracerl.policy.runtime.MODES`): here, so that the command line checks them without torch
 QAT_MODES = ("bf16", "fp4_rne_own_scales", "fp4_rne_rollout_scales", "fp4_hints")
 #: where margin-exception rows are decoded (`tracerl.hints.compact_device.unpack_sites`, `decode_margin`, `HintFeed`):
-#: "auto" (on a CUDA device with the torch codec, else with numpy on the host), "device" (the torch codec on the
-#: device), "host" (numpy),
-#: "triton" (one Triton kernel per site straight into the planes the fill-in reads: CUDA, or TRITON_INTERPRET=1)
+#: "auto" (on a CUDA device with the Triton decoder, or the torch codec where Triton is missing; else with numpy on
+#: the host), "device" (the torch codec on the device), "host" (numpy), "triton" (one Triton kernel per coding
+#: straight into the planes the fill-in reads: CUDA, or TRITON_INTERPRET=1)
 MARGIN_DECODES = ("auto", "device", "host", "triton")
 
 

@@ -350,6 +350,22 @@ def test_decode_margin_on_the_device_equals_the_host_decode(margin_store):
         decode_margin(store, packed, "cpu", decode="gpu")
 
 
+def test_auto_is_the_triton_decoder_on_cuda_and_numpy_elsewhere(monkeypatch):
+    """"auto" resolves by device: numpy on the CPU; on CUDA the Triton decoder, or the torch codec without Triton
+    (`resolve_margin_decode` only looks at the device type and Triton's presence: no GPU needed)."""
+    import importlib.util
+
+    assert D.resolve_margin_decode("auto", "cpu") == "host"
+    assert D.resolve_margin_decode("auto", "cuda") == "triton"
+    for named in ("host", "device", "triton"):
+        assert D.resolve_margin_decode(named, "cuda") == named == D.resolve_margin_decode(named, "cpu")
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else find(name, *a))
+    assert D.resolve_margin_decode("auto", "cuda") == "device"
+    with pytest.raises(ConfigError, match="decode must be one of"):
+        D.resolve_margin_decode("gpu", "cpu")
+
+
 def test_the_device_codec_is_public_in_tracerl_hints():
     import tracerl.hints as H
 

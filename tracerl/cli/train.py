@@ -106,9 +106,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="read the next step's micro-batches while a step computes: in a reader process, in a thread, "
                         "or not (default auto: a reader process on a GPU, off on the CPU)")
     p.add_argument("--margin-decode", choices=MARGIN_DECODES, default=_D.margin_decode,
-                   help="where a store's margin-exception rows are decoded: auto (the torch codec on a GPU, numpy on "
-                        "the CPU), device (the torch codec), host (numpy), triton (one Triton kernel per site; a GPU) "
-                        f"(default {_D.margin_decode})")
+                   help="where a store's margin-exception rows are decoded: auto (the Triton decoder on a GPU, numpy "
+                        "on the CPU), device (the torch codec), host (numpy), triton (one Triton kernel per coding; a "
+                        f"GPU) (default {_D.margin_decode})")
     p.add_argument("--time-phases", action="store_true",
                    help="time each step's phases (forward, backward, mismatch, optimizer, ...) into the metrics' "
                         "phases_s, waiting for the device at each phase boundary")

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import logging
 from collections.abc import Callable, Mapping, Sequence
 
@@ -893,23 +894,37 @@ def _unpack_sites(rows: Mapping[str, PackedRows], device: torch.device) -> dict[
     return {s: out[s] for s in rows}
 
 
+def resolve_margin_decode(decode: str, device: str | torch.device) -> str:
+    """The decoder "auto" stands for on ``device``: "triton" on CUDA when Triton is installed (timed on an H100:
+    20 sites x 1,024 rows in ~3 ms, the torch codec ~130 ms; `benchmarks/benchmark_compact_path.py`), the torch
+    codec ("device") on CUDA without it, numpy ("host") elsewhere; any other ``decode`` as it is. Raises
+    `ConfigError` for an unknown ``decode``."""
+    if decode not in MARGIN_DECODES:
+        raise ConfigError(f"decode must be one of {list(MARGIN_DECODES)}; got {decode!r}")
+    if decode != "auto":
+        return decode
+    if torch.device(device).type != "cuda":
+        return "host"
+    return "triton" if importlib.util.find_spec("triton") is not None else "device"
+
+
 def unpack_sites(rows: Mapping[str, PackedRows], device: str | torch.device, decode: str = "auto"
                  ) -> dict[str, MarginExceptions | DenseExceptions]:
     """Each site's rows decoded where ``decode`` says (`tracerl.config.MARGIN_DECODES`), the results on ``device``:
     "host" with numpy (`compact.unpack_rows`, the masks and bytes then copied over), "device" with the torch codec
-    there (`unpack_sites_torch`), "triton" with one Triton kernel per site straight into `DenseExceptions`
-    (`compact_triton.unpack_sites_dense`; CUDA, or the CPU under TRITON_INTERPRET=1), "auto": "device" on CUDA, else
-    "host". The results are equal either way (`compact.densify` of the others' is the "triton" result).
+    there (`unpack_sites_torch`), "triton" with one Triton kernel per coding straight into `DenseExceptions`
+    (`compact_triton.unpack_sites_dense`; CUDA, or the CPU under TRITON_INTERPRET=1), "auto": `resolve_margin_decode`
+    ("triton" on CUDA, else "host"). The results are equal either way (`compact.densify` of the others' is the
+    "triton" result).
 
     Raises `ConfigError` for an unknown ``decode`` or coding, `HintCodingError` for rows that do not decode."""
-    if decode not in MARGIN_DECODES:
-        raise ConfigError(f"decode must be one of {list(MARGIN_DECODES)}; got {decode!r}")
     device = torch.device(device)
+    decode = resolve_margin_decode(decode, device)
     if decode == "triton":
         from tracerl.hints.compact_triton import unpack_sites_dense
 
         return unpack_sites_dense(rows, device)
-    if decode == "device" or (decode == "auto" and device.type == "cuda"):
+    if decode == "device":
         return unpack_sites_torch(rows, device)
     out = {}
     for site, p in rows.items():

@@ -23,11 +23,12 @@ the hint-guided quantization in the trainer's model and takes a `FeedBatch`'s te
 ``hints``/``scales`` entry: its rows are decoded into ``FeedBatch.margin[site]`` (`compact.MarginExceptions` on the
 device), and the forward works out the scales and hints from its own activation with `FeedBatch.reconstruct`
 (`compact.reconstruct`), then rounds with today's hint-guided kernels. Where they are decoded is ``margin_decode``:
-on a CUDA feed device (``"auto"``, the default; ``"device"`` on any device) the reading thread hands over the raw
-rows and they are decoded on the device when the batch is handed out (`compact_device.unpack_sites_torch`, on a
-side stream: its syncs wait for the decode's own kernels, not for the trainer's queued work; the sites that share a
-width, coding and scale payload are decoded in one call, so a micro-batch costs the syncs of one decode per such
-group, not per site); otherwise
+on a CUDA feed device (``"auto"``, the default: the Triton decoder `compact_triton.unpack_sites_dense` into
+`compact.DenseExceptions`; ``"triton"`` names it; ``"device"``, on any device, the torch codec
+`compact_device.unpack_sites_torch`) the reading thread hands over the raw rows and they are decoded on the device
+when the batch is handed out (on a side stream: the syncs wait for the decode's own kernels, not for the trainer's
+queued work; the sites that share a width, coding and scale payload are decoded in one call, so a micro-batch
+costs the syncs of one decode per such group, not per site); otherwise
 (``"host"``, or ``"auto"`` on the CPU) the reading thread decodes them with numpy (`compact.unpack_rows`) and the
 masks and bytes are copied over. Both give equal exceptions. Such a site is read whole (no tensor-parallel feature
 slice).
@@ -49,7 +50,7 @@ from tracerl.artifacts.codes import RolloutCodes
 from tracerl.config import MARGIN_DECODES
 from tracerl.errors import ConfigError
 from tracerl.hints import compact
-from tracerl.hints.compact_device import unpack_sites
+from tracerl.hints.compact_device import resolve_margin_decode, unpack_sites
 from tracerl.hints.packing import MicroBatch, PackedHints, Segment, cp_shard, dp_shard, read_packed, tp_feature_range
 from tracerl.hints.source import RecordSource, packed_nbytes
 from tracerl.util import to_device
@@ -176,9 +177,10 @@ class HintFeed:
         global_scales: site -> g the rollout divided by (default: the store's model metadata ``global_scales``;
             a store written by SGLang records them per policy version: `tracerl.sglang`).
         codes: also hand out the rollout's recorded codes (``FeedBatch.codes``), where it recorded them.
-        margin_decode: where margin sites' rows are decoded (`MARGIN_DECODES`, module docstring): "auto" on the
-            device when it is a CUDA device, else on the host; "device" on the device (CPU too); "host" on the host;
-            "triton" on the device by `compact_triton.unpack_sites_dense` (``FeedBatch.margin`` then holds
+        margin_decode: where margin sites' rows are decoded (`MARGIN_DECODES`, module docstring): "auto" on a
+            CUDA device by the Triton decoder (`compact_device.resolve_margin_decode`), else on the host; "device" on
+            the device by the torch codec (CPU too); "host" on the host; "triton" on the device by
+            `compact_triton.unpack_sites_dense` (with it, and with "auto" on CUDA, ``FeedBatch.margin`` holds
             `compact.DenseExceptions`).
 
     Raises `ConfigError` for unknown sites, bad ranks, sites whose width does not split into ``tp`` slices, or an
@@ -316,7 +318,7 @@ class HintFeed:
         if margin is None and self.margin_on_device and packed.margin:  # decoded here, on the device
             margin = unpack_sites({s: compact.packed_from_store(self.store.sites[s], rows)
                                    for s, rows in packed.margin.items()}, dev,
-                                  "triton" if self.margin_decode == "triton" else "device")
+                                  resolve_margin_decode(self.margin_decode, dev))
 
         def put(a: np.ndarray, dtype=None) -> torch.Tensor:
             t = torch.from_numpy(np.ascontiguousarray(a))

@@ -134,8 +134,8 @@ def decode_margin(store: ts.Store, packed: Any, device: str | torch.device = "cp
     ``decode``: where (`compact_device.unpack_sites`): "host" (numpy, then copied to ``device``), "device" (the
     torch codec there: the sites that share a width, coding and scale payload in one decode over their rows stacked,
     one or two syncs per such group, on a side stream of a CUDA device, so they do not wait for the caller's queued
-    work), "triton" (one Triton kernel per site straight into `compact.DenseExceptions`, the planes `compact.fill`
-    reads; one sync per call), "auto" ("device" on CUDA, else "host"). The default stays "host" for callers that
+    work), "triton" (one Triton kernel per coding straight into `compact.DenseExceptions`, the planes `compact.fill`
+    reads; one sync per call), "auto" (`compact_device.resolve_margin_decode`: "triton" on CUDA, else "host"). The default stays "host" for callers that
     have not opted in. The results are equal either way (`compact.densify` of the others' is the "triton" result).
 
     Raises `HintCodingError` for rows that do not decode, `ConfigError` for a site that is not a margin site or an

@@ -104,9 +104,11 @@ class StaticDecoder:
         uint8 [B, ceil(W/128)], after the codes in the site's ring parts), computed in the step from its
         activation (no host sync).
     marks_stream: on CUDA, run the marks kernels on a side stream forked from the step's stream at each site and
-        joined before the step's ring write (a branch of the graph beside the step's next kernels, instead of 20
-        small kernels in its critical path); the site's activation, scales and hints are held until the join.
-        False: in the step's stream. The same bits either way.
+        joined before the step's ring write (a branch of the graph beside the step's next kernels); the site's
+        activation, scales and hints are held until the join. Off by default: on an H100 (20 sites, graph decode)
+        it made the step slower, not faster (margin capture +2.09% vs +1.52% at batch 4, +2.00% vs +1.44% at 16:
+        the fork and join per site cost more than the marks kernels; `capture-margin-side-stream-h100.json`). The
+        same bits either way.
 
     Raises `ConfigError` for an unsupported model or ``use_graph`` off CUDA.
     """
@@ -124,7 +126,7 @@ class StaticDecoder:
         routes: bool = False,
         use_graph: bool = False,
         marks: Callable[[str], Sequence[tuple[float, float]]] | None = None,
-        marks_stream: bool = True,
+        marks_stream: bool = False,
     ):
         if not supports_static_decode(model):
             raise ConfigError("static decode supports full-attention decoder models (qwen3-moe); "

@@ -117,7 +117,8 @@ class RolloutEngine:
       (the static/graph paths in the step, into their ring) and handed to `_deliver_site` as ``marks`` (the
       audit's replay: `tracerl.audit.replay`).
     marks_stream: the static/graph paths compute the marks on a side stream of the step (`StaticDecoder`
-      ``marks_stream``; CUDA); False: in the step's stream. The same bits either way.
+      ``marks_stream``; CUDA; off by default: measured slower); False: in the step's stream. The same bits either
+      way.
 
     Raises `ConfigError` for an unknown decode path here, and from `generate` for a path the model or device
     cannot run (``graph`` off CUDA, ``static``/``graph`` with linear attention) and for a recorder with margin
@@ -140,7 +141,7 @@ class RolloutEngine:
         margin_capture: bool = False,
         mark_points: Sequence[tuple[float, float]] = (),
         mark_sites: Collection[str] | None = None,
-        marks_stream: bool = True,
+        marks_stream: bool = False,
     ):
         if decode not in DECODE_PATHS:
             raise ConfigError(f"unknown decode path {decode!r}; supported: {', '.join(DECODE_PATHS)}")
