@@ -18,8 +18,10 @@ one runs):
    ``--capture-margin M:MS`` (issue 23) a third engine records the same sites as margin-exception rows (a
    `MemorySink` declaring them with hint encoding margin: marks in the step, rows packed on the device when
    written), timed alternately with the others (``step_ms_capture_margin``, ``margin_overhead_pct``); its marks run
-   in the step's stream (the default); ``--capture-marks-side-stream`` also times a fourth engine with the marks on
-   a side stream of the step (`StaticDecoder` ``marks_stream``; ``step_ms_capture_margin_side``).
+   in the capture kernel's own pass (the default, `StaticDecoder` ``fuse_marks``); ``--capture-marks-apart`` also
+   times an engine with a marks launch per site in the step's stream (``step_ms_capture_margin_apart``), and
+   ``--capture-marks-side-stream`` one with those launches on a side stream of the step (``marks_stream``;
+   ``step_ms_capture_margin_side``).
 ``trainer``: forward + backward time of one packed micro-batch in ``fp4_rne_own_scales`` vs ``fp4_hints``
    (hints and scales already on the device, and from host numpy arrays as a reader hands them out).
 ``fidelity``: `tracerl.demo.run_demo` at this size (FP4 rollout of trajectories of >= 4K tokens recorded to a
@@ -81,10 +83,11 @@ def _prompts(spec, batch, prompt, seed, ragged=False):
             for b in range(batch)]
 
 
-def bench_capture(spec, device, batch, prompt, steps, reps, seed, decode="auto", margin=None, marks_side=False):
+def bench_capture(spec, device, batch, prompt, steps, reps, seed, decode="auto", margin=None, marks_side=False,
+                  marks_apart=False):
     """Median decode step time (ms) with and without hint capture, same model, batch, prompts and decode path;
-    with ``margin`` (m, m_s), also with the sites recorded as margin-exception rows (and with ``marks_side``, once
-    more with the marks on a side stream of the step)."""
+    with ``margin`` (m, m_s), also with the sites recorded as margin-exception rows (and with ``marks_apart`` /
+    ``marks_side``, once more with a marks launch per site in the step's stream / on a side stream of it)."""
     from tracerl.hints import compact
 
     model, rt, widths, layers = _setup(spec, device, seed)
@@ -94,9 +97,12 @@ def bench_capture(spec, device, batch, prompt, steps, reps, seed, decode="auto",
     cap = RolloutEngine(model, rt, collect_routes=False, decode=decode)
     mcaps = {"capture_margin": RolloutEngine(model, rt, collect_routes=False, decode=decode, margin_capture=True),
              "capture_margin_side": RolloutEngine(model, rt, collect_routes=False, decode=decode,
-                                                  margin_capture=True, marks_stream=True)}
+                                                  margin_capture=True, marks_stream=True, fuse_marks=False),
+             "capture_margin_apart": RolloutEngine(model, rt, collect_routes=False, decode=decode,
+                                                   margin_capture=True, fuse_marks=False)}
     plain.generate(prompts, 4, seed=seed)  # warm-up: weight cache, kernels' compilation
     names = (("plain", "capture") + (("capture_margin",) if margin else ())
+             + (("capture_margin_apart",) if margin and marks_apart else ())
              + (("capture_margin_side",) if margin and marks_side else ()))
     times = {n: [] for n in names}
     prepare = {n: [] for n in names}
@@ -136,6 +142,10 @@ def bench_capture(spec, device, batch, prompt, steps, reps, seed, decode="auto",
         out.update({"margin": list(margin), "coding": coding.to_json(), "step_ms_capture_margin": med["capture_margin"],
                     "margin_overhead_pct": 100 * (med["capture_margin"] / med["plain"] - 1),
                     "margin_bytes_recorded_last_rep": bytes_recorded["capture_margin"]})
+    if "capture_margin_apart" in med:
+        out.update({"step_ms_capture_margin_apart": med["capture_margin_apart"],
+                    "margin_apart_overhead_pct": 100 * (med["capture_margin_apart"] / med["plain"] - 1),
+                    "margin_apart_bytes_recorded_last_rep": bytes_recorded["capture_margin_apart"]})
     if "capture_margin_side" in med:
         out.update({"step_ms_capture_margin_side": med["capture_margin_side"],
                     "margin_side_overhead_pct": 100 * (med["capture_margin_side"] / med["plain"] - 1),
@@ -328,6 +338,9 @@ def main(argv=None) -> int:
     p.add_argument("--capture-margin", default=None, metavar="M:MS",
                    help="capture: also time recording the sites as margin-exception rows at value margin M and "
                         "scale margin MS (default: not timed)")
+    p.add_argument("--capture-marks-apart", action="store_true",
+                   help="capture with --capture-margin: also time the marks as a launch per site in the step's stream "
+                        "instead of in the capture kernel (the default)")
     p.add_argument("--capture-marks-side-stream", action="store_true",
                    help="capture with --capture-margin: also time the marks on a side stream of the step instead of "
                         "in its own stream (the default)")
@@ -403,11 +416,14 @@ def main(argv=None) -> int:
         for b in batches:
             margin = tuple(float(v) for v in args.capture_margin.split(":")) if args.capture_margin else None
             c = bench_capture(spec, device, b, 64, cap_steps, reps, args.seed, decode=args.decode, margin=margin,
-                              marks_side=args.capture_marks_side_stream)
+                              marks_side=args.capture_marks_side_stream, marks_apart=args.capture_marks_apart)
             out["capture"].append(c)
             save()
             extra = (f", {c['step_ms_capture_margin']:.3f} with margin capture ({c['margin_overhead_pct']:+.2f}%)"
                      if margin else "")
+            if "step_ms_capture_margin_apart" in c:
+                extra += (f", {c['step_ms_capture_margin_apart']:.3f} with a marks launch per site "
+                          f"({c['margin_apart_overhead_pct']:+.2f}%)")
             if "step_ms_capture_margin_side" in c:
                 extra += (f", {c['step_ms_capture_margin_side']:.3f} with its marks on a side stream "
                           f"({c['margin_side_overhead_pct']:+.2f}%)")

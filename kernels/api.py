@@ -413,15 +413,29 @@ class _QuantizeFakeFn(torch.autograd.Function):
     scales (reference). Backward of the fake-quantized output: straight-through, as `fake_quantize`."""
 
     @staticmethod
-    def forward(ctx, x, g, fmt, backend, scale_rule, emit_hints, ste, scales_out, hints_out):
+    def forward(ctx, x, g, fmt, backend, scale_rule, emit_hints, ste, scales_out, hints_out, marks=None):
         block = BLOCK_SIZES[fmt]
         xb = x.reshape(-1, block)  # [NB, B]
         nb = xb.shape[0]
         s_out = None if scales_out is None else scales_out.view(nb)
         h_out = None if hints_out is None else hints_out.view(nb, block // HINTS_PER_BYTE)
+        marked = marks is None
         if backend == "triton":
-            y, codes, scales, hints = _triton().quantize_fake_blocks_triton(xb, fmt, g, scale_rule, emit_hints,
-                                                                            scales_out=s_out, hints_out=h_out)
+            tk = _triton()
+            fused = None
+            if marks is not None and (x.shape[-1] // block) % 8 == 0:  # whole bytes of block marks per row
+                (vm, bm), thr, _ = marks
+                fused = (vm.view(nb, block // HINTS_PER_BYTE), bm.view(-1), thr)
+            try:
+                y, codes, scales, hints = tk.quantize_fake_blocks_triton(xb, fmt, g, scale_rule, emit_hints,
+                                                                         scales_out=s_out, hints_out=h_out,
+                                                                         marks=fused)
+                marked = marked or fused is not None
+            except tk.LaunchConfigError:  # a config the marks cannot fuse into: the same bits, marks apart
+                if fused is None:
+                    raise
+                y, codes, scales, hints = tk.quantize_fake_blocks_triton(xb, fmt, g, scale_rule, emit_hints,
+                                                                         scales_out=s_out, hints_out=h_out)
         else:
             codes, scales, hints = ref.quantize_blocks_ref(xb, fmt, g, scale_rule, emit_hints)
             y = ref.fake_quantize_blocks_ref(xb, fmt, g, scales, None, scale_rule)  # the same own scales
@@ -429,6 +443,13 @@ class _QuantizeFakeFn(torch.autograd.Function):
                 scales = s_out.copy_(scales)
             if h_out is not None and hints is not None:
                 hints = h_out.copy_(hints)
+        if not marked:  # the marks as their own launch (reference backend, or not fusable here)
+            from .margin import margin_marks
+
+            (vm, bm), _, (m, ms) = marks
+            d = x.shape[-1]
+            margin_marks(x.reshape(-1, d), g, scales.view(-1, d // block), hints.view(-1, d // HINTS_PER_BYTE),
+                         m, ms, backend=backend, out=(vm, bm))
         ctx.ste, ctx.fmt, ctx.backend = ste, fmt, backend
         if ste == "clip":
             ctx.save_for_backward(x, g, scales)
@@ -439,7 +460,7 @@ class _QuantizeFakeFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y, _gc, _gs, _gh):
-        return _ste_backward(ctx, grad_y), None, None, None, None, None, None, None, None
+        return _ste_backward(ctx, grad_y), None, None, None, None, None, None, None, None, None
 
 
 def _check_out(t: torch.Tensor | None, name: str, x: torch.Tensor, per: int) -> torch.Tensor | None:
@@ -492,6 +513,8 @@ def quantize_fake(
     x: torch.Tensor, fmt: str = "nvfp4", global_scale: torch.Tensor | float | None = None, backend: str = "auto",
     *, scale_rule: str = "floor", emit_hints: bool = True, ste: str = "identity",
     scales_out: torch.Tensor | None = None, hints_out: torch.Tensor | None = None,
+    marks: tuple[float, float] | None = None,
+    marks_out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, QuantizedFP4]:
     """The rollout's capture at a hinted site in one pass: ``(y, q)`` with
 
@@ -507,9 +530,16 @@ def quantize_fake(
     ``scales_out`` ([..., D/block] uint8) and ``hints_out`` ([..., D/8] uint8), contiguous, on x's device: the
     scales and hints are written into these buffers instead of fresh tensors, and ``q.scales`` / ``q.hints`` are
     them (a CUDA-graph decode hands its capture buffers here, so recording costs no copy per site).
+    ``marks`` = (margin, scale_margin) (NVFP4, with hints): also the site's margin exceptions,
+    ``margin_marks(x2, g, q.scales, q.hints, margin, scale_margin)`` of x as rows x2 [T, D], written into
+    ``marks_out`` = (value marks uint8 [T, D/8], block marks uint8 [T, ceil(D/128)]), bit for bit; the Triton
+    kernel computes them in the same pass when D is a multiple of 128 (else, and on the reference backend, a
+    `margin_marks` launch follows).
 
     Raises the errors of `quantize` (ShapeError, DTypeError, FormatError, BackendError), FormatError for an
-    unknown ``ste``, and ShapeError / DTypeError for an output buffer of another shape, layout, device or dtype.
+    unknown ``ste``, ShapeError / DTypeError for an output buffer of another shape, layout, device or dtype, and
+    with ``marks`` the errors of `margin_marks` (FormatError for a bad margin or MXFP4 / no hints, ShapeError
+    without ``marks_out``).
     """
     _check_x(x, fmt)
     _check_rule(scale_rule)
@@ -518,11 +548,21 @@ def quantize_fake(
     block = BLOCK_SIZES[fmt]
     scales_out = _check_out(scales_out, "scales_out", x, block)
     hints_out = _check_out(hints_out, "hints_out", x, HINTS_PER_BYTE) if emit_hints else None
+    lead, d = x.shape[:-1], x.shape[-1]
+    fused = None
+    if marks is not None:
+        from .margin import _fused_marks
+
+        if fmt != "nvfp4" or not emit_hints:
+            raise FormatError(f"margin marks are of NVFP4 sites with hints; got fmt={fmt!r}, emit_hints={emit_hints}")
+        if not isinstance(marks, (tuple, list)) or len(marks) != 2:
+            raise FormatError(f"marks must be (margin, scale_margin); got {marks!r}")
+        marks_out, thr = _fused_marks(x.numel() // d, d, x.device, marks[0], marks[1], marks_out)
+        fused = (marks_out, thr, (float(marks[0]), float(marks[1])))
     g = _global_scale(global_scale, fmt, x.device, x)
     be = resolve_backend(backend, x.device)
     y, codes, scales, hints = _QuantizeFakeFn.apply(x.contiguous(), g, fmt, be, scale_rule, emit_hints, ste,
-                                                    scales_out, hints_out)
-    lead, d = x.shape[:-1], x.shape[-1]
+                                                    scales_out, hints_out, fused)
     q = QuantizedFP4(
         codes=codes.reshape(*lead, d // 2),
         scales=scales.reshape(*lead, d // block),

@@ -393,6 +393,18 @@ def margin_marks(x: torch.Tensor, global_scale: torch.Tensor | float, scales: to
     return out
 
 
+def _fused_marks(t_: int, w: int, device: torch.device, margin: float, scale_margin: float,
+                 out) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[int, ...]]:
+    """`quantize_fake`'s ``marks`` for x [t_, w]: (``out`` checked as `margin_marks`' out, the 15 thresholds
+    L0, H0, .., L6, H6, KS of ``margin`` and ``scale_margin``). Raises as `margin_marks` does."""
+    if out is None:
+        raise ShapeError("marks need marks_out: the (value marks, block marks) tensors to write them into")
+    out = _check_out(out, ((t_, w // HINTS_PER_BYTE), (t_, -(-(w // BLOCK) // HINTS_PER_BYTE))), device)
+    m = _check_margin(margin, "margin")
+    ms = _check_margin(scale_margin, "scale_margin")
+    return out, tuple(v for lo_hi in value_intervals(m) for v in lo_hi) + (scale_margin_threshold(ms),)
+
+
 def margin_fill(x: torch.Tensor, global_scale: torch.Tensor | float, value_marks: torch.Tensor,
                 block_marks: torch.Tensor, stored_hints: torch.Tensor, stored_scales: torch.Tensor,
                 scale_payload: str = "byte", backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:

@@ -737,18 +737,85 @@ def _store_piece(out_ptr, blk, bmask, p: tl.constexpr, P: tl.constexpr, K: tl.co
 
 
 # ---------------------------------------------------------------------------------------------------------
+# margin marks (`tracefp4.margin`, NUMERICS §12): shared with `tracefp4.triton_margin`, and fused into the
+# rollout's capture (`quantize_fake` with ``marks``)
+# ---------------------------------------------------------------------------------------------------------
+@triton.jit
+def _t_fields(t):
+    """(fb, F23) int32 of a block's t = RN(RN(amax / 6) / g) before its clamp to [2^-9, 448]
+    (tracefp4.margin.scale_fields): fb = floor(w(t)) and F23 = 2^23 frac(w(t)) from t's bits."""
+    t = tl.minimum(tl.maximum(t, 0.001953125), 448.0)
+    bits = t.to(tl.int32, bitcast=True)
+    e = bits >> 23
+    m = bits & 0x7FFFFF
+    sh = tl.minimum(e - 118, 3)
+    f23 = (m << sh) & 0x7FFFFF
+    fb = tl.where(e >= 121, ((e - 120) << 3) | (m >> 20), (m | 0x800000) >> (23 - sh))
+    return fb, f23
+
+
+@triton.jit
+def _own_byte(fb, f23):
+    up = (f23 > 4194304) | ((f23 == 4194304) & ((fb & 1) == 1))  # 4194304 = 2^22: the E4M3 midpoint
+    return fb + up.to(tl.int32)
+
+
+@triton.jit
+def _rtn_lsb(ab):
+    """LSB of the round-to-nearest magnitude code from bits(|v|): parity of NUMERICS §3's boundary compares on the
+    bits of 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 (ties to the even code; NaN's bits pass all: code 7)."""
+    n = ((ab > 0x3E800000).to(tl.int32) + (ab >= 0x3F400000).to(tl.int32) + (ab > 0x3FA00000).to(tl.int32)
+         + (ab >= 0x3FE00000).to(tl.int32) + (ab > 0x40200000).to(tl.int32) + (ab >= 0x40600000).to(tl.int32)
+         + (ab > 0x40A00000).to(tl.int32))
+    return n & 1
+
+
+@triton.jit
+def _value_mark(x, r, cb, thr):
+    """int32 0/1 [BN, J]: value x (fp32) with its block's r marked (`tracefp4.margin_marks`): bits(|x * r|) in one
+    of the 7 ranges of ``thr`` (L0, H0, .., L6, H6), or the code's LSB (cb = code << 22) not the RTN LSB."""
+    ab = (x * r).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    m = (((ab >= thr[0]) & (ab <= thr[1])) | ((ab >= thr[2]) & (ab <= thr[3])) | ((ab >= thr[4]) & (ab <= thr[5]))
+         | ((ab >= thr[6]) & (ab <= thr[7])) | ((ab >= thr[8]) & (ab <= thr[9]))
+         | ((ab >= thr[10]) & (ab <= thr[11])) | ((ab >= thr[12]) & (ab <= thr[13])))
+    return (m | (_rtn_lsb(ab) != ((cb >> 22) & 1))).to(tl.int32)
+
+
+@triton.jit
+def _mark_word(me, mo, SH0: tl.constexpr):
+    """int32 [BN]: the marks (0/1 [BN, J]) of a piece's even / odd values at bit 0 of their code nibbles (as
+    `_piece_word` lays out codes from bit SH0), so that `_gather_hint_bits` packs them as hint bits."""
+    sh_e = 8 * tl.arange(0, me.shape[1])[None, :] + SH0
+    return tl.sum((me << sh_e) | (mo << (sh_e + 4)), axis=1)
+
+
+@triton.jit
+def _store_block_marks(bm_ptr, start, q, sbyte, g, KS, BN: tl.constexpr, NBYTES):
+    """Block marks of the tile's BN blocks (from `start`, a multiple of 8) into bytes start / 8 ..: |F23 - 2^22| < KS
+    of t = RN(q / g) (q = RN(amax / 6)), or the block's byte not its own."""
+    fb, f23 = _t_fields(tl.math.div_rn(q, g))
+    bits = ((tl.abs(f23 - 4194304) < KS) | (_own_byte(fb, f23) != sbyte)).to(tl.int32)
+    byte = tl.sum(tl.reshape(bits, (BN // 8, 8)) << tl.arange(0, 8)[None, :], axis=1)
+    idx = start // 8 + tl.arange(0, BN // 8)
+    tl.store(bm_ptr + idx, byte.to(tl.uint8), mask=idx < NBYTES)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # tiles
 # ---------------------------------------------------------------------------------------------------------
 @triton.jit
 def _quantize_tile(xs, start, blk, bmask, codes_ptr, scales_ptr, hints_ptr, fq_ptr, g, inv_g,
                    P: tl.constexpr, K: tl.constexpr, KIND: tl.constexpr, IS_NV: tl.constexpr,
                    RCEIL: tl.constexpr, EMIT_HINTS: tl.constexpr, FAKE: tl.constexpr, GPU: tl.constexpr,
-                   RB: tl.constexpr, HPACK: tl.constexpr, PAIR: tl.constexpr):
+                   RB: tl.constexpr, HPACK: tl.constexpr, PAIR: tl.constexpr, MARKS: tl.constexpr = False,
+                   vm_ptr=None, bm_ptr=None, thr=None, NBYTES=0):
     """Quantize one tile of BN blocks (pieces xs); with FAKE also store the round-to-nearest fake-quantized
     values (fq_ptr, the input's layout). RB > 1: the row layout (P = 1: blk are rows, RB rows per block; bf16 and
     fp16 only, whose row is one code word). PAIR: the pair layout (NVFP4; blk are pairs of consecutive blocks, P
     pieces per pair, the first P/2 of its first block): a thread stores a pair's 16 code bytes, 4 hint bytes and 2
-    scale bytes (scales_ptr: int16 view, hints_ptr: int32 view)."""
+    scale bytes (scales_ptr: int16 view, hints_ptr: int32 view). MARKS (NVFP4, block layout, BN a multiple of 8):
+    also `tracefp4.margin_marks` of the tile at thresholds ``thr`` (L0, H0, .., L6, H6, KS): value marks as hint
+    bytes at vm_ptr (int16 view, one per block), block marks as bits at bm_ptr (NBYTES bytes in all)."""
     if PAIR:
         aa, qa, ab, qb = _pair_amax_q(xs, P, KIND, GPU)
         sbyte, s, r = _scale_of(aa, qa, g, inv_g, IS_NV, RCEIL)
@@ -757,7 +824,10 @@ def _quantize_tile(xs, start, blk, bmask, codes_ptr, scales_ptr, hints_ptr, fq_p
         r2_b = r_b[:, None]
         s2_b = s_b[:, None]
     else:
-        sbyte, s, r = _own_scale(xs, g, inv_g, P, KIND, IS_NV, RCEIL, GPU, RB)
+        amax, q = _block_amax_q(xs, P, KIND, IS_NV, GPU, RB)
+        sbyte, s, r = _scale_of(amax, q, g, inv_g, IS_NV, RCEIL)
+        if MARKS:
+            _store_block_marks(bm_ptr, start, q, sbyte, g, thr[14], xs[0].shape[0], NBYTES)
         if RB == 1:
             tl.store(scales_ptr + blk, sbyte.to(tl.uint8), mask=bmask)
         else:
@@ -771,6 +841,8 @@ def _quantize_tile(xs, start, blk, bmask, codes_ptr, scales_ptr, hints_ptr, fq_p
     w1 = tl.zeros_like(blk).to(tl.int32)
     w2 = tl.zeros_like(blk).to(tl.int32)
     w3 = tl.zeros_like(blk).to(tl.int32)
+    m0 = tl.zeros_like(blk).to(tl.int32)  # MARKS: the value marks as words of hint bits (as w0, w1)
+    m1 = tl.zeros_like(blk).to(tl.int32)
     for p in tl.static_range(P):
         xe, xo, se, so = _unpack(xs[p], KIND)
         if PAIR and p >= P // 2:  # the pair's second block
@@ -789,6 +861,13 @@ def _quantize_tile(xs, start, blk, bmask, codes_ptr, scales_ptr, hints_ptr, fq_p
         else:
             cbe = _code_bits(xe, rp, GPU)
             cbo = _code_bits(xo, rp, GPU)
+        if MARKS:
+            mw = _mark_word(_value_mark(xe, rp, cbe, thr), _value_mark(xo, rp, cbo, thr),
+                            (p % 2) * 16 if KIND == 2 else 0)
+            if (p // 2 if KIND == 2 else p) == 0:
+                m0 = m0 | mw
+            else:
+                m1 = m1 | mw
         if KIND == 0 and GPU:
             wp = _bf16_sign_nibbles(_piece_word(cbe, cbo, se, so, 0, False), xs[p])
         else:
@@ -802,6 +881,8 @@ def _quantize_tile(xs, start, blk, bmask, codes_ptr, scales_ptr, hints_ptr, fq_p
             w2 = w2 | wp
         else:
             w3 = w3 | wp
+    if MARKS:  # NVFP4: two words of hint bits per block
+        tl.store(vm_ptr + blk, (_gather_hint_bits(m0) | (_gather_hint_bits(m1) << 8)).to(tl.int16), mask=bmask)
     if P == 1:
         _store_codes(codes_ptr, hints_ptr, blk, bmask, (w0,), 1, EMIT_HINTS, HPACK)
     elif P == 2 or (KIND == 2 and P == 4):
@@ -900,40 +981,49 @@ def _next_tile(x_ptr, start, NB, BN: tl.constexpr, P: tl.constexpr, K: tl.conste
     return start, blk, bmask, _load_pieces(x_ptr, blk, bmask, P, K)
 
 
-@triton.jit(do_not_specialize=["NB", "n_iter"])
+@triton.jit(do_not_specialize=["NB", "n_iter", "L0", "H0", "L1", "H1", "L2", "H2", "L3", "H3", "L4", "H4", "L5", "H5",
+                               "L6", "H6", "KS"])
 def _quantize_kernel(
     x_ptr, codes_ptr, scales_ptr, hints_ptr, fq_ptr, g_ptr, NB, n_iter,
     P: tl.constexpr, K: tl.constexpr, KIND: tl.constexpr, BN: tl.constexpr, IS_NV: tl.constexpr,
     RCEIL: tl.constexpr, EMIT_HINTS: tl.constexpr, FAKE: tl.constexpr, BIG: tl.constexpr,
     PERSIST: tl.constexpr, GPU: tl.constexpr, RB: tl.constexpr, HPACK: tl.constexpr = 0,
-    PAIR: tl.constexpr = False, UNROLL: tl.constexpr = False,
+    PAIR: tl.constexpr = False, UNROLL: tl.constexpr = False, MARKS: tl.constexpr = False,
+    vm_ptr=None, bm_ptr=None, L0=0, H0=0, L1=0, H1=0, L2=0, H2=0, L3=0, H3=0, L4=0, H4=0, L5=0, H5=0, L6=0, H6=0,
+    KS=0,
 ):
     # RB > 1: the row layout (NB rows of one 16-byte piece each, P = 1, RB rows per block); PAIR: the pair layout
     # (NB pairs of consecutive blocks, P pieces per pair). UNROLL (with PERSIST): two tiles per trip, their pieces
     # in two register sets that trade roles, so that no trip copies the next tile's pieces into the current one's
     # registers (the plain loop ends each trip with a move per 4 loaded bytes)
     g, inv_g = _global(g_ptr, IS_NV)
+    thr = (L0, H0, L1, H1, L2, H2, L3, H3, L4, H4, L5, H5, L6, H6, KS)  # MARKS' thresholds
+    nbytes = NB // 8  # MARKS' block-mark bytes
     start, blk, bmask, xs = _first_tile(x_ptr, NB, BN, P, K, BIG)
     if PERSIST and UNROLL:
         for _ in range(n_iter // 2):
             cur = start  # (the tile's first block, for HPACK 2)
             start, nblk, nmask, nxs = _next_tile(x_ptr, start, NB, BN, P, K)
             _quantize_tile(xs, cur, blk, bmask, codes_ptr, scales_ptr, hints_ptr, fq_ptr, g, inv_g,
-                           P, K, KIND, IS_NV, RCEIL, EMIT_HINTS, FAKE, GPU, RB, HPACK, PAIR)
+                           P, K, KIND, IS_NV, RCEIL, EMIT_HINTS, FAKE, GPU, RB, HPACK, PAIR,
+                           MARKS, vm_ptr, bm_ptr, thr, nbytes)
             cur = start
             start, blk, bmask, xs = _next_tile(x_ptr, start, NB, BN, P, K)
             _quantize_tile(nxs, cur, nblk, nmask, codes_ptr, scales_ptr, hints_ptr, fq_ptr, g, inv_g,
-                           P, K, KIND, IS_NV, RCEIL, EMIT_HINTS, FAKE, GPU, RB, HPACK, PAIR)
+                           P, K, KIND, IS_NV, RCEIL, EMIT_HINTS, FAKE, GPU, RB, HPACK, PAIR,
+                           MARKS, vm_ptr, bm_ptr, thr, nbytes)
         if n_iter % 2 != 0:  # the last tile (no tile after it to load)
             _quantize_tile(xs, start, blk, bmask, codes_ptr, scales_ptr, hints_ptr, fq_ptr, g, inv_g,
-                           P, K, KIND, IS_NV, RCEIL, EMIT_HINTS, FAKE, GPU, RB, HPACK, PAIR)
+                           P, K, KIND, IS_NV, RCEIL, EMIT_HINTS, FAKE, GPU, RB, HPACK, PAIR,
+                           MARKS, vm_ptr, bm_ptr, thr, nbytes)
     else:
         for _ in range(n_iter if PERSIST else 1):
             cur = start
             if PERSIST:
                 start, nblk, nmask, nxs = _next_tile(x_ptr, start, NB, BN, P, K)
             _quantize_tile(xs, cur, blk, bmask, codes_ptr, scales_ptr, hints_ptr, fq_ptr, g, inv_g,
-                           P, K, KIND, IS_NV, RCEIL, EMIT_HINTS, FAKE, GPU, RB, HPACK, PAIR)
+                           P, K, KIND, IS_NV, RCEIL, EMIT_HINTS, FAKE, GPU, RB, HPACK, PAIR,
+                           MARKS, vm_ptr, bm_ptr, thr, nbytes)
             if PERSIST:
                 xs, blk, bmask = nxs, nblk, nmask
 
@@ -1277,7 +1367,10 @@ def _fwd_cfg(config: tuple | None, key: str, dtype: torch.dtype, fmt: str) -> tu
 
 
 def _launch_quantize(xb, fmt, g, scale_rule, emit_hints, fake, config, key, scales_out=None, hints_out=None,
-                     hint_pack=None, unroll=None):
+                     hint_pack=None, unroll=None, marks=None):
+    """marks: (value marks uint8 [NB, 2], block marks uint8 [NB / 8], the 15 thresholds L0, H0, .., L6, H6, KS of
+    `tracefp4.margin`) to fuse `margin_marks` into the launch (NVFP4; the block layout is used, the pair layout's
+    bits being the same; a row-layout config or BN not a multiple of 8: LaunchConfigError)."""
     xb = xb.contiguous()
     nb, b = xb.shape
     dev = xb.device
@@ -1296,7 +1389,10 @@ def _launch_quantize(xb, fmt, g, scale_rule, emit_hints, fake, config, key, scal
         # an odd count of blocks (or caller's buffers not aligned for the int16 / int32 views) takes the block
         # layout: the same bits
         pair = (_is_pairs(cfg) and nb % 2 == 0 and scales.storage_offset() % 2 == 0
-                and (hints is None or hints.storage_offset() % 4 == 0))
+                and (hints is None or hints.storage_offset() % 4 == 0) and marks is None)
+        if marks is not None and (rows or bn % 8 or fmt != "nvfp4" or nb % 8):
+            raise LaunchConfigError(f"margin marks fuse into NVFP4 block-layout launches of BN % 8 == 0 over whole "
+                                    f"bytes of blocks; got {fmt}, {cfg}, {nb} blocks")
         if rows and (kind == 2 or bn % p):
             raise LaunchConfigError(f"the row layout of {key} takes bf16 / fp16 input and rows per program divisible "
                                     f"by the {p} rows of a block; got {xb.dtype} and {cfg}")
@@ -1311,7 +1407,13 @@ def _launch_quantize(xb, fmt, g, scale_rule, emit_hints, fake, config, key, scal
                       RCEIL=scale_rule == "rceil", EMIT_HINTS=emit_hints, FAKE=fake, BIG=_big(xb),
                       GPU=not _interpreting(), RB=rb, HPACK=hpack, PAIR=pair,
                       UNROLL=QUANTIZE_UNROLL if unroll is None else bool(unroll))
-        rkey = ("quantize", *consts.values(), warps, *opts.values())
+        mk = {}
+        if marks is not None:
+            vm, bm, thr = marks
+            mk = dict(MARKS=True, vm_ptr=vm.view(-1).view(torch.int16), bm_ptr=bm.view(-1),
+                      **dict(zip(("L0", "H0", "L1", "H1", "L2", "H2", "L3", "H3", "L4", "H4", "L5", "H5", "L6", "H6",
+                                  "KS"), thr)))
+        rkey = ("quantize", *consts.values(), marks is not None, warps, *opts.values())
         units = nb // 2 if pair else nb * rb  # the kernel's "blocks": pairs, rows or blocks
         progs, n_iter, persist = _grid(units, bn, per_sm, dev, rkey)
         if rows:
@@ -1326,7 +1428,7 @@ def _launch_quantize(xb, fmt, g, scale_rule, emit_hints, fake, config, key, scal
         compiled = _quantize_kernel[(progs,)](
             xv, codes_arg, scales.view(torch.int16) if pair else scales, hints_arg, fq_arg,
             _g_arg(g, fmt, dev, scales), units, _loop_count(n_iter), PERSIST=persist, num_warps=warps, **consts,
-            **opts,
+            **opts, **mk,
         )
         _note_residency(rkey, compiled, warps)
     return codes, scales, hints, out
@@ -1350,15 +1452,17 @@ def quantize_blocks_triton(
 def quantize_fake_blocks_triton(
     xb: torch.Tensor, fmt: str, g: torch.Tensor | None, scale_rule: str = "floor", emit_hints: bool = True,
     config: tuple | None = None, scales_out: torch.Tensor | None = None, hints_out: torch.Tensor | None = None,
-    hint_pack: str | None = None, unroll: bool | None = None,
+    hint_pack: str | None = None, unroll: bool | None = None, marks: tuple | None = None,
 ):
     """One pass over xb [NB, B]: (round-to-nearest fake-quantized values [NB, B] in xb.dtype, codes, scales,
     hints or None), equal to `reference.fake_quantize_blocks_ref(xb, fmt, g)` and
     `reference.quantize_blocks_ref(xb, fmt, g)`. config as for `quantize_blocks_triton` (default:
     `default_config("quantize_fake", ...)`). scales_out (uint8 [NB]) / hints_out (uint8 [NB, B/8]), contiguous:
-    written in place of fresh scales / hints tensors. hint_pack, unroll: as for `quantize_blocks_triton`."""
+    written in place of fresh scales / hints tensors. hint_pack, unroll: as for `quantize_blocks_triton`. marks:
+    (value marks uint8 [NB, 2], block marks uint8 [NB / 8], 15 thresholds): `tracefp4.margin_marks` of the blocks
+    written there in the same pass (NVFP4; `_launch_quantize`)."""
     codes, scales, hints, out = _launch_quantize(xb, fmt, g, scale_rule, emit_hints, True, config,
-                                                 "quantize_fake", scales_out, hints_out, hint_pack, unroll)
+                                                 "quantize_fake", scales_out, hints_out, hint_pack, unroll, marks)
     return out, codes, scales, hints
 
 

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_kernels import _e4m3_decode, _on_input_device
+from .triton_kernels import _e4m3_decode, _on_input_device, _own_byte, _rtn_lsb, _t_fields
 
 __all__ = ["margin_marks_triton", "margin_fill_triton", "MAX_BLOCKS_PER_PROGRAM"]
 
@@ -53,21 +53,7 @@ def _scale_fields(x, g):
     a = tl.abs(x)
     a = tl.where(a < float("inf"), a, 0.0)  # NaN and +-Inf count as 0 in the block amax
     amax = tl.max(a, axis=1)
-    t = tl.math.div_rn(tl.math.div_rn(amax, 6.0), g)
-    t = tl.minimum(tl.maximum(t, 0.001953125), 448.0)
-    bits = t.to(tl.int32, bitcast=True)
-    e = bits >> 23
-    m = bits & 0x7FFFFF
-    sh = tl.minimum(e - 118, 3)
-    f23 = (m << sh) & 0x7FFFFF
-    fb = tl.where(e >= 121, ((e - 120) << 3) | (m >> 20), (m | 0x800000) >> (23 - sh))
-    return fb, f23
-
-
-@triton.jit
-def _own_byte(fb, f23):
-    up = (f23 > 4194304) | ((f23 == 4194304) & ((fb & 1) == 1))  # 4194304 = 2^22: the E4M3 midpoint
-    return fb + up.to(tl.int32)
+    return _t_fields(tl.math.div_rn(tl.math.div_rn(amax, 6.0), g))
 
 
 @triton.jit
@@ -76,16 +62,6 @@ def _abs_bits(x, sbyte, inv_g):
     r = tl.math.div_rn(inv_g, _e4m3_decode(sbyte))
     v = x * r[:, None]
     return v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-
-
-@triton.jit
-def _rtn_lsb(ab):
-    """LSB of the round-to-nearest magnitude code from bits(|v|): parity of NUMERICS §3's boundary compares on the
-    bits of 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 (ties to the even code; NaN's bits pass all: code 7)."""
-    n = ((ab > 0x3E800000).to(tl.int32) + (ab >= 0x3F400000).to(tl.int32) + (ab > 0x3FA00000).to(tl.int32)
-         + (ab >= 0x3FE00000).to(tl.int32) + (ab > 0x40200000).to(tl.int32) + (ab >= 0x40600000).to(tl.int32)
-         + (ab > 0x40A00000).to(tl.int32))
-    return n & 1
 
 
 @triton.jit

@@ -436,3 +436,66 @@ def test_marks_into_given_tensors(backend):
         tracefp4.margin_marks(x, 0.02, q.scales, q.hints, 0.1, 0.2, out=(out[0], out[1].bool()))
     with pytest.raises(ShapeError, match="a pair of tensors"):
         tracefp4.margin_marks(x, 0.02, q.scales, q.hints, 0.1, 0.2, out=out[0])
+
+
+# ---- marks fused into the rollout's capture (quantize_fake(marks=)) -------------------------------------------
+def _fused(x, g, m, ms, backend, config=None):
+    """quantize_fake with marks into fresh buffers, and (y, q) of the same call without marks."""
+    t_, w = x.shape
+    out = (torch.full((t_, w // 8), 0xA5, dtype=torch.uint8, device=x.device),
+           torch.full((t_, -(-w // 128)), 0xA5, dtype=torch.uint8, device=x.device))
+    y, q = tracefp4.quantize_fake(x, global_scale=g, backend=backend, marks=(m, ms), marks_out=out)
+    return y, q, out
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_marks_fused_into_quantize_fake_equal_margin_marks(dtype, monkeypatch):
+    """Rows of 128 / 256 values: the Triton capture kernel writes the marks in its own pass (no `margin_marks`
+    launch: patched to fail), bit for bit `margin_marks` of its own scales and hints, with NaN, Inf, zeros, edge
+    values, every margin kind; its y, codes, scales and hints are those of the call without marks."""
+    for rows, w in ((7, 128), (3, 256), (40, 128)):
+        x, _, _, _ = _data(rows, w, dtype, seed=w + rows)
+        x = x.to(DEVICE)
+        for g in (torch.tensor(1.0, device=DEVICE), torch.tensor(0.37, device=DEVICE)):
+            y0, q0 = tracefp4.quantize_fake(x, global_scale=g, backend="triton")
+            for m, ms in ((0.0, 0.0), (0.03, 0.1), (0.5, 0.5), (0.6, INF), (INF, 0.25)):
+                with monkeypatch.context() as mp:
+                    mp.setattr(M, "margin_marks", lambda *a, **k: pytest.fail("marks not fused"))
+                    y, q, out = _fused(x, g, m, ms, "triton")
+                want = tracefp4.margin_marks(x, g, q.scales, q.hints, m, ms, backend="reference")
+                assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1]), (rows, w, m, ms)
+                for a, b in ((q.codes, q0.codes), (q.scales, q0.scales), (q.hints, q0.hints)):
+                    assert torch.equal(a, b)
+                assert torch.equal(y.view(-1).view(torch.uint8), y0.view(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_triton)])
+def test_marks_with_quantize_fake_where_they_do_not_fuse(backend):
+    """Rows not a multiple of 128 values (block marks not whole bytes per row) and the reference backend: the marks
+    still come, by a `margin_marks` launch after the capture; a 3-d x counts its rows."""
+    x = (torch.randn(2, 3, 48, generator=torch.Generator().manual_seed(5)) * 3).to(DEVICE)
+    g = torch.tensor(0.5, device=DEVICE)
+    y, q, out = _fused(x.reshape(6, 48), g, 0.1, 0.2, backend)
+    want = tracefp4.margin_marks(x.reshape(6, 48), g, q.scales, q.hints, 0.1, 0.2, backend="reference")
+    assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
+    out3 = (torch.zeros(6, 6, dtype=torch.uint8, device=DEVICE), torch.zeros(6, 1, dtype=torch.uint8, device=DEVICE))
+    tracefp4.quantize_fake(x, global_scale=g, backend=backend, marks=(0.1, 0.2), marks_out=out3)
+    assert torch.equal(out3[0], want[0]) and torch.equal(out3[1], want[1])
+
+
+def test_quantize_fake_marks_bad_input():
+    x = torch.randn(4, 128, device=DEVICE)
+    ok = (torch.zeros(4, 16, dtype=torch.uint8, device=DEVICE), torch.zeros(4, 1, dtype=torch.uint8, device=DEVICE))
+    with pytest.raises(ShapeError, match="marks need marks_out"):
+        tracefp4.quantize_fake(x, global_scale=1.0, marks=(0.1, 0.1))
+    with pytest.raises(FormatError, match="margin must be a number >= 0"):
+        tracefp4.quantize_fake(x, global_scale=1.0, marks=(-0.1, 0.1), marks_out=ok)
+    with pytest.raises(FormatError, match="NVFP4 sites with hints"):
+        tracefp4.quantize_fake(x, "mxfp4", marks=(0.1, 0.1), marks_out=ok)
+    with pytest.raises(FormatError, match="NVFP4 sites with hints"):
+        tracefp4.quantize_fake(x, global_scale=1.0, emit_hints=False, marks=(0.1, 0.1), marks_out=ok)
+    with pytest.raises(FormatError, match=r"marks must be \(margin, scale_margin\)"):
+        tracefp4.quantize_fake(x, global_scale=1.0, marks=0.1, marks_out=ok)
+    with pytest.raises(ShapeError, match=r"out value marks must be a contiguous uint8 tensor of shape \[4, 16\]"):
+        tracefp4.quantize_fake(x, global_scale=1.0, marks=(0.1, 0.1), marks_out=(ok[0][:3], ok[1]))

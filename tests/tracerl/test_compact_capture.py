@@ -26,7 +26,7 @@ MARGIN, SCALE_MARGIN = 0.1, 0.3
 NEW = 5
 
 
-def _rollout(tmp_path, decode="hf", marks_stream=True, device="cpu"):
+def _rollout(tmp_path, decode="hf", marks_stream=False, device="cpu", fuse_marks=True):
     spec = TinyMoESpec(family="qwen3-moe", **TINY)
     model = build_model(spec, seed=0, attn_implementation="eager").to(device)
     rt = install_fp4(model, plan_sites(model, hint_layers="0,1"))
@@ -34,7 +34,8 @@ def _rollout(tmp_path, decode="hf", marks_stream=True, device="cpu"):
     store = ts.create_store(str(tmp_path / "s"), [ts.Site(bits_site, 64),
                                                  C.store_site(margin_site, 64, CODING, MARGIN, SCALE_MARGIN, "byte")],
                             model={"global_scales": {}})
-    eng = RolloutEngine(model, rt, decode=decode, margin_capture=True, marks_stream=marks_stream)
+    eng = RolloutEngine(model, rt, decode=decode, margin_capture=True, marks_stream=marks_stream,
+                        fuse_marks=fuse_marks)
     eng.calibrate(PROMPTS)
     seen = spy_on_site(rt, margin_site)
     writer = store.writer("rollout", commit_interval_s=0)
@@ -44,11 +45,12 @@ def _rollout(tmp_path, decode="hf", marks_stream=True, device="cpu"):
     return store, eng, rt, res, seen, margin_site, bits_site
 
 
-@pytest.mark.parametrize("decode", ["hf", "static"])
-def test_engine_records_margin_rows_equal_to_the_encoding_of_its_activation(tmp_path, decode):
+@pytest.mark.parametrize("decode,fuse", [("hf", True), ("static", True), ("static", False)])
+def test_engine_records_margin_rows_equal_to_the_encoding_of_its_activation(tmp_path, decode, fuse):
     """On the hf path the recorder marks the activation it is handed; on the static path the step marks it into
-    its capture ring: either way the rows are the encoding of the activation the step quantized."""
-    store, eng, rt, res, seen, site, bits_site = _rollout(tmp_path, decode)
+    its capture ring (in the capture kernel's pass, or by a marks launch of its own): either way the rows are the
+    encoding of the activation the step quantized."""
+    store, eng, rt, res, seen, site, bits_site = _rollout(tmp_path, decode, fuse_marks=fuse)
     assert eng.decode_path(torch.device("cpu")) == decode
     assert eng.recorder.margin_sites == {site: store.sites[site]}
     g = rt.global_scales[site]
@@ -74,14 +76,15 @@ def test_engine_records_margin_rows_equal_to_the_encoding_of_its_activation(tmp_
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the graph path needs CUDA")
-@pytest.mark.parametrize("marks_stream", [True, False])
-def test_graph_decode_records_the_rows_the_static_step_records(tmp_path, marks_stream):
-    """On CUDA, the graph decode (its marks on a side stream of the step, or in the step's stream) records every
-    request's margin and bits rows byte for byte as the eager static step with its marks in the step's stream."""
+@pytest.mark.parametrize("marks_stream,fuse", [(False, True), (True, False), (False, False)])
+def test_graph_decode_records_the_rows_the_static_step_records(tmp_path, marks_stream, fuse):
+    """On CUDA, the graph decode (its marks in the capture kernel, or by their own launch in the step's stream or on
+    a side stream of it) records every request's margin and bits rows byte for byte as the eager static step with
+    its marks launched apart in the step's stream."""
     (tmp_path / "static").mkdir()
     (tmp_path / "graph").mkdir()
-    stores = [_rollout(tmp_path / name, decode, ms, "cuda")[0]
-              for name, decode, ms in (("static", "static", False), ("graph", "graph", marks_stream))]
+    stores = [_rollout(tmp_path / name, decode, ms, "cuda", fz)[0]
+              for name, decode, ms, fz in (("static", "static", False, False), ("graph", "graph", marks_stream, fuse))]
     readers = [s.reader() for s in stores]
     site, bits_site = moe_input_site(1), moe_input_site(0)
     for b, p in enumerate(PROMPTS):

@@ -145,7 +145,9 @@ class FP4Runtime:
         self._defaults: dict[str, Any] = {
             "mode": "fp4_rne_own_scales",
             "capture": None,  # CaptureFn | None
-            # (site, x [N, W]) -> (scales_out [N, W/16], hints_out [N, W/8]) for the capture to be written into
+            # (site, x [N, W]) -> (scales_out [N, W/16], hints_out [N, W/8]) for the capture to be written into,
+            # or + ((value marks [N, W/8], block marks [N, ceil(W/128)]), (margin, scale margin)): the site's
+            # margin marks too (tracefp4.quantize_fake ``marks``), or None
             # (a decoder's stage buffers), or None: fresh tensors
             "capture_into": None,
             "observe": None,  # ObserveFn | None
@@ -310,6 +312,8 @@ class FP4Runtime:
             # (tracefp4.quantize_fake: y equals fake_quantize(x) and q equals quantize(x), bit for bit)
             into = self.capture_into(site, x) if self.capture is not None and self.capture_into is not None else None
             outs = {} if into is None else {"scales_out": into[0], "hints_out": into[1]}
+            if into is not None and len(into) == 4:  # and the margin marks at (margin, scale margin) into[3]
+                outs.update(marks_out=into[2], marks=into[3])
             y, q = tracefp4.quantize_fake(x, "nvfp4", global_scale=g, backend=self.backend, **outs)
             if self.capture is not None:
                 self.capture(site, q)

@@ -109,6 +109,10 @@ class StaticDecoder:
         it made the step slower, not faster (margin capture +2.09% vs +1.52% at batch 4, +2.00% vs +1.44% at 16:
         the fork and join per site cost more than the marks kernels; `capture-margin-side-stream-h100.json`). The
         same bits either way.
+    fuse_marks: a site with one margin point gets its marks from the capture kernel itself, in the pass that
+        quantizes it (`tracefp4.quantize_fake` ``marks``, into the stage's views: no launch of its own) once the
+        stage exists; False: a `margin_marks` launch per site (as sites with several points always do). The same
+        bits either way.
 
     Raises `ConfigError` for an unsupported model or ``use_graph`` off CUDA.
     """
@@ -127,6 +131,7 @@ class StaticDecoder:
         use_graph: bool = False,
         marks: Callable[[str], Sequence[tuple[float, float]]] | None = None,
         marks_stream: bool = False,
+        fuse_marks: bool = True,
     ):
         if not supports_static_decode(model):
             raise ConfigError("static decode supports full-attention decoder models (qwen3-moe); "
@@ -142,6 +147,8 @@ class StaticDecoder:
         self.capture, self.keep_codes, self.routes, self.use_graph = capture, keep_codes, routes, use_graph
         self.marks = marks or (lambda site: ())
         self._x: dict[str, torch.Tensor] = {}  # site -> this step's activation (with marks)
+        self._fuse_marks = fuse_marks
+        self._served_marks: str | None = None  # the site whose marks the capture kernel just wrote
         # the marks' side stream (CUDA) and what its kernels read, held until the step joins it
         self._marks_stream = torch.cuda.Stream(device) if marks_stream and device.type == "cuda" else None
         self._held: list[torch.Tensor] = []
@@ -189,20 +196,35 @@ class StaticDecoder:
             if p is not None:
                 v.copy_(p)
 
-    def _stage_for(self, site: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _stage_for(self, site: str, x: torch.Tensor) -> tuple | None:
         """`FP4Runtime` ``capture_into``: the stage views (scales [B, W/16], hints [B, W/8]) that the fused kernel
-        writes ``site``'s capture into; None before the stage exists or for a shape it was not built for."""
-        if self.marks(site):
-            self._x[site] = x
+        writes ``site``'s capture into, and with one margin point at the site its marks' views and that point (the
+        kernel computes the marks in the same pass: `tracefp4.quantize_fake` ``marks``); None before the stage
+        exists or for a shape it was not built for."""
+        points = self.marks(site)
         views = self._views.get(("site", site))
         if views is None or views[0].shape[0] != x.shape[0]:
+            if points:
+                self._x[site] = x
             return None
         self._served = site  # the next `_on_capture` of this site finds its hints and scales in place
+        if len(points) == 1 and self._fuse_marks and len(views) == 2 + self.keep_codes + 2:
+            vm, bm = views[-2:]
+            n, w = x.shape
+            if (tuple(vm.shape), tuple(bm.shape)) == ((n, w // 8), (n, -(-w // 128))):
+                self._served_marks = site
+                return views[1], views[0], (vm, bm), tuple(points[0])
+        if points:
+            self._x[site] = x
         return views[1], views[0]
 
     def _on_capture(self, site: str, q) -> None:
         direct, self._served = self._served == site, None
         parts = ((None, None) if direct else (q.hints, q.scales)) + ((q.codes,) if self.keep_codes else ())
+        if self._served_marks == site:  # the capture kernel wrote the marks into their views too
+            self._served_marks = None
+            self._ring_write(("site", site), parts + (None, None))
+            return
         x = self._x.pop(site, None)
         if x is not None:
             points = self.marks(site)

@@ -119,6 +119,8 @@ class RolloutEngine:
     marks_stream: the static/graph paths compute the marks on a side stream of the step (`StaticDecoder`
       ``marks_stream``; CUDA; off by default: measured slower); False: in the step's stream. The same bits either
       way.
+    fuse_marks: the static/graph paths compute a site's marks in its capture kernel when it has one margin point
+      (`StaticDecoder` ``fuse_marks``, the default); False: a `margin_marks` launch per site.
 
     Raises `ConfigError` for an unknown decode path here, and from `generate` for a path the model or device
     cannot run (``graph`` off CUDA, ``static``/``graph`` with linear attention) and for a recorder with margin
@@ -142,6 +144,7 @@ class RolloutEngine:
         mark_points: Sequence[tuple[float, float]] = (),
         mark_sites: Collection[str] | None = None,
         marks_stream: bool = False,
+        fuse_marks: bool = True,
     ):
         if decode not in DECODE_PATHS:
             raise ConfigError(f"unknown decode path {decode!r}; supported: {', '.join(DECODE_PATHS)}")
@@ -159,6 +162,7 @@ class RolloutEngine:
         self.mark_points = [(float(m), float(ms)) for m, ms in mark_points]
         self.mark_sites = None if mark_sites is None else frozenset(mark_sites)
         self.marks_stream = bool(marks_stream)
+        self.fuse_marks = bool(fuse_marks)
         self._x: dict[str, torch.Tensor] = {}  # site -> the activation of the current forward (margin_capture)
         self._cache_kw = cache_kwarg(model)
         self._rows: tuple[list[str], np.ndarray, torch.Tensor] | None = None
@@ -363,7 +367,7 @@ class RolloutEngine:
         dec = StaticDecoder(self.model, rt, batch=len(b.rids), max_len=b.ids.shape[1] + b.n_fed, ring=self.ring,
                             capture=rt.capture is not None, keep_codes=self.keep_codes,
                             routes=rt.on_route is not None, use_graph=b.path == "graph", marks=self._ring_points,
-                            marks_stream=self.marks_stream)
+                            marks_stream=self.marks_stream, fuse_marks=self.fuse_marks)
         dec.prepare()
         return dec
 
