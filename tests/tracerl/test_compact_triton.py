@@ -50,7 +50,7 @@ def test_every_value_coding_decodes_as_numpy(values):
         _, enc, p = _case(10 * v + j, values, blocks, ["byte", "lsb"][j % 2], t=3, w=w)
         from tracerl.hints.compact_triton import _launch
 
-        (got,), flags = _launch([p], torch.device(DEVICE))
+        (got,), flags, _ = _launch([p], torch.device(DEVICE))
         assert not flags.any(), "a row that decodes was flagged (it would take the slow path)"
         assert got == _want(p), (values, blocks)
         assert got.shape == enc.shape and got.value_marks.device.type == torch.device(DEVICE).type

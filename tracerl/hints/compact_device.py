@@ -396,11 +396,13 @@ def _side_stream(device: torch.device):
     return _SIDE[dev]
 
 
-def decode_on_side_stream(device: torch.device, decode: Callable[[], dict], fields: Sequence[str]) -> dict:
+def decode_on_side_stream(device: torch.device, decode: Callable[[], dict], fields: Sequence[str],
+                          record: Callable[[], Sequence[torch.Tensor]] | None = None) -> dict:
     """``decode()`` (site -> a dataclass of tensors on ``device``) run on the device's side stream when it is CUDA, so
     its syncs wait for its own kernels, not for the caller's queued work; then the caller's stream waits for the side
-    stream and each result's ``fields`` are marked as used by it (``record_stream``): safe to use there at once. Off
-    CUDA, ``decode()`` as it is."""
+    stream and each result's ``fields`` are marked as used by it (``record_stream``): safe to use there at once.
+    ``record``: instead, the tensors to mark (called after ``decode()``; e.g. the allocations that the results are
+    views of, one call each instead of one per view). Off CUDA, ``decode()`` as it is."""
     stream = _side_stream(device)
     if stream is None:
         return decode()
@@ -408,9 +410,9 @@ def decode_on_side_stream(device: torch.device, decode: Callable[[], dict], fiel
     with torch.cuda.stream(stream):
         out = decode()
     caller.wait_stream(stream)
-    for item in out.values():
-        for f in fields:
-            getattr(item, f).record_stream(caller)
+    used = record() if record is not None else [getattr(item, f) for item in out.values() for f in fields]
+    for t in used:
+        t.record_stream(caller)
     return out
 
 

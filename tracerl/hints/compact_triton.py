@@ -44,12 +44,12 @@ from tracerl.hints.compact import (
     unpack_rows,
 )
 from tracerl.hints.compact_device import decode_on_side_stream
-from tracerl.util import to_device
 
 __all__ = ["unpack_rows_dense", "unpack_sites_dense"]
 
 #: rows (lanes) per program
 ROWS = 32
+_PLANES = ("value_marks", "hints", "block_marks", "stored_scales")
 _ALL, _BITMAP, _BLOCK_BITMAP, _GAMMA, _RICE = range(5)
 #: output modes of a walk: the marks (bit 1 at each position), a 1-bit payload per position (packed), an 8-bit
 #: payload per position (one byte per position)
@@ -266,44 +266,51 @@ def _key(p: PackedRows) -> tuple:
             p.scale_payload == "lsb")
 
 
-def _launch(group: Sequence[PackedRows], device: torch.device) -> tuple[list[DenseExceptions], torch.Tensor]:
+def _launch(group: Sequence[PackedRows], device: torch.device
+            ) -> tuple[list[DenseExceptions], torch.Tensor, list[torch.Tensor]]:
     """Start decoding the sites of ``group`` (host arrays, `_on_host`; one `_key`) on ``device`` in one launch:
     their rows stacked, one lane each, so that every site's rows run at once. Returns (each site's planes, being
-    written: row slices of one allocation per plane; whether each site has a flagged row, bool [S] on the
-    device). Every site's offsets must cover its data (`offsets_cover`)."""
+    written: row slices of one allocation per plane; whether each site has a flagged row, bool [S] on the device;
+    the device allocations all of it lives in). Every site's offsets must cover its data (`offsets_cover`).
+
+    The rows and offsets go over in one copy (one host buffer, pinned on CUDA: offsets int64 [T + 1], then the
+    bytes, then 8 zero bytes for the kernel's 8-byte windows); the flags and the four planes are one zeroed
+    allocation."""
     vc, vk, bc, bk, w, lsb = _key(group[0])
     counts = [p.offsets.size - 1 for p in group]
     t_ = sum(counts)
     nbytes = sum(p.data.size for p in group)
-    padded = np.zeros(nbytes + 8, np.uint8)  # 8 zero bytes past the end: the kernel's 8-byte windows
-    offsets = np.empty(t_ + 1, np.int64)
+    head = 8 * (t_ + 1)
+    host = torch.empty(head + nbytes + 8, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    hv = host.numpy()
+    offsets = hv[:head].view(np.int64)
+    hv[head + nbytes:] = 0
     base = row = 0
     for p, t in zip(group, counts):
-        padded[base: base + p.data.size] = p.data
+        hv[head + base: head + base + p.data.size] = p.data
         offsets[row: row + t] = p.offsets[:-1] + base
         base, row = base + p.data.size, row + t
     offsets[t_] = nbytes
-    d = to_device(torch.from_numpy(padded), device)  # pinned, no host sync
-    off = to_device(torch.from_numpy(offsets), device)
+    buf = host.to(device, non_blocking=True)
+    off, d = buf[:head].view(torch.int64), buf[head:]
     nb = w // BLOCK
     nbb = -(-nb // 8)
-    z = {"device": device, "dtype": torch.uint8}
-    planes = (torch.zeros((t_, w // 8), **z), torch.zeros((t_, w // 8), **z), torch.zeros((t_, nbb), **z),
-              torch.zeros((t_, nbb if lsb else nb), **z))
-    bad = torch.zeros(t_, dtype=torch.int32, device=device)
+    cols = (w // 8, w // 8, nbb, nbb if lsb else nb)
+    planes_flat = torch.zeros(4 * t_ + t_ * sum(cols), dtype=torch.uint8, device=device)
+    bad = planes_flat[: 4 * t_].view(torch.int32)
+    planes = [a.view(t_, c) for a, c in zip(torch.split(planes_flat[4 * t_:], [t_ * c for c in cols]), cols)]
     if t_:
         _unpack_dense_kernel[(triton.cdiv(t_, ROWS),)](
             d, off, t_, nbytes * 8, *planes, bad, w, nb, nbb, VC=vc, VK=vk, BC=bc, BK=bk, LSB=lsb, ROWS_=ROWS,
             num_warps=1)
-    out, row = [], 0
-    for p, t in zip(group, counts):
-        out.append(DenseExceptions(*(a[row: row + t] for a in planes), w, p.margin, p.scale_margin, p.scale_payload))
-        row += t
+    per_site = [torch.split(a, counts) for a in planes]
+    out = [DenseExceptions(*(rows[i] for rows in per_site), w, p.margin, p.scale_margin, p.scale_payload)
+           for i, p in enumerate(group)]
     if len(set(counts)) == 1:  # the usual case: every site has the micro-batch's rows
         flagged = bad.view(len(group), counts[0]).any(dim=1)
     else:
         flagged = torch.stack([s.any() for s in torch.split(bad, counts)])
-    return out, flagged
+    return out, flagged, [buf, planes_flat]
 
 
 def _on_host(p: PackedRows) -> PackedRows:
@@ -318,7 +325,7 @@ def unpack_sites_dense(rows: Mapping[str, PackedRows], device: str | torch.devic
     """Each site's rows decoded on ``device`` (CUDA, or the CPU under ``TRITON_INTERPRET=1``) into
     `compact.DenseExceptions`: one kernel launch for all sites of one coding and width (their rows stacked: every
     site's rows run at once; each site's planes are row slices of one allocation) and one host sync for all of them
-    (the error flags). On CUDA the rows go over from pinned memory and the kernels run on the side stream `compact_device` decodes on, so
+    (the error flags). On CUDA the rows go over from pinned memory in one copy and the kernels run on the side stream `compact_device` decodes on, so
     the sync waits for them alone, not for the caller's queued work; the caller's stream then waits for that stream
     and the planes are marked as used by it, so they are safe to use there at once.
 
@@ -332,11 +339,13 @@ def unpack_sites_dense(rows: Mapping[str, PackedRows], device: str | torch.devic
     if not rows:
         return {}
     rows = {s: _on_host(p) for s, p in rows.items()}
-    return decode_on_side_stream(device, lambda: _decode(rows, device),
-                                 ("value_marks", "hints", "block_marks", "stored_scales"))
+    keep: list[torch.Tensor] = []
+    return decode_on_side_stream(device, lambda: _decode(rows, device, keep), _PLANES, record=lambda: keep)
 
 
-def _decode(rows: Mapping[str, PackedRows], device: torch.device) -> dict[str, DenseExceptions]:
+def _decode(rows: Mapping[str, PackedRows], device: torch.device, keep: list[torch.Tensor]
+            ) -> dict[str, DenseExceptions]:
+    """Each site's planes (`unpack_sites_dense`); the device allocations they live in are appended to ``keep``."""
     groups: dict[tuple, list[str]] = {}
     for site, p in rows.items():
         if not offsets_cover(p.data, p.offsets):
@@ -344,14 +353,19 @@ def _decode(rows: Mapping[str, PackedRows], device: torch.device) -> dict[str, D
         groups.setdefault(_key(p), []).append(site)
     dense, flags = {}, []
     for sites in groups.values():
-        out, flagged = _launch([rows[s] for s in sites], device)
+        out, flagged, allocs = _launch([rows[s] for s in sites], device)
         dense.update(zip(sites, out))
         flags.append(flagged)
+        keep += allocs
     flagged = dict(zip((s for sites in groups.values() for s in sites), torch.cat(flags).tolist()))  # the one sync
     out = {}
     for site in rows:  # the caller's order: its first failing site raises
         # a flagged site is decoded again by numpy: its error, or (a conservative flag) its rows
-        out[site] = densify(unpack_rows(rows[site])).to(device) if flagged[site] else dense[site]
+        if flagged[site]:
+            out[site] = densify(unpack_rows(rows[site])).to(device)
+            keep += [getattr(out[site], f) for f in _PLANES]
+        else:
+            out[site] = dense[site]
     return out
 
 
