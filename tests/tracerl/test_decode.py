@@ -148,8 +148,9 @@ def test_static_step_reads_no_device_value_on_meta():
 
 def test_captures_are_staged_with_one_ring_copy_per_step():
     """A capturing step writes the hinted sites' hint bits and scales straight into the decoder's stage (the
-    fused quantize kernel's output buffers: no copy per site), the routes and codes with one copy each, and the
-    whole stage into its ring slot with one ``index_copy_``; what `take` returns is each step's values."""
+    fused quantize kernel's output buffers: no copy per site), the routes too (the router's sort writes its ids
+    into their int64 view), the codes with one copy each, and the whole stage into its ring slot with one
+    ``index_copy_``; what `take` returns is each step's values, every part uint8."""
     spec, model, plan, rt = _setup(dtype=torch.bfloat16)
     RolloutEngine(model, rt).calibrate(PROMPTS)
     dec = StaticDecoder(model, rt, batch=2, max_len=16, ring=4, capture=True, keep_codes=False, routes=True)
@@ -172,6 +173,9 @@ def test_captures_are_staged_with_one_ring_copy_per_step():
     assert count[0] == count[1] + 1  # the ring (the others are the KV cache's writes)
     sites = {k: none for k, none in seen if k[0] == "site"}
     assert set(sites) == {("site", s) for s in plan.hinted} and all(v == (True, True) for v in sites.values())
+    routes = {k: none for k, none in seen if k[0] == "route"}
+    assert set(routes) == {("route", str(i)) for i in range(spec.num_layers)}
+    assert all(v == (True,) for v in routes.values())  # sorted into the stage: no copy
     taken = dec.take(3)
     # the same values as a fresh quantization of the same steps: run them again without staging
     ref = StaticDecoder(model, rt, batch=2, max_len=16, ring=4, capture=True, keep_codes=False, routes=True)
@@ -185,7 +189,7 @@ def test_captures_are_staged_with_one_ring_copy_per_step():
     for key, parts in taken.items():
         for j, part in enumerate(parts):
             want = torch.cat([fresh[key][i][j].to(torch.uint8) for i in range(3)])
-            assert torch.equal(part, want), key
+            assert part.dtype == torch.uint8 and torch.equal(part, want), key
 
 
 def test_a_capture_part_first_seen_later_keeps_the_ring():

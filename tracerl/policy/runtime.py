@@ -134,8 +134,8 @@ class FP4Runtime:
     """
 
     #: the per-call state that `using` sets and restores (per thread)
-    CALL_STATE = ("mode", "capture", "capture_into", "observe", "on_route", "provided", "forced_routes",
-                  "gather_max_slots", "substitute")
+    CALL_STATE = ("mode", "capture", "capture_into", "observe", "on_route", "route_into", "provided",
+                  "forced_routes", "gather_max_slots", "substitute")
 
     def __init__(self, plan: SitePlan, global_scales: Mapping[str, float] | None = None, *, backend: str = "auto"):
         self.plan = plan
@@ -152,6 +152,9 @@ class FP4Runtime:
             "capture_into": None,
             "observe": None,  # ObserveFn | None
             "on_route": None,  # RouteFn | None
+            # (layer, router ids [N, top_k] int64) -> an int64 [N, top_k] tensor (a decoder's stage view) that the
+            # sort of the ids writes into before ``on_route`` gets it, or None: a fresh tensor
+            "route_into": None,
             "provided": {},  # {site: (scale_e4m3, hints | None)} for the rows of the next forward
             # Routing replay: {layer: expert ids [N, top_k] (int64, forward rows)} that MoE blocks use instead of
             # their router's top-k (the router's probabilities still weight them, so the gate gets gradients).
@@ -183,6 +186,7 @@ class FP4Runtime:
     capture_into = _call_state_property("capture_into")
     observe = _call_state_property("observe")
     on_route = _call_state_property("on_route")
+    route_into = _call_state_property("route_into")
     provided = _call_state_property("provided")
     forced_routes = _call_state_property("forced_routes")
     gather_max_slots = _call_state_property("gather_max_slots")
@@ -224,7 +228,7 @@ class FP4Runtime:
     @contextlib.contextmanager
     def using(self, **state: Any) -> Iterator[FP4Runtime]:
         """Set per-call state (any of `CALL_STATE`: ``mode``, the ``capture`` / ``observe`` / ``on_route``
-        callbacks, ``capture_into``, ``provided`` hints and scales, ``forced_routes``, ``gather_max_slots``,
+        callbacks, ``capture_into``, ``route_into``, ``provided`` hints and scales, ``forced_routes``, ``gather_max_slots``,
         ``substitute``) for the block; the previous values come back on exit, also when the block raises.
 
         Raises `ConfigError` for an unknown key or mode, before anything changes."""
@@ -383,7 +387,13 @@ class FP4MoEBlock(nn.Module):
         x = hidden_states.reshape(-1, hidden)  # (N, H), N = B*T
         logits, weights, idx = self.gate(x)  # router in bf16 on the unquantized input; (N, k) each
         # Ascending expert id per token: the down-input site's slot order, and order-free routing records.
-        idx, perm = idx.sort(dim=-1)
+        into = rt.route_into(self.layer, idx) if rt.on_route is not None and rt.route_into is not None else None
+        if into is None:
+            idx, perm = idx.sort(dim=-1)
+        else:  # sorted straight into the caller's buffer (a decoder's capture stage: no copy of its own)
+            perm = torch.empty_like(idx)
+            torch.sort(idx, dim=-1, out=(into, perm))
+            idx = into
         weights = weights.gather(-1, perm)
         if rt.on_route is not None:
             rt.on_route(self.layer, idx)  # the router's own choice (also under routing replay)

@@ -13,10 +13,10 @@ version of that decode path:
 - the step's own state (input token, per-row position, column, ring slot) as device tensors advanced in place
   at the end of the step, so a replay needs no host input but the sampled token;
 - captures (hint bits, block scales, codes at hinted sites; routed expert ids per MoE layer) staged in one
-  device buffer per step (the fused quantize kernel writes a hinted site's hint bits and scales straight into
-  it; routes and codes take one copy each) and put into a ring of ``ring`` steps by one copy per step, at the
-  ring slot; the engine hands the filled ring to the recorder every ``ring`` steps (one clone per field), where
-  the recorder's asynchronous drains take over.
+  device buffer per step (the fused quantize kernel writes a hinted site's hint bits and scales, and its margin
+  marks, straight into it; the router's sort writes its expert ids into it; codes take one copy each) and put into
+  a ring of ``ring`` steps by one copy per step, at the ring slot; the engine hands the filled ring to the
+  recorder every ``ring`` steps (one clone per field), where the recorder's asynchronous drains take over.
 
 The same code runs eagerly (``use_graph=False``: CPU, or to compare against the graph) and captured.
 Supported: the ``qwen3-moe`` family (full attention in every layer). Models with linear attention keep the
@@ -171,12 +171,15 @@ class StaticDecoder:
         # routes) at a 16-byte aligned offset; ``_ring`` uint8 [ring, S] keeps ``ring`` steps of it, written by
         # one copy per step. Hinted sites' hints and scales are written into their stage views by the fused
         # quantize kernel itself (`FP4Runtime` ``capture_into``), so a site costs no copy of its own.
-        self._layout: dict[RingKey, list[tuple[int, tuple[int, ...]]]] = {}  # part -> (offset, shape)
+        # part -> (byte offset, shape, dtype): uint8 parts, and the routes as the router's int64 ids (sorted into
+        # their stage view: `FP4Runtime` ``route_into``)
+        self._layout: dict[RingKey, list[tuple[int, tuple[int, ...], torch.dtype]]] = {}
         self._views: dict[RingKey, list[torch.Tensor]] = {}  # stage views per part
         self._pending: dict[RingKey, list[torch.Tensor]] = {}  # parts seen before the stage exists (first step)
         self._stage: torch.Tensor | None = None
         self._ring: torch.Tensor | None = None
         self._served: str | None = None  # the site whose capture `_stage_for` just handed out
+        self._served_route: int | None = None  # the layer whose routes `_route_for` just handed out
         self._kv_sites = runtime.plan.has_kv
         self._rope = _rope_fn()
         self._graph: torch.cuda.CUDAGraph | None = None
@@ -190,7 +193,9 @@ class StaticDecoder:
         if views is None:
             if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise ConfigError(f"capture {key} first seen while a graph was being captured (no warm-up?)")
-            self._pending[key] = [p.to(torch.uint8, copy=True) for p in parts]  # the stage is built after the step
+            # the stage is built after the step
+            self._pending[key] = [p.clone() if p.dtype == torch.int64 else p.to(torch.uint8, copy=True)
+                                  for p in parts]
             return
         for v, p in zip(views, parts):
             if p is not None:
@@ -258,8 +263,18 @@ class StaticDecoder:
             torch.cuda.current_stream(self.device).wait_stream(self._marks_stream)
             self._held.clear()
 
+    def _route_for(self, layer: int, idx: torch.Tensor) -> torch.Tensor | None:
+        """`FP4Runtime` ``route_into``: the stage view (int64 [B, top_k]) the router's sorted ids are written into;
+        None before the stage exists or for a shape it was not built for."""
+        views = self._views.get(("route", str(layer)))
+        if views is None or views[0].dtype != idx.dtype or views[0].shape != idx.shape:
+            return None
+        self._served_route = layer  # the next `_on_route` of this layer finds its ids in place
+        return views[0]
+
     def _on_route(self, layer: int, idx: torch.Tensor) -> None:
-        self._ring_write(("route", str(layer)), (idx,))
+        direct, self._served_route = self._served_route == layer, None
+        self._ring_write(("route", str(layer)), (None,) if direct else (idx,))
 
     def _build_stage(self) -> None:
         """Lay out the stage and the ring from the parts the first step captured, and put that step's values in.
@@ -271,16 +286,16 @@ class StaticDecoder:
         for key, parts in self._pending.items():
             layout[key] = []
             for p in parts:
-                layout[key].append((offset, tuple(p.shape)))
-                offset += -(-p.numel() // 16) * 16  # 16-byte aligned parts (the kernels' vector stores)
+                layout[key].append((offset, tuple(p.shape), p.dtype))
+                offset += -(-p.numel() * p.element_size() // 16) * 16  # 16-byte aligned (the kernels' vector stores)
         self._layout = layout
         self._stage = torch.zeros(offset, dtype=torch.uint8, device=self.device)
         self._ring = torch.zeros(self.ring, offset, dtype=torch.uint8, device=self.device)
         if old_stage is not None:
             self._stage[: old_stage.numel()].copy_(old_stage)
             self._ring[:, : old_stage.numel()].copy_(old_ring)
-        self._views = {key: [self._stage[o:o + math.prod(shape)].view(shape) for o, shape in parts]
-                       for key, parts in layout.items()}
+        self._views = {key: [self._stage[o:o + math.prod(shape) * dt.itemsize].view(dt).view(shape)
+                             for o, shape, dt in parts] for key, parts in layout.items()}
         for key, parts in self._pending.items():
             for v, p in zip(self._views[key], parts):
                 v.copy_(p)
@@ -291,8 +306,8 @@ class StaticDecoder:
         """Per capture key, views [ring, B, ...] of each part's column of the ring (empty before the first step)."""
         if self._ring is None:
             return {}
-        return {key: [self._ring[:, o:o + math.prod(shape)].view(self.ring, *shape) for o, shape in parts]
-                for key, parts in self._layout.items()}
+        return {key: [self._ring[:, o:o + math.prod(shape) * dt.itemsize].view(dt).view(self.ring, *shape)
+                      for o, shape, dt in parts] for key, parts in self._layout.items()}
 
     # ---- the step ----------------------------------------------------------------------------------------
     def _forward(self) -> None:
@@ -336,6 +351,7 @@ class StaticDecoder:
         rt = self.runtime
         return rt.using(capture=self._on_capture if self.capture else None,
                         capture_into=self._stage_for if self.capture else None,
+                        route_into=self._route_for if self.routes else None,
                         on_route=self._on_route if self.routes else None,
                         gather_max_slots=max(rt.gather_max_slots, self.batch * self.top_k))
 
@@ -397,9 +413,11 @@ class StaticDecoder:
 
     def take(self, n: int) -> dict[RingKey, list[torch.Tensor]]:
         """Copies of the first ``n`` ring slots, each ``[n * B, ...]`` (row = step * B + batch row), in the
-        order the steps ran since the ring was last taken. Call after every ``ring`` steps and at the end."""
+        order the steps ran since the ring was last taken. Call after every ``ring`` steps and at the end. Every
+        part is uint8 (the routes' int64 ids, < 256 experts, as uint8)."""
         if not 0 <= n <= self.ring:
             raise ConfigError(f"take({n}): the ring holds {self.ring} steps")
-        # clone first: a part's ring column is strided (or, alone in the stage, the ring itself)
-        return {key: [b[:n].clone().reshape(n * self.batch, *b.shape[2:]) for b in bufs]
+        # copy first: a part's ring column is strided (or, alone in the stage, the ring itself)
+        return {key: [(b[:n].clone() if b.dtype == torch.uint8 else b[:n].to(torch.uint8)).reshape(
+                    n * self.batch, *b.shape[2:]) for b in bufs]
                 for key, bufs in self.rings.items()}
