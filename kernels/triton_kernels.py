@@ -1,6 +1,6 @@
 """Triton kernels of the FP4 numerics, bit-identical to `tracefp4.reference` (imported lazily by `tracefp4.api`).
 
-One module on purpose (about 1,100 lines): the five kernels are thin compositions of the same ~25 ``@triton.jit``
+One module on purpose (about 1,600 lines): the five kernels are thin compositions of the same ~25 ``@triton.jit``
 helpers (piece loads, block amax, own and given scales, the three-operation E2M1 rounding, code/hint packing and
 stores), and the bit-level argument below is made once for all of them. Split by op, each op's module would hold
 a page of kernel and a page of launcher while every reason for its bits stayed in a shared helper module; the
@@ -12,6 +12,8 @@ of blocks, so block k is simply elements [kB, (k+1)B)):
 - `_quantize_kernel`:      x -> codes [NB, B/2], scale bytes [NB], hint bytes [NB, B/8]
 - `_fake_quant_kernel`:    x (+ scale bytes, hint bytes) -> y in x.dtype (round to nearest or hint-guided)
 - `_quantize_fake_kernel`: x -> y (round to nearest, own scales) and codes, scales, hints in one pass
+  (`_quantize_kernel` with FAKE; with MARKS also `tracefp4.margin_marks` of its own scales and hints: value marks
+  as hint bytes, block marks as bits)
 - `_dequantize_kernel`:    codes, scale bytes -> y
 - `_fake_quant_bwd_kernel`: clipped straight-through gradient (grad where not |x * r| > 6)
 

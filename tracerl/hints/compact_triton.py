@@ -325,9 +325,10 @@ def unpack_sites_dense(rows: Mapping[str, PackedRows], device: str | torch.devic
     """Each site's rows decoded on ``device`` (CUDA, or the CPU under ``TRITON_INTERPRET=1``) into
     `compact.DenseExceptions`: one kernel launch for all sites of one coding and width (their rows stacked: every
     site's rows run at once; each site's planes are row slices of one allocation) and one host sync for all of them
-    (the error flags). On CUDA the rows go over from pinned memory in one copy and the kernels run on the side stream `compact_device` decodes on, so
-    the sync waits for them alone, not for the caller's queued work; the caller's stream then waits for that stream
-    and the planes are marked as used by it, so they are safe to use there at once.
+    (the error flags). On CUDA the rows go over from pinned memory in one copy and the kernels run on the side
+    stream `compact_device` decodes on, so the sync waits for them alone, not for the caller's queued work; the
+    caller's stream then waits for that stream and the planes are marked as used by it, so they are safe to use
+    there at once.
 
     Equal to ``compact.densify(compact.unpack_rows(p))`` for every site. Raises `HintCodingError` exactly as
     `compact.unpack_rows` does (the first site in order whose rows do not decode), `ConfigError` for an unknown

@@ -228,8 +228,9 @@ class FP4Runtime:
     @contextlib.contextmanager
     def using(self, **state: Any) -> Iterator[FP4Runtime]:
         """Set per-call state (any of `CALL_STATE`: ``mode``, the ``capture`` / ``observe`` / ``on_route``
-        callbacks, ``capture_into``, ``route_into``, ``provided`` hints and scales, ``forced_routes``, ``gather_max_slots``,
-        ``substitute``) for the block; the previous values come back on exit, also when the block raises.
+        callbacks, ``capture_into``, ``route_into``, ``provided`` hints and scales, ``forced_routes``,
+        ``gather_max_slots``, ``substitute``) for the block; the previous values come back on exit, also when the
+        block raises.
 
         Raises `ConfigError` for an unknown key or mode, before anything changes."""
         unknown = sorted(set(state) - set(self.CALL_STATE))
