@@ -18,8 +18,8 @@ Trainer side, per micro-batch of T tokens:
             (what the feed does on CUDA: the raw rows over, decoded on the device); checked equal to numpy's
   margin_unpack_triton + margin_fill: the Triton decoder (compact_triton.unpack_sites_dense: one kernel for the
             sites of one coding, their rows stacked, straight into the planes the fill-in reads; checked equal to
-            numpy's laid out) and the trainer's per-forward fill-in on them (compact.fill, what MarginSites runs: one margin_fill per site, no sync);
-            on CUDA, or on the CPU under TRITON_INTERPRET=1 (else not timed: null)
+            numpy's laid out) and the trainer's per-forward fill-in on them (compact.fill, what MarginSites runs:
+            one margin_fill per site, no sync); on CUDA, or on the CPU under TRITON_INTERPRET=1 (else not timed: null)
 The torch figures are also timed on the CPU (the torch code runs there too). The JSON's "packers" says which
 implementation each phase timed.
 Each figure is the median over --runs runs of the mean over the steps of one run (min..max given); the stored

@@ -137,6 +137,9 @@ def bench_capture(spec, device, batch, prompt, steps, reps, seed, decode="auto",
         "hinted_sites": len(widths), "step_ms_plain": med["plain"], "step_ms_capture": med["capture"],
         "overhead_pct": 100 * (med["capture"] / med["plain"] - 1), "all_ms": times,
         "hint_bytes_recorded_last_rep": bytes_recorded["capture"],
+        # the spread: each run's own overhead over the plain run of the same rep, min..max per engine
+        "overhead_pct_range": {n: [min(pcts), max(pcts)] for n in names if n != "plain"
+                               for pcts in [[100 * (a / b - 1) for a, b in zip(times[n], times["plain"])]]},
     }
     if margin:
         out.update({"margin": list(margin), "coding": coding.to_json(), "step_ms_capture_margin": med["capture_margin"],
@@ -428,7 +431,8 @@ def main(argv=None) -> int:
                 extra += (f", {c['step_ms_capture_margin_side']:.3f} with its marks on a side stream "
                           f"({c['margin_side_overhead_pct']:+.2f}%)")
             say(f"capture B={c['batch']} ({c['decode_path']}): {c['step_ms_plain']:.3f} ms/step plain, "
-                f"{c['step_ms_capture']:.3f} with capture ({c['overhead_pct']:+.2f}%){extra}; all {c['all_ms']}")
+                f"{c['step_ms_capture']:.3f} with capture ({c['overhead_pct']:+.2f}%){extra}; each run's overhead "
+                f"min..max {c['overhead_pct_range']}; all {c['all_ms']}")
 
     def run_trainer():
         out["trainer"] = bench_trainer(spec, device, train_seqs, train_len, reps, args.seed)

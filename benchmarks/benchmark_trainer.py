@@ -25,7 +25,7 @@ operations by device and host time and the Python functions by host time are sav
     python benchmarks/benchmark_trainer.py --device cuda                # the H200 model: fp4_hints and bf16, 3 runs
     python benchmarks/benchmark_trainer.py --device cuda --profile      # plus a profiled step
     python benchmarks/benchmark_trainer.py --smoke                      # tiny, CPU: checks the code paths
-    python benchmarks/benchmark_trainer.py --device cuda --margin 0.05:0.05 --margin-decode triton --modes fp4_hints
+    python benchmarks/benchmark_trainer.py --device cuda --margin 0.05:0.05:lsb --modes fp4_hints
 
 ``--margin M:MS[:lsb]`` records the hinted sites as margin-exception rows instead (`create_loop_store(margin=)`),
 so a step includes decoding them (``--margin-decode``) and the forward's fill-in: its step time against a run
@@ -300,8 +300,9 @@ def main(argv: list[str] | None = None) -> int:
                          "and fill-in (default: hint bits and scale bytes)")
     ap.add_argument("--margin-coding", default="gamma:bitmap", metavar="V:B",
                     help="value and block position codings of --margin's sites (default gamma:bitmap)")
-    ap.add_argument("--margin-decode", choices=MARGIN_DECODES, default="auto",
-                    help="where the trainer decodes margin rows (TrainConfig.margin_decode; default auto)")
+    ap.add_argument("--margin-decode", choices=MARGIN_DECODES, default=TRAIN_DEFAULTS.margin_decode,
+                    help="where the trainer decodes margin rows (TrainConfig.margin_decode: auto is the Triton decoder "
+                         f"on a GPU; default {TRAIN_DEFAULTS.margin_decode})")
     ap.add_argument("--read-next", choices=("auto", "off", "thread", "process"), default="auto",
                     help="read the next step's data while a step computes: auto (run_training's default: a reader "
                          "process on a GPU, off on the CPU), off, in a thread, or in a reader process")

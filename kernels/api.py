@@ -419,7 +419,7 @@ class _QuantizeFakeFn(torch.autograd.Function):
         nb = xb.shape[0]
         s_out = None if scales_out is None else scales_out.view(nb)
         h_out = None if hints_out is None else hints_out.view(nb, block // HINTS_PER_BYTE)
-        marked = marks is None
+        apart = marks  # the marks still to compute after the capture (None: none asked, or fused into it)
         if backend == "triton":
             tk = _triton()
             fused = None
@@ -430,7 +430,8 @@ class _QuantizeFakeFn(torch.autograd.Function):
                 y, codes, scales, hints = tk.quantize_fake_blocks_triton(xb, fmt, g, scale_rule, emit_hints,
                                                                          scales_out=s_out, hints_out=h_out,
                                                                          marks=fused)
-                marked = marked or fused is not None
+                if fused is not None:
+                    apart = None
             except tk.LaunchConfigError:  # a config the marks cannot fuse into: the same bits, marks apart
                 if fused is None:
                     raise
@@ -443,10 +444,10 @@ class _QuantizeFakeFn(torch.autograd.Function):
                 scales = s_out.copy_(scales)
             if h_out is not None and hints is not None:
                 hints = h_out.copy_(hints)
-        if not marked:  # the marks as their own launch (reference backend, or not fusable here)
+        if apart is not None:  # the marks as their own launch (reference backend, or not fusable here)
             from .margin import margin_marks
 
-            (vm, bm), _, (m, ms) = marks
+            (vm, bm), _, (m, ms) = apart
             d = x.shape[-1]
             margin_marks(x.reshape(-1, d), g, scales.view(-1, d // block), hints.view(-1, d // HINTS_PER_BYTE),
                          m, ms, backend=backend, out=(vm, bm))

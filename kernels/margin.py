@@ -307,6 +307,11 @@ def _check_u8(t: torch.Tensor, name: str, shape: tuple[int, int], device: torch.
     return t.to(device).contiguous()
 
 
+def _marks_shapes(t_: int, w: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The shapes of the marks of x [t_, w]: value marks [T, W/8], block marks [T, ceil(W/128)]."""
+    return (t_, w // HINTS_PER_BYTE), (t_, -(-(w // BLOCK) // HINTS_PER_BYTE))
+
+
 def _check_out(out, shapes: tuple[tuple[int, int], ...], device: torch.device) -> tuple[torch.Tensor, ...]:
     """``out`` checked as output tensors of ``shapes`` (uint8, contiguous, on ``device``)."""
     if not isinstance(out, (tuple, list)) or len(out) != len(shapes):
@@ -372,7 +377,7 @@ def margin_marks(x: torch.Tensor, global_scale: torch.Tensor | float, scales: to
     backend, or Triton not available here)."""
     t_, w = _check_x(x)
     if out is not None:
-        out = _check_out(out, ((t_, w // HINTS_PER_BYTE), (t_, -(-(w // BLOCK) // HINTS_PER_BYTE))), x.device)
+        out = _check_out(out, _marks_shapes(t_, w), x.device)
     m = _check_margin(margin, "margin")
     ms = _check_margin(scale_margin, "scale_margin")
     scales = _check_u8(scales, "scales", (t_, w // BLOCK), x.device)
@@ -399,7 +404,7 @@ def _fused_marks(t_: int, w: int, device: torch.device, margin: float, scale_mar
     L0, H0, .., L6, H6, KS of ``margin`` and ``scale_margin``). Raises as `margin_marks` does."""
     if out is None:
         raise ShapeError("marks need marks_out: the (value marks, block marks) tensors to write them into")
-    out = _check_out(out, ((t_, w // HINTS_PER_BYTE), (t_, -(-(w // BLOCK) // HINTS_PER_BYTE))), device)
+    out = _check_out(out, _marks_shapes(t_, w), device)
     m = _check_margin(margin, "margin")
     ms = _check_margin(scale_margin, "scale_margin")
     return out, tuple(v for lo_hi in value_intervals(m) for v in lo_hi) + (scale_margin_threshold(ms),)

@@ -173,6 +173,8 @@ def default_config(kernel: str, dtype: torch.dtype, fmt: str) -> tuple:
     return CONFIG_CASES.get((kernel, _DTYPE_NAME.get(dtype, ""), fmt), CONFIG[kernel])
 
 _KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+#: the margin marks' launch arguments (`tracefp4.margin`): the 7 value ranges of bits(|v|), then the scale threshold
+THRESHOLDS = ("L0", "H0", "L1", "H1", "L2", "H2", "L3", "H3", "L4", "H4", "L5", "H5", "L6", "H6", "KS")
 _F32_MAX = 3.4028234663852886e38
 
 
@@ -773,14 +775,19 @@ def _rtn_lsb(ab):
 
 
 @triton.jit
+def _in_ranges(ab, thr):
+    """bool: bits(|v|) ``ab`` (int32) in one of the 7 ranges of ``thr`` (L0, H0, .., L6, H6, ...)."""
+    return (((ab >= thr[0]) & (ab <= thr[1])) | ((ab >= thr[2]) & (ab <= thr[3])) | ((ab >= thr[4]) & (ab <= thr[5]))
+            | ((ab >= thr[6]) & (ab <= thr[7])) | ((ab >= thr[8]) & (ab <= thr[9]))
+            | ((ab >= thr[10]) & (ab <= thr[11])) | ((ab >= thr[12]) & (ab <= thr[13])))
+
+
+@triton.jit
 def _value_mark(x, r, cb, thr):
     """int32 0/1 [BN, J]: value x (fp32) with its block's r marked (`tracefp4.margin_marks`): bits(|x * r|) in one
     of the 7 ranges of ``thr`` (L0, H0, .., L6, H6), or the code's LSB (cb = code << 22) not the RTN LSB."""
     ab = (x * r).to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    m = (((ab >= thr[0]) & (ab <= thr[1])) | ((ab >= thr[2]) & (ab <= thr[3])) | ((ab >= thr[4]) & (ab <= thr[5]))
-         | ((ab >= thr[6]) & (ab <= thr[7])) | ((ab >= thr[8]) & (ab <= thr[9]))
-         | ((ab >= thr[10]) & (ab <= thr[11])) | ((ab >= thr[12]) & (ab <= thr[13])))
-    return (m | (_rtn_lsb(ab) != ((cb >> 22) & 1))).to(tl.int32)
+    return (_in_ranges(ab, thr) | (_rtn_lsb(ab) != ((cb >> 22) & 1))).to(tl.int32)
 
 
 @triton.jit
@@ -983,8 +990,7 @@ def _next_tile(x_ptr, start, NB, BN: tl.constexpr, P: tl.constexpr, K: tl.conste
     return start, blk, bmask, _load_pieces(x_ptr, blk, bmask, P, K)
 
 
-@triton.jit(do_not_specialize=["NB", "n_iter", "L0", "H0", "L1", "H1", "L2", "H2", "L3", "H3", "L4", "H4", "L5", "H5",
-                               "L6", "H6", "KS"])
+@triton.jit(do_not_specialize=["NB", "n_iter", *THRESHOLDS])
 def _quantize_kernel(
     x_ptr, codes_ptr, scales_ptr, hints_ptr, fq_ptr, g_ptr, NB, n_iter,
     P: tl.constexpr, K: tl.constexpr, KIND: tl.constexpr, BN: tl.constexpr, IS_NV: tl.constexpr,
@@ -1413,8 +1419,7 @@ def _launch_quantize(xb, fmt, g, scale_rule, emit_hints, fake, config, key, scal
         if marks is not None:
             vm, bm, thr = marks
             mk = dict(MARKS=True, vm_ptr=vm.view(-1).view(torch.int16), bm_ptr=bm.view(-1),
-                      **dict(zip(("L0", "H0", "L1", "H1", "L2", "H2", "L3", "H3", "L4", "H4", "L5", "H5", "L6", "H6",
-                                  "KS"), thr)))
+                      **dict(zip(THRESHOLDS, thr, strict=True)))
         rkey = ("quantize", *consts.values(), marks is not None, warps, *opts.values())
         units = nb // 2 if pair else nb * rb  # the kernel's "blocks": pairs, rows or blocks
         progs, n_iter, persist = _grid(units, bn, per_sm, dev, rkey)

@@ -22,14 +22,21 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_kernels import _e4m3_decode, _on_input_device, _own_byte, _rtn_lsb, _t_fields
+from .triton_kernels import (
+    _KIND,
+    THRESHOLDS,
+    _e4m3_decode,
+    _in_ranges,
+    _on_input_device,
+    _own_byte,
+    _rtn_lsb,
+    _t_fields,
+)
 
 __all__ = ["margin_marks_triton", "margin_fill_triton", "MAX_BLOCKS_PER_PROGRAM"]
 
 #: blocks per program on the GPU (fewer for short rows: the next power of two >= nb, at least 8)
 MAX_BLOCKS_PER_PROGRAM: int = 64
-_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
-_THRESHOLDS = ["L0", "H0", "L1", "H1", "L2", "H2", "L3", "H3", "L4", "H4", "L5", "H5", "L6", "H6", "KS"]
 
 
 @triton.jit
@@ -86,7 +93,7 @@ def _store_block_bits(ptr, row, NBB, bits, BLK: tl.constexpr):
     tl.store(ptr + row * NBB + idx, byte.to(tl.uint8), mask=idx < NBB)
 
 
-@triton.jit(do_not_specialize=["NB", "NBB"] + _THRESHOLDS)
+@triton.jit(do_not_specialize=["NB", "NBB", *THRESHOLDS])
 def _margin_marks_kernel(x_ptr, g_ptr, scales_ptr, hints_ptr, vmarks_ptr, bmarks_ptr, NB, NBB,
                          L0, H0, L1, H1, L2, H2, L3, H3, L4, H4, L5, H5, L6, H6, KS,
                          BLK: tl.constexpr, KIND: tl.constexpr):
@@ -101,9 +108,7 @@ def _margin_marks_kernel(x_ptr, g_ptr, scales_ptr, hints_ptr, vmarks_ptr, bmarks
     _store_block_bits(bmarks_ptr, row, NBB, (bmark & bmask).to(tl.int32), BLK)
     # values, with the given scales: bits(|v|) in one of the 7 ranges, or the given hint is not the RTN LSB
     ab = _abs_bits(x, sbyte, inv_g)
-    vmark = (((ab >= L0) & (ab <= H0)) | ((ab >= L1) & (ab <= H1)) | ((ab >= L2) & (ab <= H2))
-             | ((ab >= L3) & (ab <= H3)) | ((ab >= L4) & (ab <= H4)) | ((ab >= L5) & (ab <= H5))
-             | ((ab >= L6) & (ab <= H6)))
+    vmark = _in_ranges(ab, (L0, H0, L1, H1, L2, H2, L3, H3, L4, H4, L5, H5, L6, H6))
     given = _bit_of(hints_ptr, row * NB * 2 + blk[:, None] * 2 + j[None, :] // 8, j[None, :] % 8, bmask[:, None])
     vmark = vmark | (_rtn_lsb(ab) != given)
     _store_value_bits(vmarks_ptr, row, NB, blk, bmask, vmark.to(tl.int32), BLK)

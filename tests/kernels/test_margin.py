@@ -431,7 +431,8 @@ def test_marks_into_given_tensors(backend):
     with pytest.raises(ShapeError, match=r"out value marks must be a contiguous uint8 tensor of shape \[5, 6\]"):
         tracefp4.margin_marks(x, 0.02, q.scales, q.hints, 0.1, 0.2, out=(out[0][:4], out[1]))
     with pytest.raises(ShapeError, match="not contiguous"):
-        tracefp4.margin_marks(x, 0.02, q.scales, q.hints, 0.1, 0.2, out=(torch.zeros(6, 5, dtype=torch.uint8, device=DEVICE).t(), out[1]))
+        tracefp4.margin_marks(x, 0.02, q.scales, q.hints, 0.1, 0.2,
+                              out=(torch.zeros(6, 5, dtype=torch.uint8, device=DEVICE).t(), out[1]))
     with pytest.raises(DTypeError, match="out block marks must be a uint8"):
         tracefp4.margin_marks(x, 0.02, q.scales, q.hints, 0.1, 0.2, out=(out[0], out[1].bool()))
     with pytest.raises(ShapeError, match="a pair of tensors"):

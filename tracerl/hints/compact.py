@@ -75,6 +75,7 @@ floating tensor.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 import math
 import re
 from collections.abc import Sequence
@@ -268,6 +269,8 @@ class MarginExceptions:
     margin: float
     scale_margin: float
     scale_payload: str = "byte"
+    #: the tensor fields
+    TENSORS: ClassVar[tuple[str, ...]] = ("value_mask", "hint_bits", "scale_mask", "scale_bytes")
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -278,8 +281,7 @@ class MarginExceptions:
             return NotImplemented
         return (self.margin == other.margin and self.scale_margin == other.scale_margin
                 and self.scale_payload == other.scale_payload
-                and all(torch.equal(getattr(self, f).cpu(), getattr(other, f).cpu())
-                        for f in ("value_mask", "hint_bits", "scale_mask", "scale_bytes")))
+                and all(torch.equal(getattr(self, f).cpu(), getattr(other, f).cpu()) for f in self.TENSORS))
 
     __hash__ = None  # tensors inside: compared by value, not hashable
 
@@ -385,6 +387,8 @@ class DenseExceptions:
     margin: float
     scale_margin: float
     scale_payload: str = "byte"
+    #: the tensor fields (the planes)
+    TENSORS: ClassVar[tuple[str, ...]] = ("value_marks", "hints", "block_marks", "stored_scales")
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -398,15 +402,14 @@ class DenseExceptions:
     def to(self, device: str | torch.device, non_blocking: bool = False) -> DenseExceptions:
         """The same planes on ``device``."""
         return dataclasses.replace(self, **{f: getattr(self, f).to(device, non_blocking=non_blocking)
-                                            for f in ("value_marks", "hints", "block_marks", "stored_scales")})
+                                            for f in self.TENSORS})
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, DenseExceptions):
             return NotImplemented
         return ((self.width, self.margin, self.scale_margin, self.scale_payload)
                 == (other.width, other.margin, other.scale_margin, other.scale_payload)
-                and all(torch.equal(getattr(self, f).cpu(), getattr(other, f).cpu())
-                        for f in ("value_marks", "hints", "block_marks", "stored_scales")))
+                and all(torch.equal(getattr(self, f).cpu(), getattr(other, f).cpu()) for f in self.TENSORS))
 
     __hash__ = None
 

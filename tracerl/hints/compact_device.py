@@ -396,13 +396,14 @@ def _side_stream(device: torch.device):
     return _SIDE[dev]
 
 
-def decode_on_side_stream(device: torch.device, decode: Callable[[], dict], fields: Sequence[str],
+def decode_on_side_stream(device: torch.device, decode: Callable[[], dict],
                           record: Callable[[], Sequence[torch.Tensor]] | None = None) -> dict:
-    """``decode()`` (site -> a dataclass of tensors on ``device``) run on the device's side stream when it is CUDA, so
-    its syncs wait for its own kernels, not for the caller's queued work; then the caller's stream waits for the side
-    stream and each result's ``fields`` are marked as used by it (``record_stream``): safe to use there at once.
-    ``record``: instead, the tensors to mark (called after ``decode()``; e.g. the allocations that the results are
-    views of, one call each instead of one per view). Off CUDA, ``decode()`` as it is."""
+    """``decode()`` (site -> `MarginExceptions` or `DenseExceptions` on ``device``) run on the device's side stream
+    when it is CUDA, so its syncs wait for its own kernels, not for the caller's queued work; then the caller's
+    stream waits for the side stream and each result's tensors (``TENSORS``) are marked as used by it
+    (``record_stream``): safe to use there at once. ``record``: instead, the tensors to mark (called after
+    ``decode()``; e.g. the allocations that the results are views of, one call each instead of one per view). Off
+    CUDA, ``decode()`` as it is."""
     stream = _side_stream(device)
     if stream is None:
         return decode()
@@ -410,7 +411,7 @@ def decode_on_side_stream(device: torch.device, decode: Callable[[], dict], fiel
     with torch.cuda.stream(stream):
         out = decode()
     caller.wait_stream(stream)
-    used = record() if record is not None else [getattr(item, f) for item in out.values() for f in fields]
+    used = record() if record is not None else [getattr(item, f) for item in out.values() for f in item.TENSORS]
     for t in used:
         t.record_stream(caller)
     return out
@@ -897,10 +898,10 @@ def _unpack_sites(rows: Mapping[str, PackedRows], device: torch.device) -> dict[
 
 
 def resolve_margin_decode(decode: str, device: str | torch.device) -> str:
-    """The decoder "auto" stands for on ``device``: "triton" on CUDA when Triton is installed (timed on an H100:
-    20 sites x 1,024 rows in ~3 ms, the torch codec ~130 ms; `benchmarks/benchmark_compact_path.py`), the torch
-    codec ("device") on CUDA without it, numpy ("host") elsewhere; any other ``decode`` as it is. Raises
-    `ConfigError` for an unknown ``decode``."""
+    """The decoder "auto" stands for on ``device``: "triton" on CUDA when Triton is installed (on an H100, 20 sites
+    x 1,024 rows: 7.9 ms with the rows' host concatenation, the torch codec 136.5 ms, medians of 3;
+    `benchmarks/results/compact-path-triton-concat-h100.json`), the torch codec ("device") on CUDA without it,
+    numpy ("host") elsewhere; any other ``decode`` as it is. Raises `ConfigError` for an unknown ``decode``."""
     if decode not in MARGIN_DECODES:
         raise ConfigError(f"decode must be one of {list(MARGIN_DECODES)}; got {decode!r}")
     if decode != "auto":
@@ -932,7 +933,7 @@ def unpack_sites(rows: Mapping[str, PackedRows], device: str | torch.device, dec
     for site, p in rows.items():
         enc = unpack_rows(p)
         out[site] = dataclasses.replace(enc, **{f: getattr(enc, f).to(device, non_blocking=True)
-                                                for f in ("value_mask", "hint_bits", "scale_mask", "scale_bytes")})
+                                                for f in enc.TENSORS})
     return out
 
 
@@ -955,7 +956,6 @@ def unpack_sites_torch(rows: Mapping[str, PackedRows], device: str | torch.devic
     within its site): when a group's decode fails, every site is decoded again one by one, in ``rows``' order;
     `ConfigError` for an unknown coding (or a block-bitmap over a row length not a multiple of 16)."""
     device = torch.device(device)
-    out = decode_on_side_stream(device, lambda: _unpack_sites(rows, device),
-                                ("value_mask", "hint_bits", "scale_mask", "scale_bytes"))
+    out = decode_on_side_stream(device, lambda: _unpack_sites(rows, device))
     log.debug("decoded margin rows of %d sites on %s", len(out), device)
     return out

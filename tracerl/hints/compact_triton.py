@@ -49,7 +49,6 @@ __all__ = ["unpack_rows_dense", "unpack_sites_dense"]
 
 #: rows (lanes) per program
 ROWS = 32
-_PLANES = ("value_marks", "hints", "block_marks", "stored_scales")
 _ALL, _BITMAP, _BLOCK_BITMAP, _GAMMA, _RICE = range(5)
 #: output modes of a walk: the marks (bit 1 at each position), a 1-bit payload per position (packed), an 8-bit
 #: payload per position (one byte per position)
@@ -270,8 +269,8 @@ def _launch(group: Sequence[PackedRows], device: torch.device
             ) -> tuple[list[DenseExceptions], torch.Tensor, list[torch.Tensor]]:
     """Start decoding the sites of ``group`` (host arrays, `_on_host`; one `_key`) on ``device`` in one launch:
     their rows stacked, one lane each, so that every site's rows run at once. Returns (each site's planes, being
-    written: row slices of one allocation per plane; whether each site has a flagged row, bool [S] on the device;
-    the device allocations all of it lives in). Every site's offsets must cover its data (`offsets_cover`).
+    written: row slices of the group's planes; whether each site has a flagged row, bool [S] on the device; the
+    device allocations all of it lives in). Every site's offsets must cover its data (`offsets_cover`).
 
     The rows and offsets go over in one copy (one host buffer, pinned on CUDA: offsets int64 [T + 1], then the
     bytes, then 8 zero bytes for the kernel's 8-byte windows); the flags and the four planes are one zeroed
@@ -324,7 +323,7 @@ def _on_host(p: PackedRows) -> PackedRows:
 def unpack_sites_dense(rows: Mapping[str, PackedRows], device: str | torch.device) -> dict[str, DenseExceptions]:
     """Each site's rows decoded on ``device`` (CUDA, or the CPU under ``TRITON_INTERPRET=1``) into
     `compact.DenseExceptions`: one kernel launch for all sites of one coding and width (their rows stacked: every
-    site's rows run at once; each site's planes are row slices of one allocation) and one host sync for all of them
+    site's rows run at once; each site's planes are row slices of the group's) and one host sync for all of them
     (the error flags). On CUDA the rows go over from pinned memory in one copy and the kernels run on the side
     stream `compact_device` decodes on, so the sync waits for them alone, not for the caller's queued work; the
     caller's stream then waits for that stream and the planes are marked as used by it, so they are safe to use
@@ -341,7 +340,7 @@ def unpack_sites_dense(rows: Mapping[str, PackedRows], device: str | torch.devic
         return {}
     rows = {s: _on_host(p) for s, p in rows.items()}
     keep: list[torch.Tensor] = []
-    return decode_on_side_stream(device, lambda: _decode(rows, device, keep), _PLANES, record=lambda: keep)
+    return decode_on_side_stream(device, lambda: _decode(rows, device, keep), record=lambda: keep)
 
 
 def _decode(rows: Mapping[str, PackedRows], device: torch.device, keep: list[torch.Tensor]
@@ -364,7 +363,7 @@ def _decode(rows: Mapping[str, PackedRows], device: torch.device, keep: list[tor
         # a flagged site is decoded again by numpy: its error, or (a conservative flag) its rows
         if flagged[site]:
             out[site] = densify(unpack_rows(rows[site])).to(device)
-            keep += [getattr(out[site], f) for f in _PLANES]
+            keep += [getattr(out[site], f) for f in DenseExceptions.TENSORS]
         else:
             out[site] = dense[site]
     return out

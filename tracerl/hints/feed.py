@@ -20,18 +20,17 @@ The feed imports nothing of tracerl's own trainer: `tracerl.hints.patch_model` i
 the hint-guided quantization in the trainer's model and takes a `FeedBatch`'s tensors in its forward.
 
 **Margin sites.** A site the store keeps as margin-exception rows (hint encoding margin, tracestore format 5) has no
-``hints``/``scales`` entry: its rows are decoded into ``FeedBatch.margin[site]`` (`compact.MarginExceptions` on the
-device), and the forward works out the scales and hints from its own activation with `FeedBatch.reconstruct`
-(`compact.reconstruct`), then rounds with today's hint-guided kernels. Where they are decoded is ``margin_decode``:
-on a CUDA feed device (``"auto"``, the default: the Triton decoder `compact_triton.unpack_sites_dense` into
-`compact.DenseExceptions`; ``"triton"`` names it; ``"device"``, on any device, the torch codec
+``hints``/``scales`` entry: its rows are decoded into ``FeedBatch.margin[site]`` (`compact.DenseExceptions` from the
+Triton decoder, else `compact.MarginExceptions`, on the device), and the forward works out the scales and hints from
+its own activation with `FeedBatch.reconstruct` (`compact.reconstruct`), then rounds with today's hint-guided
+kernels. Where they are decoded is ``margin_decode``: on a CUDA feed device (``"auto"``, the default: the Triton
+decoder `compact_triton.unpack_sites_dense`; ``"triton"`` names it; ``"device"``, on any device, the torch codec
 `compact_device.unpack_sites_torch`) the reading thread hands over the raw rows and they are decoded on the device
 when the batch is handed out (on a side stream: the syncs wait for the decode's own kernels, not for the trainer's
 queued work; the sites that share a width, coding and scale payload are decoded in one call, so a micro-batch
-costs the syncs of one decode per such group, not per site); otherwise
-(``"host"``, or ``"auto"`` on the CPU) the reading thread decodes them with numpy (`compact.unpack_rows`) and the
-masks and bytes are copied over. Both give equal exceptions. Such a site is read whole (no tensor-parallel feature
-slice).
+costs the syncs of one decode per such group, not per site); otherwise (``"host"``, or ``"auto"`` on the CPU) the
+reading thread decodes them with numpy (`compact.unpack_rows`) and the masks and bytes are copied over. All give
+equal exceptions. Such a site is read whole (no tensor-parallel feature slice).
 """
 
 from __future__ import annotations
@@ -56,14 +55,6 @@ from tracerl.hints.source import RecordSource, packed_nbytes
 from tracerl.util import to_device
 
 __all__ = ["FeedBatch", "HintFeed", "MARGIN_DECODES"]
-
-
-def _margin_on(e, dev: torch.device):
-    """A site's decoded margin exceptions (`compact.MarginExceptions` or `compact.DenseExceptions`) on ``dev``."""
-    fields = (("value_marks", "hints", "block_marks", "stored_scales") if isinstance(e, compact.DenseExceptions)
-              else ("value_mask", "hint_bits", "scale_mask", "scale_bytes"))
-    return dataclasses.replace(e, **{f: to_device(getattr(e, f), dev) for f in fields})
-
 
 
 @dataclasses.dataclass
@@ -94,9 +85,8 @@ class FeedBatch:
     codes: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     #: site -> the store's scale encoding ("bytes" | "lsb"): what ``scales`` rows hold
     scale_encodings: dict[str, str] = dataclasses.field(default_factory=dict)
-    #: margin sites (module docstring): site -> the rollout's `compact.MarginExceptions` (`compact.DenseExceptions`
-    #: with ``margin_decode="triton"``) of these T rows (masks
-    #: bool [T, W] / [T, W/16], kept bits and bytes), on the device
+    #: margin sites (module docstring): site -> the rollout's exceptions at these T rows, on the device:
+    #: `compact.DenseExceptions` from the Triton decoder ("auto" on CUDA, "triton"), else `compact.MarginExceptions`
     margin: dict[str, compact.MarginExceptions | compact.DenseExceptions] = dataclasses.field(default_factory=dict)
     loaded_unix: float = 0.0  # when its reading finished (lag measurements)
     read_s: float = 0.0  # seconds its reading took
@@ -201,10 +191,10 @@ class HintFeed:
             raise ConfigError(f"sites {unknown[:4]} are not declared by {store.url} (it declares "
                               f"{list(store.sites)[:6]})")
         self.device = torch.device(device)
+        #: the margin decoder on this device ("auto" resolved: `compact_device.resolve_margin_decode`)
+        self.margin_decode = resolve_margin_decode(margin_decode, self.device)
         #: decode margin rows on the device (when a batch is handed out) rather than in the reading thread
-        self.margin_on_device = margin_decode in ("device", "triton") or (margin_decode == "auto"
-                                                                          and self.device.type == "cuda")
-        self.margin_decode = margin_decode
+        self.margin_on_device = self.margin_decode != "host"
         self.dp, self.cp, self.tp = _rank("dp", dp), _rank("cp", cp), _rank("tp", tp)
         self.margin_sites = [s for s in self.sites if getattr(store.sites[s], "hint_encoding", "bits") == "margin"]
         if self.margin_sites and self.tp is not None:
@@ -317,8 +307,7 @@ class HintFeed:
         dev = self.device
         if margin is None and self.margin_on_device and packed.margin:  # decoded here, on the device
             margin = unpack_sites({s: compact.packed_from_store(self.store.sites[s], rows)
-                                   for s, rows in packed.margin.items()}, dev,
-                                  resolve_margin_decode(self.margin_decode, dev))
+                                   for s, rows in packed.margin.items()}, dev, self.margin_decode)
 
         def put(a: np.ndarray, dtype=None) -> torch.Tensor:
             t = torch.from_numpy(np.ascontiguousarray(a))
@@ -340,7 +329,8 @@ class HintFeed:
             features=dict(self.features), scale_encodings=dict(self.scale_encodings), host=packed,
             loaded_unix=loaded, read_s=secs,
             codes={s: put(a) for s, a in codes.items()},
-            margin={s: _margin_on(e, dev) for s, e in (margin or {}).items()})
+            margin={s: dataclasses.replace(e, **{f: to_device(getattr(e, f), dev) for f in e.TENSORS})
+                    for s, e in (margin or {}).items()})
 
     def close(self) -> None:
         """Nothing to release between iterations (each `iterate` joins its reading thread); kept for symmetry."""

@@ -67,10 +67,9 @@ class MarginSites:
     the scale bytes and hint bits are `compact.fill` of the forward's own activation and the stored exceptions
     (`compact.reconstruct`'s rule, with the runtime's global scale of the site, the one the rollout divided by; the
     exceptions are laid out as `compact.DenseExceptions` once per site, so each forward after the first makes no host
-    sync there), then the site quantizes exactly as
-    a bits site does: ``tracefp4.fake_quantize(x, scales=, hints=)`` (hints only in ``fp4_hints``), straight-through
-    backward; with the runtime's ``observe`` set, it reports the effective codes and scales as `FP4Runtime.quant`
-    does. Every other site, and every site in the other modes, goes on as it would (``chain``, else the runtime's
+    sync there), then the site quantizes exactly as a bits site does: ``tracefp4.fake_quantize(x, scales=,
+    hints=)`` (hints only in ``fp4_hints``), straight-through backward; with the runtime's ``observe`` set, it
+    reports the effective codes and scales as `FP4Runtime.quant` does. Every other site, and every site in the other modes, goes on as it would (``chain``, else the runtime's
     own quantization).
 
     Args:
@@ -135,8 +134,9 @@ def decode_margin(store: ts.Store, packed: Any, device: str | torch.device = "cp
     torch codec there: the sites that share a width, coding and scale payload in one decode over their rows stacked,
     one or two syncs per such group, on a side stream of a CUDA device, so they do not wait for the caller's queued
     work), "triton" (one Triton kernel per coding straight into `compact.DenseExceptions`, the planes `compact.fill`
-    reads; one sync per call), "auto" (`compact_device.resolve_margin_decode`: "triton" on CUDA, else "host"). The default stays "host" for callers that
-    have not opted in. The results are equal either way (`compact.densify` of the others' is the "triton" result).
+    reads; one sync per call), "auto" (`compact_device.resolve_margin_decode`: "triton" on CUDA, else "host"). The
+    default stays "host" for callers that have not opted in. The results are equal either way (`compact.densify` of
+    the others' is the "triton" result).
 
     Raises `HintCodingError` for rows that do not decode, `ConfigError` for a site that is not a margin site or an
     unknown ``decode``."""

@@ -36,8 +36,8 @@ def create_loop_store(url: str, spec: TinyMoESpec, task: Task, *, seed: int = 0,
     ``margin``: (value margin, scale margin, scale payload "byte" | "lsb") keeps every hinted site as
     margin-exception rows (tracestore hint encoding ``margin``, format 5; `tracerl.hints.compact.store_site`) in
     ``margin_coding`` ("<value coding>:<block coding>", e.g. "gamma:bitmap"; "bitmap" blocks when left out) instead
-    of hint bits and scale bytes;
-    a rollout worker then records them with margin capture on and the trainer reconstructs them.
+    of hint bits and scale bytes; a rollout worker then records them with margin capture on and the trainer
+    reconstructs them.
 
     The model vocabulary must hold the task's ids (``spec.vocab_size >= task.vocab_size``). Global scales come
     from one bf16 prefill of ``calibration_prompts`` task prompts (seeded by ``seed``) on ``device`` (a large

@@ -39,12 +39,13 @@ activation ``x`` [N, W] and its ``global_scale``, and computes the value and blo
 copied like every other field, and when rows are written the recorder gathers the kept bits and bytes
 (`compact.exceptions_from_marks`) and packs them in the site's coding (`compact.pack_rows`), on the host. When the
 marks were computed on a CUDA device (``margin_pack="auto"``, the default; ``"device"`` does it on any device,
-``"host"`` never) the staged rows are packed there instead (`compact_device.pack_sites_on_device`: the rows go over from pinned
-memory, are packed on a side stream of the device with one sync for the packed size, and only the packed bytes come
-back, data and offsets in one copy; the sites of one coding are packed in one call over their rows stacked, so that
-is per write and coding, not per site), the same bytes as on the host. Unfilled rows carry no marks (the trainer rounds
-to nearest there with its own scales). The engine passes ``x`` (hf decode path) or the marks its static/graph step
-computed into its capture ring (``marks=``) only when asked (`RolloutEngine(margin_capture=True)`).
+``"host"`` never) the staged rows are packed there instead (`compact_device.pack_sites_on_device`: the rows go over
+from pinned memory, are packed on a side stream of the device with one sync for the packed size, and only the
+packed bytes come back, data and offsets in one copy; the sites of one coding are packed in one call over their rows
+stacked, so that is per write and coding, not per site), the same bytes as on the host. Unfilled rows carry no
+marks (the trainer rounds to nearest there with its own scales). The engine passes ``x`` (hf decode path) or the
+marks its static/graph step computed into its capture ring (``marks=``) only when asked
+(`RolloutEngine(margin_capture=True)`).
 """
 
 from __future__ import annotations
