@@ -53,7 +53,7 @@ sys.path.insert(0, _REPO)
 sys.path.insert(0, os.path.join(_REPO, "benchmarks"))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO, os.environ.get("PYTHONPATH", "")) if p)
 
-from benchmark_fsdp import CPU_SPEC, GPU_SPEC, SMOKE_SPEC, _store  # noqa: E402  the same model and store recipe
+from benchmark_fsdp import CPU_SPEC, GPU_SPEC, SMOKE_SPEC, record_store  # noqa: E402  the same model and store recipe
 
 from tracerl.config import MARGIN_DECODES, TrainConfig, parse_margins  # noqa: E402  (no torch import)
 from tracerl.errors import ConfigError  # noqa: E402
@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="tracerl-bench-trainer-"))
     url = str(workdir / "store")
     t0 = time.perf_counter()
-    _store(url, spec, args)
+    record_store(url, spec, args)
     print(f"store recorded in {time.perf_counter() - t0:.1f}s: {args.steps} batches of {args.groups} x "
           f"{args.group_size}", flush=True)
     modes = [m for m in args.modes.split(",") if m]
