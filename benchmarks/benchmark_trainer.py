@@ -292,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="response tokens per trajectory (default: 128 on CUDA, 8 on the CPU)")
     ap.add_argument("--micro-batch-tokens", type=int, default=None, metavar="N",
                     help="override the trainer's micro-batch size (default: the trainer's own default)")
+    ap.add_argument("--layers", type=int, default=None, metavar="N",
+                    help="decoder layers of the model (default: the H200 model's 40 on CUDA; 20 fit an 80 GB H100 with "
+                         "the trainer's fp32 masters and AdamW state, which 40 do not)")
     ap.add_argument("--hint-layers", default="latter-half", metavar="WHICH",
                     help="hinted layers of the store (default latter-half: 20 of 40 sites on the H200 model)")
     ap.add_argument("--margin", type=_margin_arg, default=None, metavar="M:MS[:lsb]",
@@ -338,6 +341,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--profile-at {args.profile_at} must be a step of the run, 1..{args.steps}")
     cuda = args.device.startswith("cuda")
     spec = SMOKE_SPEC if args.smoke else (GPU_SPEC if cuda else CPU_SPEC)
+    if args.layers is not None:
+        if args.layers < 1:
+            ap.error(f"--layers {args.layers}: needs at least 1")
+        spec = {**spec, "num_layers": args.layers}
     if args.response_len is None:
         args.response_len = 128 if cuda and not args.smoke else 8
     if args.smoke:
