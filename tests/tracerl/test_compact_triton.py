@@ -165,3 +165,33 @@ def test_fill_and_margin_sites_on_dense_planes_equal_reconstruct(payload):
     assert torch.equal(C.fake_quantize_compact(dense, x, 0.05), C.fake_quantize_compact(enc, x, 0.05))
     with pytest.raises(Exception, match="does not match"):
         C.fill(dense, x[:5], 0.05)
+
+
+@pytest.mark.parametrize("counts,w", [([3], 48), ([1, 2], 48), ([5, 4], 16), ([7], 64)])
+def test_the_kernel_sees_aligned_arrays_and_unspecialized_counts(monkeypatch, counts, w):
+    """Whatever the row counts, total bytes and width, every array the decode kernel gets starts 16-byte aligned
+    and its row and bit counts are not specialized: Triton specializes a pointer on 16-byte alignment and an int
+    on ``== 1`` / ``% 16``, so a micro-batch of another size compiled the kernel again mid-training (a 5.5 s step)."""
+    from tracerl.hints import compact_triton as CT
+
+    k = CT._unpack_dense_kernel
+    kept = k.kwargs["do_not_specialize"] if hasattr(k, "kwargs") else [k.arg_names[i] for i in k.do_not_specialize]
+    assert {"T", "NBITS"} <= set(kept)  # (the interpreter's function keeps the decorator's arguments as given)
+    seen = []
+    real = CT._unpack_dense_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append(args)
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(CT, "_unpack_dense_kernel", Spy())
+    parts = {f"s{i}": _case(60 + i, "gamma", "bitmap", "byte", t=t, w=w)[2] for i, t in enumerate(counts)}
+    got = CT.unpack_sites_dense(parts, DEVICE)
+    assert all(got[s] == _want(p) for s, p in parts.items())
+    (args,) = seen
+    arrays = [a for a in args if isinstance(a, torch.Tensor)]
+    assert len(arrays) == 7  # data, offsets, four planes, flags
+    assert all(a.data_ptr() % 16 == 0 for a in arrays), [a.data_ptr() % 16 for a in arrays]

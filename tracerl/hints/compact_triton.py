@@ -218,7 +218,10 @@ def _walk(data_ptr, NBITS, cur, end, ok, n, out_ptr, rowbase, pay,
     return stop, cnt, ok
 
 
-@triton.jit
+# T and NBITS change with every micro-batch: specialized (Triton's default for ints: == 1, % 16), a new value's
+# divisibility compiled the kernel again mid-training (a 5.5 s step on the H100 when a micro-batch's total bytes
+# turned odd, trainer-h100-l20-margin.json)
+@triton.jit(do_not_specialize=["T", "NBITS"])
 def _unpack_dense_kernel(data_ptr, off_ptr, T, NBITS, vm_ptr, hint_ptr, bm_ptr, ss_ptr, bad_ptr, W, NB, NBB,
                          VC: tl.constexpr, VK: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                          LSB: tl.constexpr, ROWS_: tl.constexpr):
@@ -274,15 +277,16 @@ def _launch(group: Sequence[PackedRows], device: torch.device
 
     The rows and offsets go over in one copy (one host buffer, pinned on CUDA: offsets int64 [T + 1], then the
     bytes, then 8 zero bytes for the kernel's 8-byte windows); the flags and the four planes are one zeroed
-    allocation."""
+    allocation. Every array the kernel gets starts 16-byte aligned and its row and bit counts are not specialized,
+    so a new micro-batch size never compiles the kernel again."""
     vc, vk, bc, bk, w, lsb = _key(group[0])
     counts = [p.offsets.size - 1 for p in group]
     t_ = sum(counts)
     nbytes = sum(p.data.size for p in group)
-    head = 8 * (t_ + 1)
+    head = -(-8 * (t_ + 1) // 16) * 16  # the bytes start 16-aligned whatever t_ is (pointer alignment is specialized)
     host = torch.empty(head + nbytes + 8, dtype=torch.uint8, pin_memory=device.type == "cuda")
     hv = host.numpy()
-    offsets = hv[:head].view(np.int64)
+    offsets = hv[:8 * (t_ + 1)].view(np.int64)
     hv[head + nbytes:] = 0
     base = row = 0
     for p, t in zip(group, counts):
@@ -291,13 +295,16 @@ def _launch(group: Sequence[PackedRows], device: torch.device
         base, row = base + p.data.size, row + t
     offsets[t_] = nbytes
     buf = host.to(device, non_blocking=True)
-    off, d = buf[:head].view(torch.int64), buf[head:]
+    off, d = buf[:8 * (t_ + 1)].view(torch.int64), buf[head:]
     nb = w // BLOCK
     nbb = -(-nb // 8)
     cols = (w // 8, w // 8, nbb, nbb if lsb else nb)
-    planes_flat = torch.zeros(4 * t_ + t_ * sum(cols), dtype=torch.uint8, device=device)
-    bad = planes_flat[: 4 * t_].view(torch.int32)
-    planes = [a.view(t_, c) for a, c in zip(torch.split(planes_flat[4 * t_:], [t_ * c for c in cols]), cols)]
+    sizes = [4 * t_, *(t_ * c for c in cols)]
+    parts = [-(-n // 16) * 16 for n in sizes]  # every part 16-aligned, whatever t_ and the width are
+    planes_flat = torch.zeros(sum(parts), dtype=torch.uint8, device=device)
+    bad, *planes = (a[:n] for a, n in zip(torch.split(planes_flat, parts), sizes))
+    bad = bad.view(torch.int32)
+    planes = [a.view(t_, c) for a, c in zip(planes, cols)]
     if t_:
         _unpack_dense_kernel[(triton.cdiv(t_, ROWS),)](
             d, off, t_, nbytes * 8, *planes, bad, w, nb, nbb, VC=vc, VK=vk, BC=bc, BK=bk, LSB=lsb, ROWS_=ROWS,
