@@ -25,11 +25,13 @@ operations by device and host time and the Python functions by host time are sav
     python benchmarks/benchmark_trainer.py --device cuda                # the H200 model: fp4_hints and bf16, 3 runs
     python benchmarks/benchmark_trainer.py --device cuda --profile      # plus a profiled step
     python benchmarks/benchmark_trainer.py --smoke                      # tiny, CPU: checks the code paths
-    python benchmarks/benchmark_trainer.py --device cuda --margin 0.05:0.05:lsb --modes fp4_hints
+    python benchmarks/benchmark_trainer.py --device cuda --modes fp4_hints,fp4_hints+margin --margin 0.05:0.05:lsb
 
 ``--margin M:MS[:lsb]`` records the hinted sites as margin-exception rows instead (`create_loop_store(margin=)`),
-so a step includes decoding them (``--margin-decode``) and the forward's fill-in: its step time against a run
-without ``--margin`` on the same machine is what the margin encoding costs the trainer.
+so a step includes decoding them (``--margin-decode``) and the forward's fill-in. What that costs the trainer is
+best read side by side: ``--modes fp4_hints,fp4_hints+margin`` records both stores and alternates the two modes'
+runs (a drift of the machine hits both alike; separate invocations on a shared H100 differed by 20% in one mode);
+the summary's ``fp4_hints_margin_over_plain_*`` are the ratios.
 
 Saves JSON (machine, versions, sizes, every run's per-step metrics) to --out.
 """
@@ -61,6 +63,7 @@ from tracerl.errors import ConfigError  # noqa: E402
 TRAIN_DEFAULTS = TrainConfig()
 
 MODES = ("fp4_hints", "bf16")
+DEFAULT_MARGIN = (0.05, 0.05, "lsb")  # the margin point of a +margin mode without --margin
 
 
 def _margin_arg(text: str) -> tuple[float, float, str]:
@@ -164,12 +167,21 @@ class _GpuSampler:
             self._proc.wait(timeout=10)
 
 
+def _label(label: str) -> tuple[str, bool, str]:
+    """``mode[+margin][:read_next]`` (``--modes``) -> (mode, on the margin store, read_next or "")."""
+    head, _, read_next = label.partition(":")
+    mode, plus, what = head.partition("+")
+    if plus and what != "margin":
+        raise ValueError(f"--modes {label}: the part after '+' can only be 'margin'")
+    return mode, bool(plus), read_next
+
+
 def _run(label: str, url: str, workdir: Path, args, sampler: _GpuSampler, *, profile_step: int = 0,
          phases: bool = False) -> dict:
-    """One training process of ``label`` (``mode`` or ``mode:read_next``, see ``--modes``)."""
-    mode, _, read_next = label.partition(":")
+    """One training process of ``label`` (``mode[+margin][:read_next]``, see ``--modes``) on the store ``url``."""
+    mode, _, read_next = _label(label)
     read_next = read_next or args.read_next
-    metrics = workdir / f"{mode}-{read_next}-{time.time_ns()}.jsonl"
+    metrics = workdir / f"{label.replace(':', '-').replace('+', '-')}-{read_next}-{time.time_ns()}.jsonl"
     argv = [sys.executable, os.path.abspath(__file__), "--child", "--store", url, "--mode", mode, "--metrics",
             str(metrics), "--steps", str(args.steps), "--groups", str(args.groups), "--group-size",
             str(args.group_size), "--device", args.device, "--threads", str(args.threads),
@@ -244,7 +256,18 @@ def _summary(runs: dict[str, list[dict]], phase_runs: dict[str, list[dict]] | No
             out[mode]["step_s_default_mean"] = _spread(mean)  # per run, then median and spread over runs
             out[mode]["tokens_per_s_default_mean"] = _spread([out[mode]["tokens_per_step"] / m for m in mean])
             out[mode]["measure_stale_every"] = n
+    for label in list(out):  # X+margin over X (the same mode and read_next on the plain store)
+        mode, margin, rn = _label(label)
+        other = mode + (":" + rn if rn else "")
+        if not margin or other not in out:
+            continue
+        tag = f"{mode}_margin_over_plain" + (f"_read_next_{rn}" if rn else "")
+        for key in ("step_s", "step_s_unmeasured", "step_s_default_mean"):
+            if key in out[label] and key in out[other]:
+                out[f"{tag}_{key}"] = out[label][key]["median"] / out[other][key]["median"]
     for label in list(out):  # fp4_hints over bf16 with the same read_next (fp4_hints:process / bf16:process)
+        if "_over_" in label or "+" in label:
+            continue
         mode, sep, rn = label.partition(":")
         other = "bf16" + sep + rn
         if mode != "fp4_hints" or other not in out:
@@ -276,7 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default=",".join(MODES), metavar="LIST",
                     help="comma-separated trainer modes (default: fp4_hints,bf16); a mode may name its own "
                          "--read-next after a colon, to time several side by side on one store: "
-                         "fp4_hints,bf16,fp4_hints:process,bf16:process")
+                         "fp4_hints,bf16,fp4_hints:process,bf16:process; 'MODE+margin' trains on a second store whose "
+                         "hinted sites are margin rows (--margin's point, default 0.05:0.05:lsb), side by side with "
+                         "MODE on the plain one: fp4_hints,fp4_hints+margin")
     ap.add_argument("--runs", type=int, default=3, metavar="N", help="processes per mode (default 3)")
     ap.add_argument("--steps", type=int, default=8, metavar="N",
                     help="steps per run (default 8; step 1 warms up, steps 2.. are measured)")
@@ -352,23 +377,35 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or (tempfile.mkdtemp(prefix="trainer-smoke-") + "/trainer.json" if args.smoke else
                             f"{_REPO}/benchmarks/results/trainer-{'h200' if cuda else 'cpu'}.json"))
     out.parent.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="tracerl-bench-trainer-"))
-    url = str(workdir / "store")
-    t0 = time.perf_counter()
-    record_store(url, spec, args)
-    print(f"store recorded in {time.perf_counter() - t0:.1f}s: {args.steps} batches of {args.groups} x "
-          f"{args.group_size}", flush=True)
     modes = [m for m in args.modes.split(",") if m]
     for m in modes:
-        if m.partition(":")[2] not in ("", "auto", "off", "thread", "process"):
+        try:
+            mode, _, rn = _label(m)
+        except ValueError as e:
+            ap.error(str(e))
+        if rn not in ("", "auto", "off", "thread", "process"):
             ap.error(f"--modes {m}: the part after ':' is a --read-next choice (auto, off, thread, process)")
+    side_by_side = any(_label(m)[1] for m in modes)  # X+margin: a second store, the hinted sites as margin rows
+    workdir = Path(tempfile.mkdtemp(prefix="tracerl-bench-trainer-"))
+    urls = {False: str(workdir / "store")}
+    margin_point = args.margin or (DEFAULT_MARGIN if side_by_side else None)
+    t0 = time.perf_counter()
+    record_store(urls[False], spec, argparse.Namespace(**{**vars(args), "margin": None if side_by_side else args.margin}))
+    if side_by_side:
+        urls[True] = str(workdir / "store-margin")
+        record_store(urls[True], spec, argparse.Namespace(**{**vars(args), "margin": margin_point}))
+        args.margin = margin_point
+    else:
+        urls[True] = urls[False]  # (no +margin label: one store, margin rows if --margin)
+    print(f"store{'s' if side_by_side else ''} recorded in {time.perf_counter() - t0:.1f}s: {args.steps} batches of "
+          f"{args.groups} x {args.group_size}", flush=True)
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     sampler = _GpuSampler(enabled=cuda)
     result = {"machine": _machine(args.device), "spec": spec, "device": args.device, "args": vars(args)}
     try:
         for i in range(args.runs):
             for mode in modes:  # alternating, so a drift of the machine hits every mode alike
-                r = _run(mode, url, workdir, args, sampler)
+                r = _run(mode, urls[_label(mode)[1]], workdir, args, sampler)
                 runs[mode].append(r)
                 print(f"run {i + 1}/{args.runs} {mode}: step_s {[round(x['step_s'], 3) for x in r['rows']]} "
                       f"gpu util {r['gpu_util_median']}", flush=True)
@@ -377,16 +414,16 @@ def main(argv: list[str] | None = None) -> int:
         phase_runs: dict[str, list[dict]] = {m: [] for m in modes}
         for i in range(args.phase_runs):
             for mode in modes:
-                r = _run(mode, url, workdir, args, sampler, phases=True)
+                r = _run(mode, urls[_label(mode)[1]], workdir, args, sampler, phases=True)
                 phase_runs[mode].append(r)
                 print(f"phase run {i + 1}/{args.phase_runs} {mode}: step_s {[round(x['step_s'], 3) for x in r['rows']]}",
                       flush=True)
         result.update(phase_runs=phase_runs, summary=_summary(runs, phase_runs))
         if args.profile:
             for mode in modes:  # fp4_hints keeps the "-profile" file names of earlier runs
-                r = _run(mode, url, workdir, args, sampler, profile_step=args.profile_at)
+                r = _run(mode, urls[_label(mode)[1]], workdir, args, sampler, profile_step=args.profile_at)
                 base = r["metrics"].removesuffix(".jsonl")
-                dest = str(out).removesuffix(".json") + "-profile" + ("" if mode == "fp4_hints" else f"-{mode}")
+                dest = str(out).removesuffix(".json") + "-profile" + ("" if mode == "fp4_hints" else "-" + mode.replace("+", "-").replace(":", "-"))
                 for suffix in ("-trace.json.gz", "-top.txt", "-python.txt"):
                     if os.path.exists(base + suffix):
                         shutil.copy(base + suffix, dest + suffix)
@@ -425,8 +462,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{m['step_s_unmeasured']['max']:.3f}); mean at measure_stale_every={m['measure_stale_every']}: "
                   f"{m['step_s_default_mean']['median']:.3f} s = {m['tokens_per_s_default_mean']['median']:.0f} tok/s")
     for key in s:
-        if key.startswith("fp4_hints_over_bf16") and key.endswith("_step_s_default_mean"):
-            print(f"{key.removesuffix('_step_s_default_mean').replace('_', ' ')} at the default mean: {s[key]:.3f}")
+        if "_over_" in key and key.endswith("_step_s_default_mean"):
+            print(f"{key.removesuffix('_step_s_default_mean').replace('_', ' ')} at the default mean: {s[key]:.3f}"
+                  + (f" (without the stale forward {s[key.replace('default_mean', 'unmeasured')]:.3f})"
+                     if key.replace("default_mean", "unmeasured") in s else ""))
     print(f"saved {out}")
     return 0
 
