@@ -177,3 +177,55 @@ def test_effective_codes_equal_the_nearest_ladder_value_of_the_magnitude(dtype):
         y = tracefp4.fake_quantize(x, "nvfp4", global_scale=g, scales=q.scales, hints=q.hints, backend="reference")
         for t in (y, x, on_ladder):
             assert torch.equal(effective_codes(t, scales, g), definition(t, scales, g))
+
+
+def test_prequantized_weights_are_what_the_forward_would_compute(monkeypatch):
+    """`prequantize_weights` after a change of the weights (an optimizer step, then `weights_changed`) fills the
+    cache with what the next forward's `weight` calls would compute: that forward quantizes no weight itself and
+    its output and gradients are the same bits as a twin's that quantizes them lazily; bf16 mode and a runtime
+    without the weight cache (sharded training) quantize nothing ahead."""
+    ids = torch.randint(0, TINY["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(1))
+
+    def twin():
+        model = build_model(TinyMoESpec(**TINY), seed=0)
+        rt = install_fp4(model, plan_sites(model, hint_layers="all"))
+        with rt.calibrating(), torch.no_grad():
+            model(input_ids=ids)
+        rt.set_mode("fp4_rne_own_scales")
+        return model, rt
+
+    def fwd_bwd(model):
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids).logits
+        out.float().square().mean().backward()
+        return [out.detach()] + [p.grad for p in model.parameters() if p.grad is not None]
+
+    def change_weights(model, rt):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.01)
+        rt.weights_changed()
+
+    (lazy, rt_lazy), (ahead, rt) = twin(), twin()
+    assert rt.prequantize_weights() == 0  # nothing met yet
+    for model, r in ((lazy, rt_lazy), (ahead, rt)):
+        fwd_bwd(model)  # the first forward meets every expert stack
+        change_weights(model, r)
+    stacks = 2 * TINY["num_layers"]  # gate_up and down per MoE layer
+    calls = []
+    real = tracefp4.fake_quantize_matrices
+    monkeypatch.setattr(tracefp4, "fake_quantize_matrices", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert rt.prequantize_weights() == stacks and len(calls) == stacks
+    assert rt.prequantize_weights() == 0  # already current
+    calls.clear()
+    got = fwd_bwd(ahead)
+    assert not calls, "the forward quantized a weight the cache should have held"
+    want = fwd_bwd(lazy)
+    assert len(calls) == stacks  # the lazy twin quantized its own
+    assert len(got) == len(want) and all(torch.equal(a.view(torch.uint8) if a.dtype == torch.bfloat16 else a, b.view(
+        torch.uint8) if b.dtype == torch.bfloat16 else b) for a, b in zip(got, want))
+    change_weights(ahead, rt)
+    with rt.using(mode="bf16"):
+        assert rt.prequantize_weights() == 0
+    rt.cache_weights = False
+    assert rt.prequantize_weights() == 0
