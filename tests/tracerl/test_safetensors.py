@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import struct
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -100,6 +101,8 @@ def test_malformed_files_are_typed_errors(blob, match):
         st.decode(blob)
     with pytest.raises(st.SafetensorsFormatError, match=match):
         st.decode_views(torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.zeros(0, dtype=torch.uint8))
+    with pytest.raises(st.SafetensorsFormatError, match=match):
+        st.decode_numpy(blob)
 
 
 @pytest.mark.parametrize("source", ["ours", "library"])
@@ -162,3 +165,22 @@ def test_many_entries_over_one_range_fail_before_any_copy():
     with pytest.raises(st.SafetensorsFormatError, match="starts at 0, the previous data ends at"):
         st.decode(_file(header, b"\0" * n))
     assert time.perf_counter() - t0 < 5
+
+
+@pytest.mark.parametrize("source", ["ours", "library"])
+def test_decode_numpy_views_the_blob_and_equals_the_library(source):
+    """`decode_numpy`: every array numpy has a dtype for equals the library's ``safetensors.numpy`` load, is a
+    read-only view of the blob (no copy), and a dtype numpy lacks (BF16, F8) is a typed error naming it."""
+    from safetensors.numpy import load as np_load
+
+    sd = {k: v for k, v in _tensors().items() if v.dtype not in (torch.bfloat16, torch.float8_e4m3fn)}
+    blob = lib_save(sd) if source == "library" else b"".join(bytes(p) for p in st.encode(sd, {"k": "v"}))
+    got, meta = st.decode_numpy(blob)
+    want = np_load(blob)
+    assert set(got) == set(want) and meta == ({} if source == "library" else {"k": "v"})
+    for k, a in got.items():
+        assert a.dtype == want[k].dtype and a.shape == want[k].shape
+        assert a.tobytes() == want[k].tobytes()
+        assert not a.flags.writeable and (a.size == 0 or np.shares_memory(a, np.frombuffer(blob, np.uint8)))
+    with pytest.raises(st.SafetensorsFormatError, match="BF16"):
+        st.decode_numpy(lib_save({"w": torch.zeros(2, dtype=torch.bfloat16)}))
