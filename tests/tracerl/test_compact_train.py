@@ -332,3 +332,33 @@ def test_a_loop_store_can_keep_its_hinted_sites_as_margin_rows(tmp_path):
             create_loop_store(str(tmp_path / "x"), spec, task, calibration_prompts=4, margin=(0.05, 0.1, "byte"),
                               margin_coding=coding)
         assert not (tmp_path / "x").exists()
+
+
+def test_margin_sites_send_no_scales_or_hints_to_the_device(runs, tmp_path, monkeypatch):
+    """The trainer's forward on a margin store hands the QAT forward no rows for its margin sites (`MarginSites`
+    quantizes them; zero placeholder rows were 33 MB a step on the H200 model), and its log-probs are those of
+    the same batch from the bits store."""
+    from tracerl.train.recompute import QATTrainer
+
+    seen = []
+    real = QATTrainer._provided
+
+    def spy(self, packed, mode, rows, nrows, device, skip=()):
+        out = real(self, packed, mode, rows, nrows, device, skip=skip)
+        seen.append((set(skip), set(out)))
+        return out
+
+    monkeypatch.setattr(QATTrainer, "_provided", spy)
+    lps = {}
+    for kind in ("bits", "inf"):
+        st = runs[kind][0]
+        trainer, _ = start_or_resume(st, loop.train_cfg(), checkpoints=str(tmp_path / kind), weights_url=st.url,
+                                     metrics=MetricsLog(tmp_path / f"{kind}.jsonl"))
+        (batch,) = list(HintFeed(st).iterate([_mbs(st)[0]]))
+        with torch.no_grad():
+            fwd, margin = trainer._forward(batch.host, observe=False)
+        lps[kind] = fwd.logprobs
+        skip, provided = seen[-1]
+        assert skip == set(margin) and not (skip & provided)
+        assert (skip, provided) == ((set(), set(st.sites)) if kind == "bits" else (set(st.sites), set()))
+    assert torch.equal(lps["bits"], lps["inf"])

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Collection
 
 import numpy as np
 import torch
@@ -141,17 +142,19 @@ class QATTrainer:
 
     def token_logprobs(
         self, packed: PackedHints, mode: str, *, observe: bool = False, replay_routes: bool = False,
-        temperature: float = 1.0, routes: bool = True,
+        temperature: float = 1.0, routes: bool = True, substituted: Collection[str] = (),
     ) -> TokenLogprobs:
         """One forward of ``packed`` in ``mode``: the log-probs of its scored tokens (with gradient when grad is
         enabled), and what the forward saw on the device (routes; with ``observe`` the hinted sites' codes and
         scales), for the caller to turn into a loss. ``temperature`` divides the logits first (as the rollout's
-        sampler did). Raises what `recompute` raises."""
+        sampler did). ``substituted``: hinted sites the runtime's ``substitute`` quantizes (margin sites,
+        `tracerl.hints.MarginSites`): ``packed`` needs no scales or hints for them and none go to the device.
+        Raises what `recompute` raises."""
         check_mode(mode)
         device = next(self.model.parameters()).device
         inputs, rows = self._layout(packed, device)
         nrows = int(inputs["input_ids"].numel())
-        provided = self._provided(packed, mode, rows, nrows, device)
+        provided = self._provided(packed, mode, rows, nrows, device, skip=substituted)
         forced = self._forced_routes(packed, rows, nrows, device) if replay_routes else {}
         out = TokenLogprobs(None, np.zeros(0, dtype=np.int64), {}, {}, {})
 
@@ -179,12 +182,13 @@ class QATTrainer:
         out.scored = scored
         return out
 
-    def _provided(self, packed: PackedHints, mode: str, rows, nrows: int, device) -> dict:
-        """The rollout's scales (and, in ``fp4_hints``, hints) of every hinted site in forward rows; empty in the
-        modes that use their own scales."""
+    def _provided(self, packed: PackedHints, mode: str, rows, nrows: int, device,
+                  skip: Collection[str] = ()) -> dict:
+        """The rollout's scales (and, in ``fp4_hints``, hints) of every hinted site but ``skip`` in forward rows;
+        empty in the modes that use their own scales."""
         if mode not in ("fp4_rne_rollout_scales", "fp4_hints"):
             return {}
-        sites = list(self.runtime.plan.hinted)
+        sites = [s for s in self.runtime.plan.hinted if s not in skip]
         for site in sites:
             if site not in packed.scales:
                 raise ConfigError(f"mode {mode} needs site {site} in the packed batch; it has "
