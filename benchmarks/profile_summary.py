@@ -3,8 +3,12 @@
 For each trace: the traced span, the device's busy time (the union of its kernel and memcpy/memset intervals),
 kernel launches, and the device time per kernel family (GEMM, attention, FP4 kernels, optimizer, copies, ...) and
 per kernel name. Given two traces (e.g. ``fp4_hints`` and ``bf16`` of the same step), it prints them side by side
-with the difference: what one mode adds on the device. Device time only: host time per Python function is in the
-``-python.txt`` that the same run writes.
+with the difference: what one mode adds on the device. On the host, per thread that ran torch operations: its span
+and the time inside top-level operations; for the thread that started first (the training loop's), the time
+*between* its operations (Python, and waits for the GIL) and where the longest of it lies, grouped by the pair of
+operations around it: a host-bound step shows up there (the fourteenth session found 34 ms a step after one op per
+MoE layer that way: a background thread holding the GIL). Host time per Python function is in the ``-python.txt``
+that the same run writes.
 
     python benchmarks/profile_summary.py OUT-profile-trace.json.gz OUT-profile-bf16-trace.json.gz [--json PATH]
 """
@@ -70,10 +74,58 @@ def summarize(path: str, top: int = 25) -> dict:
         by_fam[_family(name) if e["cat"] == "kernel" else "copy / cast"] += e.get("dur", 0) / 1e3
     busy = _union([(e["ts"], e["ts"] + e.get("dur", 0)) for e in dev]) / 1e3
     names = sorted(by_name.items(), key=lambda kv: -kv[1][1])
-    return {"trace": path, "span_ms": round(span, 2), "device_busy_ms": round(busy, 2),
+    return {"host": host_summary(events),"trace": path, "span_ms": round(span, 2), "device_busy_ms": round(busy, 2),
             "device_busy_share": round(busy / span, 4) if span else None, "kernels": sum(v[0] for v in by_name.values()),
             "launches": launches, "families_ms": {k: round(v, 2) for k, v in sorted(by_fam.items(), key=lambda kv: -kv[1])},
             "top_kernels": [{"name": n[:120], "count": c, "ms": round(t, 3)} for n, (c, t) in names[:top]]}
+
+
+def _top_level(evs: list[dict]) -> list[dict]:
+    """The events of one thread that no earlier event of it contains (sorted by start)."""
+    out, end = [], -float("inf")
+    for e in sorted(evs, key=lambda e: (e["ts"], -e.get("dur", 0))):
+        if e["ts"] >= end:
+            out.append(e)
+            end = e["ts"] + e.get("dur", 0)
+    return out
+
+
+def host_summary(events: list[dict], top: int = 8) -> dict:
+    """Per thread with torch operations: span and time inside top-level host events (ms); for the first thread
+    (the training loop's), the time between them and the ``top`` largest (previous op, next op) groups of it."""
+    host = [e for e in events if e.get("ph") == "X" and "tid" in e
+            and e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation")]
+    by_tid: dict = collections.defaultdict(list)
+    for e in host:
+        by_tid[e["tid"]].append(e)
+    threads = []
+    for tid, evs in by_tid.items():
+        if not any(e.get("cat") == "cpu_op" for e in evs):
+            continue
+        tl = _top_level(evs)
+        start, stop = tl[0]["ts"], max(e["ts"] + e.get("dur", 0) for e in tl)
+        threads.append({"tid": tid, "start_ms": start, "span_ms": round((stop - start) / 1e3, 2),
+                        "in_ops_ms": round(sum(e.get("dur", 0) for e in tl) / 1e3, 2), "_tl": tl})
+    if not threads:
+        return {"threads": [], "main": None}
+    threads.sort(key=lambda t: t["start_ms"])
+    t0 = threads[0]["start_ms"]
+    main = threads[0]
+    gaps: dict = collections.defaultdict(lambda: [0, 0.0])
+    tl = main["_tl"]
+    for a, b in zip(tl, tl[1:]):
+        g = b["ts"] - (a["ts"] + a.get("dur", 0))
+        if g > 0:
+            key = (a.get("name", "?")[:48], b.get("name", "?")[:48])
+            gaps[key][0] += 1
+            gaps[key][1] += g / 1e3
+    between = sum(v[1] for v in gaps.values())
+    out_threads = [{"tid": t["tid"], "from_ms": round((t["start_ms"] - t0) / 1e3, 2), "span_ms": t["span_ms"],
+                    "in_ops_ms": t["in_ops_ms"]} for t in threads]
+    return {"threads": out_threads,
+            "main": {"tid": main["tid"], "between_ops_ms": round(between, 2),
+                     "largest_gaps": [{"after": a, "before": b, "count": c, "ms": round(ms, 3)}
+                                      for (a, b), (c, ms) in sorted(gaps.items(), key=lambda kv: -kv[1][1])[:top]]}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,6 +151,17 @@ def main(argv: list[str] | None = None) -> int:
     for k in fams:
         vals = [s["families_ms"].get(k, 0.0) for s in sums]
         print(k.ljust(26) + "".join(f"{v:12.2f}" for v in vals) + (f"{vals[0] - vals[1]:12.2f}" if len(vals) == 2 else ""))
+    for i, s in enumerate(sums):
+        h = s["host"]
+        if not h["main"]:
+            continue
+        print(f"host ({i + 1}): " + "; ".join(f"thread {t['tid']} from {t['from_ms']:.1f} ms: span {t['span_ms']:.1f} "
+                                             f"ms, in ops {t['in_ops_ms']:.1f} ms" for t in h["threads"]))
+        m = h["main"]
+        print(f"  thread {m['tid']} between its ops {m['between_ops_ms']:.1f} ms (Python, GIL waits, or waiting on "
+              "another thread such as autograd's backward); largest:")
+        for g in m["largest_gaps"]:
+            print(f"    {g['ms']:8.2f} ms {g['count']:5d}x  after {g['after']} / before {g['before']}")
     for i, s in enumerate(sums):
         print(f"top kernels ({i + 1}):")
         for k in s["top_kernels"]:

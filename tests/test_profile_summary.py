@@ -1,0 +1,51 @@
+"""benchmarks/profile_summary.py's host view: per thread the time inside top-level operations, and for the first
+thread the time between its operations grouped by the operations around it (where a GIL stall shows up)."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from pathlib import Path
+
+_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "profile_summary.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("profile_summary", _PATH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _op(tid, name, ts, dur, cat="cpu_op"):
+    return {"ph": "X", "cat": cat, "tid": tid, "name": name, "ts": ts, "dur": dur}
+
+
+def test_host_gaps_are_grouped_by_the_operations_around_them(tmp_path, capsys):
+    ps = _module()
+    events = [
+        # the main thread: three layers of (argsort, 1.5 ms gap, empty_like), a nested op that is not top-level
+        *[e for i in range(3) for e in (_op(1, "aten::argsort", 10_000 * i, 100),
+                                        _op(1, "aten::empty_like", 10_000 * i + 1_600, 50),
+                                        _op(1, "aten::empty", 10_000 * i + 1_610, 10))],
+        _op(1, "cuLaunchKernelEx", 25_000, 20, cat="cuda_driver"),
+        # the backward's thread, later
+        _op(2, "MmBackward0", 30_000, 400), _op(2, "MulBackward0", 30_500, 100),
+        # device events are not host time
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 500},
+    ]
+    h = ps.host_summary(events, top=2)
+    main = h["main"]
+    assert main["tid"] == 1 and [t["tid"] for t in h["threads"]] == [1, 2]
+    assert h["threads"][0]["in_ops_ms"] == round((3 * 150 + 20) / 1e3, 2)  # the nested aten::empty not counted
+    assert h["threads"][1] == {"tid": 2, "from_ms": 30.0, "span_ms": 0.6, "in_ops_ms": 0.5}
+    first = main["largest_gaps"][0]
+    assert (first["after"], first["before"], first["count"]) == ("aten::empty_like", "aten::argsort", 2)
+    assert {(g["after"], g["before"]): g["count"] for g in main["largest_gaps"]}[("aten::argsort", "aten::empty_like")] == 3
+    path = tmp_path / "t.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    assert ps.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "between its ops" in out and "after aten::argsort / before aten::empty_like" in out
