@@ -225,7 +225,12 @@ def test_prequantized_weights_are_what_the_forward_would_compute(monkeypatch):
     assert len(got) == len(want) and all(torch.equal(a.view(torch.uint8) if a.dtype == torch.bfloat16 else a, b.view(
         torch.uint8) if b.dtype == torch.bfloat16 else b) for a, b in zip(got, want))
     change_weights(ahead, rt)
+    key = next(iter(rt._wsrc))  # a weight whose storage was freed since (FSDP2 reshards after the backward)
+    gone = rt._wsrc[key].detach().clone()
+    gone.untyped_storage().resize_(0)
+    rt._wsrc[key] = gone
     with rt.using(mode="bf16"):
         assert rt.prequantize_weights() == 0
+    assert rt.prequantize_weights() == stacks - 1 and key not in rt._wcache
     rt.cache_weights = False
     assert rt.prequantize_weights() == 0

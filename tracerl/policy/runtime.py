@@ -373,11 +373,14 @@ class FP4Runtime:
         80 stacks in the H200 model) then overlap that device work instead of holding up a host-bound forward.
 
         Returns how many weights were quantized; 0 (nothing done) in bf16 mode, without FP4 weights, or with
-        ``cache_weights`` off (sharded training: the all-gathered weights exist only inside a forward)."""
+        ``cache_weights`` off (sharded training: the all-gathered weights exist only inside a forward); a tensor
+        whose storage has been freed since (FSDP2 reshards its unsharded weights after the backward) is skipped."""
         if self.mode == "bf16" or not self.plan.fp4_weights or not self.cache_weights:
             return 0
         n = 0
         for key, w_hp in self._wsrc.items():
+            if w_hp.untyped_storage().nbytes() < (w_hp.storage_offset() + w_hp.numel()) * w_hp.element_size():
+                continue  # storage freed since (FSDP2's unsharded weights after a reshard): the forward will see
             stamp = (w_hp._version, w_hp.data_ptr(), self._weights_generation)
             hit = self._wcache.get(key)
             if hit is None or hit[:3] != stamp:

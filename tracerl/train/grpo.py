@@ -392,8 +392,9 @@ class GRPOTrainer:
         tick("keep_weights")
         grad_norm = self.trainable.step(self.cfg.grad_clip)
         self.policy.runtime.weights_changed()
-        # the next forward's fake-quantized expert weights, launched while the device runs the optimizer
-        self.policy.runtime.prequantize_weights()
+        if not self.trainable.sharded:  # (FSDP2's unsharded weights exist only around a forward)
+            # the next forward's fake-quantized expert weights, launched while the device runs the optimizer
+            self.policy.runtime.prequantize_weights()
         sync(self.device)
         tick("optimizer")
         self.step_num += 1
