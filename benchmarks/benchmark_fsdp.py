@@ -155,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-phases", action="store_true",
                     help="time the trainer's phases (a device sync each; summary.phases_s_median says where a step goes)")
     ap.add_argument("--smoke", action="store_true", help="tiny model, 1 run, 2 steps, plain and fsdp-2")
-    ap.add_argument("--out", metavar="PATH", help="JSON output (default benchmarks/results/fsdp-<device>.json)")
+    ap.add_argument("--out", metavar="PATH", help="JSON output (default benchmarks/results/fsdp-<device>.json; "
+                                                  "--smoke: a temporary file)")
     args = ap.parse_args(argv)
     if args.smoke:
         args.runs, args.steps, args.configs, args.groups, args.group_size = 1, 2, "plain,fsdp-2", 2, 4
@@ -163,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.device.startswith("cuda"):
         args.response_len, args.micro_batch_tokens = max(args.response_len, 128), max(args.micro_batch_tokens, 2048)
     configs = args.configs.split(",")
-    out = Path(args.out or Path(_REPO) / "benchmarks" / "results" /
-               f"fsdp-{'smoke' if args.smoke else args.device.split(':')[0]}.json")
+    out = Path(args.out or (Path(tempfile.mkdtemp(prefix="fsdp-smoke-")) / "fsdp.json" if args.smoke else
+                            Path(_REPO) / "benchmarks" / "results" / f"fsdp-{args.device.split(':')[0]}.json"))
     from tracerl.runlog import machine_info
 
     def save(runs: dict[str, list[list[dict]]]) -> dict[str, dict]:
