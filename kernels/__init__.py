@@ -11,6 +11,7 @@ Public API (see `tracefp4.api` and NUMERICS.md for formulas and byte layouts)::
     tracefp4.pack_hints / unpack_hints / pack_codes / unpack_codes / hints_from_codes
     vm, bm = tracefp4.margin_marks(x, g, s, h, margin, scale_margin)  # margin exceptions: marks near boundaries
     s, h = tracefp4.margin_fill(x, g, vm, bm, stored_hints, stored_scales, "byte")  # the trainer's fill-in
+    c = tracefp4.effective_codes(y, s, g)                            # the codes a fake-quantized y carries
 
 `tracefp4.reference` is the pure-torch definition (no Triton needed); `tracefp4.triton_kernels` is imported
 lazily (`tracefp4.margin` holds the margin-exception reference beside its API; `tracefp4.triton_margin` its kernels). This package imports nothing of tracestore or tracerl.
@@ -24,7 +25,7 @@ from typing import Any
 # nothing heavy.
 _EXPORTS = {
     "api": ("QuantizedFP4", "quantize", "dequantize", "fake_quantize", "fake_quantize_lsb", "fake_quantize_matrices",
-            "quantize_fake",
+            "quantize_fake", "effective_codes",
             "compute_global_scale",
             "resolve_backend"),
     "packing": ("pack_codes", "unpack_codes", "pack_hints", "unpack_hints", "hints_from_codes"),

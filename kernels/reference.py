@@ -332,6 +332,42 @@ def fake_quantize_blocks_ref(
     return out.to(xb.dtype)
 
 
+_CODE_BUCKETS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _code_buckets(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(14 fp32 boundaries: the E2M1 midpoints' negatives, each one fp32 step further from 0, then the midpoints;
+    the code (uint8) of each of the 15 buckets: 8|7 .. 8|1, 0, 1 .. 7), on ``device``, built once per device."""
+    hit = _CODE_BUCKETS.get(device)
+    if hit is None:
+        mids = torch.tensor(E2M1_MIDPOINTS, dtype=torch.float32)
+        neg = torch.nextafter(-mids, torch.full_like(mids, -float("inf"))).flip(0)
+        table = torch.tensor([8 | m for m in range(7, 0, -1)] + list(range(8)), dtype=torch.uint8)
+        hit = _CODE_BUCKETS[device] = (torch.cat([neg, mids]).to(device), table.to(device))
+    return hit
+
+
+def nvfp4_codes_ref(y: torch.Tensor, scales_u8: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes (uint8 [N, W]) that a fake-quantized NVFP4 ``y`` [N, W] carries, given its scale bytes uint8
+    [N, W/16] and fp32 global scale ``g`` (0-d): the code whose ladder value is nearest |y| / (s * g), ties to
+    the lower magnitude, with y's sign (code 0 for ±0: both dequantize to 0).
+
+    y = sign * E[code] * s * g (rounded to y's dtype), so |y| / (s*g) lands within 2^-8 relative of a ladder
+    value and adjacent ladder values are >= 4/3 apart: the nearest ladder value is the code. One bucketize over
+    the signed ratio against the midpoints and their negatives (a tie to the lower magnitude on both sides: the
+    negative midpoints are moved one fp32 step outwards), then a table from bucket to code. The same codes as the
+    distances' argmin for every magnitude below 2^24, and 0 for NaN and Inf ratios, a zero or NaN scale and a
+    negative scale byte; above 2^24 the saturated code 7 (a fake-quantized value is at most 6 s g: only foreign
+    inputs get there)."""
+    n, w = y.shape
+    s = e4m3_decode(scales_u8) * g.float()  # [N, W/16]
+    s = torch.where(s > 0, s, float("nan"))  # a zero, negative or NaN scale byte: code 0 (NaN below)
+    ratio = (y.float().view(n, w // 16, 16) / s.unsqueeze(-1)).view(n, w)  # x/NaN: NaN; -0 stays -0
+    bounds, table = _code_buckets(y.device)
+    codes = table[torch.bucketize(ratio, bounds)]
+    return torch.where(torch.isfinite(ratio), codes, 0)
+
+
 def fake_quantize_bwd_blocks_ref(
     grad_b: torch.Tensor, xb: torch.Tensor, fmt: str, g: torch.Tensor | None, scales_u8: torch.Tensor
 ) -> torch.Tensor:

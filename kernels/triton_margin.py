@@ -1,5 +1,7 @@
 """Triton kernels of the margin exceptions (`tracefp4.margin`), bit-identical to its pure-torch reference
-(`margin_marks_ref`, `margin_fill_ref`); imported lazily by `tracefp4.margin`. The exact fp32 / int32 formulation
+(`margin_marks_ref`, `margin_fill_ref`); imported lazily by `tracefp4.margin`. Beside them, on the same tiles,
+the codes a fake-quantized tensor carries (`nvfp4_codes_triton`, twin of `reference.nvfp4_codes_ref`, for
+`tracefp4.effective_codes`). The exact fp32 / int32 formulation
 and its proof are in `tracefp4.margin`'s docstring (NUMERICS §12); the kernels compute the same integers:
 
 - block scale: ``t = clamp(div_rn(div_rn(amax_b, 6), g), 2^-9, 448)`` (finite values only), its fields
@@ -22,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .constants import E2M1_MIDPOINTS
 from .triton_kernels import (
     _KIND,
     THRESHOLDS,
@@ -33,7 +36,7 @@ from .triton_kernels import (
     _t_fields,
 )
 
-__all__ = ["margin_marks_triton", "margin_fill_triton", "MAX_BLOCKS_PER_PROGRAM"]
+__all__ = ["margin_marks_triton", "margin_fill_triton", "nvfp4_codes_triton", "MAX_BLOCKS_PER_PROGRAM"]
 
 #: blocks per program on the GPU (fewer for short rows: the next power of two >= nb, at least 8)
 MAX_BLOCKS_PER_PROGRAM: int = 64
@@ -185,3 +188,41 @@ def margin_fill_triton(x: torch.Tensor, g: torch.Tensor, value_marks: torch.Tens
             _x_arg(x), g.reshape(1), value_marks, block_marks, stored_hints, stored_scales, scales, hints, nb, nbb,
             BLK=blk, KIND=_KIND[x.dtype], LSB=scale_payload == "lsb", num_warps=4)
     return scales, hints
+
+
+# The E2M1 midpoints (tracefp4.constants.E2M1_MIDPOINTS), spelled out in `_nvfp4_codes_kernel`.
+assert E2M1_MIDPOINTS == (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+@triton.jit(do_not_specialize=["NB"])
+def _nvfp4_codes_kernel(y_ptr, scales_ptr, g_ptr, codes_ptr, NB, BLK: tl.constexpr, KIND: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    blk, bmask, j, y = _tile(y_ptr, row, NB, BLK, KIND)
+    g = tl.load(g_ptr)
+    sbyte = tl.load(scales_ptr + row * NB + blk, mask=bmask, other=0).to(tl.int32)
+    s = _e4m3_decode(sbyte) * g  # one fp32 multiply, as the reference's
+    s = tl.where(s > 0, s, float("nan"))  # a zero, negative or NaN scale: NaN ratios, code 0
+    r = tl.math.div_rn(y, s[:, None])
+    a = tl.abs(r)
+    # the magnitude code: how many midpoints lie strictly below |r| (a tie goes to the lower magnitude, on both
+    # signs: the reference's bucketize with its outward-moved negative bounds), NaN: 0
+    mag = ((a > 0.25).to(tl.int32) + (a > 0.75).to(tl.int32) + (a > 1.25).to(tl.int32) + (a > 1.75).to(tl.int32)
+           + (a > 2.5).to(tl.int32) + (a > 3.5).to(tl.int32) + (a > 5.0).to(tl.int32))
+    code = tl.where(mag == 0, 0, tl.where(r < 0, mag | 8, mag))
+    code = tl.where(a < float("inf"), code, 0)  # Inf and NaN ratios: 0
+    offs = row * NB * 16 + blk[:, None] * 16 + j[None, :]
+    tl.store(codes_ptr + offs, code.to(tl.uint8), mask=bmask[:, None])
+
+
+@_on_input_device
+def nvfp4_codes_triton(y: torch.Tensor, scales_u8: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Triton twin of `reference.nvfp4_codes_ref` (y [N, W] contiguous bf16 / fp16 / fp32, scale bytes uint8
+    [N, W/16] contiguous, g fp32 one element, all on one device): codes uint8 [N, W], one launch, no host sync."""
+    n, w = y.shape
+    nb = w // 16
+    codes = torch.empty((n, w), dtype=torch.uint8, device=y.device)
+    if n and nb:
+        blk = _blocks_per_program(nb)
+        _nvfp4_codes_kernel[(n, triton.cdiv(nb, blk))](_x_arg(y), scales_u8, g.reshape(1), codes, nb, BLK=blk,
+                                                         KIND=_KIND[y.dtype], num_warps=4)
+    return codes

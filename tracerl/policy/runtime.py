@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tracefp4
-from tracefp4.constants import E2M1_MIDPOINTS, HINTS_PER_BYTE
+from tracefp4.constants import HINTS_PER_BYTE
 from tracerl.config import QAT_MODES, SCALE_ENCODINGS
 from tracerl.errors import ConfigError, HintMismatchError
 from tracerl.policy.experts import grouped_gemm_supported, grouped_gemm_sync_free, routed_experts
@@ -67,43 +67,12 @@ class _StraightThrough(torch.autograd.Function):
         return grad, None
 
 
-def effective_codes(y: torch.Tensor, scale_e4m3: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
-    """E2M1 codes that a fake-quantized ``y`` [N, W] carries, given its scales [N, W/16] and ``g``.
-
-    y = sign * E[code] * s * g (rounded to y's dtype); |y| / (s*g) lands within 2^-8 relative of a ladder value
-    and adjacent ladder values are >= 4/3 apart, so the nearest ladder value is the code. Blocks with scale
-    byte 0 and zeros give code 0 (±0 are not told apart: both dequantize to 0).
-
-    One bucketize over the signed ratio y / (s*g) against the midpoints and their negatives (a tie to the lower
-    magnitude on both sides: the negative midpoints are moved one fp32 step outwards), then a table from bucket
-    to code; about 8 device operations (a hot path: 20 hinted sites per forward). The same codes as the distances'
-    argmin (a midpoint's two distances are exact, Sterbenz) for every magnitude below 2^24, and 0 for NaN and
-    Inf, a zero or NaN scale and a negative scale byte; above 2^24 the fp32 distances all rounded to one value and
-    the argmin said 0 where the saturated code 7 is right (a fake-quantized value is at most 6 s g: only foreign
-    inputs get there).
-    """
-    n, w = y.shape
-    s = scale_e4m3.view(torch.float8_e4m3fn).float() * global_scale.float()  # [N, W/16]
-    s = torch.where(s > 0, s, float("nan"))  # a zero, negative or NaN scale byte: code 0 (NaN below)
-    ratio = (y.float().view(n, w // BLOCK, BLOCK) / s.unsqueeze(-1)).view(n, w)  # x/NaN: NaN; -0 stays -0
-    bounds, table = _code_buckets(y.device)
-    codes = table[torch.bucketize(ratio, bounds)]
-    return torch.where(torch.isfinite(ratio), codes, 0)
-
-
-_BUCKETS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _code_buckets(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(14 fp32 boundaries: the E2M1 midpoints' negatives, each one fp32 step further from 0, then the midpoints;
-    the code (uint8) of each of the 15 buckets: 8|7 .. 8|1, 0, 1 .. 7), on ``device``, built once per device."""
-    hit = _BUCKETS.get(device)
-    if hit is None:
-        mids = torch.tensor(E2M1_MIDPOINTS, dtype=torch.float32)
-        neg = torch.nextafter(-mids, torch.full_like(mids, -float("inf"))).flip(0)
-        table = torch.tensor([8 | m for m in range(7, 0, -1)] + list(range(8)), dtype=torch.uint8)
-        hit = _BUCKETS[device] = (torch.cat([neg, mids]).to(device), table.to(device))
-    return hit
+def effective_codes(y: torch.Tensor, scale_e4m3: torch.Tensor, global_scale: torch.Tensor,
+                    backend: str = "auto") -> torch.Tensor:
+    """E2M1 codes (uint8 [N, W]) that a fake-quantized ``y`` [N, W] carries, given its scales [N, W/16] and ``g``:
+    `tracefp4.effective_codes` (one Triton pass on a GPU; the exact rule in `tracefp4.reference.nvfp4_codes_ref`).
+    A hot path: every hinted site of every forward that measures code agreement."""
+    return tracefp4.effective_codes(y, scale_e4m3, global_scale, backend=backend)
 
 
 class _CallState(threading.local):
@@ -312,7 +281,7 @@ class FP4Runtime:
                 y = tracefp4.fake_quantize(x, fmt="nvfp4", global_scale=g, scales=scale_e4m3, hints=use,
                                            backend=self.backend)
             if self.observe is not None:
-                self.observe(site, effective_codes(y.detach(), scale_e4m3, g), scale_e4m3)
+                self.observe(site, effective_codes(y.detach(), scale_e4m3, g, self.backend), scale_e4m3)
             return y
         if hinted and (self.capture is not None or self.observe is not None):
             # one pass over x: the fake-quantized activation and the codes/scales/hints the rollout records
