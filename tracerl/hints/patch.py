@@ -121,7 +121,7 @@ class MarginSites:
         y = tracefp4.fake_quantize(x, fmt="nvfp4", global_scale=g, scales=scales,
                                    hints=hints if rt.mode == "fp4_hints" else None, backend=rt.backend)
         if rt.observe is not None:
-            rt.observe(site, effective_codes(y.detach(), scales, g), scales)
+            rt.observe(site, effective_codes(y.detach(), scales, g, rt.backend), scales)
         return y
 
 
