@@ -1,6 +1,6 @@
 """Rules every package of the project keeps, read from the source: library code raises its own typed errors (each
 also the built-in type that describes it), never a bare ``ValueError`` / ``TypeError`` / ``RuntimeError`` /
-``Exception``; and error classes live only in errors modules."""
+``Exception``; error classes live only in errors modules; test modules have unique basenames."""
 
 from __future__ import annotations
 
@@ -64,3 +64,16 @@ def test_error_classes_only_in_errors_modules(pkg):
         bad += [f"{path.relative_to(ROOT)}:{n.lineno} defines {n.name}" for n in ast.walk(tree)
                 if isinstance(n, ast.ClassDef) and _is_exception_class(n)]
     assert not bad, bad
+
+
+def test_test_modules_have_unique_basenames():
+    """The tests' folders are not packages (pytest imports each test module by its basename, `pythonpath =
+    tests`): two test files of one name in different folders make the second fail to collect ("import file
+    mismatch"), which a run of either folder alone does not show."""
+    seen: dict[str, Path] = {}
+    clashes = []
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        if path.name in seen:
+            clashes.append(f"{seen[path.name].relative_to(ROOT)} and {path.relative_to(ROOT)}")
+        seen.setdefault(path.name, path)
+    assert not clashes, "test files with one basename: " + "; ".join(clashes)
