@@ -17,7 +17,7 @@ import tracestore as ts
 from helpers import loop
 from tracerl import fidelity
 from tracerl.artifacts import weights
-from tracerl.errors import HintMismatchError, PatchError
+from tracerl.errors import ConfigError, HintMismatchError, PatchError
 from tracerl.hints import HintFeed, MicroBatch, Segment, pack_micro_batches, patch_model
 from tracerl.hints.feed import _Queue
 from tracerl.policy import TinyMoESpec, build_model, build_policy, moe_input_site, plan_sites
@@ -203,3 +203,50 @@ def test_a_step_against_the_api_alone_agrees_like_tracerls_trainer(store):
         dist.destroy_process_group()
     assert total == ours["code_values"] > 0
     assert match / total == ours["code_agreement"]
+
+
+def _same_batches(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.segments == y.segments and x.features == y.features
+        for k in ("cu_seqlens", "token_ids", "positions", "policy_versions"):
+            assert torch.equal(getattr(x, k), getattr(y, k)), k
+        for k in ("logprobs", "rewards"):
+            assert torch.equal(getattr(x, k).nan_to_num(7.0), getattr(y, k).nan_to_num(7.0)), k
+        for k in ("hints", "scales", "experts", "codes"):
+            dx, dy = getattr(x, k), getattr(y, k)
+            assert dx.keys() == dy.keys() and all(torch.equal(dx[s], dy[s]) for s in dx), k
+
+
+def test_a_reader_process_hands_out_what_the_reading_thread_does(store):
+    """``reader="process"``: the batches (by the log index and from the trajectories' records, whole and as
+    tensor-parallel slices, with the recorded codes) are the reading thread's byte for byte, one child serves
+    several iterations, an error keeps its type and position, `close` ends the child; "auto" on the CPU is a
+    thread; a memory store cannot be read by another process (a typed error)."""
+    mbs = _batches(store)
+    cfg = loop.train_cfg()
+    taken = Follower(store, cfg.group_size).take(cfg.groups_per_step, version=0, max_staleness=cfg.max_staleness,
+                                                  timeout_s=30)
+    trajs = {t.traj_id: t for g in taken.groups for t in g.trajectories}  # with their committed records
+    mine = pack_micro_batches({t: tr.num_tokens for t, tr in trajs.items()}, 24)
+    assert HintFeed(store).reader == "thread"
+    with HintFeed(store, reader="process", codes=True) as feed:
+        assert feed.reader == "process"
+        _same_batches(list(feed.iterate(mbs)), list(HintFeed(store, codes=True, reader="thread").iterate(mbs)))
+        _same_batches(list(feed.iterate(mine, trajectories=trajs)),
+                      list(HintFeed(store, codes=True, reader="thread").iterate(mine, trajectories=trajs)))
+        child = feed._process
+        got = []
+        with pytest.raises(ts.HintNotFoundError):
+            for mb in feed.iterate([*mbs[:1], MicroBatch((Segment("no-such-trajectory", 0, 4),)), *mbs[1:]]):
+                got.append(mb.segments)
+        assert got == [mbs[0].segments] and feed._process is child  # the same child after an error
+    assert feed._process is None
+    with HintFeed(store, reader="process", tp=(1, 2)) as feed:
+        _same_batches(list(feed.iterate(mbs[:2])), list(HintFeed(store, tp=(1, 2), reader="thread").iterate(mbs[:2])))
+    mem = ts.create_store("memory://feed-reader-test", [ts.Site("s", 32)])
+    with pytest.raises(ConfigError, match="cannot be opened in another process"):
+        HintFeed(mem, reader="process")
+    with pytest.raises(ConfigError, match="reader must be one of"):
+        HintFeed(store, reader="fork")
+    assert HintFeed(mem).reader == "thread"

@@ -10,8 +10,10 @@ device tensors for this rank's slice:
 - tensor parallel ``tp=(rank, size)``: each site's block-aligned slice of features (`tp_feature_range`).
 
 Reading runs ahead in a background thread, in the order the trainer consumes the batches, while the batches read
-and not yet consumed hold at most ``read_ahead_bytes`` (at least one is always read); the copy to the device happens
-when a batch is handed out, from pinned memory without a host sync. Errors of the reading thread are raised where
+and not yet consumed hold at most ``read_ahead_bytes`` (at least one is always read); on a CUDA device that thread
+only waits for a reader process (``reader="process"``, the default there: `ReaderProcess`), which does the reading,
+so that no reading Python competes with the trainer's for the GIL. The copy to the device happens when a batch is
+handed out, from pinned memory without a host sync. Errors of the reading thread are raised where
 the trainer would have received the batch. A feed reads trajectories through a `tracestore.Reader` of the newest
 snapshot (refreshed once when a trajectory is not in it yet), or through the committed records the caller already
 holds (``trajectories=``: our follower's `Trajectory` objects), which needs no log index at all.
@@ -51,8 +53,11 @@ from tracerl.errors import ConfigError
 from tracerl.hints import compact
 from tracerl.hints.compact_device import resolve_margin_decode, unpack_sites
 from tracerl.hints.packing import MicroBatch, PackedHints, Segment, cp_shard, dp_shard, read_packed, tp_feature_range
-from tracerl.hints.source import RecordSource, packed_nbytes
+from tracerl.hints.source import ReaderProcess, RecordSource, SnapshotSource, packed_nbytes
 from tracerl.util import to_device
+
+#: `HintFeed`'s ``reader`` choices
+READERS = ("auto", "thread", "process")
 
 __all__ = ["FeedBatch", "HintFeed", "MARGIN_DECODES"]
 
@@ -107,24 +112,6 @@ class FeedBatch:
         return ~torch.isnan(self.logprobs)
 
 
-class _Reader:
-    """A `tracestore.Reader` of the newest snapshot, renewed once when a trajectory is not in it yet."""
-
-    def __init__(self, store: ts.Store):
-        self.store = store
-        self.reader = store.reader()
-
-    def read(self, traj_id: str, *args, **kwargs):
-        try:
-            return self.reader.read(traj_id, *args, **kwargs)
-        except ts.HintNotFoundError:
-            self.reader = self.store.reader()  # committed after the snapshot was taken
-            return self.reader.read(traj_id, *args, **kwargs)
-
-    def result(self, traj_id: str) -> ts.Result | None:
-        return self.reader.result(traj_id)
-
-
 def _reward(result: ts.Result | None) -> float:
     return float("nan") if result is None else float(result.reward)
 
@@ -172,18 +159,26 @@ class HintFeed:
             the device by the torch codec (CPU too); "host" on the host; "triton" on the device by
             `compact_triton.unpack_sites_dense` (with it, and with "auto" on CUDA, ``FeedBatch.margin`` holds
             `compact.DenseExceptions`).
+        reader: where the batches are read ahead: "thread" (a daemon thread of this process), "process" (a
+            `ReaderProcess` child, started at the first `iterate` and ended by `close`: no reading Python competes
+            with the caller's for the GIL, which a host-bound trainer launching GPU kernels feels: a reading thread
+            slowed an H200 step from 0.36 to 0.54 s, trainer-h200-read-next.json), or "auto" (the default: a process
+            on a CUDA device when the store can be opened in another process, else a thread).
 
-    Raises `ConfigError` for unknown sites, bad ranks, sites whose width does not split into ``tp`` slices, or an
-    unknown ``margin_decode``.
+    Raises `ConfigError` for unknown sites, bad ranks, sites whose width does not split into ``tp`` slices, an
+    unknown ``margin_decode`` or ``reader``, or ``reader="process"`` for a store another process cannot open
+    (``memory://``).
     """
 
     def __init__(self, store: ts.Store, *, sites: Sequence[str] | None = None, device: str | torch.device = "cpu",
                  dp: tuple[int, int] | None = None, cp: tuple[int, int] | None = None,
                  tp: tuple[int, int] | None = None, read_ahead_bytes: int = 256 << 20,
                  global_scales: Mapping[str, float] | None = None, codes: bool = False,
-                 margin_decode: str = "auto"):
+                 margin_decode: str = "auto", reader: str = "auto"):
         if margin_decode not in MARGIN_DECODES:
             raise ConfigError(f"margin_decode must be one of {list(MARGIN_DECODES)}; got {margin_decode!r}")
+        if reader not in READERS:
+            raise ConfigError(f"reader must be one of {list(READERS)}; got {reader!r}")
         self.store = store
         self.sites = list(store.sites) if sites is None else list(sites)
         unknown = [s for s in self.sites if s not in store.sites]
@@ -208,8 +203,20 @@ class HintFeed:
         self.read_ahead_bytes = int(read_ahead_bytes)
         scales = dict(global_scales if global_scales is not None else (store.model.get("global_scales") or {}))
         self.global_scales = {s: torch.tensor(float(scales[s]), dtype=torch.float32) for s in self.sites if s in scales}
-        self._reader: _Reader | None = None
+        self._reader: SnapshotSource | None = None
         self._codes = RolloutCodes(store) if codes else None
+        try:
+            store.open_args()
+            reopenable = True
+        except ts.LocationError:
+            reopenable = False
+        if reader == "process" and not reopenable:
+            raise ConfigError(f"reader='process': the store {store.url} cannot be opened in another process; use "
+                              "reader='thread'")
+        #: where batches are read ahead ("auto" resolved): "thread" or "process"
+        self.reader = reader if reader != "auto" else ("process" if self.device.type == "cuda" and reopenable
+                                                       else "thread")
+        self._process: ReaderProcess | None = None
 
     # ---- reading ---------------------------------------------------------------------------------------
     def _read(self, mb: MicroBatch, source: Any) -> PackedHints:
@@ -249,11 +256,30 @@ class HintFeed:
                     out[site] = np.concatenate(parts)
         return out
 
-    def _producer(self, mbs: list[MicroBatch], source: Any, result, out: _Queue) -> None:
+    def _read_in_process(self, mb: MicroBatch, trajectories: Mapping[str, Any] | None) -> PackedHints:
+        """`_read` done by the reader process (each feature group's sites one request; the thread waits without
+        the GIL and copies the arrays out of shared memory with numpy copies, which release it)."""
+        assert self._process is not None
+        groups: dict[tuple[int, int], list[str]] = {}
+        for s in self.sites:
+            groups.setdefault(self.features[s], []).append(s)
+        futures = [self._process.submit(trajectories, [mb], sites, 0, features=None if self.tp is None else f)
+                   for f, sites in (groups.items() or [((0, 0), [])])]
+        parts = [ReaderProcess.take_result(fut)[0][0] for fut in futures]
+        first = parts[0]
+        for p in parts[1:]:
+            first.hints.update(p.hints)
+            first.scales.update(p.scales)
+            first.margin.update(p.margin)
+        return first
+
+    def _producer(self, mbs: list[MicroBatch], source: Any, result, out: _Queue,
+                  trajectories: Mapping[str, Any] | None = None) -> None:
         try:
             for mb in mbs:
                 t0 = time.perf_counter()
-                packed = self._read(mb, source)
+                packed = (self._read(mb, source) if self._process is None
+                          else self._read_in_process(mb, trajectories))
                 margin = self._decode_margin(packed)
                 codes = {} if self._codes is None else self._recorded_codes(packed, result)
                 if not out.put((packed, codes, margin, time.time(), time.perf_counter() - t0), packed_nbytes(packed)):
@@ -282,12 +308,14 @@ class HintFeed:
             result = lambda t: trajectories[t].result  # noqa: E731
         else:
             if self._reader is None:
-                self._reader = _Reader(self.store)
+                self._reader = SnapshotSource(self.store)
             source = self._reader
             result = source.result
+        if self.reader == "process" and self._process is None:
+            self._process = ReaderProcess(self.store)
         queue = _Queue(self.read_ahead_bytes)
-        thread = threading.Thread(target=self._producer, args=(mbs, source, result, queue), daemon=True,
-                                  name="tracerl-hint-feed")
+        thread = threading.Thread(target=self._producer, args=(mbs, source, result, queue, trajectories),
+                                  daemon=True, name="tracerl-hint-feed")
         thread.start()
         try:
             while True:
@@ -333,7 +361,11 @@ class HintFeed:
                     for s, e in (margin or {}).items()})
 
     def close(self) -> None:
-        """Nothing to release between iterations (each `iterate` joins its reading thread); kept for symmetry."""
+        """End the reader process, if one was started (``reader="process"``; each `iterate` joins its own reading
+        thread). The feed can iterate again afterwards (a new process starts)."""
+        process, self._process = self._process, None
+        if process is not None:
+            process.close()
 
     def __enter__(self) -> HintFeed:
         return self

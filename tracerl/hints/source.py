@@ -28,7 +28,7 @@ from tracerl.hints.packing import MicroBatch, PackedHints, concat_margin_rows, r
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BackgroundReads", "ReaderProcess", "RecordSource", "packed_nbytes", "read_ahead"]
+__all__ = ["BackgroundReads", "ReaderProcess", "RecordSource", "SnapshotSource", "packed_nbytes", "read_ahead"]
 
 
 class RecordSource:
@@ -103,17 +103,41 @@ def _layout(mbs: Sequence[MicroBatch], sites: Sequence[str]) -> tuple:
     return (tuple(sites), tuple(tuple((s.traj_id, s.start, s.stop) for s in mb.segments) for mb in mbs))
 
 
+class SnapshotSource:
+    """A `tracestore.Reader` of the store's newest snapshot as a `read_packed` source, renewed once when a
+    trajectory (or its result) is not in it yet: a reader of the log index, for callers without the trajectories'
+    committed records (`RecordSource` reads those directly)."""
+
+    def __init__(self, store: ts.Store):
+        self.store = store
+        self.reader = store.reader()
+
+    def read(self, traj_id: str, *args, **kwargs):
+        try:
+            return self.reader.read(traj_id, *args, **kwargs)
+        except ts.HintNotFoundError:
+            self.reader = self.store.reader()  # committed after the snapshot was taken
+            return self.reader.read(traj_id, *args, **kwargs)
+
+    def result(self, traj_id: str) -> ts.Result | None:
+        got = self.reader.result(traj_id)
+        if got is None:
+            self.reader = self.store.reader()  # (a reader in another process may have read a newer snapshot)
+            got = self.reader.result(traj_id)
+        return got
+
+
 def _read_until(source: Any, mbs: Sequence[MicroBatch], sites: Sequence[str],
-                cap_bytes: int) -> list[tuple[PackedHints, float, float]]:
+                cap_bytes: int, features: tuple[int, int] | None = None) -> list[tuple[PackedHints, float, float]]:
     """``(packed, loaded_unix, read_seconds)`` of the leading micro-batches of ``mbs``: read in order until those
-    read hold ``cap_bytes`` or more (at least one)."""
+    read hold ``cap_bytes`` or more (at least one); ``features``: the sites' feature slice (`read_packed`)."""
     done: list[tuple[PackedHints, float, float]] = []
     held = 0
     for mb in mbs:
         if done and held >= cap_bytes:
             break
         t0 = time.perf_counter()
-        packed = read_packed(source, mb, sites, read_kwargs={"fmt": "numpy"})
+        packed = read_packed(source, mb, sites, features=features, read_kwargs={"fmt": "numpy"})
         done.append((packed, time.time(), time.perf_counter() - t0))
         held += packed_nbytes(packed)
     return done
@@ -121,6 +145,7 @@ def _read_until(source: Any, mbs: Sequence[MicroBatch], sites: Sequence[str],
 
 _CHILD_STORE: ts.Store | None = None  # the store a ReaderProcess's child reads (set by its initializer)
 _CHILD_ERROR: BaseException | None = None  # why the initializer could not open it (raised by _child_ready)
+_CHILD_SNAPSHOT: SnapshotSource | None = None  # the child's reader of the log index (reads without records)
 
 
 def _child_open(url: str, storage_options: dict, retry: Any) -> None:
@@ -137,11 +162,18 @@ def _child_ready() -> int:
     return 0
 
 
-def _child_read(records: dict[str, list[ts.CommittedRecord]], mbs: list[MicroBatch], sites: list[str],
-                cap_bytes: int) -> tuple[bytes, str | None, list[tuple[int, str, tuple[int, ...]]]]:
+def _child_read(records: dict[str, list[ts.CommittedRecord]] | None, mbs: list[MicroBatch], sites: list[str],
+                cap_bytes: int, features: tuple[int, int] | None = None
+                ) -> tuple[bytes, str | None, list[tuple[int, str, tuple[int, ...]]]]:
+    global _CHILD_SNAPSHOT
     assert _CHILD_STORE is not None, "the reader process has no store (initializer not run)"
-    trajs = {t: SimpleNamespace(records=r) for t, r in records.items()}
-    return _to_shared_memory(_read_until(RecordSource(_CHILD_STORE, trajs), mbs, sites, cap_bytes))
+    if records is None:  # by the log index, from the newest snapshot
+        if _CHILD_SNAPSHOT is None:
+            _CHILD_SNAPSHOT = SnapshotSource(_CHILD_STORE)
+        source: Any = _CHILD_SNAPSHOT
+    else:
+        source = RecordSource(_CHILD_STORE, {t: SimpleNamespace(records=r) for t, r in records.items()})
+    return _to_shared_memory(_read_until(source, mbs, sites, cap_bytes, features))
 
 
 class _ArraysOut(pickle.Pickler):
@@ -262,22 +294,31 @@ class ReaderProcess:
             self._pool = None
             raise
 
-    def submit(self, trajs: Mapping[str, Any], mbs: Sequence[MicroBatch], sites: Sequence[str],
-               cap_bytes: int) -> concurrent.futures.Future:
+    def submit(self, trajs: Mapping[str, Any] | None, mbs: Sequence[MicroBatch], sites: Sequence[str],
+               cap_bytes: int, *, features: tuple[int, int] | None = None) -> concurrent.futures.Future:
         """Read the leading micro-batches of ``mbs`` (at most ``cap_bytes``, at least one) of the trajectories
-        ``trajs`` (traj_id -> anything with ``records``) in the child; the future's result is a list of
-        ``(packed, loaded_unix, read_seconds)``."""
-        records = {t: list(trajs[t].records) for t in dict.fromkeys(s.traj_id for mb in mbs for s in mb.segments)}
+        ``trajs`` (traj_id -> anything with ``records``; None: by the store's log index, from the newest snapshot,
+        as `SnapshotSource`) in the child, ``features`` the sites' feature slice (`read_packed`); the future's raw
+        result goes through `take_result` to a list of ``(packed, loaded_unix, read_seconds)``."""
+        records = None if trajs is None else {
+            t: list(trajs[t].records) for t in dict.fromkeys(s.traj_id for mb in mbs for s in mb.segments)}
+        args = (_child_read, records, list(mbs), list(sites), cap_bytes, features)
         if self._pool is None:
             self._start()
         assert self._pool is not None
         try:
-            return self._pool.submit(_child_read, records, list(mbs), list(sites), cap_bytes)
+            return self._pool.submit(*args)
         except BrokenProcessPool:
             log.warning("the reader process died; starting another")
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._start()
-            return self._pool.submit(_child_read, records, list(mbs), list(sites), cap_bytes)
+            return self._pool.submit(*args)
+
+    @staticmethod
+    def take_result(future: concurrent.futures.Future) -> list[tuple[PackedHints, float, float]]:
+        """The ``(packed, loaded_unix, read_seconds)`` of a `submit`, copied out of shared memory (numpy copies,
+        which release the GIL); raises what the child's read raised (its type kept: tracestore's errors pickle)."""
+        return _from_shared_memory(*future.result())
 
     def close(self) -> None:
         """End the child (waits for a read under way)."""
