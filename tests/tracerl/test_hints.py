@@ -250,3 +250,21 @@ def test_a_reader_process_hands_out_what_the_reading_thread_does(store):
     with pytest.raises(ConfigError, match="reader must be one of"):
         HintFeed(store, reader="fork")
     assert HintFeed(mem).reader == "thread"
+
+
+def test_a_snapshot_source_finds_a_result_committed_after_it(tmp_path):
+    """`SnapshotSource.result`: a result committed after the snapshot is found once the snapshot is
+    ``renew_after_s`` old; a miss within that interval does not renew it (no renewal at every call)."""
+    from tracerl.hints.source import SnapshotSource
+
+    st = ts.create_store(str(tmp_path / "s"), [ts.Site("s", 32)])
+    with st.writer("w", commit_interval_s=0) as w:
+        w.write("a", 0, hints={"s": np.zeros((2, 4), np.uint8)}, scales={"s": np.zeros((2, 2), np.uint8)},
+                token_ids=np.arange(2), logprobs=np.zeros(2, np.float32))
+        w.flush()
+        slow, fast = SnapshotSource(st, renew_after_s=3600), SnapshotSource(st, renew_after_s=0)
+        assert slow.result("a") is None and fast.result("a") is None
+        w.write_result("a", reward=1.5)
+    kept = slow.reader
+    assert slow.result("a") is None and slow.reader is kept  # within the interval: the old snapshot
+    assert fast.result("a").reward == 1.5

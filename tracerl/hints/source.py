@@ -108,21 +108,29 @@ class SnapshotSource:
     trajectory (or its result) is not in it yet: a reader of the log index, for callers without the trajectories'
     committed records (`RecordSource` reads those directly)."""
 
-    def __init__(self, store: ts.Store):
+    def __init__(self, store: ts.Store, *, renew_after_s: float = 1.0):
         self.store = store
-        self.reader = store.reader()
+        self.renew_after_s = renew_after_s
+        self._renew()
+
+    def _renew(self) -> None:
+        self.reader = self.store.reader()
+        self._taken = time.monotonic()
 
     def read(self, traj_id: str, *args, **kwargs):
         try:
             return self.reader.read(traj_id, *args, **kwargs)
         except ts.HintNotFoundError:
-            self.reader = self.store.reader()  # committed after the snapshot was taken
+            self._renew()  # committed after the snapshot was taken
             return self.reader.read(traj_id, *args, **kwargs)
 
     def result(self, traj_id: str) -> ts.Result | None:
+        """``traj_id``'s result, or None; on a miss the snapshot is renewed when it is ``renew_after_s`` old or
+        older (a reader process may have read the trajectory from a newer snapshot than this one; a trajectory
+        without a result yet renews it at most once per interval, not at every call)."""
         got = self.reader.result(traj_id)
-        if got is None:
-            self.reader = self.store.reader()  # (a reader in another process may have read a newer snapshot)
+        if got is None and time.monotonic() - self._taken >= self.renew_after_s:
+            self._renew()
             got = self.reader.result(traj_id)
         return got
 
