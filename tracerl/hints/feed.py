@@ -199,6 +199,10 @@ class HintFeed:
         self.features = {s: (tp_feature_range(store.sites[s].width, *self.tp,
                                               block=store.sites[s].scale_values_per_byte) if self.tp else
                              (0, store.sites[s].width)) for s in self.sites}
+        # the sites read together: by feature slice under tp, else all of them whole (features None)
+        self._groups: dict[tuple[int, int] | None, list[str]] = {}
+        for s in self.sites:
+            self._groups.setdefault(self.features[s] if self.tp else None, []).append(s)
         self.scale_encodings = {s: store.sites[s].scale_encoding for s in self.sites if s not in self.margin_sites}
         self.read_ahead_bytes = int(read_ahead_bytes)
         scales = dict(global_scales if global_scales is not None else (store.model.get("global_scales") or {}))
@@ -219,13 +223,17 @@ class HintFeed:
         self._process: ReaderProcess | None = None
 
     # ---- reading ---------------------------------------------------------------------------------------
-    def _read(self, mb: MicroBatch, source: Any) -> PackedHints:
-        """``mb``'s rows of every site, each site group by its feature slice (one ranged read per segment)."""
-        groups: dict[tuple[int, int], list[str]] = {}
-        for s in self.sites:
-            groups.setdefault(self.features[s], []).append(s)
-        parts = [read_packed(source, mb, sites, features=None if self.tp is None else f, read_kwargs={"fmt": "numpy"})
-                 for f, sites in groups.items()] or [read_packed(source, mb, [], read_kwargs={"fmt": "numpy"})]
+    def _read(self, mb: MicroBatch, source: Any, trajectories: Mapping[str, Any] | None = None) -> PackedHints:
+        """``mb``'s rows of every site, one read per group of sites of one feature slice (all sites whole without
+        tp; one ranged read per segment): here from ``source``, or by the reader process (the thread waits without
+        the GIL and copies the arrays out of shared memory with numpy copies, which release it)."""
+        groups = self._groups or {None: []}
+        if self._process is None:
+            parts = [read_packed(source, mb, sites, features=f, read_kwargs={"fmt": "numpy"})
+                     for f, sites in groups.items()]
+        else:
+            futures = [self._process.submit(trajectories, [mb], sites, 0, features=f) for f, sites in groups.items()]
+            parts = [ReaderProcess.take_result(fut)[0][0] for fut in futures]
         first = parts[0]
         for p in parts[1:]:
             first.hints.update(p.hints)
@@ -256,30 +264,12 @@ class HintFeed:
                     out[site] = np.concatenate(parts)
         return out
 
-    def _read_in_process(self, mb: MicroBatch, trajectories: Mapping[str, Any] | None) -> PackedHints:
-        """`_read` done by the reader process (each feature group's sites one request; the thread waits without
-        the GIL and copies the arrays out of shared memory with numpy copies, which release it)."""
-        assert self._process is not None
-        groups: dict[tuple[int, int], list[str]] = {}
-        for s in self.sites:
-            groups.setdefault(self.features[s], []).append(s)
-        futures = [self._process.submit(trajectories, [mb], sites, 0, features=None if self.tp is None else f)
-                   for f, sites in (groups.items() or [((0, 0), [])])]
-        parts = [ReaderProcess.take_result(fut)[0][0] for fut in futures]
-        first = parts[0]
-        for p in parts[1:]:
-            first.hints.update(p.hints)
-            first.scales.update(p.scales)
-            first.margin.update(p.margin)
-        return first
-
     def _producer(self, mbs: list[MicroBatch], source: Any, result, out: _Queue,
                   trajectories: Mapping[str, Any] | None = None) -> None:
         try:
             for mb in mbs:
                 t0 = time.perf_counter()
-                packed = (self._read(mb, source) if self._process is None
-                          else self._read_in_process(mb, trajectories))
+                packed = self._read(mb, source, trajectories)
                 margin = self._decode_margin(packed)
                 codes = {} if self._codes is None else self._recorded_codes(packed, result)
                 if not out.put((packed, codes, margin, time.time(), time.perf_counter() - t0), packed_nbytes(packed)):
