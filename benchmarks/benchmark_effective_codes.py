@@ -19,9 +19,7 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
-import time
 
 if "--smoke" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -30,29 +28,10 @@ import torch  # noqa: E402
 
 import tracefp4  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmark_matrices import _time  # noqa: E402  (the same timing: CUDA events around back-to-back calls)
+
 SITES = 20  # hinted sites of the H200 model (the latter half of 40 MoE inputs)
-
-
-def _time(fn, iters: int, runs: int, cuda: bool) -> dict:
-    for _ in range(3):
-        fn()
-    per = []
-    for _ in range(runs):
-        if cuda:
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(iters):
-                fn()
-            b.record()
-            b.synchronize()
-            per.append(a.elapsed_time(b) / iters)
-        else:
-            t = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            per.append((time.perf_counter() - t) * 1e3 / iters)
-    return {"ms": statistics.median(per), "min": min(per), "max": max(per), "runs": per}
 
 
 def main() -> None:

@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-
-_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "decode_cost.py"
+from helpers import benchmarks
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("decode_cost", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmarks.load("decode_cost")
 
 
 def _inputs(hidden: int = 64) -> tuple[dict, dict]:

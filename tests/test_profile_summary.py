@@ -4,18 +4,12 @@ thread the time between its operations grouped by the operations around it (wher
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
-from pathlib import Path
-
-_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "profile_summary.py"
+from helpers import benchmarks
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("profile_summary", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmarks.load("profile_summary")
 
 
 def _op(tid, name, ts, dur, cat="cpu_op"):
@@ -42,7 +36,8 @@ def test_host_gaps_are_grouped_by_the_operations_around_them(tmp_path, capsys):
     assert h["threads"][1] == {"tid": 2, "from_ms": 30.0, "span_ms": 0.6, "in_ops_ms": 0.5}
     first = main["largest_gaps"][0]
     assert (first["after"], first["before"], first["count"]) == ("aten::empty_like", "aten::argsort", 2)
-    assert {(g["after"], g["before"]): g["count"] for g in main["largest_gaps"]}[("aten::argsort", "aten::empty_like")] == 3
+    counts = {(g["after"], g["before"]): g["count"] for g in main["largest_gaps"]}
+    assert counts[("aten::argsort", "aten::empty_like")] == 3
     path = tmp_path / "t.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events}, f)

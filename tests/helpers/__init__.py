@@ -1,1 +1,1 @@
-"""Shared test helpers (modules, not tests): ``store`` (raw backend access, deterministic rows, writer child process), ``faults`` (the fault-injecting S3 proxy and randomized fault runs), ``margin`` (random margin exceptions and damaged rows)."""
+"""Shared test helpers (modules, not tests): ``benchmarks`` (a program of benchmarks/ imported as a module), ``store`` (raw backend access, deterministic rows, writer child process), ``faults`` (the fault-injecting S3 proxy and randomized fault runs), ``margin`` (random margin exceptions and damaged rows)."""

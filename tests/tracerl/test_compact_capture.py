@@ -167,14 +167,11 @@ def test_unfilled_rows_carry_no_marks(tmp_path):
 
 def test_benchmark_smoke_runs(tmp_path):
     """benchmarks/benchmark_compact_path.py --smoke (CPU) runs and writes its JSON: every phase timed, both paths."""
-    import importlib.util
     import json
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "benchmark_compact_path.py"
-    spec = importlib.util.spec_from_file_location("benchmark_compact_path", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    from helpers import benchmarks
+
+    mod = benchmarks.load("benchmark_compact_path")
     out = tmp_path / "r.json"
     assert mod.main(["--smoke", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
