@@ -30,7 +30,8 @@ operations by device and host time and the Python functions by host time are sav
 ``--margin M:MS[:lsb]`` records the hinted sites as margin-exception rows instead (`create_loop_store(margin=)`),
 so a step includes decoding them (``--margin-decode``) and the forward's fill-in. What that costs the trainer is
 best read side by side: ``--modes fp4_hints,fp4_hints+margin`` records both stores and alternates the two modes'
-runs (a drift of the machine hits both alike; separate invocations on a shared H100 differed by 20% in one mode);
+runs (a drift of the machine hits both alike: on a shared H100 one mode's runs of one invocation spanned
+0.21..0.28 s of compute, trainer-h100-l20.json);
 the summary's ``fp4_hints_margin_over_plain_*`` are the ratios.
 
 Saves JSON (machine, versions, sizes, every run's per-step metrics) to --out.
@@ -390,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     urls = {False: str(workdir / "store")}
     margin_point = args.margin or (DEFAULT_MARGIN if side_by_side else None)
     t0 = time.perf_counter()
-    record_store(urls[False], spec, argparse.Namespace(**{**vars(args), "margin": None if side_by_side else args.margin}))
+    plain_args = argparse.Namespace(**{**vars(args), "margin": None if side_by_side else args.margin})
+    record_store(urls[False], spec, plain_args)
     if side_by_side:
         urls[True] = str(workdir / "store-margin")
         record_store(urls[True], spec, argparse.Namespace(**{**vars(args), "margin": margin_point}))
@@ -423,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
             for mode in modes:  # fp4_hints keeps the "-profile" file names of earlier runs
                 r = _run(mode, urls[_label(mode)[1]], workdir, args, sampler, profile_step=args.profile_at)
                 base = r["metrics"].removesuffix(".jsonl")
-                dest = str(out).removesuffix(".json") + "-profile" + ("" if mode == "fp4_hints" else "-" + mode.replace("+", "-").replace(":", "-"))
+                tag = "" if mode == "fp4_hints" else "-" + mode.replace("+", "-").replace(":", "-")
+                dest = str(out).removesuffix(".json") + "-profile" + tag
                 for suffix in ("-trace.json.gz", "-top.txt", "-python.txt"):
                     if os.path.exists(base + suffix):
                         shutil.copy(base + suffix, dest + suffix)

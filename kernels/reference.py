@@ -362,7 +362,7 @@ def nvfp4_codes_ref(y: torch.Tensor, scales_u8: torch.Tensor, g: torch.Tensor) -
     n, w = y.shape
     s = e4m3_decode(scales_u8) * g.float()  # [N, W/16]
     s = torch.where(s > 0, s, float("nan"))  # a zero, negative or NaN scale byte: code 0 (NaN below)
-    ratio = (y.float().view(n, w // 16, 16) / s.unsqueeze(-1)).view(n, w)  # x/NaN: NaN; -0 stays -0
+    ratio = (y.float().reshape(n, w // 16, 16) / s.unsqueeze(-1)).reshape(n, w)  # x/NaN: NaN; -0 stays -0
     bounds, table = _code_buckets(y.device)
     codes = table[torch.bucketize(ratio, bounds)]
     return torch.where(torch.isfinite(ratio), codes, 0)

@@ -127,8 +127,9 @@ _NUMPY = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int
 def decode_numpy(blob: bytes | memoryview) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """(arrays, metadata) of a safetensors file as numpy arrays that are views of ``blob`` (no copy: read-only
     when ``blob`` is ``bytes``; little-endian dtypes, possibly unaligned, which numpy reads as they are). The
-    library's ``safetensors.numpy.load`` copies every array while holding the GIL (11 ms for the H200 model's 43 MB
-    of codes per step, in a background thread of a host-bound trainer); this does microseconds of Python.
+    library's ``safetensors.numpy.load`` copies every array while holding the GIL (11-13 ms under cProfile for the
+    43 MB of recorded codes a step of the 20-layer H100 run loads, in a background thread of a host-bound trainer:
+    benchmarks/results/trainer-h100-l20/); this does microseconds of Python.
 
     The same checks as `decode` before the first array is made; raises SafetensorsFormatError as it does, and for
     a dtype numpy does not have (BF16, F8_*)."""

@@ -75,10 +75,10 @@ floating tensor.
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
 import math
 import re
 from collections.abc import Sequence
+from typing import ClassVar
 
 import numpy as np
 import torch

@@ -69,8 +69,8 @@ class MarginSites:
     exceptions are laid out as `compact.DenseExceptions` once per site, so each forward after the first makes no host
     sync there), then the site quantizes exactly as a bits site does: ``tracefp4.fake_quantize(x, scales=,
     hints=)`` (hints only in ``fp4_hints``), straight-through backward; with the runtime's ``observe`` set, it
-    reports the effective codes and scales as `FP4Runtime.quant` does. Every other site, and every site in the other modes, goes on as it would (``chain``, else the runtime's
-    own quantization).
+    reports the effective codes and scales as `FP4Runtime.quant` does. Every other site, and every site in the
+    other modes, goes on as it would (``chain``, else the runtime's own quantization).
 
     Args:
         runtime: the model's `FP4Runtime` (its mode, global scales, backend and ``observe`` are read per call).

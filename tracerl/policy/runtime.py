@@ -114,10 +114,10 @@ class FP4Runtime:
         self._defaults: dict[str, Any] = {
             "mode": "fp4_rne_own_scales",
             "capture": None,  # CaptureFn | None
-            # (site, x [N, W]) -> (scales_out [N, W/16], hints_out [N, W/8]) for the capture to be written into,
-            # or + ((value marks [N, W/8], block marks [N, ceil(W/128)]), (margin, scale margin)): the site's
-            # margin marks too (tracefp4.quantize_fake ``marks``), or None
-            # (a decoder's stage buffers), or None: fresh tensors
+            # (site, x [N, W]) -> (scales_out [N, W/16], hints_out [N, W/8]), a decoder's stage buffers for the
+            # capture to be written into, optionally followed by ((value marks [N, W/8], block marks [N,
+            # ceil(W/128)]), (margin, scale margin)) for the site's margin marks too (tracefp4.quantize_fake
+            # ``marks``); or None: fresh tensors
             "capture_into": None,
             "observe": None,  # ObserveFn | None
             "on_route": None,  # RouteFn | None
