@@ -449,6 +449,48 @@ def test_measure_stale_every_keeps_every_nth_version_and_counts_the_rest_unmeasu
     assert half[2]["mismatch"]["unmeasured_tokens"] == half[2]["response_tokens"]
 
 
+def test_codes_are_loaded_and_observed_only_for_the_trajectories_a_step_compares(store, tmp_path):
+    """measure_stale_every=2, the rollout one version ahead: the main forward of a micro-batch without a trajectory
+    of the trainer's version observes no site (its codes would be compared with nothing), and the codes of
+    trajectories whose version is not kept are not loaded; what is compared is still compared (code counts where
+    the stale forward measures, none where nothing is measured)."""
+    url = str(tmp_path / "s")
+    loop.create(url)
+    log = MetricsLog(tmp_path / "train.jsonl")
+    st = ts.open_store(url)
+    trainer, follower = start_or_resume(st, loop.train_cfg(max_staleness=1, measure_stale_every=2),
+                                        checkpoints=str(tmp_path / "ck"), weights_url=url, metrics=log)
+    prefetched, forwards = [], []
+    real_prefetch, real_forward = trainer._codes.prefetch, trainer._forward
+
+    def prefetch(trajs):
+        trajs = list(trajs)
+        prefetched.append((trainer.version, sorted({t.policy_version for t in trajs})))
+        return real_prefetch(trajs)
+
+    def forward(packed, observe):
+        forwards.append((trainer.version, observe, packed is not None))
+        return real_forward(packed, observe)
+
+    trainer._codes.prefetch, trainer._forward = prefetch, forward
+    with RolloutWorker(st, loop.rollout_cfg(max_ahead=2, record_codes=True)) as worker:
+        run_rollout(worker, metrics=MetricsLog(None), max_batches=2)  # v0, v0
+        for _ in range(3):
+            run_training(trainer, follower, checkpoints=str(tmp_path / "ck"), weights_url=url, metrics=log,
+                         max_steps=trainer.step_num + 1)
+            run_rollout(worker, metrics=MetricsLog(None), max_batches=1)
+    recs = log.records()
+    assert [m["policy_versions"] for m in recs] == [[0], [0], [1]]
+    # step 1 (version 0) trains and compares version 0's groups; step 2 (version 1) version 0's, measured by the
+    # stale forward with the kept weights; step 3 (version 2) version 1's, not kept: nothing compared or loaded
+    assert prefetched == [(0, [0]), (1, [0]), (2, [])]
+    by_step = {v: [o for ver, o, real in forwards if ver == v and real] for v in (0, 1, 2)}
+    assert by_step[0] and all(by_step[0])  # on-policy: every forward observes
+    assert by_step[1][0] is False and by_step[1][-1] is True  # the main forward does not, the stale one does
+    assert by_step[2] and not any(by_step[2])
+    assert [m["mismatch"]["code_values"] > 0 for m in recs] == [True, True, False]
+
+
 def test_a_config_from_before_measure_stale_every_keeps_measuring_every_stale_group():
     from tracerl.config import TrainConfig
 

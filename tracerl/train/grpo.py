@@ -343,8 +343,11 @@ class GRPOTrainer:
         fwd_s = read_ahead_s = 0.0
         acc.read = list(dict.fromkeys(seg.traj_id for mb in mine for seg in mb.segments))
         if self._want_codes:
-            # the rollout's recorded codes, loaded in the background while the first micro-batch computes
-            self._codes.prefetch(by_id[t] for t in acc.read)
+            # the rollout's recorded codes, loaded in the background while the first micro-batch computes: only
+            # those of the trajectories whose codes this step compares (this version's, and those of kept versions,
+            # measured by `_measure_stale`); the others' would be loaded for nothing
+            measured = {self.version, *self._history}
+            self._codes.prefetch(by_id[t] for t in acc.read if by_id[t].policy_version in measured)
         t_read = time.perf_counter()
         ahead = self._next_reads.take(mine, self.read_sites) if self._next_reads is not None else []
         self._next_reads = None
@@ -437,9 +440,12 @@ class GRPOTrainer:
         """Forward + backward of one micro-batch; adds its weighted loss stats, mismatch and codes to ``acc``.
         ``packed`` None: a zero-weighted stand-in (a sharded rank with fewer micro-batches than another).
         ``before_backward``: called once the forward and the loss are computed, right before the backward."""
-        want_codes = self._want_codes
+        # codes are compared for this version's trajectories only (older ones in `_measure_stale`, with their
+        # version's weights): without any, the forward observes no site (an `effective_codes` pass per hinted site)
+        want_codes = self._want_codes and packed is not None and any(
+            by_id[s.traj_id].policy_version == self.version for s in packed.segments)
         tick = self._phase_clock(acc)
-        fwd, margin = self._forward(packed, observe=want_codes and packed is not None)
+        fwd, margin = self._forward(packed, observe=want_codes)
         tick("forward")
         if packed is None:
             (fwd.logprobs.sum() * 0.0).backward()  # takes part in the gradients' reduce-scatter, adds nothing
