@@ -362,3 +362,41 @@ def test_margin_sites_send_no_scales_or_hints_to_the_device(runs, tmp_path, monk
         assert skip == set(margin) and not (skip & provided)
         assert (skip, provided) == ((set(), set(st.sites)) if kind == "bits" else (set(st.sites), set()))
     assert torch.equal(lps["bits"], lps["inf"])
+
+
+def test_a_stale_forward_quantizes_from_the_planes_its_micro_batch_decoded(tmp_path, monkeypatch):
+    """With the rollout one version ahead on a finite-margin store, each step's stale forward of a kept micro-batch
+    uses the margin exceptions the step's own forward decoded (its rows are decoded once, not twice) and measures
+    what decoding them again measures: the same mismatch, code counts, loss and weights."""
+    from tracerl.rollout import run_rollout
+    from tracerl.train import grpo
+
+    calls = []
+    real = grpo.decode_margin
+    monkeypatch.setattr(grpo, "decode_margin", lambda *a, **k: calls.append(1) or real(*a, **k))
+    out = {}
+    for reuse in (True, False):
+        d = tmp_path / str(reuse)
+        st = _store(str(d / "store"), "finite")
+        log = MetricsLog(d / "train.jsonl")
+        trainer, follower = start_or_resume(st, loop.train_cfg(max_staleness=1, measure_stale_every=1),
+                                            checkpoints=str(d / "ck"), weights_url=st.url, metrics=log)
+        if not reuse:  # every forward decodes its rows itself
+            own = trainer._forward
+            trainer._forward = lambda packed, observe, margin=None, own=own: own(packed, observe)
+        counts = []
+        with loop.worker(st, max_ahead=2, record_codes=True, decode="hf") as w:
+            run_rollout(w, metrics=MetricsLog(None), max_batches=2)  # v0, v0
+            for _ in range(2):
+                calls.clear()
+                run_training(trainer, follower, checkpoints=str(d / "ck"), weights_url=st.url, metrics=log,
+                             max_steps=trainer.step_num + 1)
+                counts.append(len(calls))
+                run_rollout(w, metrics=MetricsLog(None), max_batches=1)
+        out[reuse] = (log.records(), counts)
+    (got, n_reuse), (want, n_again) = out[True], out[False]
+    assert [m["policy_versions"] for m in got] == [[0], [0]]
+    assert got[1]["mismatch"]["code_values"] > 0 and got[1]["mismatch"]["unmeasured_tokens"] == 0
+    assert n_reuse[0] == n_again[0] and n_again[1] == 2 * n_reuse[1] > 0  # step 2: one decode per micro-batch
+    for a, b in zip(got, want):
+        assert (a["mismatch"], a["loss"], a["digest"]) == (b["mismatch"], b["loss"], b["digest"])

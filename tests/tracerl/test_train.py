@@ -468,9 +468,9 @@ def test_codes_are_loaded_and_observed_only_for_the_trajectories_a_step_compares
         prefetched.append((trainer.version, sorted({t.policy_version for t in trajs})))
         return real_prefetch(trajs)
 
-    def forward(packed, observe):
+    def forward(packed, observe, **kw):
         forwards.append((trainer.version, observe, packed is not None))
-        return real_forward(packed, observe)
+        return real_forward(packed, observe, **kw)
 
     trainer._codes.prefetch, trainer._forward = prefetch, forward
     with RolloutWorker(st, loop.rollout_cfg(max_ahead=2, record_codes=True)) as worker:

@@ -455,6 +455,8 @@ class GRPOTrainer:
             self._train_on(packed, fwd, by_id, adv_of, n_resp, acc, tick, before_backward)
             self._measure(packed, fwd, by_id, acc, self.version, want_codes, margin)
             self._keep_stale(packed, by_id, acc)
+            if margin and any(b is packed for kept in acc.stale.values() for b in kept):
+                acc.margin[id(packed)] = margin  # decoded once: its stale forwards quantize from the same planes
             tick("measure")
 
     def _train_on(self, packed: PackedHints, fwd, by_id: Mapping[str, Trajectory], adv_of: Mapping[str, float],
@@ -538,22 +540,28 @@ class GRPOTrainer:
                     packed = batches[i] if i < len(batches) else None
                     if isinstance(packed, _Reread):
                         packed = packed.read(source, self.read_sites)
-                    fwd_v, margin = self._forward(packed, observe=want_codes and packed is not None)
+                    fwd_v, margin = self._forward(packed, observe=want_codes and packed is not None,
+                                                  margin=None if packed is None else acc.margin.get(id(packed)))
                     if packed is not None:
                         self._measure(packed, fwd_v, by_id, acc, v, want_codes, margin)
             self.policy.runtime.weights_changed()
         acc.stale.clear()
+        acc.margin.clear()
         tick("stale_versions")
 
-    def _forward(self, packed: PackedHints | None, observe: bool) -> tuple[Any, dict]:
+    def _forward(self, packed: PackedHints | None, observe: bool, margin: Mapping | None = None
+                 ) -> tuple[Any, dict]:
         """The trainer's forward of ``packed`` (None: the stand-in) in the configured mode, and the margin exceptions
         of its margin sites (site -> `compact.MarginExceptions` on the device; empty without such sites). Margin
         sites are quantized by `MarginSites`, which the runtime asks first, so the QAT trainer sends no scales or
-        hints of them to the device (it sent zero placeholder rows: 33 MB a step on the H200 model's 20 sites)."""
+        hints of them to the device (it sent zero placeholder rows: 33 MB a step on the H200 model's 20 sites).
+        ``margin``: the exceptions an earlier forward of the same ``packed`` decoded (a stale forward's micro-batch
+        kept from the step's own forward), instead of decoding its rows again."""
         cfg = self.cfg
-        margin = {}
-        if packed is not None and self.margin_sites:
-            margin = decode_margin(self.store, packed, self.device, decode=cfg.margin_decode)
+        if margin is None:
+            margin = {}
+            if packed is not None and self.margin_sites:
+                margin = decode_margin(self.store, packed, self.device, decode=cfg.margin_decode)
         run = dict(observe=observe, replay_routes=cfg.replay_routes, temperature=cfg.temperature, routes=False)
         if not margin:
             return self.qat.token_logprobs(packed or self._stand_in(), cfg.mode, **run), margin
@@ -772,6 +780,8 @@ class _StepAccumulator:
         #: version -> the micro-batches (or `_Reread` stand-ins) with its trajectories, for the stale forwards
         self.stale: dict[int, list] = {}
         self.stale_bytes = 0  # bytes of the kept micro-batches
+        #: id of a kept micro-batch -> its margin exceptions as its forward decoded them, on the device
+        self.margin: dict[int, dict] = {}
 
     def add_stats(self, st: Mapping[str, float], n: int) -> None:
         self.sums["_tokens"] += n
