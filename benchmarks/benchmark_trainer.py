@@ -230,6 +230,21 @@ def _phases(reps: list[dict]) -> dict:
                                   if all(rep["step_s_unmeasured"] is not None for rep in reps) else None)}
 
 
+def _cycle(rep: dict, n: int) -> tuple[float, float] | None:
+    """(the step that keeps its version's weights, the mean step over a cycle of ``n`` versions) of one run: with the
+    rollout one version ahead, of every n steps one runs the stale forward (``step_s``), one copies its version's
+    weights to pinned host memory for later stale forwards (``version - 1`` a multiple of n: the copy runs beside the
+    step's compute) and n - 2 do neither (the median of the unmeasured steps that keep nothing). "default mean"
+    counts the copying step as a plain one; this counts it as it ran. None without such a step (or another)."""
+    rest = rep["rows"][rep["cut"]:]
+    snap = [r["step_s"] for r in rest if (r["version"] - 1) % n == 0]
+    plain = [r["step_s"] for r in rest if (r["version"] - 1) % n]
+    if not snap or not plain:
+        return None
+    s = statistics.median(snap)
+    return s, (rep["step_s"] + s + (n - 2) * statistics.median(plain)) / n
+
+
 def _summary(runs: dict[str, list[dict]], phase_runs: dict[str, list[dict]] | None = None) -> dict:
     out = {}
     for mode, reps in runs.items():
@@ -257,13 +272,18 @@ def _summary(runs: dict[str, list[dict]], phase_runs: dict[str, list[dict]] | No
             out[mode]["step_s_default_mean"] = _spread(mean)  # per run, then median and spread over runs
             out[mode]["tokens_per_s_default_mean"] = _spread([out[mode]["tokens_per_step"] / m for m in mean])
             out[mode]["measure_stale_every"] = n
+            cycle = [_cycle(rep, n) for rep in reps]
+            if n >= 2 and all(c is not None for c in cycle):
+                out[mode]["step_s_snapshot"] = _spread([c[0] for c in cycle])
+                out[mode]["step_s_cycle_mean"] = _spread([c[1] for c in cycle])
+                out[mode]["tokens_per_s_cycle_mean"] = _spread([out[mode]["tokens_per_step"] / c[1] for c in cycle])
     for label in list(out):  # X+margin over X (the same mode and read_next on the plain store)
         mode, margin, rn = _label(label)
         other = mode + (":" + rn if rn else "")
         if not margin or other not in out:
             continue
         tag = f"{mode}_margin_over_plain" + (f"_read_next_{rn}" if rn else "")
-        for key in ("step_s", "step_s_unmeasured", "step_s_default_mean"):
+        for key in ("step_s", "step_s_unmeasured", "step_s_default_mean", "step_s_cycle_mean"):
             if key in out[label] and key in out[other]:
                 out[f"{tag}_{key}"] = out[label][key]["median"] / out[other][key]["median"]
     for label in list(out):  # fp4_hints over bf16 with the same read_next (fp4_hints:process / bf16:process)
@@ -274,7 +294,7 @@ def _summary(runs: dict[str, list[dict]], phase_runs: dict[str, list[dict]] | No
         if mode != "fp4_hints" or other not in out:
             continue
         tag = "fp4_hints_over_bf16" + (f"_read_next_{rn}" if sep else "")
-        for key in ("step_s", "step_s_unmeasured", "step_s_default_mean"):
+        for key in ("step_s", "step_s_unmeasured", "step_s_default_mean", "step_s_cycle_mean"):
             if key in out[label] and key in out[other]:
                 out[f"{tag}_{key}"] = out[label][key]["median"] / out[other][key]["median"]
         out[f"{tag}_step"] = out[f"{tag}_step_s"]
@@ -357,9 +377,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--metrics", help=argparse.SUPPRESS)
     ap.add_argument("--profile-step", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--time-phases", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--resummarize", default=None, metavar="SAVED",
+                    help="recompute the summary of a saved result (its recorded runs, no new run) with this version "
+                         "of the program, print it and write it to --out (default: SAVED-resummarized.json)")
     args = ap.parse_args(argv)
     if args.child:
         return _child(args)
+    if args.resummarize:
+        return _resummarize(args.resummarize, args.out)
     if args.max_staleness < args.steps - 1:
         ap.error(f"--max-staleness {args.max_staleness} with --steps {args.steps}: every group is by version 0, "
                  f"so steps after {args.max_staleness + 1} would find none; use --max-staleness >= {args.steps - 1}")
@@ -435,7 +460,31 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         sampler.close()
     out.write_text(json.dumps(result, indent=1))
-    s = result["summary"]
+    _report(result["summary"], modes)
+    print(f"saved {out}")
+    return 0
+
+
+def _resummarize(src: str, out: str | None) -> int:
+    """The summary of a saved result recomputed by this version of `_summary` (its runs as they were recorded),
+    written to ``out`` (default: SRC with ``-resummarized`` before ``.json``), and its table printed."""
+    try:
+        result = json.loads(Path(src).read_text())
+        runs, phase_runs = result["runs"], result.get("phase_runs")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"--resummarize {src}: not a saved benchmark_trainer result ({type(e).__name__}: {e})", file=sys.stderr)
+        return 2
+    result["summary"] = _summary(runs, phase_runs)
+    result["resummarized_from"] = str(src)
+    dest = Path(out or str(src).removesuffix(".json") + "-resummarized.json")
+    dest.write_text(json.dumps(result, indent=1))
+    _report(result["summary"], [m for m in runs if runs[m]])
+    print(f"saved {dest}")
+    return 0
+
+
+def _report(s: dict, modes: list[str]) -> None:
+    """Print the summary ``s`` (`_summary`) as the table and lines a run ends with."""
     print(f"{'mode':18} {'step s (min..max)':>24} {'tok/s (min..max)':>22} {'GPU util %':>11} {'peak GiB':>9}  code agr.")
     for mode in modes:
         m = s[mode]
@@ -464,13 +513,20 @@ def main(argv: list[str] | None = None) -> int:
                   f"{m['step_s_unmeasured']['median']:.3f} s ({m['step_s_unmeasured']['min']:.3f}.."
                   f"{m['step_s_unmeasured']['max']:.3f}); mean at measure_stale_every={m['measure_stale_every']}: "
                   f"{m['step_s_default_mean']['median']:.3f} s = {m['tokens_per_s_default_mean']['median']:.0f} tok/s")
+    for mode in modes:
+        if "step_s_cycle_mean" in s[mode]:
+            m = s[mode]
+            print(f"{mode}: the step that keeps its version's weights {m['step_s_snapshot']['median']:.3f} s; mean "
+                  f"over a cycle of {m['measure_stale_every']} (one stale forward, one keeping, the rest neither): "
+                  f"{m['step_s_cycle_mean']['median']:.3f} s = {m['tokens_per_s_cycle_mean']['median']:.0f} tok/s")
+    for key in s:
+        if "_over_" in key and key.endswith("_step_s_cycle_mean"):
+            print(f"{key.removesuffix('_step_s_cycle_mean').replace('_', ' ')} over the cycle: {s[key]:.3f}")
     for key in s:
         if "_over_" in key and key.endswith("_step_s_default_mean"):
             print(f"{key.removesuffix('_step_s_default_mean').replace('_', ' ')} at the default mean: {s[key]:.3f}"
                   + (f" (without the stale forward {s[key.replace('default_mean', 'unmeasured')]:.3f})"
                      if key.replace("default_mean", "unmeasured") in s else ""))
-    print(f"saved {out}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,47 @@
+"""benchmarks/benchmark_trainer.py's summary: the mean step over a cycle of the default configuration counts the step
+that keeps its version's weights as it ran (the "default mean" counted it as a plain step), and ``--resummarize``
+recomputes a saved result's summary without a new run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import benchmarks
+
+
+def _rep(steps: list[float], cut: int = 2) -> dict:
+    """A run's record: row i is the step that made version i + 1; rows[1:cut] ran the stale forward."""
+    rows = [{"step": i + 1, "version": i + 1, "step_s": s, "tokens": 100, "tokens_per_s": 100 / s,
+             "mismatch": {"code_agreement": None}, "digest": "d"} for i, s in enumerate(steps)]
+    unmeasured = [r["step_s"] for r in rows[cut:]]
+    return {"rows": rows, "cut": cut, "step_s": steps[1], "tokens_per_s": 100 / steps[1],
+            "step_s_unmeasured": sorted(unmeasured)[len(unmeasured) // 2], "gpu_util_median": None}
+
+
+def test_the_cycle_mean_counts_the_step_that_keeps_weights():
+    bt = benchmarks.load("benchmark_trainer")
+    n = bt.TRAIN_DEFAULTS.measure_stale_every
+    assert n == 4  # the figures below assume the default
+    # steps 1..8 make versions 1..8; step 5 (version 4 before it) keeps its weights: 0.30 s, the others 0.20
+    rep = _rep([2.0, 0.40, 0.20, 0.20, 0.30, 0.20, 0.20, 0.20])
+    snap, mean = bt._cycle(rep, n)
+    assert snap == pytest.approx(0.30) and mean == pytest.approx((0.40 + 0.30 + 2 * 0.20) / 4)
+    s = bt._summary({"fp4_hints": [rep, rep, rep], "bf16": [_rep([1.0, 0.3, 0.2, 0.2, 0.2, 0.2, 0.2, 0.2])] * 3})
+    assert s["fp4_hints"]["step_s_default_mean"]["median"] == pytest.approx((0.40 + 3 * 0.20) / 4)
+    assert s["fp4_hints"]["step_s_cycle_mean"]["median"] == pytest.approx(0.275)
+    assert s["fp4_hints_over_bf16_step_s_cycle_mean"] == pytest.approx(0.275 / ((0.3 + 0.2 + 2 * 0.2) / 4))
+    assert bt._cycle(_rep([2.0, 0.4, 0.2]), n) is None  # no keeping step in the run: no cycle figure
+
+
+def test_resummarize_recomputes_a_saved_result(tmp_path, capsys):
+    bt = benchmarks.load("benchmark_trainer")
+    saved = tmp_path / "t.json"
+    saved.write_text(json.dumps({"runs": {"fp4_hints": [_rep([2.0, 0.4, 0.2, 0.2, 0.3, 0.2, 0.2, 0.2])]},
+                                 "summary": {"old": 1}}))
+    assert bt.main(["--resummarize", str(saved)]) == 0
+    got = json.loads((tmp_path / "t-resummarized.json").read_text())
+    assert "old" not in got["summary"] and got["summary"]["fp4_hints"]["step_s_cycle_mean"]["median"] == pytest.approx(0.275)
+    assert "over a cycle of 4" in capsys.readouterr().out
+    (tmp_path / "bad.json").write_text("{}")
+    assert bt.main(["--resummarize", str(tmp_path / "bad.json")]) == 2
