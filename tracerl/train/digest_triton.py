@@ -26,8 +26,6 @@ __all__ = ["MAX_POSITION", "bit_sum"]
 
 #: the largest position (exclusive) the kernel computes weights for: ``p * 2654435761`` stays below 2^63
 MAX_POSITION = 1 << 31
-_MULT = 2654435761
-_MERSENNE = (1 << 61) - 1
 #: values per program: BLOCK lanes x ITERS steps
 _BLOCK = 1024
 _ITERS = 8
@@ -43,8 +41,8 @@ def _bit_sum_kernel(x_ptr, out_ptr, n, first, BLOCK: tl.constexpr, ITERS: tl.con
         offs = base + it * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
         m = offs < n
         bits = tl.load(x_ptr + offs, mask=m, other=0).to(tl.int64)  # sign-extends int16/int32, zero-extends uint8
-        prod = (offs + first) * 2654435761  # < 2^63: positions below MAX_POSITION
-        r = (prod & 0x1FFFFFFFFFFFFFFF) + (prod >> 61)  # x mod (2^61 - 1), up to one subtraction away
+        prod = (offs + first) * 2654435761  # < 2^63: positions below MAX_POSITION (the multiplier as in the torch form)
+        r = (prod & 0x1FFFFFFFFFFFFFFF) + (prod >> 61)  # prod mod (2^61 - 1), up to one subtraction away
         # (the subtraction never applies below MAX_POSITION: checked for every position; kept for the formula)
         r = tl.where(r >= 0x1FFFFFFFFFFFFFFF, r - 0x1FFFFFFFFFFFFFFF, r)
         acc += tl.where(m, bits * (r * 2 + 1), 0)  # wrapping int64, as the torch form
@@ -61,8 +59,8 @@ def bit_sum(flat: torch.Tensor, first: int) -> torch.Tensor:
     Raises ShapeMismatchError (a ValueError) when ``first + flat.numel()`` exceeds `MAX_POSITION` (use the torch
     form) or the shape, element size or ``first`` is not as above."""
     if flat.dim() != 1 or flat.element_size() not in _BITS or first < 0:
-        raise ShapeMismatchError(f"bit_sum needs a 1-D tensor of 1, 2, 4 or 8-byte elements and first >= 0, got shape "
-                         f"{tuple(flat.shape)}, {flat.dtype}, first={first}")
+        raise ShapeMismatchError(f"bit_sum needs a 1-D tensor of 1, 2, 4 or 8-byte elements and first >= 0, got "
+                                 f"shape {tuple(flat.shape)}, {flat.dtype}, first={first}")
     n = flat.numel()
     if first + n > MAX_POSITION:
         raise ShapeMismatchError(f"bit_sum computes weights for positions below {MAX_POSITION}, got up to "
