@@ -7,8 +7,9 @@ with the difference: what one mode adds on the device. On the host, per thread t
 and the time inside top-level operations; for the thread that started first (the training loop's), the time
 *between* its operations (Python, and waits for the GIL) and where the longest of it lies, grouped by the pair of
 operations around it: a host-bound step shows up there (the fourteenth session found 34 ms a step after one op per
-MoE layer that way: a background thread holding the GIL). Host time per Python function is in the ``-python.txt``
-that the same run writes.
+MoE layer that way: a background thread holding the GIL), and every blocking wait of the host (a sync, or a copy
+back to it, of 0.5 ms or more) with the torch operations it sits in: where the host stops launching. Host time per
+Python function is in the ``-python.txt`` that the same run writes.
 
     python benchmarks/profile_summary.py OUT-profile-trace.json.gz OUT-profile-bf16-trace.json.gz [--json PATH]
 """
@@ -74,7 +75,8 @@ def summarize(path: str, top: int = 25) -> dict:
         by_fam[_family(name) if e["cat"] == "kernel" else "copy / cast"] += e.get("dur", 0) / 1e3
     busy = _union([(e["ts"], e["ts"] + e.get("dur", 0)) for e in dev]) / 1e3
     names = sorted(by_name.items(), key=lambda kv: -kv[1][1])
-    return {"host": host_summary(events),"trace": path, "span_ms": round(span, 2), "device_busy_ms": round(busy, 2),
+    return {"host": host_summary(events), "host_waits": host_waits(events),
+            "trace": path, "span_ms": round(span, 2), "device_busy_ms": round(busy, 2),
             "device_busy_share": round(busy / span, 4) if span else None, "kernels": sum(v[0] for v in by_name.values()),
             "launches": launches, "families_ms": {k: round(v, 2) for k, v in sorted(by_fam.items(), key=lambda kv: -kv[1])},
             "top_kernels": [{"name": n[:120], "count": c, "ms": round(t, 3)} for n, (c, t) in names[:top]]}
@@ -128,6 +130,35 @@ def host_summary(events: list[dict], top: int = 8) -> dict:
                                       for (a, b), (c, ms) in sorted(gaps.items(), key=lambda kv: -kv[1][1])[:top]]}}
 
 
+#: host calls that block until the device (or a copy) is done when they are long
+_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync", "cudaMemcpy")
+
+
+def host_waits(events: list[dict], min_ms: float = 0.5) -> list[dict]:
+    """The host's blocking waits of at least ``min_ms``: each sync or copy call (`_WAITS`) that long, when it began
+    (ms from the trace's first host event), how long, on which thread, and the torch operations it sits in (outermost
+    first: which ``.cpu()`` / ``.item()`` / ``.tolist()`` made the host wait). A step's waits show where the host
+    stops launching while the device catches up (a read-back queued behind a large copy shows up as one long one)."""
+    host = [e for e in events if e.get("ph") == "X" and "tid" in e and "ts" in e]
+    if not host:
+        return []
+    t0 = min(e["ts"] for e in host)
+    ops = collections.defaultdict(list)
+    for e in host:
+        if e.get("cat") == "cpu_op":
+            ops[e["tid"]].append(e)
+    out = []
+    for w in host:
+        if w.get("name") not in _WAITS or w.get("dur", 0) < min_ms * 1e3:
+            continue
+        end = w["ts"] + w["dur"]
+        inside = sorted((o for o in ops[w["tid"]] if o["ts"] <= w["ts"] and o["ts"] + o.get("dur", 0) >= end),
+                        key=lambda o: (o["ts"], -o.get("dur", 0)))
+        out.append({"at_ms": round((w["ts"] - t0) / 1e3, 2), "ms": round(w["dur"] / 1e3, 3), "call": w["name"],
+                    "tid": w["tid"], "in": [o["name"] for o in inside]})
+    return sorted(out, key=lambda x: x["at_ms"])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
@@ -162,6 +193,12 @@ def main(argv: list[str] | None = None) -> int:
               "another thread such as autograd's backward); largest:")
         for g in m["largest_gaps"]:
             print(f"    {g['ms']:8.2f} ms {g['count']:5d}x  after {g['after']} / before {g['before']}")
+        if s["host_waits"]:
+            print(f"  host waits of 0.5 ms or more ({len(s['host_waits'])}, "
+                  f"{sum(w['ms'] for w in s['host_waits']):.1f} ms):")
+            for w in s["host_waits"]:
+                print(f"    at {w['at_ms']:8.1f} ms {w['ms']:8.2f} ms  {w['call']} in "
+                      f"{' > '.join(w['in'][:4]) or '(no torch op)'}")
     for i, s in enumerate(sums):
         print(f"top kernels ({i + 1}):")
         for k in s["top_kernels"]:

@@ -44,3 +44,24 @@ def test_host_gaps_are_grouped_by_the_operations_around_them(tmp_path, capsys):
     assert ps.main([str(path)]) == 0
     out = capsys.readouterr().out
     assert "between its ops" in out and "after aten::argsort / before aten::empty_like" in out
+
+
+def test_host_waits_name_the_operation_that_waited(tmp_path):
+    ps = _module()
+    events = [
+        _op(1, "aten::to", 1_000, 7_100), _op(1, "aten::_to_copy", 1_010, 7_080), _op(1, "aten::copy_", 1_020, 7_060),
+        _op(1, "cudaMemcpyAsync", 1_030, 7_000, cat="cuda_runtime"),  # a .cpu() that waited 7 ms
+        _op(1, "cudaMemcpyAsync", 9_000, 100, cat="cuda_runtime"),  # a short one: not listed
+        _op(1, "cudaDeviceSynchronize", 20_000, 27_000, cat="cuda_runtime"),  # outside any torch op
+        _op(2, "aten::item", 5_000, 3_000), _op(2, "cudaStreamSynchronize", 5_010, 2_900, cat="cuda_runtime"),
+    ]
+    waits = ps.host_waits(events)
+    assert [(w["call"], w["tid"], w["in"]) for w in waits] == [
+        ("cudaMemcpyAsync", 1, ["aten::to", "aten::_to_copy", "aten::copy_"]),
+        ("cudaStreamSynchronize", 2, ["aten::item"]),
+        ("cudaDeviceSynchronize", 1, [])]
+    assert waits[0]["at_ms"] == 0.03 and waits[0]["ms"] == 7.0 and waits[2]["ms"] == 27.0
+    trace = tmp_path / "t.json.gz"
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": events + [{"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 500}]}, f)
+    assert ps.summarize(str(trace))["host_waits"] == waits
