@@ -14,9 +14,7 @@ included: the digest ends with one); median over runs and min..max. Checks that 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 
 if "--smoke" in sys.argv:
@@ -26,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_fsdp import GPU_SPEC, SMOKE_SPEC
-from benchmark_matrices import _time
+from benchmark_matrices import _save, _time  # noqa: E402  (the same timing and results file as it)
 
 from tracerl.config import TinyMoESpec
 from tracerl.policy.models import build_model
@@ -86,20 +84,8 @@ def main() -> None:
     for name, r in res.items():
         print(f"{name:8s} {r['ms']:10.2f} ({r['min']:.2f}..{r['max']:.2f}) {gb / (r['ms'] / 1e3):18.0f}")
     print(f"torch / triton: {res['torch']['ms'] / res['triton']['ms']:.1f}x")
-    gpu = torch.cuda.get_device_name(0) if cuda else "cpu"
-    out = a.out or os.path.join(os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"),
-                                f"digest-{'smoke' if a.smoke else gpu.split()[-1].lower()}.json")
-    if a.smoke and a.out is None:
-        import tempfile
-
-        out = os.path.join(tempfile.mkdtemp(), "digest-smoke.json")
-    machine = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-               "device": gpu}
-    with open(out, "w") as f:
-        json.dump({"machine": machine, "spec": spec, "tensors": len(tensors), "values": numel, "same": same,
-                   "args": vars(a), "results": res}, f, indent=1)
-    print(f"saved {out}")
-
+    _save("digest", {"spec": spec, "tensors": len(tensors), "values": numel, "same": same, "args": vars(a),
+                     "results": res}, a.out, a.smoke, cuda)
 
 if __name__ == "__main__":
     main()

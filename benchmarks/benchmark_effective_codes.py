@@ -16,9 +16,7 @@ first (exits 1 otherwise).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 
 if "--smoke" in sys.argv:
@@ -29,7 +27,7 @@ import torch  # noqa: E402
 import tracefp4  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark_matrices import _time  # noqa: E402  (the same timing: CUDA events around back-to-back calls)
+from benchmark_matrices import _save, _time  # noqa: E402  (the same timing and results file as it)
 
 SITES = 20  # hinted sites of the H200 model (the latter half of 40 MoE inputs)
 
@@ -73,17 +71,8 @@ def main() -> None:
         print(f"  {k:10} {r['ms']:9.4f} ms  ({r['min']:.4f}..{r['max']:.4f})")
     print(f"  triton / reference {tri_ms / ref_ms:.3f}; per step at {SITES} sites: {SITES * ref_ms:.2f} -> "
           f"{SITES * tri_ms:.2f} ms; bits equal: {same}")
-    info = {"machine": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
-            "triton": __import__("triton").__version__, "gpu": torch.cuda.get_device_name(0) if cuda else None,
-            "smoke": a.smoke, "runs": runs, "iters": iters, "dtype": "bf16", "sites_per_step": SITES, **row}
-    gpu = "cpu" if not cuda else torch.cuda.get_device_name(0).split()[-1].lower()
-    out = a.out or (os.path.join(os.environ["OUT"], f"effective-codes-{gpu}.json") if os.environ.get("OUT")
-                    else f"benchmarks/results/effective-codes-{gpu}.json")
-    if a.smoke and not a.out:
-        out = "/tmp/effective-codes-smoke.json"
-    with open(out, "w") as fh:
-        json.dump(info, fh, indent=1)
-    print(f"saved {out}")
+    _save("effective-codes", {"runs": runs, "iters": iters, "dtype": "bf16", "sites_per_step": SITES, **row}, a.out,
+          a.smoke, cuda)
     if not same:
         sys.exit("the Triton codes differ from the reference's")
 

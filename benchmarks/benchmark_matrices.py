@@ -56,6 +56,22 @@ def _time(fn, iters: int, runs: int, cuda: bool) -> dict:
     return {"ms": statistics.median(per), "min": min(per), "max": max(per), "runs": per}
 
 
+def _save(stem: str, result: dict, out: str | None, smoke: bool, cuda: bool) -> str:
+    """Write ``result`` with the machine's fields (host, versions, GPU) as JSON to ``out``, else to
+    $OUT/<stem>-<gpu>.json on a device machine, benchmarks/results/<stem>-<gpu>.json here, /tmp/<stem>-smoke.json for
+    --smoke; print and return the path."""
+    gpu = "cpu" if not cuda else torch.cuda.get_device_name(0).split()[-1].lower()
+    info = {"machine": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
+            "triton": __import__("triton").__version__, "gpu": torch.cuda.get_device_name(0) if cuda else None,
+            "smoke": smoke, **result}
+    path = out or (f"/tmp/{stem}-smoke.json" if smoke else
+                   os.path.join(os.environ.get("OUT") or "benchmarks/results", f"{stem}-{gpu}.json"))
+    with open(path, "w") as fh:
+        json.dump(info, fh, indent=1)
+    print(f"saved {path}")
+    return path
+
+
 def _whole(w: torch.Tensor, triton_scales: bool) -> torch.Tensor:
     """fake_quantize_matrices with one or the other global-scale path (the launch it makes after them is the same)."""
     stack = w.reshape(-1, *w.shape[-2:])
@@ -95,18 +111,7 @@ def main() -> None:
                                                "call_triton_scales", "copy")}
         print(f"{r['stack']:8} {str(tuple(r['shape'])):18} {f['scales_reference']:>14} {f['scales_triton']:>14} "
               f"{f['call_reference_scales']:>10} {f['call_triton_scales']:>12} {f['copy']:>8}  {r['bits_equal']}")
-    info = {"machine": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
-            "triton": __import__("triton").__version__,
-            "gpu": torch.cuda.get_device_name(0) if cuda else None, "smoke": a.smoke, "runs": runs, "iters": iters,
-            "dtype": "bf16", "rows": rows}
-    gpu = "cpu" if not cuda else torch.cuda.get_device_name(0).split()[-1].lower()
-    out = a.out or (os.path.join(os.environ["OUT"], f"matrices-{gpu}.json") if os.environ.get("OUT")
-                    else f"benchmarks/results/matrices-{gpu}.json")
-    if a.smoke and not a.out:
-        out = "/tmp/matrices-smoke.json"
-    with open(out, "w") as fh:
-        json.dump(info, fh, indent=1)
-    print(f"saved {out}")
+    _save("matrices", {"runs": runs, "iters": iters, "dtype": "bf16", "rows": rows}, a.out, a.smoke, cuda)
     if not all(r["bits_equal"] for r in rows):
         sys.exit("the two global-scale paths differ")
 

@@ -59,3 +59,23 @@ def worker(store, **kw):
     from tracerl.rollout import RolloutWorker
 
     return RolloutWorker(ts.open_store(store.url), rollout_cfg(**kw))
+
+
+def train_one_version_ahead(trainer, follower, store, checkpoints, log, steps: int, *, after_step=None,
+                            **rollout_kw) -> None:
+    """The rollout one version ahead of the trainer, in this process: two batches by version 0, then ``steps`` times
+    one training step (`run_training`, weights published to the store) and one batch by the policy it published, so
+    that every step after the first trains the previous version's groups. ``after_step()`` is called after each
+    training step; ``rollout_kw``: more `rollout_cfg` settings (``max_ahead`` is 2)."""
+    from tracerl.rollout import RolloutWorker, run_rollout
+    from tracerl.runlog import MetricsLog
+    from tracerl.train import run_training
+
+    with RolloutWorker(store, rollout_cfg(max_ahead=2, **rollout_kw)) as worker:
+        run_rollout(worker, metrics=MetricsLog(None), max_batches=2)  # v0, v0
+        for _ in range(steps):
+            run_training(trainer, follower, checkpoints=str(checkpoints), weights_url=store.url, metrics=log,
+                         max_steps=trainer.step_num + 1)
+            if after_step is not None:
+                after_step()
+            run_rollout(worker, metrics=MetricsLog(None), max_batches=1)

@@ -368,7 +368,6 @@ def test_a_stale_forward_quantizes_from_the_planes_its_micro_batch_decoded(tmp_p
     """With the rollout one version ahead on a finite-margin store, each step's stale forward of a kept micro-batch
     uses the margin exceptions the step's own forward decoded (its rows are decoded once, not twice) and measures
     what decoding them again measures: the same mismatch, code counts, loss and weights."""
-    from tracerl.rollout import run_rollout
     from tracerl.train import grpo
 
     calls = []
@@ -384,16 +383,11 @@ def test_a_stale_forward_quantizes_from_the_planes_its_micro_batch_decoded(tmp_p
         if not reuse:  # every forward decodes its rows itself
             own = trainer._forward
             trainer._forward = lambda packed, observe, margin=None, own=own: own(packed, observe)
-        counts = []
-        with loop.worker(st, max_ahead=2, record_codes=True, decode="hf") as w:
-            run_rollout(w, metrics=MetricsLog(None), max_batches=2)  # v0, v0
-            for _ in range(2):
-                calls.clear()
-                run_training(trainer, follower, checkpoints=str(d / "ck"), weights_url=st.url, metrics=log,
-                             max_steps=trainer.step_num + 1)
-                counts.append(len(calls))
-                run_rollout(w, metrics=MetricsLog(None), max_batches=1)
-        out[reuse] = (log.records(), counts)
+        calls.clear()
+        seen = []  # decodes so far, after each step
+        loop.train_one_version_ahead(trainer, follower, st, d / "ck", log, 2, record_codes=True, decode="hf",
+                                     after_step=lambda: seen.append(len(calls)))
+        out[reuse] = (log.records(), [seen[0], seen[1] - seen[0]])
     (got, n_reuse), (want, n_again) = out[True], out[False]
     assert [m["policy_versions"] for m in got] == [[0], [0]]
     assert got[1]["mismatch"]["code_values"] > 0 and got[1]["mismatch"]["unmeasured_tokens"] == 0

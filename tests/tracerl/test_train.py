@@ -21,7 +21,7 @@ from tracerl.artifacts import checkpoints as ckpt
 from tracerl.artifacts import weights
 from tracerl.errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
 from tracerl.policy import build_policy
-from tracerl.rollout import RolloutWorker, run_rollout
+from tracerl.rollout import run_rollout
 from tracerl.train import Follower
 from tracerl.train import GRPOTrainer
 from tracerl.runlog import MetricsLog
@@ -404,12 +404,7 @@ def test_stale_groups_are_measured_with_their_own_weights(store, tmp_path):
         trainer, follower = start_or_resume(st, loop.train_cfg(max_staleness=1, measure_stale=measure,
                                                                measure_stale_every=1),
                                             checkpoints=str(d / "ck"), weights_url=url, metrics=log)
-        with RolloutWorker(st, loop.rollout_cfg(max_ahead=2, record_codes=True)) as worker:
-            run_rollout(worker, metrics=MetricsLog(None), max_batches=2)  # v0, v0
-            for _ in range(3):
-                run_training(trainer, follower, checkpoints=str(d / "ck"), weights_url=url, metrics=log,
-                             max_steps=trainer.step_num + 1)
-                run_rollout(worker, metrics=MetricsLog(None), max_batches=1)
+        loop.train_one_version_ahead(trainer, follower, st, d / "ck", log, 3, record_codes=True)
         runs[measure] = log.records()
     with_, without = runs[True], runs[False]
     assert [m["policy_versions"] for m in with_] == [[0], [0], [1]]
@@ -432,12 +427,7 @@ def test_measure_stale_every_keeps_every_nth_version_and_counts_the_rest_unmeasu
         st = ts.open_store(url)
         trainer, follower = start_or_resume(st, loop.train_cfg(max_staleness=1, measure_stale_every=every),
                                             checkpoints=str(d / "ck"), weights_url=url, metrics=log)
-        with RolloutWorker(st, loop.rollout_cfg(max_ahead=2)) as worker:
-            run_rollout(worker, metrics=MetricsLog(None), max_batches=2)  # v0, v0
-            for _ in range(4):
-                run_training(trainer, follower, checkpoints=str(d / "ck"), weights_url=url, metrics=log,
-                             max_steps=trainer.step_num + 1)
-                run_rollout(worker, metrics=MetricsLog(None), max_batches=1)
+        loop.train_one_version_ahead(trainer, follower, st, d / "ck", log, 4)
         assert len(trainer._history) <= trainer._snapshot_pool() - 1
         runs[every] = log.records()
     all_, half = runs[1], runs[2]
@@ -473,12 +463,7 @@ def test_codes_are_loaded_and_observed_only_for_the_trajectories_a_step_compares
         return real_forward(packed, observe, **kw)
 
     trainer._codes.prefetch, trainer._forward = prefetch, forward
-    with RolloutWorker(st, loop.rollout_cfg(max_ahead=2, record_codes=True)) as worker:
-        run_rollout(worker, metrics=MetricsLog(None), max_batches=2)  # v0, v0
-        for _ in range(3):
-            run_training(trainer, follower, checkpoints=str(tmp_path / "ck"), weights_url=url, metrics=log,
-                         max_steps=trainer.step_num + 1)
-            run_rollout(worker, metrics=MetricsLog(None), max_batches=1)
+    loop.train_one_version_ahead(trainer, follower, st, tmp_path / "ck", log, 3, record_codes=True)
     recs = log.records()
     assert [m["policy_versions"] for m in recs] == [[0], [0], [1]]
     # step 1 (version 0) trains and compares version 0's groups; step 2 (version 1) version 0's, measured by the

@@ -318,21 +318,26 @@ class FP4Runtime:
         version counter or storage, or a `weights_changed` call)."""
         if self.mode == "bf16" or not self.plan.fp4_weights:
             return w_hp
-        stamp = (w_hp._version, w_hp.data_ptr(), self._weights_generation)
-        hit = self._wcache.get(key)
-        if hit is None or hit[:3] != stamp:
-            # each matrix ([E, out, in]: each expert's) with its own dynamic global scale, the whole stack in one
-            # reduction and one launch (a launch and a reduction per matrix were 2,560 of each per forward of the
-            # H200 model, 0.1-0.2 ms of host time apiece)
-            wq = tracefp4.fake_quantize_matrices(w_hp.detach(), backend=self.backend)
-            hit = (*stamp, wq)
-            if self.cache_weights:
-                self._wcache[key] = hit
-                self._wsrc[key] = w_hp
-        wq = hit[3]
+        wq, _ = self._fake_quantized(key, w_hp)
         if w_hp.requires_grad and torch.is_grad_enabled():
             return _StraightThrough.apply(w_hp, wq)
         return wq
+
+    def _fake_quantized(self, key: str, w_hp: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """(``w_hp`` fake-quantized, whether it was computed now): from the cache while its stamp (version counter,
+        storage, `weights_changed` generation) holds, else computed and, with ``cache_weights``, cached."""
+        stamp = (w_hp._version, w_hp.data_ptr(), self._weights_generation)
+        hit = self._wcache.get(key)
+        if hit is not None and hit[:3] == stamp:
+            return hit[3], False
+        # each matrix ([E, out, in]: each expert's) with its own dynamic global scale, the whole stack in one
+        # reduction and one launch (a launch and a reduction per matrix were 2,560 of each per forward of the
+        # H200 model, 0.1-0.2 ms of host time apiece)
+        wq = tracefp4.fake_quantize_matrices(w_hp.detach(), backend=self.backend)
+        if self.cache_weights:
+            self._wcache[key] = (*stamp, wq)
+            self._wsrc[key] = w_hp
+        return wq, True
 
     def prequantize_weights(self) -> int:
         """Fake-quantize now, into the cache, every weight `weight` has cached before (by key, from the tensor it
@@ -347,14 +352,10 @@ class FP4Runtime:
         if self.mode == "bf16" or not self.plan.fp4_weights or not self.cache_weights:
             return 0
         n = 0
-        for key, w_hp in self._wsrc.items():
+        for key, w_hp in list(self._wsrc.items()):
             if w_hp.untyped_storage().nbytes() < (w_hp.storage_offset() + w_hp.numel()) * w_hp.element_size():
                 continue  # storage freed since (FSDP2's unsharded weights after a reshard): the forward will see
-            stamp = (w_hp._version, w_hp.data_ptr(), self._weights_generation)
-            hit = self._wcache.get(key)
-            if hit is None or hit[:3] != stamp:
-                self._wcache[key] = (*stamp, tracefp4.fake_quantize_matrices(w_hp.detach(), backend=self.backend))
-                n += 1
+            n += self._fake_quantized(key, w_hp)[1]
         return n
 
 
