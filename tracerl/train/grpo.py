@@ -335,11 +335,14 @@ class GRPOTrainer:
         n_resp = sum(t.response_tokens for t in trajs)
         source = RecordSource(self.store, by_id)
         acc = _StepAccumulator()
-        kept = None
         keeping = bool(cfg.max_staleness and cfg.measure_stale)
         if keeping and self.version % cfg.measure_stale_every == 0:
-            # this version's weights, copied in the background on a GPU
-            kept = self.trainable.snapshot(self._spare.pop() if self._spare else None, background=True)
+            # this version's weights, copied in the background on a GPU; started once the step's first micro-batch
+            # has its margin rows decoded (`_start_snapshot`): the decoder reads its error flags back to the host,
+            # and a read queued behind the snapshot's device -> host copies waits for all of them (the H100 trace
+            # of the margin store's keeping step: +73 ms)
+            reuse = self._spare.pop() if self._spare else None
+            acc.snapshot = lambda: self.trainable.snapshot(reuse, background=True)
         fwd_s = read_ahead_s = 0.0
         acc.read = list(dict.fromkeys(seg.traj_id for mb in mine for seg in mb.segments))
         if self._want_codes:
@@ -378,6 +381,7 @@ class GRPOTrainer:
         # all-gathers and reduce-scatters are collectives): the others run zero-weighted stand-ins.
         for _ in range(-(-len(mbs) // self.world) - len(mine)):
             self._micro_batch(None, by_id, adv_of, n_resp, acc)
+        self._start_snapshot(acc)  # (a step without micro-batches)
         self._measure_stale(source, by_id, acc)
         t_reduce = time.perf_counter()
         tick = self._phase_clock(acc)
@@ -390,8 +394,8 @@ class GRPOTrainer:
             evicted = [self._history.pop(v) for v in sorted(self._history)
                        if v < self.version + 1 - self.cfg.max_staleness]
             self._spare = (self._spare + evicted)[:self._snapshot_pool()]
-            if kept is not None:
-                self._history[self.version] = kept
+            if acc.kept is not None:
+                self._history[self.version] = acc.kept
         tick("keep_weights")
         grad_norm = self.trainable.step(self.cfg.grad_clip)
         self.policy.runtime.weights_changed()
@@ -445,7 +449,7 @@ class GRPOTrainer:
         want_codes = self._want_codes and packed is not None and any(
             by_id[s.traj_id].policy_version == self.version for s in packed.segments)
         tick = self._phase_clock(acc)
-        fwd, margin = self._forward(packed, observe=want_codes)
+        fwd, margin = self._forward(packed, observe=want_codes, decoded=lambda: self._start_snapshot(acc))
         tick("forward")
         if packed is None:
             (fwd.logprobs.sum() * 0.0).backward()  # takes part in the gradients' reduce-scatter, adds nothing
@@ -549,19 +553,28 @@ class GRPOTrainer:
         acc.margin.clear()
         tick("stale_versions")
 
-    def _forward(self, packed: PackedHints | None, observe: bool, margin: Mapping | None = None
-                 ) -> tuple[Any, dict]:
+    def _start_snapshot(self, acc: _StepAccumulator) -> None:
+        """Start the step's snapshot of this version's weights (``acc.snapshot``, set by `step` when the step keeps
+        them) into ``acc.kept``, once."""
+        if acc.snapshot is not None:
+            acc.kept, acc.snapshot = acc.snapshot(), None
+
+    def _forward(self, packed: PackedHints | None, observe: bool, margin: Mapping | None = None,
+                 decoded: Callable[[], None] | None = None) -> tuple[Any, dict]:
         """The trainer's forward of ``packed`` (None: the stand-in) in the configured mode, and the margin exceptions
         of its margin sites (site -> `compact.MarginExceptions` on the device; empty without such sites). Margin
         sites are quantized by `MarginSites`, which the runtime asks first, so the QAT trainer sends no scales or
         hints of them to the device (it sent zero placeholder rows: 33 MB a step on the H200 model's 20 sites).
         ``margin``: the exceptions an earlier forward of the same ``packed`` decoded (a stale forward's micro-batch
-        kept from the step's own forward), instead of decoding its rows again."""
+        kept from the step's own forward), instead of decoding its rows again. ``decoded``: called once the margin
+        rows are decoded (or found to be none), before the forward is launched."""
         cfg = self.cfg
         if margin is None:
             margin = {}
             if packed is not None and self.margin_sites:
                 margin = decode_margin(self.store, packed, self.device, decode=cfg.margin_decode)
+        if decoded is not None:
+            decoded()
         run = dict(observe=observe, replay_routes=cfg.replay_routes, temperature=cfg.temperature, routes=False)
         if not margin:
             return self.qat.token_logprobs(packed or self._stand_in(), cfg.mode, **run), margin
@@ -782,6 +795,9 @@ class _StepAccumulator:
         self.stale_bytes = 0  # bytes of the kept micro-batches
         #: id of a kept micro-batch -> its margin exceptions as its forward decoded them, on the device
         self.margin: dict[int, dict] = {}
+        #: starts the snapshot of this version's weights (when the step keeps them and it has not started yet)
+        self.snapshot: Callable[[], list[torch.Tensor]] | None = None
+        self.kept: list[torch.Tensor] | None = None  # that snapshot, once started
 
     def add_stats(self, st: Mapping[str, float], n: int) -> None:
         self.sums["_tokens"] += n
