@@ -673,6 +673,44 @@ def test_margin_report_and_html(margin_audit):
         assert key in section, f"README's Audit section does not document {key}"
 
 
+def test_the_floor_per_site_stands_next_to_what_each_encoding_stores(margin_audit):
+    """Issue 23's per-site report: each margin site's entropy floor beside the bits encoding's bytes and each margin
+    point's, in the terminal report and the HTML; the last row sums the columns (the result's totals)."""
+    from rich.console import Console
+
+    from tracerl.audit import render_terminal
+    from tracerl.audit.plan import floor_rows, site_bytes_per_token
+
+    res, tmp = margin_audit
+    mg = res["margin"]
+    header, rows = floor_rows(mg)
+    assert header[:5] == ["site", "floor B/token", "code bits/token", "scale bits/token", "bits B/token"]
+    assert header[5:] == [f"{p['name']} B/token" for p in mg["points"]]
+    assert [r[0] for r in rows] == [*mg["site_names"], "all"]
+    floor = mg["entropy_floor"]["sites"]
+    for site, row in zip(mg["site_names"], rows):
+        f = floor[site]
+        assert row[1:4] == [f["bytes_per_token"], f["code_bits_per_token"], f["scale_bits_per_token"]]
+        assert row[4] == site_bytes_per_token(mg["points"][0]["site_bytes"][site]["width"])
+        assert row[5:] == [p["site_bytes"][site]["bytes_per_token"] for p in mg["points"]]
+        assert 0 <= row[1] < row[4]  # the floor is below the bits' bytes at these sites
+    total = rows[-1]
+    assert total[1] == pytest.approx(mg["entropy_floor"]["bytes_per_token"], rel=1e-12)
+    assert total[4] == mg["bits_bytes_per_token"]
+    assert total[5:] == pytest.approx([p["bytes_per_token"] for p in mg["points"]], rel=1e-12)
+    con = Console(width=240, record=True)
+    for item in render_terminal(res):
+        con.print(item)
+    text = con.export_text()
+    assert "entropy floor per site" in text
+    table = text.split("entropy floor per site", 1)[1]
+    assert all(s in table for s in mg["site_names"]) and f"{total[4]:,.1f}" in table
+    if importlib.util.find_spec("matplotlib"):
+        page = (tmp / "margin.html").read_text(encoding="utf-8")
+        part = page.split("<h2>Entropy floor per site</h2>", 1)[1].split("<h2>", 1)[0]
+        assert all(s in part for s in mg["site_names"]) and f"{total[1]:,.1f}" in part
+
+
 def test_margin_tally_prices_rows_as_the_packer_writes_them():
     """MarginTally's bytes are the bytes `compact.pack_rows` writes for the same marks in the chosen coding, and
     with ``every`` it prices every k-th row across micro-batches while counting all of them."""

@@ -4,8 +4,8 @@ One file, no external references: CSS inline, plots as PNG data URIs (matplotlib
 integrity result of `tracestore verify` for the store, the replay's verdict, the fidelity table per mode, four
 plots (code agreement by layer, the |dlogp| histogram against the floor, mismatch by token position, excess vs
 hint bytes per token, with the margin points and the joint planner's curve when measured), the attribution, the
-planner's curve, the margin points and the joint planner's curve (with ``--margins`` / ``--margin-planner``), and
-the per-site and per-trajectory tables.
+planner's curve, the margin points, the entropy floor per site beside each encoding's bytes and the joint planner's
+curve (with ``--margins`` / ``--margin-planner``), and the per-site and per-trajectory tables.
 Like `tracerl.audit.report`, it reads the result dict only.
 """
 
@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tracerl.audit import plan as ap
-from tracerl.audit.report import fmt, joint_caption
+from tracerl.audit.report import FLOOR_CAPTION, fmt, joint_caption
 from tracerl.errors import ConfigError
 
 PLOT_MODES = ("fp4_rne_own_scales", "fp4_rne_rollout_scales", "fp4_hints", "fp4_hints_replay_routes")
@@ -275,6 +275,10 @@ def _sections(result: Mapping[str, Any], plt) -> list[str]:
             f"exceptions of the replay (m: value margin in ladder steps, ms: scale margin in E4M3 steps); the bits "
             f"encoding of the same sites stores {mg['bits_bytes_per_token']:,} B/token. Frontier of every measured "
             f"coverage (bits: the planner's points): {front}.</p>")
+        header, rows = ap.floor_rows(mg)
+        out.append("<h2>Entropy floor per site</h2>" + _table(
+            header, [[r[0], *(fmt(v, "dec1") for v in r[1:])] for r in rows]) +
+            f"<p class='note'>{html.escape(FLOOR_CAPTION)}.</p>")
         jp = mg.get("planner")
         if jp is not None:
             rows = [[k, label, f"{b:,.1f}", fmt(m), fmt(e), fmt(r, "x")] for k, label, b, m, e, r in ap.joint_rows(jp)]

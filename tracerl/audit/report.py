@@ -18,7 +18,7 @@ MAX_TRAJECTORY_ROWS = 8
 
 def fmt(v: Any, kind: str = "sci") -> str:
     """A cell: ``pct`` (percent, 3 decimals), ``sci`` (3 significant digits, scientific), ``int``, ``round`` (a
-    number rounded to an integer: bytes per token priced over rows), ``x`` (ratio)."""
+    number rounded to an integer: bytes per token priced over rows), ``dec1`` (one decimal), ``x`` (ratio)."""
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
     if kind == "pct":
@@ -27,6 +27,8 @@ def fmt(v: Any, kind: str = "sci") -> str:
         return f"{int(v):,}"
     if kind == "round":
         return f"{v:,.0f}"
+    if kind == "dec1":
+        return f"{v:,.1f}"
     if kind == "x":
         return f"{v:.2f}x"
     return f"{v:.3e}"
@@ -177,6 +179,19 @@ def margin_table(result: Mapping[str, Any]):
                   "ladder steps, ms: scale margin in E4M3 steps)", cols, rows, caption)
 
 
+FLOOR_CAPTION = ("floor: the entropy of the rollout's codes and block scales given the trainer's own round-to-nearest "
+                 "(what any encoding must store at least); bits: one hint bit per value and a scale byte per block; "
+                 "each margin point as priced on the audited rows")
+
+
+def floor_table(result: Mapping[str, Any]):
+    """Per margin site: the entropy floor next to what the bits encoding and each margin point store
+    (`tracerl.audit.plan.floor_rows`)."""
+    header, rows = ap.floor_rows(result["margin"])
+    cols = [(header[0], None), *((h, "dec1") for h in header[1:])]
+    return _table("entropy floor per site against the stored bytes", cols, rows, FLOOR_CAPTION)
+
+
 def joint_caption(jp: Mapping[str, Any]) -> str:
     """The joint planner's best point at <= the reference budget, without and with routing replay."""
     best, budget = jp["budget"]["best"], jp["budget"]["bytes_per_token"]
@@ -216,6 +231,7 @@ def render_terminal(result: Mapping[str, Any]) -> list[Any]:
         out.append(planner_table(result))
     if result.get("margin") is not None:
         out.append(margin_table(result))
+        out.append(floor_table(result))
         if result["margin"].get("planner") is not None:
             out.append(joint_table(result))
     t = result["timing"]
