@@ -34,6 +34,10 @@ runs (a drift of the machine hits both alike: on a shared H100 one mode's runs o
 0.21..0.28 s of compute, trainer-h100-l20.json);
 the summary's ``fp4_hints_margin_over_plain_*`` are the ratios.
 
+``--store-dir DIR`` keeps the recorded store(s) under DIR and reuses them in a later invocation with the same recording
+settings (a device machine kept warm between calls keeps /tmp: ``--store-dir /tmp/trainer-stores`` saves the ~100 s
+of recording the H200 model's store on every call after the first).
+
 Saves JSON (machine, versions, sizes, every run's per-step metrics) to --out.
 """
 
@@ -367,6 +371,10 @@ def main(argv: list[str] | None = None) -> int:
                          "a step at or after --unmeasured-from traces one without it, e.g. --steps 8 "
                          "--max-staleness 7 --profile-at 4)")
     ap.add_argument("--timeout", type=float, default=1800, metavar="S", help="seconds per process (default 1800)")
+    ap.add_argument("--store-dir", default=None, metavar="DIR",
+                    help="keep the recorded store(s) under DIR and reuse them in a later invocation with the same "
+                         "model, rollout shape, device type, hinted layers and margin (recording the H200 model's "
+                         "store takes ~100 s on an H100; default: record into a temporary folder every time)")
     ap.add_argument("--smoke", action="store_true", help="tiny model, 1 run x 2 steps: checks the code paths")
     ap.add_argument("--out", default=None, metavar="PATH",
                     help="JSON (default benchmarks/results/trainer-<device>.json; --smoke: a temporary file)")
@@ -413,22 +421,17 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--modes {m}: the part after ':' is a --read-next choice (auto, off, thread, process)")
     side_by_side = any(_label(m)[1] for m in modes)  # X+margin: a second store, the hinted sites as margin rows
     workdir = Path(tempfile.mkdtemp(prefix="tracerl-bench-trainer-"))
-    urls = {False: str(workdir / "store")}
     margin_point = args.margin or (DEFAULT_MARGIN if side_by_side else None)
     t0 = time.perf_counter()
-    plain_args = argparse.Namespace(**{**vars(args), "margin": None if side_by_side else args.margin})
-    record_store(urls[False], spec, plain_args)
+    urls, reused = _stores(args, spec, side_by_side, margin_point, workdir)
     if side_by_side:
-        urls[True] = str(workdir / "store-margin")
-        record_store(urls[True], spec, argparse.Namespace(**{**vars(args), "margin": margin_point}))
         args.margin = margin_point
-    else:
-        urls[True] = urls[False]  # (no +margin label: one store, margin rows if --margin)
-    print(f"store{'s' if side_by_side else ''} recorded in {time.perf_counter() - t0:.1f}s: {args.steps} batches of "
-          f"{args.groups} x {args.group_size}", flush=True)
+    print(f"store{'s' if side_by_side else ''} {'reused from ' + str(Path(urls[False]).parent) if reused else 'recorded'}"
+          f" in {time.perf_counter() - t0:.1f}s: {args.steps} batches of {args.groups} x {args.group_size}", flush=True)
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     sampler = _GpuSampler(enabled=cuda)
-    result = {"machine": _machine(args.device), "spec": spec, "device": args.device, "args": vars(args)}
+    result = {"machine": _machine(args.device), "spec": spec, "device": args.device, "args": vars(args),
+              "store_reused": reused}
     try:
         for i in range(args.runs):
             for mode in modes:  # alternating, so a drift of the machine hits every mode alike
@@ -463,6 +466,44 @@ def main(argv: list[str] | None = None) -> int:
     _report(result["summary"], modes)
     print(f"saved {out}")
     return 0
+
+
+def _store_settings(args, spec: dict, side_by_side: bool, margin_point) -> dict:
+    """Everything that decides the bytes of the recorded store(s): the model, the rollout's shape and device type,
+    the hinted layers, the margin point and coding."""
+    return {"spec": spec, "device": args.device.split(":")[0], "steps": args.steps, "groups": args.groups,
+            "group_size": args.group_size, "response_len": args.response_len, "hint_layers": args.hint_layers,
+            "margin": list(margin_point) if margin_point else None, "side_by_side": side_by_side,
+            "margin_coding": args.margin_coding}
+
+
+def _stores(args, spec: dict, side_by_side: bool, margin_point, workdir: Path) -> tuple[dict[bool, str], bool]:
+    """The store URLs by "on the margin store" (one store unless ``side_by_side``), recorded now, or with
+    ``--store-dir`` taken from an earlier invocation's recording with the same settings (`_store_settings`; a
+    folder named by their hash holds the stores and ``settings.json``, written last: a folder without it is an
+    interrupted recording, recorded again). Returns (urls, reused)."""
+    import hashlib
+
+    base, reused = workdir, False
+    if args.store_dir:
+        settings = _store_settings(args, spec, side_by_side, margin_point)
+        key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+        base = Path(args.store_dir) / key
+        done = base / "settings.json"
+        reused = done.is_file() and json.loads(done.read_text()) == settings
+        if not reused and base.exists():
+            shutil.rmtree(base)
+        base.mkdir(parents=True, exist_ok=True)
+    urls = {False: str(base / "store")}
+    urls[True] = str(base / "store-margin") if side_by_side else urls[False]  # (one store, margin rows if --margin)
+    if not reused:
+        record_store(urls[False], spec, argparse.Namespace(**{**vars(args), "margin": None if side_by_side else
+                                                               args.margin}))
+        if side_by_side:
+            record_store(urls[True], spec, argparse.Namespace(**{**vars(args), "margin": margin_point}))
+        if args.store_dir:
+            (base / "settings.json").write_text(json.dumps(settings, sort_keys=True))
+    return urls, reused
 
 
 def _resummarize(src: str, out: str | None) -> int:

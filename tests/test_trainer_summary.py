@@ -4,7 +4,9 @@ recomputes a saved result's summary without a new run."""
 
 from __future__ import annotations
 
+import argparse
 import json
+from pathlib import Path
 
 import pytest
 from helpers import benchmarks
@@ -45,3 +47,37 @@ def test_resummarize_recomputes_a_saved_result(tmp_path, capsys):
     assert "over a cycle of 4" in capsys.readouterr().out
     (tmp_path / "bad.json").write_text("{}")
     assert bt.main(["--resummarize", str(tmp_path / "bad.json")]) == 2
+
+
+def test_store_dir_reuses_a_recording_with_the_same_settings_only(tmp_path, monkeypatch):
+    """``--store-dir``: the first invocation records into a folder named by the recording's settings, a second with
+    the same settings reuses it without recording, other settings (a margin point, the model) record beside it, and
+    a folder whose recording was interrupted (no settings.json) is recorded again from scratch."""
+    bt = benchmarks.load("benchmark_trainer")
+    recorded = []
+
+    def record(url, spec, args):  # stands in for the spawned rollout: a folder per store
+        recorded.append((url, args.margin))
+        Path(url).mkdir(parents=True)
+
+    monkeypatch.setattr(bt, "record_store", record)
+    args = argparse.Namespace(store_dir=str(tmp_path / "stores"), device="cuda:0", steps=8, groups=4, group_size=8,
+                              response_len=128, hint_layers="latter-half", margin=None, margin_coding="gamma:bitmap")
+    spec = {"num_layers": 20}
+    point = (0.05, 0.05, "lsb")
+    urls, reused = bt._stores(args, spec, True, point, tmp_path / "work")
+    assert not reused and [m for _, m in recorded] == [None, point]
+    assert urls[True] != urls[False] and (tmp_path / "stores") in Path(urls[False]).parents
+    again, reused = bt._stores(argparse.Namespace(**{**vars(args), "device": "cuda"}), spec, True, point,
+                               tmp_path / "work2")
+    assert reused and again == urls and len(recorded) == 2  # the same recording, nothing recorded
+    other, reused = bt._stores(args, spec, True, (0.1, 0.1, "lsb"), tmp_path / "work")
+    assert not reused and other[False] != urls[False] and len(recorded) == 4
+    _, reused = bt._stores(args, {"num_layers": 40}, True, point, tmp_path / "work")
+    assert not reused and len(recorded) == 6
+    (Path(urls[False]).parent / "settings.json").unlink()  # as if killed while recording
+    again, reused = bt._stores(args, spec, True, point, tmp_path / "work")
+    assert not reused and again == urls and len(recorded) == 8  # the partial folder was removed, then recorded
+    one, reused = bt._stores(argparse.Namespace(**{**vars(args), "store_dir": None}), spec, False, None,
+                             tmp_path / "tmpwork")
+    assert not reused and one[True] == one[False] and one[False].startswith(str(tmp_path / "tmpwork"))
