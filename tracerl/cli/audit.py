@@ -79,7 +79,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "points: value margin M (ladder steps) and scale margin MS (E4M3 steps), numbers >= 0 or "
                         "inf, ':lsb' for scale hints instead of whole scale bytes; per point the stored bytes per "
                         "token, code agreement and excess with own routes and with routing replay (two passes "
-                        "each; the marks come from the replay's own activations on its recorded decode path). A "
+                        "each; the marks come from the replay's own activations on its recorded decode path), and per "
+                        "site the entropy floor (what any encoding needs) beside each point's bytes. A "
                         "scale margin >= 0.5 marks every block; only inf marks every value")
     p.add_argument("--margin-sites", choices=MARGIN_SITES, default="hinted",
                    help="the sites the margin points encode: the store's hinted sites (default) or every FP4 "
