@@ -374,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--store-dir", default=None, metavar="DIR",
                     help="keep the recorded store(s) under DIR and reuse them in a later invocation with the same "
                          "model, rollout shape, device type, hinted layers and margin (recording the H200 model's "
-                         "store takes ~100 s on an H100; default: record into a temporary folder every time)")
+                         "store takes ~100 s on an H100; the recording code is not compared: use a fresh DIR after "
+                         "changing it; default: record into a temporary folder every time)")
     ap.add_argument("--smoke", action="store_true", help="tiny model, 1 run x 2 steps: checks the code paths")
     ap.add_argument("--out", default=None, metavar="PATH",
                     help="JSON (default benchmarks/results/trainer-<device>.json; --smoke: a temporary file)")
@@ -481,16 +482,19 @@ def _stores(args, spec: dict, side_by_side: bool, margin_point, workdir: Path) -
     """The store URLs by "on the margin store" (one store unless ``side_by_side``), recorded now, or with
     ``--store-dir`` taken from an earlier invocation's recording with the same settings (`_store_settings`; a
     folder named by their hash holds the stores and ``settings.json``, written last: a folder without it is an
-    interrupted recording, recorded again). Returns (urls, reused)."""
+    interrupted recording, recorded again, and so is one whose settings.json does not read back). The code that
+    recorded a kept store is not compared: after changing how stores are recorded, use a fresh DIR. Returns
+    (urls, reused)."""
     import hashlib
 
     base, reused = workdir, False
     if args.store_dir:
-        settings = _store_settings(args, spec, side_by_side, margin_point)
-        key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
-        base = Path(args.store_dir) / key
-        done = base / "settings.json"
-        reused = done.is_file() and json.loads(done.read_text()) == settings
+        text = json.dumps(_store_settings(args, spec, side_by_side, margin_point), sort_keys=True)
+        base = Path(args.store_dir) / hashlib.sha256(text.encode()).hexdigest()[:16]
+        try:
+            reused = (base / "settings.json").read_text() == text
+        except (FileNotFoundError, NotADirectoryError):
+            reused = False
         if not reused and base.exists():
             shutil.rmtree(base)
         base.mkdir(parents=True, exist_ok=True)
@@ -502,7 +506,7 @@ def _stores(args, spec: dict, side_by_side: bool, margin_point, workdir: Path) -
         if side_by_side:
             record_store(urls[True], spec, argparse.Namespace(**{**vars(args), "margin": margin_point}))
         if args.store_dir:
-            (base / "settings.json").write_text(json.dumps(settings, sort_keys=True))
+            (base / "settings.json").write_text(text)
     return urls, reused
 
 

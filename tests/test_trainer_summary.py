@@ -78,6 +78,9 @@ def test_store_dir_reuses_a_recording_with_the_same_settings_only(tmp_path, monk
     (Path(urls[False]).parent / "settings.json").unlink()  # as if killed while recording
     again, reused = bt._stores(args, spec, True, point, tmp_path / "work")
     assert not reused and again == urls and len(recorded) == 8  # the partial folder was removed, then recorded
+    (Path(urls[False]).parent / "settings.json").write_text("{not json")  # damaged: recorded again, not trusted
+    again, reused = bt._stores(args, spec, True, point, tmp_path / "work")
+    assert not reused and again == urls and len(recorded) == 10
     one, reused = bt._stores(argparse.Namespace(**{**vars(args), "store_dir": None}), spec, False, None,
                              tmp_path / "tmpwork")
     assert not reused and one[True] == one[False] and one[False].startswith(str(tmp_path / "tmpwork"))

@@ -421,3 +421,20 @@ def test_joint_site_table_declares_margin_sites_with_their_keys(tmp_path):
     bad = {"m=0.05 ms=0.05": {b: {"coding": {"values": "zigzag", "blocks": "bitmap"}}}}
     with pytest.raises(ConfigError, match="refused by the store"):
         joint_site_table(sites[1:2], bad, points, plan, {}, moe_layers=[], top_k=1, num_experts=1)
+
+
+def test_floor_rows_sum_columns_only_where_every_site_has_a_value():
+    """`floor_rows`: a row per margin site (floor, code / scale bits, the bits encoding's bytes from the site's width,
+    each point's bytes) and a total row; a point that did not price a site shows None there and in its total."""
+    from tracerl.audit.plan import floor_rows
+
+    floor = {"a": {"bytes_per_token": 1.5, "code_bits_per_token": 10.0, "scale_bits_per_token": 2.0},
+             "b": {"bytes_per_token": 2.5, "code_bits_per_token": 18.0, "scale_bits_per_token": 2.0}}
+    points = [{"name": "m=0.1 ms=0.1", "site_bytes": {"a": {"width": 256, "bytes_per_token": 7.0},
+                                                     "b": {"width": 256, "bytes_per_token": 9.0}}},
+              {"name": "m=inf ms=inf", "site_bytes": {"a": {"width": 256, "bytes_per_token": 52.0}}}]
+    header, rows = floor_rows({"site_names": ["a", "b"], "entropy_floor": {"sites": floor}, "points": points})
+    assert header == ["site", "floor B/token", "code bits/token", "scale bits/token", "bits B/token",
+                      "m=0.1 ms=0.1 B/token", "m=inf ms=inf B/token"]
+    assert rows == [["a", 1.5, 10.0, 2.0, 48, 7.0, 52.0], ["b", 2.5, 18.0, 2.0, 48, 9.0, None],
+                    ["all", 4.0, 28.0, 4.0, 96, 16.0, None]]

@@ -485,21 +485,20 @@ def floor_rows(margin: Mapping[str, Any]) -> tuple[list[str], list[list[Any]]]:
     header and rows of (site, its entropy floor in B/token: the rollout's codes and scales given the trainer's own
     round-to-nearest, bits of the codes and of the scales per token, the bits encoding's B/token, then each margin
     point's B/token at that site, None where a point did not price it). Sites in the result's order; a last row
-    sums each column."""
+    sums each column (None where a site lacks its value)."""
     floor = margin["entropy_floor"]["sites"]
     points = margin["points"]
     header = ["site", "floor B/token", "code bits/token", "scale bits/token", "bits B/token",
               *(f"{p['name']} B/token" for p in points)]
-    rows, total = [], [0.0] * (len(header) - 1)
+    rows = []
     for site in margin["site_names"]:
         f = floor.get(site, {})
         priced = [(p.get("site_bytes") or {}).get(site) for p in points]
         width = next((q["width"] for q in priced if q), None)
         row = [f.get("bytes_per_token"), f.get("code_bits_per_token"), f.get("scale_bits_per_token"),
                site_bytes_per_token(width) if width else None, *(q["bytes_per_token"] if q else None for q in priced)]
-        total = [t + (v or 0.0) for t, v in zip(total, row)]
         rows.append([site, *row])
-    rows.append(["all", *total])
+    rows.append(["all", *(None if any(v is None for v in col) else sum(col) for col in zip(*(r[1:] for r in rows)))])
     return header, rows
 
 

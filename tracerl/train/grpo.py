@@ -458,9 +458,7 @@ class GRPOTrainer:
         else:
             self._train_on(packed, fwd, by_id, adv_of, n_resp, acc, tick, before_backward)
             self._measure(packed, fwd, by_id, acc, self.version, want_codes, margin)
-            self._keep_stale(packed, by_id, acc)
-            if margin and any(b is packed for kept in acc.stale.values() for b in kept):
-                acc.margin[id(packed)] = margin  # decoded once: its stale forwards quantize from the same planes
+            self._keep_stale(packed, by_id, acc, margin)
             tick("measure")
 
     def _train_on(self, packed: PackedHints, fwd, by_id: Mapping[str, Trajectory], adv_of: Mapping[str, float],
@@ -501,14 +499,17 @@ class GRPOTrainer:
         tick("backward")
         acc.add_stats(st, n)
 
-    def _keep_stale(self, packed: PackedHints, by_id: Mapping[str, Trajectory], acc: _StepAccumulator) -> None:
+    def _keep_stale(self, packed: PackedHints, by_id: Mapping[str, Trajectory], acc: _StepAccumulator,
+                    margin: Mapping) -> None:
         """Note ``packed`` for the step's stale forwards (`_measure_stale`) when it holds trajectories of an older
         policy version whose weights are kept; count the response tokens of those without kept weights as
-        unmeasured. The batch itself is kept while the kept batches fit the read-ahead budget, else read again."""
+        unmeasured. The batch itself is kept, with ``margin`` (its margin exceptions as its forward decoded them,
+        so that its stale forwards quantize from the same planes instead of decoding its rows again), while the
+        kept batches fit the read-ahead budget, else read (and decoded) again."""
         versions = sorted({by_id[s.traj_id].policy_version for s in packed.segments} - {self.version})
         for v in versions:
             if v in self._history:
-                acc.stale.setdefault(v, []).append(packed)
+                acc.stale.setdefault(v, []).append((packed, margin))
             else:
                 acc.sums["_unmeasured"] += sum(by_id[s.traj_id].response_tokens for s in packed.segments
                                                if by_id[s.traj_id].policy_version == v)
@@ -519,7 +520,7 @@ class GRPOTrainer:
             else:  # over the budget: read it again when its version's weights are swapped in
                 for v in versions:
                     if v in self._history:
-                        acc.stale[v][-1] = _Reread(packed)
+                        acc.stale[v][-1] = (_Reread(packed), None)
 
     def _measure_stale(self, source: RecordSource, by_id: Mapping[str, Trajectory], acc: _StepAccumulator) -> None:
         """The mismatch of the step's trajectories of older policy versions: per version, its kept weights swapped
@@ -541,16 +542,15 @@ class GRPOTrainer:
             self.policy.runtime.weights_changed()
             with self.trainable.swapped(self._history[v]), torch.no_grad():
                 for i in range(counts[v]):
-                    packed = batches[i] if i < len(batches) else None
+                    packed, margin = batches[i] if i < len(batches) else (None, None)
                     if isinstance(packed, _Reread):
                         packed = packed.read(source, self.read_sites)
                     fwd_v, margin = self._forward(packed, observe=want_codes and packed is not None,
-                                                  margin=None if packed is None else acc.margin.get(id(packed)))
+                                                  margin=margin or None)
                     if packed is not None:
                         self._measure(packed, fwd_v, by_id, acc, v, want_codes, margin)
             self.policy.runtime.weights_changed()
         acc.stale.clear()
-        acc.margin.clear()
         tick("stale_versions")
 
     def _start_snapshot(self, acc: _StepAccumulator) -> None:
@@ -790,11 +790,10 @@ class _StepAccumulator:
         self.lag: dict[str, float] = {}
         self.read: list = []  # trajectories whose tokens this rank read (all ranks' after the reduce)
         self.phases: collections.Counter = collections.Counter()  # seconds per phase (time_phases)
-        #: version -> the micro-batches (or `_Reread` stand-ins) with its trajectories, for the stale forwards
-        self.stale: dict[int, list] = {}
+        #: version -> (micro-batch or `_Reread` stand-in, its margin exceptions as its forward decoded them, on the
+        #: device; None when read again) for each micro-batch with its trajectories, for the stale forwards
+        self.stale: dict[int, list[tuple[Any, Mapping | None]]] = {}
         self.stale_bytes = 0  # bytes of the kept micro-batches
-        #: id of a kept micro-batch -> its margin exceptions as its forward decoded them, on the device
-        self.margin: dict[int, dict] = {}
         #: starts the snapshot of this version's weights (when the step keeps them and it has not started yet)
         self.snapshot: Callable[[], list[torch.Tensor]] | None = None
         self.kept: list[torch.Tensor] | None = None  # that snapshot, once started
