@@ -15,6 +15,7 @@ Layouts (x of shape ``[..., D]``, B = 16 for NVFP4, 32 for MXFP4; D must be a mu
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -120,6 +121,9 @@ def _global_scale(global_scale, fmt: str, device: torch.device, x: torch.Tensor 
             raise FormatError("nvfp4 needs the global_scale that the codes/scales were made with; got None")
         return ref.global_scale_ref(x)
     if isinstance(global_scale, torch.Tensor):
+        if (global_scale.dtype == torch.float32 and global_scale.dim() == 0 and not global_scale.requires_grad
+                and global_scale.device == device):
+            return global_scale  # already what the kernels take (a trainer's every call): no view, no copy
         if not global_scale.dtype.is_floating_point:
             raise DTypeError(f"global_scale must be a floating tensor; got dtype {global_scale.dtype}")
         if global_scale.numel() != 1:
@@ -136,6 +140,7 @@ def _global_scale(global_scale, fmt: str, device: torch.device, x: torch.Tensor 
     return torch.full((), gv, dtype=torch.float32, device=device)
 
 
+@functools.cache
 def _triton_importable() -> bool:
     try:
         import triton  # noqa: F401
@@ -161,10 +166,17 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return "triton"
 
 
-def _triton():
-    from . import triton_kernels
+_TRITON_KERNELS = None
 
-    return triton_kernels
+
+def _triton():
+    """`tracefp4.triton_kernels`, imported on first use (it imports triton), then from a global: every launch asks."""
+    global _TRITON_KERNELS
+    if _TRITON_KERNELS is None:
+        from . import triton_kernels
+
+        _TRITON_KERNELS = triton_kernels
+    return _TRITON_KERNELS
 
 
 def compute_global_scale(x: torch.Tensor) -> torch.Tensor:

@@ -1259,6 +1259,30 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _cdiv(a: int, b: int) -> int:
+    """ceil(a / b) of non-negative ints on the host (``triton.cdiv`` is a ConstexprFunction in Triton 3.9, whose call
+    costs ~3 us of argument unwrapping: a launch computes two)."""
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    """The least power of two >= n (0 for n = 0), as ``triton.next_power_of_2``, without its call overhead."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+#: {device: an int32 [1] tensor on it}: the pointer argument a launch passes where its kernel reads nothing (a
+#: constexpr flag turns the load off), allocated once per device instead of once per launch
+_UNUSED: dict[torch.device, torch.Tensor] = {}
+
+
+def _unused_arg(device: torch.device) -> torch.Tensor:
+    """A tensor on ``device`` for a pointer argument the kernel never dereferences (never written either)."""
+    t = _UNUSED.get(device)
+    if t is None:
+        t = _UNUSED[device] = torch.empty((1,), dtype=torch.int32, device=device)
+    return t
+
+
 def _loop_count(n_iter: int):
     """A persistent kernel's ``n_iter`` (its ``range`` bound) as a launch argument: the int itself when compiled (the
     kernels and their binaries do not change); under the interpreter a NumPy integer, which it passes to the kernel
@@ -1295,7 +1319,7 @@ def _grid(nb: int, bn: int, per_sm: int, device: torch.device, key: tuple) -> tu
     programs per SM; 32: as many as fit at once (known after the kernel's first launch), so that no program
     waits for another to finish (a few programs left for a second wave would double the time). Host-side
     numbers only (the SM count is cached per device): no device sync, usable in CUDA-graph capture."""
-    tiles = triton.cdiv(nb, bn)
+    tiles = _cdiv(nb, bn)
     if per_sm <= 0:
         return tiles, 1, False
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
@@ -1303,7 +1327,7 @@ def _grid(nb: int, bn: int, per_sm: int, device: torch.device, key: tuple) -> tu
     if per_sm >= 32:
         per_sm = min(per_sm, _RESIDENT.get(key, per_sm))
     progs = max(1, min(tiles, sms * per_sm))
-    return progs, triton.cdiv(tiles, progs), True
+    return progs, _cdiv(tiles, progs), True
 
 
 def _layout(xb: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
@@ -1522,7 +1546,7 @@ def fake_quantize_blocks_triton(
                       BIG=_big(xb), GPU=not _interpreting(), G_PER=g_blocks > 0, RB=rb, SCALE_LSB=lsb)
         rkey = ("fake_quant", *consts.values(), warps, *opts.values())
         progs, n_iter, persist = _grid(nb * rb, bn, per_sm, dev, rkey)
-        dummy = torch.empty((1,), dtype=torch.int32, device=dev)
+        dummy = _unused_arg(dev)
         hints_arg = dummy
         if hints_packed is not None:  # the row layout reads a byte per row (or half of one: fp32)
             hints_arg = hints_packed.contiguous().reshape(nb * (b // 8))
@@ -1593,7 +1617,7 @@ def fake_quantize_bwd_blocks_triton(
     if nb:
         bn, warps = _bwd_cfg(config)
         scales_u8 = scales_u8.contiguous()
-        _fake_quant_bwd_kernel[(triton.cdiv(nb, bn),)](
+        _fake_quant_bwd_kernel[(_cdiv(nb, bn),)](
             grad_b, xb, scales_u8, _g_arg(g, fmt, xb.device, scales_u8), out, nb,
             G=b // 8, BN=bn, IS_NV=fmt == "nvfp4", BIG=_big(xb), num_warps=warps,
         )
@@ -1616,14 +1640,14 @@ def global_scales_triton(stack: torch.Tensor) -> torch.Tensor:
     n = stack[0].numel() if m else 0
     int_dtype, inf_bits, dt = _AMAX_BITS[stack.dtype]
     bits = stack.contiguous().view(int_dtype).reshape(m, n)
-    iters = max(_AMAX_MIN_ITERS, triton.next_power_of_2(triton.cdiv(n, _AMAX_BLOCK * 1024)))
-    chunks = triton.cdiv(n, _AMAX_BLOCK * iters)  # <= 1024
+    iters = max(_AMAX_MIN_ITERS, _next_pow2(_cdiv(n, _AMAX_BLOCK * 1024)))
+    chunks = _cdiv(n, _AMAX_BLOCK * iters)  # <= 1024
     part = torch.empty((m, chunks), dtype=torch.int32, device=stack.device)
     g = torch.empty((m,), dtype=torch.float32, device=stack.device)
     if m:
         _matrix_amax_kernel[(m, chunks)](bits, part, n, chunks, INF_BITS=inf_bits, BLOCK=_AMAX_BLOCK, ITERS=iters,
                                          num_warps=_AMAX_WARPS)
-        _matrix_scales_kernel[(m,)](part, g, chunks, DT=dt, CB=max(triton.next_power_of_2(chunks), 16),
+        _matrix_scales_kernel[(m,)](part, g, chunks, DT=dt, CB=max(_next_pow2(chunks), 16),
                                     DENOM=float(NVFP4_GLOBAL_DENOM), G_MIN=float(NVFP4_GLOBAL_SCALE_MIN),
                                     FALLBACK=float(NVFP4_GLOBAL_SCALE_FALLBACK), num_warps=1)
     return g
