@@ -283,6 +283,25 @@ def _ste_backward(ctx, grad_out: torch.Tensor) -> torch.Tensor:
     return grad.reshape(x.shape)
 
 
+class _NoGraphCtx:
+    """What a `torch.autograd.Function`'s forward gets for ``ctx`` when it is called directly, without building a
+    graph node: no input needs a gradient or grad mode is off (a no-gradient forward: a trainer's old-policy forward,
+    an audit's replay, a rollout's decode). ``Function.apply`` there cost as much host time as the launch itself
+    (~20 us a call); the forward's arithmetic is the same either way."""
+
+    def save_for_backward(self, *tensors: torch.Tensor) -> None:
+        pass
+
+    def mark_non_differentiable(self, *tensors: torch.Tensor) -> None:
+        pass
+
+
+def _needs_graph(*tensors: torch.Tensor | None) -> bool:
+    """Whether a differentiable op on ``tensors`` must record an autograd node (grad mode on and an input that
+    requires a gradient)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 class _FakeQuantizeFn(torch.autograd.Function):
     """Forward: FP4 fake quantization (RTN or hint-guided). Backward: straight-through; with ste="clip" the
     gradient is zeroed where |x * r| > 6 (computed from the same scales as the forward)."""
@@ -346,7 +365,10 @@ def fake_quantize(
     if hints is not None:
         hints = _check_aux(hints, "hints", x.shape, HINTS_PER_BYTE).to(x.device)
     be = resolve_backend(backend, x.device)
-    return _FakeQuantizeFn.apply(x.contiguous(), g, scales, hints, fmt, be, scale_rule, ste)
+    args = (x.contiguous(), g, scales, hints, fmt, be, scale_rule, ste)
+    if _needs_graph(x, g):
+        return _FakeQuantizeFn.apply(*args)
+    return _FakeQuantizeFn.forward(_NoGraphCtx(), *args)
 
 
 class _FakeQuantizeLsbFn(torch.autograd.Function):
@@ -417,7 +439,10 @@ def fake_quantize_lsb(
     if hints is not None:
         hints = _check_aux(hints, "hints", x.shape, HINTS_PER_BYTE).to(x.device)
     be = resolve_backend(backend, x.device)
-    return _FakeQuantizeLsbFn.apply(x.contiguous(), g, lsb.contiguous(), hints, be, ste)
+    args = (x.contiguous(), g, lsb.contiguous(), hints, be, ste)
+    if _needs_graph(x, g):
+        return _FakeQuantizeLsbFn.apply(*args)
+    return _FakeQuantizeLsbFn.forward(_NoGraphCtx(), *args)
 
 
 class _QuantizeFakeFn(torch.autograd.Function):

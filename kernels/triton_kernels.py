@@ -1348,6 +1348,8 @@ def _g_arg(g: torch.Tensor | None, fmt: str, device: torch.device, unused: torch
         if fmt == "nvfp4":
             raise FormatError("nvfp4 needs the global scale g (fp32 0-d tensor); got None")
         return unused
+    if g.dtype == torch.float32 and g.dim() == 0 and g.device == device:
+        return g  # what tracefp4.api passes (a 0-d tensor is contiguous): no view, no copy
     # tracefp4.api passes g on x's device already; a host g goes along without blocking (no host sync).
     return g.to(device=device, dtype=torch.float32, non_blocking=g.device.type == "cpu").contiguous()
 
@@ -1497,6 +1499,31 @@ def quantize_fake_blocks_triton(
     return out, codes, scales, hints
 
 
+#: fake_quantize_blocks_triton's launch plans (constexprs, tile, warps, layout), by what they depend on: a trainer's
+#: forward launches it at every FP4 site, and building the plan each time was a third of the launcher's host time
+_FQ_PLANS: dict[tuple, tuple] = {}
+
+
+def _fake_quant_plan(xb: torch.Tensor, fmt: str, scale_rule: str, has_scales: bool, has_hints: bool,
+                     store_scales: bool, lsb: bool, g_per: bool, cfg: tuple, interp: bool) -> tuple:
+    """(constexprs, BN, num_warps, programs per SM, launch options, row layout, rows per block, input kind, residency
+    key) of a `_fake_quant_kernel` launch in config ``cfg`` on blocks like ``xb`` [NB, B]. Raises
+    LaunchConfigError for a bad config (nothing is cached then)."""
+    key = "fake_quant" if has_scales or lsb else "fake_quant_rtn"
+    bn, warps, per_sm, opts = _fwd_cfg(cfg, key, xb.dtype, fmt)
+    _, p, k, kind = _layout(xb)
+    rows = _is_rows(cfg)
+    if rows and bn % p:
+        raise LaunchConfigError(f"the row layout needs rows per program divisible by the {p} rows of a block; "
+                                f"got {cfg}")
+    rb = p if rows else 1
+    consts = dict(P=1 if rows else p, K=k, KIND=kind, BN=bn, IS_NV=fmt == "nvfp4", RCEIL=scale_rule == "rceil",
+                  HAS_SCALES=has_scales, HAS_HINTS=has_hints, STORE_SCALES=store_scales,
+                  BIG=_big(xb), GPU=not interp, G_PER=g_per, RB=rb, SCALE_LSB=lsb)
+    rkey = ("fake_quant", *consts.values(), warps, *opts.values())
+    return consts, bn, warps, per_sm, opts, rows, rb, kind, rkey
+
+
 @_on_input_device
 def fake_quantize_blocks_triton(
     xb: torch.Tensor, fmt: str, g: torch.Tensor | None, scales_u8: torch.Tensor | None,
@@ -1532,19 +1559,16 @@ def fake_quantize_blocks_triton(
     store_scales = (not has_scales) and (return_scales or lsb)
     scales_out = torch.empty((nb,), dtype=torch.uint8, device=dev) if store_scales else None
     if nb:
-        key = "fake_quant" if has_scales or lsb else "fake_quant_rtn"
-        cfg = config or default_config(key, xb.dtype, fmt)
-        bn, warps, per_sm, opts = _fwd_cfg(cfg, key, xb.dtype, fmt)
-        xv, p, k, kind = _layout(xb)
-        rows = _is_rows(cfg)
-        if rows and bn % p:
-            raise LaunchConfigError(f"the row layout needs rows per program divisible by the {p} rows of a block; "
-                                    f"got {cfg}")
-        rb = p if rows else 1
-        consts = dict(P=1 if rows else p, K=k, KIND=kind, BN=bn, IS_NV=fmt == "nvfp4", RCEIL=scale_rule == "rceil",
-                      HAS_SCALES=has_scales, HAS_HINTS=hints_packed is not None, STORE_SCALES=store_scales,
-                      BIG=_big(xb), GPU=not _interpreting(), G_PER=g_blocks > 0, RB=rb, SCALE_LSB=lsb)
-        rkey = ("fake_quant", *consts.values(), warps, *opts.values())
+        interp = _interpreting()
+        cfg = config or default_config("fake_quant" if has_scales or lsb else "fake_quant_rtn", xb.dtype, fmt)
+        pkey = (b, xb.dtype, fmt, scale_rule, has_scales, hints_packed is not None, store_scales, lsb, g_blocks > 0,
+                _big(xb), cfg, interp)
+        plan = _FQ_PLANS.get(pkey)
+        if plan is None:
+            plan = _FQ_PLANS[pkey] = _fake_quant_plan(xb, fmt, scale_rule, has_scales, hints_packed is not None,
+                                                      store_scales, lsb, g_blocks > 0, cfg, interp)
+        consts, bn, warps, per_sm, opts, rows, rb, kind, rkey = plan
+        xv = xb.view(torch.int32) if kind == 0 else xb
         progs, n_iter, persist = _grid(nb * rb, bn, per_sm, dev, rkey)
         dummy = _unused_arg(dev)
         hints_arg = dummy

@@ -483,6 +483,61 @@ def test_backward_is_straight_through(ste, fmt, backend):
             assert torch.equal(xn.grad[keep], grad_out[keep]) and bool((xn.grad[drop] == 0).all())
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ste", ["identity", "clip"])
+def test_no_gradient_calls_skip_the_graph_and_give_the_same_bits(ste, backend):
+    # without an input that needs a gradient (or under no_grad) fake_quantize runs its forward directly, without
+    # autograd's Function machinery (tracefp4.api._NoGraphCtx): the same bits as the recorded call, no graph node
+    import tracefp4.api as api
+
+    x = _random_x(5, 64, torch.bfloat16, seed=31)
+    q = tracefp4.quantize(x, "nvfp4", backend="reference")
+    for kw in ({}, {"global_scale": q.global_scale, "scales": q.scales},
+               {"global_scale": q.global_scale, "scales": q.scales, "hints": q.hints}):
+        xg = x.clone().requires_grad_(True)
+        recorded = tracefp4.fake_quantize(xg, "nvfp4", backend=backend, ste=ste, **kw)
+        assert recorded.grad_fn is not None and api._needs_graph(xg)
+        plain = tracefp4.fake_quantize(x, "nvfp4", backend=backend, ste=ste, **kw)
+        with torch.no_grad():
+            under_no_grad = tracefp4.fake_quantize(xg, "nvfp4", backend=backend, ste=ste, **kw)
+        assert not api._needs_graph(x) and plain.grad_fn is None and under_no_grad.grad_fn is None
+        assert not under_no_grad.requires_grad
+        assert_bits_equal(plain, recorded.detach())
+        assert_bits_equal(under_no_grad, recorded.detach())
+    # scale hints: any LSB bits make a valid input (one bit per block of each row, 4 blocks -> 1 byte)
+    lsb = torch.randint(0, 256, (5, 1), generator=torch.Generator().manual_seed(3), dtype=torch.uint8).to(x.device)
+    y1, s1 = tracefp4.fake_quantize_lsb(x.clone().requires_grad_(True), q.global_scale, lsb, q.hints,
+                                        backend=backend, ste=ste)
+    y2, s2 = tracefp4.fake_quantize_lsb(x, q.global_scale, lsb, q.hints, backend=backend, ste=ste)
+    assert y1.grad_fn is not None and y2.grad_fn is None
+    assert_bits_equal(y2, y1.detach())
+    assert_bits_equal(s2, s1)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="no triton")
+def test_triton_fake_quant_launch_plan_follows_the_default_config(monkeypatch):
+    # the launcher caches its launch plans by what they depend on, including the resolved default config: a changed
+    # default (a user tuning CONFIG_CASES) takes effect at the next launch, and a bad one is refused, not cached
+    from tracefp4 import triton_kernels as tk
+    from tracefp4.errors import LaunchConfigError
+
+    x, g = _ties_x("nvfp4")
+    xb = _noisy(x, 0.02, seed=5).to(torch.bfloat16).reshape(-1, 16)
+    q = ref.quantize_blocks_ref(xb, "nvfp4", g)
+    want = ref.fake_quantize_blocks_ref(xb, "nvfp4", g, q[1], tracefp4.unpack_hints(q[2]))
+    assert_bits_equal(tk.fake_quantize_blocks_triton(xb, "nvfp4", g, q[1], q[2])[0], want)
+    key = ("fake_quant", "bf16", "nvfp4")
+    for cfg in [(4, 1, 3), ("rows", 8, 1, 0)]:
+        monkeypatch.setitem(tk.CONFIG_CASES, key, cfg)
+        assert_bits_equal(tk.fake_quantize_blocks_triton(xb, "nvfp4", g, q[1], q[2])[0], want)
+        assert any(plan[1] == cfg[-3] and k[10] == cfg for k, plan in tk._FQ_PLANS.items())
+    monkeypatch.setitem(tk.CONFIG_CASES, key, ("rows", 3, 1, 0))  # 3 rows per program: not whole blocks
+    n = len(tk._FQ_PLANS)
+    with pytest.raises(LaunchConfigError, match="rows per program"):
+        tk.fake_quantize_blocks_triton(xb, "nvfp4", g, q[1], q[2])
+    assert len(tk._FQ_PLANS) == n
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="no triton")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_triton_backward_matches_reference(dtype):
