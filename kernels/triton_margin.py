@@ -28,7 +28,9 @@ from .constants import E2M1_MIDPOINTS
 from .triton_kernels import (
     _KIND,
     THRESHOLDS,
+    _cdiv,
     _e4m3_decode,
+    _next_pow2,
     _in_ranges,
     _on_input_device,
     _own_byte,
@@ -142,7 +144,7 @@ def _margin_fill_kernel(x_ptr, g_ptr, vmarks_ptr, bmarks_ptr, shints_ptr, sscale
 
 
 def _blocks_per_program(nb: int) -> int:
-    return max(8, min(MAX_BLOCKS_PER_PROGRAM, triton.next_power_of_2(nb)))
+    return max(8, min(MAX_BLOCKS_PER_PROGRAM, _next_pow2(nb)))
 
 
 def _x_arg(x: torch.Tensor) -> torch.Tensor:
@@ -166,7 +168,7 @@ def margin_marks_triton(x: torch.Tensor, g: torch.Tensor, scales_u8: torch.Tenso
     if t_:
         blk = _blocks_per_program(nb)
         flat = [v for lo_hi in intervals for v in lo_hi]
-        _margin_marks_kernel[(t_, triton.cdiv(nb, blk))](
+        _margin_marks_kernel[(t_, _cdiv(nb, blk))](
             _x_arg(x), g.reshape(1), scales_u8, hints_u8, vmarks, bmarks, nb, nbb, *flat, k_scale,
             BLK=blk, KIND=_KIND[x.dtype], num_warps=4)
     return vmarks, bmarks
@@ -184,7 +186,7 @@ def margin_fill_triton(x: torch.Tensor, g: torch.Tensor, value_marks: torch.Tens
     hints = torch.empty((t_, w // 8), dtype=torch.uint8, device=x.device)
     if t_:
         blk = _blocks_per_program(nb)
-        _margin_fill_kernel[(t_, triton.cdiv(nb, blk))](
+        _margin_fill_kernel[(t_, _cdiv(nb, blk))](
             _x_arg(x), g.reshape(1), value_marks, block_marks, stored_hints, stored_scales, scales, hints, nb, nbb,
             BLK=blk, KIND=_KIND[x.dtype], LSB=scale_payload == "lsb", num_warps=4)
     return scales, hints
@@ -223,6 +225,6 @@ def nvfp4_codes_triton(y: torch.Tensor, scales_u8: torch.Tensor, g: torch.Tensor
     codes = torch.empty((n, w), dtype=torch.uint8, device=y.device)
     if n and nb:
         blk = _blocks_per_program(nb)
-        _nvfp4_codes_kernel[(n, triton.cdiv(nb, blk))](_x_arg(y), scales_u8, g.reshape(1), codes, nb, BLK=blk,
+        _nvfp4_codes_kernel[(n, _cdiv(nb, blk))](_x_arg(y), scales_u8, g.reshape(1), codes, nb, BLK=blk,
                                                          KIND=_KIND[y.dtype], num_warps=4)
     return codes

@@ -306,7 +306,7 @@ def _launch(group: Sequence[PackedRows], device: torch.device
     bad = bad.view(torch.int32)
     planes = [a.view(t_, c) for a, c in zip(planes, cols)]
     if t_:
-        _unpack_dense_kernel[(triton.cdiv(t_, ROWS),)](
+        _unpack_dense_kernel[(-(-t_ // ROWS),)](
             d, off, t_, nbytes * 8, *planes, bad, w, nb, nbb, VC=vc, VK=vk, BC=bc, BK=bk, LSB=lsb, ROWS_=ROWS,
             num_warps=1)
     per_site = [torch.split(a, counts) for a in planes]

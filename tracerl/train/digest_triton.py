@@ -68,7 +68,7 @@ def bit_sum(flat: torch.Tensor, first: int) -> torch.Tensor:
     if n == 0:
         return torch.zeros((), dtype=torch.int64, device=flat.device)
     x = flat.contiguous().view(_BITS[flat.element_size()])
-    grid = triton.cdiv(n, _BLOCK * _ITERS)
+    grid = -(-n // (_BLOCK * _ITERS))
     partial = torch.empty(grid, dtype=torch.int64, device=flat.device)
     _bit_sum_kernel[(grid,)](x, partial, n, first, BLOCK=_BLOCK, ITERS=_ITERS)
     return partial.sum()
