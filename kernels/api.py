@@ -166,17 +166,12 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return "triton"
 
 
-_TRITON_KERNELS = None
-
-
+@functools.cache
 def _triton():
-    """`tracefp4.triton_kernels`, imported on first use (it imports triton), then from a global: every launch asks."""
-    global _TRITON_KERNELS
-    if _TRITON_KERNELS is None:
-        from . import triton_kernels
+    """`tracefp4.triton_kernels`, imported on first use (it imports triton), then cached: every launch asks."""
+    from . import triton_kernels
 
-        _TRITON_KERNELS = triton_kernels
-    return _TRITON_KERNELS
+    return triton_kernels
 
 
 def compute_global_scale(x: torch.Tensor) -> torch.Tensor:

@@ -1505,11 +1505,10 @@ _FQ_PLANS: dict[tuple, tuple] = {}
 
 
 def _fake_quant_plan(xb: torch.Tensor, fmt: str, scale_rule: str, has_scales: bool, has_hints: bool,
-                     store_scales: bool, lsb: bool, g_per: bool, cfg: tuple, interp: bool) -> tuple:
+                     store_scales: bool, lsb: bool, g_per: bool, key: str, cfg: tuple, interp: bool) -> tuple:
     """(constexprs, BN, num_warps, programs per SM, launch options, row layout, rows per block, input kind, residency
-    key) of a `_fake_quant_kernel` launch in config ``cfg`` on blocks like ``xb`` [NB, B]. Raises
-    LaunchConfigError for a bad config (nothing is cached then)."""
-    key = "fake_quant" if has_scales or lsb else "fake_quant_rtn"
+    key) of a `_fake_quant_kernel` launch in config ``cfg`` of `default_config` entry ``key`` on blocks like ``xb``
+    [NB, B]. Raises LaunchConfigError for a bad config (nothing is cached then)."""
     bn, warps, per_sm, opts = _fwd_cfg(cfg, key, xb.dtype, fmt)
     _, p, k, kind = _layout(xb)
     rows = _is_rows(cfg)
@@ -1560,13 +1559,14 @@ def fake_quantize_blocks_triton(
     scales_out = torch.empty((nb,), dtype=torch.uint8, device=dev) if store_scales else None
     if nb:
         interp = _interpreting()
-        cfg = config or default_config("fake_quant" if has_scales or lsb else "fake_quant_rtn", xb.dtype, fmt)
+        key = "fake_quant" if has_scales or lsb else "fake_quant_rtn"
+        cfg = config or default_config(key, xb.dtype, fmt)
         pkey = (b, xb.dtype, fmt, scale_rule, has_scales, hints_packed is not None, store_scales, lsb, g_blocks > 0,
                 _big(xb), cfg, interp)
         plan = _FQ_PLANS.get(pkey)
         if plan is None:
             plan = _FQ_PLANS[pkey] = _fake_quant_plan(xb, fmt, scale_rule, has_scales, hints_packed is not None,
-                                                      store_scales, lsb, g_blocks > 0, cfg, interp)
+                                                      store_scales, lsb, g_blocks > 0, key, cfg, interp)
         consts, bn, warps, per_sm, opts, rows, rb, kind, rkey = plan
         xv = xb.view(torch.int32) if kind == 0 else xb
         progs, n_iter, persist = _grid(nb * rb, bn, per_sm, dev, rkey)
