@@ -281,8 +281,8 @@ def _ste_backward(ctx, grad_out: torch.Tensor) -> torch.Tensor:
 class _NoGraphCtx:
     """What a `torch.autograd.Function`'s forward gets for ``ctx`` when it is called directly, without building a
     graph node: no input needs a gradient or grad mode is off (a no-gradient forward: a trainer's old-policy forward,
-    an audit's replay, a rollout's decode). ``Function.apply`` there cost as much host time as the launch itself
-    (~20 us a call); the forward's arithmetic is the same either way."""
+    an audit's replay, a rollout's decode). ``Function.apply`` there only adds host time (its bookkeeping on every
+    call); the forward's arithmetic is the same either way."""
 
     def save_for_backward(self, *tensors: torch.Tensor) -> None:
         pass

@@ -1330,15 +1330,17 @@ def _grid(nb: int, bn: int, per_sm: int, device: torch.device, key: tuple) -> tu
     return progs, _cdiv(tiles, progs), True
 
 
+def _load_view(xb: torch.Tensor, kind: int) -> torch.Tensor:
+    """``xb`` as the kernels load it: bf16 (kind 0) as int32 pairs, fp16 and fp32 as they are."""
+    return xb.view(torch.int32) if kind == 0 else xb
+
+
 def _layout(xb: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
     """(x viewed for the loads, pieces per block P, elements per piece K, kind) of a block view [NB, B]."""
     kind = _KIND[xb.dtype]
     b = xb.shape[1]
-    if kind == 0:
-        return xb.view(torch.int32), b // 8, 4, kind
-    if kind == 1:
-        return xb, b // 8, 8, kind
-    return xb, b // 4, 4, kind
+    p, k = (b // 8, 4) if kind == 0 else (b // 8, 8) if kind == 1 else (b // 4, 4)
+    return _load_view(xb, kind), p, k, kind
 
 
 def _g_arg(g: torch.Tensor | None, fmt: str, device: torch.device, unused: torch.Tensor) -> torch.Tensor:
@@ -1561,6 +1563,8 @@ def fake_quantize_blocks_triton(
         interp = _interpreting()
         key = "fake_quant" if has_scales or lsb else "fake_quant_rtn"
         cfg = config or default_config(key, xb.dtype, fmt)
+        if isinstance(cfg, list):  # as every launcher takes it (e.g. from JSON); the plan cache needs a hashable key
+            cfg = tuple(cfg)
         pkey = (b, xb.dtype, fmt, scale_rule, has_scales, hints_packed is not None, store_scales, lsb, g_blocks > 0,
                 _big(xb), cfg, interp)
         plan = _FQ_PLANS.get(pkey)
@@ -1568,7 +1572,7 @@ def fake_quantize_blocks_triton(
             plan = _FQ_PLANS[pkey] = _fake_quant_plan(xb, fmt, scale_rule, has_scales, hints_packed is not None,
                                                       store_scales, lsb, g_blocks > 0, key, cfg, interp)
         consts, bn, warps, per_sm, opts, rows, rb, kind, rkey = plan
-        xv = xb.view(torch.int32) if kind == 0 else xb
+        xv = _load_view(xb, kind)
         progs, n_iter, persist = _grid(nb * rb, bn, per_sm, dev, rkey)
         dummy = _unused_arg(dev)
         hints_arg = dummy

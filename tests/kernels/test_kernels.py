@@ -531,6 +531,8 @@ def test_triton_fake_quant_launch_plan_follows_the_default_config(monkeypatch):
         monkeypatch.setitem(tk.CONFIG_CASES, key, cfg)
         assert_bits_equal(tk.fake_quantize_blocks_triton(xb, "nvfp4", g, q[1], q[2])[0], want)
         assert any(plan[1] == cfg[-3] and k[10] == cfg for k, plan in tk._FQ_PLANS.items())
+        # an explicit config as a list (JSON has no tuples), as the other launchers take it: same plan, same bits
+        assert_bits_equal(tk.fake_quantize_blocks_triton(xb, "nvfp4", g, q[1], q[2], config=list(cfg))[0], want)
     monkeypatch.setitem(tk.CONFIG_CASES, key, ("rows", 3, 1, 0))  # 3 rows per program: not whole blocks
     n = len(tk._FQ_PLANS)
     with pytest.raises(LaunchConfigError, match="rows per program"):
