@@ -450,12 +450,14 @@ POINT_KEYS = {"name", "margin", "scale_margin", "scale_payload", "bytes_per_toke
 
 @pytest.fixture(scope="module")
 def margin_audit(audited):
-    """The margin points m=0, 0.1 (scale hints) and inf at the hinted sites, and the joint planner over every
+    """The margin points m=0, 0.05 (scale hints) and inf at the hinted sites, and the joint planner over every
     planner unit (whose sites are mostly not hinted: priced from the replay's marks alone)."""
     _, _, url, tmp = audited
     html = ["--html", str(tmp / "margin.html")] if importlib.util.find_spec("matplotlib") else []
     rc, out, err = _cli("audit", url, "--json", "--threads", "2", "--bands", "2", "--no-attribution",
-                        "--margins", "0:0,0.1:0.1:lsb,inf:inf", "--margin-planner", "--target-excess", "1", *html)
+                        "--margins", "0:0,0.05:0.05:lsb,inf:inf", "--margin-planner", "--target-excess", "1", *html)
+    # (m=0.1 marked every mismatching value of this tiny store on 2026-12-08 with transformers 5.24, leaving no
+    # unmarked mismatch for the comparison below: 0.05 leaves 16 of 236)
     assert rc == 0, err
     return json.loads(out), tmp
 
@@ -474,7 +476,7 @@ def test_margin_points_span_round_to_nearest_to_the_stored_hints(audited, margin
     assert set(mg) == MARGIN_KEYS and mg["site_names"] == res["store"]["hinted_sites"]
     zero, mid, full = mg["points"]
     assert all(set(p) == POINT_KEYS for p in mg["points"])
-    assert [p["name"] for p in mg["points"]] == ["m=0 ms=0", "m=0.1 ms=0.1 lsb", "m=inf ms=inf"]
+    assert [p["name"] for p in mg["points"]] == ["m=0 ms=0", "m=0.05 ms=0.05 lsb", "m=inf ms=inf"]
     modes = res["modes"]
     for point, own, routed in ((zero, "fp4_rne_own_scales", "fp4_rne_replay_routes"),
                                (full, "fp4_hints", "fp4_hints_replay_routes")):
@@ -656,7 +658,7 @@ def test_margin_report_and_html(margin_audit):
     for item in render_terminal(res):
         con.print(item)
     text = con.export_text()
-    assert "margin exceptions" in text and "m=0.1 ms=0.1 lsb" in text and "Frontier of every measured" in text
+    assert "margin exceptions" in text and "m=0.05 ms=0.05 lsb" in text and "Frontier of every measured" in text
     jp = res["margin"]["planner"]
     assert "joint planner" in text and "with routing replay" in text.split("joint planner", 1)[1]
     moved = [c["move"]["unit"] for c in jp["curve"][1:]]

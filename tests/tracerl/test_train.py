@@ -696,8 +696,11 @@ def test_a_reader_process_that_dies_is_read_around_and_replaced(store, tmp_path)
     trainer.read_next_in("process")
     first = trainer._reader
     ready = follower.peek(2, version=trainer.version, max_staleness=5)
-    trainer._read_next(ready)
     [child] = first._pool._processes.values()
+    # stopped before the read is submitted, so that it cannot finish the read before the kill (a child killed
+    # only after the submit had sometimes read everything already on a busy 2-core machine)
+    os.kill(child.pid, signal.SIGSTOP)
+    trainer._read_next(ready)
     os.kill(child.pid, signal.SIGKILL)
     child.join(30)
     m = trainer.step(follower.take(2, version=trainer.version, max_staleness=5, timeout_s=5))
