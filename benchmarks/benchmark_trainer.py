@@ -34,6 +34,13 @@ runs (a drift of the machine hits both alike: on a shared H100 one mode's runs o
 0.21..0.28 s of compute, trainer-h100-l20.json);
 the summary's ``fp4_hints_margin_over_plain_*`` are the ratios.
 
+The store records the rollout's FP4 codes at the hinted sites (as the closed loop does by default, `tracerl loop`;
+`tracerl rollout` and the SGLang writer record none unless asked), and the trainer compares them with its own
+(`TrainConfig.code_agreement`): loading ~85 MB of codes a step on the H200 model, one more pass per hinted site and a
+comparison, a measurement a store without codes does not pay for. ``MODE+nocodes`` runs MODE with the comparison
+off on the same store, so ``--modes fp4_hints,fp4_hints+nocodes,bf16`` separates the QAT forward's cost from the
+measurement's (``fp4_hints_nocodes_over_codes_*``, ``fp4_hints_nocodes_over_bf16_*``).
+
 ``--store-dir DIR`` keeps the recorded store(s) under DIR and reuses them in a later invocation with the same recording
 settings (a device machine kept warm between calls keeps /tmp: ``--store-dir /tmp/trainer-stores`` saves the ~100 s
 of recording the H200 model's store on every call after the first).
@@ -96,7 +103,7 @@ def _child(args) -> int:
     store = ts.open_store(args.store)
     cfg = TrainConfig(mode=args.mode, groups_per_step=args.groups, group_size=args.group_size,
                       max_staleness=args.max_staleness, checkpoint_every=0, time_phases=args.time_phases,
-                      margin_decode=args.margin_decode,
+                      margin_decode=args.margin_decode, code_agreement=not args.no_code_agreement,
                       **({"micro_batch_tokens": args.micro_batch_tokens} if args.micro_batch_tokens else {}))
     log = MetricsLog(args.metrics)
     ck = args.metrics + ".ck"
@@ -172,19 +179,20 @@ class _GpuSampler:
             self._proc.wait(timeout=10)
 
 
-def _label(label: str) -> tuple[str, bool, str]:
-    """``mode[+margin][:read_next]`` (``--modes``) -> (mode, on the margin store, read_next or "")."""
+def _label(label: str) -> tuple[str, bool, str, bool]:
+    """``mode[+margin][+nocodes][:read_next]`` (``--modes``) -> (mode, on the margin store, read_next or "",
+    whether the trainer compares codes: False with ``+nocodes``, `TrainConfig.code_agreement` off)."""
     head, _, read_next = label.partition(":")
-    mode, plus, what = head.partition("+")
-    if plus and what != "margin":
-        raise ValueError(f"--modes {label}: the part after '+' can only be 'margin'")
-    return mode, bool(plus), read_next
+    mode, *extras = head.split("+")
+    if any(e not in ("margin", "nocodes") for e in extras) or len(set(extras)) != len(extras):
+        raise ValueError(f"--modes {label}: the parts after '+' can only be 'margin' and 'nocodes', each once")
+    return mode, "margin" in extras, read_next, "nocodes" not in extras
 
 
 def _run(label: str, url: str, workdir: Path, args, sampler: _GpuSampler, *, profile_step: int = 0,
          phases: bool = False) -> dict:
     """One training process of ``label`` (``mode[+margin][:read_next]``, see ``--modes``) on the store ``url``."""
-    mode, _, read_next = _label(label)
+    mode, _, read_next, codes = _label(label)
     read_next = read_next or args.read_next
     metrics = workdir / f"{label.replace(':', '-').replace('+', '-')}-{read_next}-{time.time_ns()}.jsonl"
     argv = [sys.executable, os.path.abspath(__file__), "--child", "--store", url, "--mode", mode, "--metrics",
@@ -192,7 +200,8 @@ def _run(label: str, url: str, workdir: Path, args, sampler: _GpuSampler, *, pro
             str(args.group_size), "--device", args.device, "--threads", str(args.threads),
             "--max-staleness", str(args.max_staleness), "--unmeasured-from", str(args.unmeasured_from),
             "--profile-step", str(profile_step), "--read-next", read_next,
-            "--margin-decode", args.margin_decode] + (["--time-phases"] if phases else [])
+            "--margin-decode", args.margin_decode] + (["--time-phases"] if phases else []) + (
+            [] if codes else ["--no-code-agreement"])
     if args.micro_batch_tokens:
         argv += ["--micro-batch-tokens", str(args.micro_batch_tokens)]
     p = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout)
@@ -282,22 +291,33 @@ def _summary(runs: dict[str, list[dict]], phase_runs: dict[str, list[dict]] | No
                 out[mode]["step_s_cycle_mean"] = _spread([c[1] for c in cycle])
                 out[mode]["tokens_per_s_cycle_mean"] = _spread([out[mode]["tokens_per_step"] / c[1] for c in cycle])
     for label in list(out):  # X+margin over X (the same mode and read_next on the plain store)
-        mode, margin, rn = _label(label)
-        other = mode + (":" + rn if rn else "")
+        mode, margin, rn, codes = _label(label)
+        other = mode + ("" if codes else "+nocodes") + (":" + rn if rn else "")
         if not margin or other not in out:
             continue
-        tag = f"{mode}_margin_over_plain" + (f"_read_next_{rn}" if rn else "")
+        tag = f"{mode}{'' if codes else '_nocodes'}_margin_over_plain" + (f"_read_next_{rn}" if rn else "")
+        for key in ("step_s", "step_s_unmeasured", "step_s_default_mean", "step_s_cycle_mean"):
+            if key in out[label] and key in out[other]:
+                out[f"{tag}_{key}"] = out[label][key]["median"] / out[other][key]["median"]
+    for label in list(out):  # X+nocodes over X: what comparing the rollout's codes costs
+        if "_over_" in label:
+            continue
+        mode, margin, rn, codes = _label(label)
+        other = label.replace("+nocodes", "")
+        if codes or other not in out:
+            continue
+        tag = f"{mode}{'_margin' if margin else ''}_nocodes_over_codes" + (f"_read_next_{rn}" if rn else "")
         for key in ("step_s", "step_s_unmeasured", "step_s_default_mean", "step_s_cycle_mean"):
             if key in out[label] and key in out[other]:
                 out[f"{tag}_{key}"] = out[label][key]["median"] / out[other][key]["median"]
     for label in list(out):  # fp4_hints over bf16 with the same read_next (fp4_hints:process / bf16:process)
-        if "_over_" in label or "+" in label:
+        if "_over_" in label or "+margin" in label:
             continue
-        mode, sep, rn = label.partition(":")
+        head, sep, rn = label.partition(":")
         other = "bf16" + sep + rn
-        if mode != "fp4_hints" or other not in out:
+        if head not in ("fp4_hints", "fp4_hints+nocodes") or other not in out:
             continue
-        tag = "fp4_hints_over_bf16" + (f"_read_next_{rn}" if sep else "")
+        tag = head.replace("+", "_") + "_over_bf16" + (f"_read_next_{rn}" if sep else "")
         for key in ("step_s", "step_s_unmeasured", "step_s_default_mean", "step_s_cycle_mean"):
             if key in out[label] and key in out[other]:
                 out[f"{tag}_{key}"] = out[label][key]["median"] / out[other][key]["median"]
@@ -326,7 +346,9 @@ def main(argv: list[str] | None = None) -> int:
                          "--read-next after a colon, to time several side by side on one store: "
                          "fp4_hints,bf16,fp4_hints:process,bf16:process; 'MODE+margin' trains on a second store whose "
                          "hinted sites are margin rows (--margin's point, default 0.05:0.05:lsb), side by side with "
-                         "MODE on the plain one: fp4_hints,fp4_hints+margin")
+                         "MODE on the plain one: fp4_hints,fp4_hints+margin; 'MODE+nocodes' trains without comparing "
+                         "the rollout's recorded codes (TrainConfig.code_agreement off, as on a store recorded "
+                         "without codes: a rollout's default): fp4_hints,fp4_hints+nocodes,bf16")
     ap.add_argument("--runs", type=int, default=3, metavar="N", help="processes per mode (default 3)")
     ap.add_argument("--steps", type=int, default=8, metavar="N",
                     help="steps per run (default 8; step 1 warms up, steps 2.. are measured)")
@@ -383,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--store", help=argparse.SUPPRESS)
     ap.add_argument("--mode", help=argparse.SUPPRESS)
+    ap.add_argument("--no-code-agreement", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--metrics", help=argparse.SUPPRESS)
     ap.add_argument("--profile-step", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--time-phases", action="store_true", help=argparse.SUPPRESS)
@@ -415,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     modes = [m for m in args.modes.split(",") if m]
     for m in modes:
         try:
-            mode, _, rn = _label(m)
+            mode, _, rn, _ = _label(m)
         except ValueError as e:
             ap.error(str(e))
         if rn not in ("", "auto", "off", "thread", "process"):
@@ -540,7 +563,7 @@ def _report(s: dict, modes: list[str]) -> None:
               f" {'-' if m['cuda_max_allocated_gib'] is None else format(m['cuda_max_allocated_gib'], '.1f'):>9}"
               f"  {m['code_agreement'][-1]}")
     for key in s:
-        if key.startswith("fp4_hints_over_bf16") and key.endswith("_step"):
+        if key.startswith(("fp4_hints_over_bf16", "fp4_hints_nocodes_over_bf16")) and key.endswith("_step"):
             print(f"{key.removesuffix('_step').replace('_', ' ')}: step time {s[key]:.3f}")
     for mode in modes:
         ph = s[mode]["with_phase_clock"]

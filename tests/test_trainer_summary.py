@@ -84,3 +84,24 @@ def test_store_dir_reuses_a_recording_with_the_same_settings_only(tmp_path, monk
     one, reused = bt._stores(argparse.Namespace(**{**vars(args), "store_dir": None}), spec, False, None,
                              tmp_path / "tmpwork")
     assert not reused and one[True] == one[False] and one[False].startswith(str(tmp_path / "tmpwork"))
+
+
+def test_nocodes_modes_parse_and_get_their_own_ratios():
+    """``MODE+nocodes`` runs MODE with the code comparison off on the same store: its label parses (with or without
+    ``+margin`` and a read-next choice), a repeated or unknown part is refused, and the summary reports it over MODE
+    and over bf16 beside the plain fp4_hints over bf16."""
+    bt = benchmarks.load("benchmark_trainer")
+    assert bt._label("fp4_hints") == ("fp4_hints", False, "", True)
+    assert bt._label("fp4_hints+nocodes:process") == ("fp4_hints", False, "process", False)
+    assert bt._label("fp4_hints+margin+nocodes") == ("fp4_hints", True, "", False)
+    for bad in ("fp4_hints+foo", "fp4_hints+nocodes+nocodes"):
+        with pytest.raises(ValueError, match="after '\\+'"):
+            bt._label(bad)
+    codes = _rep([2.0, 0.50, 0.30, 0.30, 0.30])
+    nocodes = _rep([2.0, 0.40, 0.24, 0.24, 0.24])
+    bf16 = _rep([1.0, 0.30, 0.20, 0.20, 0.20])
+    s = bt._summary({"fp4_hints": [codes] * 3, "fp4_hints+nocodes": [nocodes] * 3, "bf16": [bf16] * 3})
+    assert s["fp4_hints_nocodes_over_codes_step_s_unmeasured"] == pytest.approx(0.24 / 0.30)
+    assert s["fp4_hints_nocodes_over_bf16_step_s_unmeasured"] == pytest.approx(0.24 / 0.20)
+    assert s["fp4_hints_over_bf16_step_s_unmeasured"] == pytest.approx(0.30 / 0.20)
+    assert s["fp4_hints_nocodes_over_bf16_step_s_default_mean"] == pytest.approx((0.40 + 3 * 0.24) / (0.30 + 3 * 0.20))
