@@ -878,3 +878,19 @@ def test_a_read_crosses_through_shared_memory_that_is_unlinked_once_taken():
         np.testing.assert_array_equal(x, y)
         assert x.dtype == y.dtype and x.shape == y.shape
     assert _from_shared_memory(*_to_shared_memory({"no": "arrays"})) == {"no": "arrays"}
+
+
+def test_runs_of_a_mask_cover_exactly_its_true_values():
+    """`grpo._runs` (the rollout codes' rows copied run by run): every True value in one run, in order, nothing else."""
+    from tracerl.train.grpo import _runs
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 2, 7, 64):
+        for _ in range(20):
+            mask = rng.random(n) < rng.random()
+            runs = _runs(mask)
+            back = np.zeros(n, dtype=bool)
+            for a, b in runs:
+                assert 0 <= a < b <= n and not back[a:b].any()
+                back[a:b] = True
+            assert (back == mask).all()
+            assert all(b1 < a2 for (_, b1), (a2, _) in zip(runs, runs[1:]))  # separate, ascending
