@@ -15,6 +15,9 @@ After the runs, the first run of the first mode is replayed from its checkpoint 
                                                               # GPU: rollout on cuda:0, trainer on cuda:1
     python benchmarks/benchmark_loop.py --device cuda --gpus 1 --seeds 0 --replay-steps 0
                                                               # one GPU: both processes on cuda:0 ("cuda-1gpu")
+    python benchmarks/benchmark_loop.py --device cuda --gpus 1 --seeds 0 --replay-steps 0 --modes fp4_hints,fp4_hints+nocodes
+                                                              # the same with and without the rollout's codes (the
+                                                              # trainer's code comparison: its cost to the loop)
 
 GPU model: the H200 fidelity runs' (hidden 2048, 40 layers, 32 experts top-4; benchmarks/benchmark_tracerl_h200.py)
 with the task's 10-token vocabulary, 8 prompts (4 when both processes share one GPU) x 8 samples x 128 response
@@ -91,14 +94,23 @@ def _micro(args, s: dict) -> dict:
     return {} if micro is None else {"micro_batch_tokens": micro}
 
 
+def _qat_mode(mode: str) -> tuple[str, bool]:
+    """``--modes`` entry ``MODE[+nocodes]`` -> (the QAT mode, whether the rollout records its codes)."""
+    qat, plus, what = mode.partition("+")
+    if plus and what != "nocodes":
+        raise ValueError(f"--modes {mode}: the part after '+' can only be 'nocodes'")
+    return qat, not plus
+
+
 def _config(args, s: dict, mode: str, seed: int, run_dir: str) -> LoopConfig:
+    qat, codes = _qat_mode(mode)
     return LoopConfig(
         run_dir=run_dir, steps=args.steps or s["steps"], rollouts=1,
         task={"name": "target-set", "alphabet": 8, "prompt_len": 3, "response_len": args.response_len or s["response_len"]},
-        spec=s["spec"], hint_layers=s["hint_layers"], mode=mode, groups_per_step=args.groups or s["groups"],
+        spec=s["spec"], hint_layers=s["hint_layers"], mode=qat, groups_per_step=args.groups or s["groups"],
         group_size=s["group"], lr=args.lr or s["lr"], max_staleness=1, max_ahead=2,
         **_micro(args, s),
-        record_codes=True, seed=seed, rollout_device=s["rollout_device"], trainer_device=s["trainer_device"],
+        record_codes=codes, seed=seed, rollout_device=s["rollout_device"], trainer_device=s["trainer_device"],
         threads=args.threads, extra_train_args=tuple(s["extra_train"]) + (
             () if args.read_ahead_mb is None else ("--read-ahead-mb", str(args.read_ahead_mb))) + (
             ("--time-phases",) if _time_phases(args) else ()) + (("--replay-routes",) if args.replay_routes else ()) + (
@@ -215,7 +227,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --device cuda: 2 puts the trainer on cuda:1, 1 puts both processes on cuda:0 (runs are "
                         "then labelled cuda-1gpu, and a step trains 4 prompts instead of 8 by default); default: 2 when "
                         "two GPUs are visible, else 1")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated QAT modes (default {','.join(MODES)})")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help=f"comma-separated QAT modes (default {','.join(MODES)}); MODE+nocodes: the rollout records no "
+                        "codes (as `tracerl loop --no-record-codes`), so the trainer compares none and reports no code "
+                        "agreement: what the comparison costs the loop, e.g. fp4_hints,fp4_hints+nocodes")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds; every mode runs once per seed")
     p.add_argument("--steps", type=int, help="policy updates per run (default 20; smoke 3)")
     p.add_argument("--groups", type=int, help="prompts per step (default 8; one GPU 4; smoke 2)")
@@ -258,6 +273,11 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--device cuda --gpus {args.gpus}: {visible} CUDA device(s) visible")
     s = _settings(args)
     modes = [m for m in args.modes.split(",") if m]
+    for m in modes:
+        try:
+            _qat_mode(m)
+        except ValueError as e:
+            p.error(str(e))
     seeds = [int(x) for x in args.seeds.split(",") if x]
     device = _device_label(args)
     default_out = (Path(tempfile.gettempdir()) / f"loop-smoke-{device}.json" if args.smoke
@@ -274,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
                 p.error(f"--from-run {d}: needs a run directory named <cpu|cuda|cuda-1gpu>-<mode>-seed<N> holding "
                         "train.jsonl")
             dev, mode, seed = m.groups()
+            mode = mode.removesuffix("_nocodes") + ("+nocodes" if mode.endswith("_nocodes") else "")
             steps = MetricsLog(d / "train.jsonl").records()
             batches = [r for f in sorted(d.glob("rollout-*.jsonl")) for r in MetricsLog(f).records()]
             result = summarize(None, steps, batches)
@@ -307,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     first = None
     for mode in modes:
         for seed in seeds:
-            name = f"{device}-{mode}-seed{seed}"
+            name = f"{device}-{mode.replace('+', '_')}-seed{seed}"
             run_dir = os.path.join(base, name)
             cfg = _config(args, s, mode, seed, run_dir)
             t0 = time.time()
