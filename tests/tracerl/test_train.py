@@ -794,7 +794,9 @@ def test_code_counts_of_a_micro_batch_equal_per_trajectory_counts(cap, monkeypat
     trainer._codes = SimpleNamespace(get=lambda traj, site: refs.get((traj.traj_id, site)))
     packed = SimpleNamespace(segments=tuple(segs), cu_seqlens=cu, logprobs=logprobs)
     acc = _StepAccumulator()
-    trainer._count_codes(packed, SimpleNamespace(codes=codes), trajs, acc, 3)
+    finish = trainer._count_codes(packed, SimpleNamespace(codes=codes), trajs, acc, 3)
+    assert not np.any(acc.codes)  # launched only: the counts are read (and added) by the function it returns
+    finish()
 
     want = np.zeros(4, np.int64)
     resp = np.isfinite(logprobs)
