@@ -82,5 +82,20 @@ def machine_info() -> dict[str, Any]:
     cuda = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
     return {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers,
+            # the CPU's model and the kernels torch picks for it: CPU bf16 / fp32 GEMMs round differently across
+            # them, so a CPU run's figures (the demo's table) differ between machines with the same code and versions
+            "cpu_model": _cpu_model(), "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "cuda_device": cuda[0] if cuda else None, "cuda": cuda,
             "loadavg_1_5_15": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
+
+
+def _cpu_model() -> str | None:
+    """The CPU's model name (Linux: /proc/cpuinfo's first ``model name``; else `platform.processor`), None if unknown."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip() or None
+    except OSError:
+        pass
+    return platform.processor() or None
