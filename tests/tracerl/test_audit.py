@@ -456,8 +456,9 @@ def margin_audit(audited):
     html = ["--html", str(tmp / "margin.html")] if importlib.util.find_spec("matplotlib") else []
     rc, out, err = _cli("audit", url, "--json", "--threads", "2", "--bands", "2", "--no-attribution",
                         "--margins", "0:0,0.05:0.05:lsb,inf:inf", "--margin-planner", "--target-excess", "1", *html)
-    # (m=0.1 marked every mismatching value of this tiny store on 2026-12-08 with transformers 5.24, leaving no
-    # unmarked mismatch for the comparison below: 0.05 leaves 16 of 236)
+    # (m=0.1 marked every mismatching value of this tiny store on an AMD EPYC VM on 2026-12-08 — CPU GEMMs round
+    # differently across CPUs, README "The demo" — leaving no unmarked mismatch for the comparison below: 0.05 leaves
+    # 16 of 236 there)
     assert rc == 0, err
     return json.loads(out), tmp
 
