@@ -90,8 +90,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"trainer micro-batch tokens (default {_D.micro_batch_tokens})")
     p.add_argument("--no-record-codes", action="store_true",
                    help="the rollout does not store its FP4 codes (then no code agreement is reported; the codes "
-                        "are 4x the hint bytes, and comparing them was 2.7%% of an fp4_hints step on an H100, "
-                        "README 'Measured')")
+                        "are 4x the hint bytes, and comparing them took ~7%% of an fp4_hints step that compares on an "
+                        "H100, README 'Measured')")
     p.add_argument("--seed", type=nonneg, default=_D.seed, metavar="N",
                    help=f"seed of weights, prompts, sampling (default {_D.seed})")
     p.add_argument("--rollout-device", metavar="DEVICE", default=_D.rollout_device,

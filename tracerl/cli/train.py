@@ -83,7 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the trainer's MoE layers use the rollout's routed experts")
     p.add_argument("--no-code-agreement", action="store_true",
                    help="do not observe codes at hinted sites (code agreement needs the rollout's --record-codes; "
-                        "on a store with codes, comparing them was 2.7%% of an fp4_hints step on an H100)")
+                        "on a store with codes, comparing them took ~7%% of an fp4_hints step that compares on an H100)")
     p.add_argument("--no-measure-stale", action="store_true",
                    help="measure the mismatch on on-policy groups only (default: also on stale groups, with their "
                         "version's kept weights, one extra forward without gradient)")

@@ -657,14 +657,15 @@ class GRPOTrainer:
             traj = by_id[seg.traj_id]
             if traj.policy_version == version:
                 keep = resp[int(off[i]):int(off[i + 1])]
-                mine.append((seg, traj, keep, np.arange(int(off[i]), int(off[i + 1]))[keep]))
-        sites, parts = [], []  # per site: [(forward rows, the trajectory's codes [tokens, W/2], keep mask)]
+                # the kept rows as runs (a segment's response rows are one run): each copied as a plain slice below
+                mine.append((seg, traj, _runs(keep), np.arange(int(off[i]), int(off[i + 1]))[keep]))
+        sites, parts = [], []  # per site: [(forward rows, the trajectory's codes [tokens, W/2], kept runs)]
         for site in self.sites:
             got = []
-            for seg, traj, keep, r in mine:
+            for seg, traj, runs, r in mine:
                 ref = self._codes.get(traj, site)
                 if ref is not None:
-                    got.append((r, ref[seg.start:seg.stop], keep))
+                    got.append((r, ref[seg.start:seg.stop], runs))
             if got:
                 sites.append(site)
                 parts.append(got)
@@ -680,11 +681,11 @@ class GRPOTrainer:
         idx_np, ref_np = idx_host.numpy(), ref_host.numpy()
         i_at = r_at = 0
         for got, (_, w) in zip(parts, shapes):
-            for r, src, keep in got:
+            for r, src, runs in got:
                 idx_np[i_at:i_at + len(r)] = r
                 out = ref_np[r_at:r_at + len(r) * w].reshape(len(r), w)
                 at = 0
-                for a, b in _runs(keep):  # (a segment's response rows are one run: a plain copy, ~2x np.compress)
+                for a, b in runs:
                     out[at:at + b - a] = src[a:b]
                     at += b - a
                 i_at, r_at = i_at + len(r), r_at + len(r) * w
